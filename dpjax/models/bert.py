@@ -1,0 +1,189 @@
+"""BERT encoder as a Flax NNX module.
+
+Exactly the architecture of Hugging Face's `BertModel` without the pooler: word + position +
+token-type embeddings, LayerNorm, dropout; N post-LayerNorm transformer layers (self-attention with
+an additive padding mask, exact-erf GELU feed-forward). Parameters are kept in float32; `dtype`
+chooses the compute dtype of the matrix products (float32 or bfloat16). LayerNorm and the
+attention softmax always run in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """Hyper-parameters of a BERT encoder (the fields of a Hugging Face `config.json`)."""
+
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_hidden_layers: int = 12
+  num_attention_heads: int = 12
+  intermediate_size: int = 3072
+  hidden_act: str = "gelu"
+  hidden_dropout_prob: float = 0.1
+  attention_probs_dropout_prob: float = 0.1
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  layer_norm_eps: float = 1e-12
+  initializer_range: float = 0.02
+  pad_token_id: int = 0
+
+  def __post_init__(self):
+    if self.hidden_size % self.num_attention_heads:
+      raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                       f"num_attention_heads {self.num_attention_heads}")
+    if self.hidden_act not in _ACTIVATIONS:
+      raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; "
+                       f"supported: {sorted(_ACTIVATIONS)}")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "BertConfig":
+    """Builds a config from a Hugging Face `config.json` dict; unknown keys are ignored."""
+    model_type = values.get("model_type", "bert")
+    if model_type != "bert":
+      raise ValueError(f"model_type {model_type!r} is not supported (only 'bert')")
+    position_type = values.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+      raise ValueError(f"position_embedding_type {position_type!r} is not supported")
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in values.items() if k in names and v is not None}
+    return cls(**kwargs)
+
+
+def _dense(config: BertConfig, in_features: int, out_features: int, dtype, rngs: nnx.Rngs):
+  init = nnx.initializers.truncated_normal(stddev=config.initializer_range)
+  return nnx.Linear(in_features, out_features, kernel_init=init, dtype=dtype, rngs=rngs)
+
+
+def _layer_norm(config: BertConfig, rngs: nnx.Rngs):
+  return nnx.LayerNorm(config.hidden_size, epsilon=config.layer_norm_eps,
+                       dtype=jnp.float32, rngs=rngs)
+
+
+class BertEmbeddings(nnx.Module):
+  """Sum of word, position and token-type embeddings, then LayerNorm and dropout."""
+
+  def __init__(self, config: BertConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    init = nnx.initializers.truncated_normal(stddev=config.initializer_range)
+    self.word_embeddings = nnx.Embed(config.vocab_size, config.hidden_size,
+                                     embedding_init=init, rngs=rngs)
+    self.position_embeddings = nnx.Embed(config.max_position_embeddings, config.hidden_size,
+                                         embedding_init=init, rngs=rngs)
+    self.token_type_embeddings = nnx.Embed(config.type_vocab_size, config.hidden_size,
+                                           embedding_init=init, rngs=rngs)
+    self.layer_norm = _layer_norm(config, rngs)
+    self.dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.dtype = dtype
+
+  def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None):
+    # input_ids, token_type_ids: [B, L] int
+    length = input_ids.shape[-1]
+    positions = jnp.arange(length)[None, :]
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+         + self.token_type_embeddings(token_type_ids))
+    x = self.layer_norm(x)
+    x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
+    return x.astype(self.dtype)  # [B, L, D]
+
+
+class BertSelfAttention(nnx.Module):
+  """Multi-head self-attention with its output projection, residual and LayerNorm."""
+
+  def __init__(self, config: BertConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    d = config.hidden_size
+    self.num_heads = config.num_attention_heads
+    self.query = _dense(config, d, d, dtype, rngs)
+    self.key = _dense(config, d, d, dtype, rngs)
+    self.value = _dense(config, d, d, dtype, rngs)
+    self.output = _dense(config, d, d, dtype, rngs)
+    self.layer_norm = _layer_norm(config, rngs)
+    self.attention_dropout = nnx.Dropout(config.attention_probs_dropout_prob)
+    self.output_dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.dtype = dtype
+
+  def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None):
+    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L] float32 (0 or a large negative)
+    batch, length, d = hidden.shape
+    head_dim = d // self.num_heads
+
+    def heads(x):  # [B, L, D] -> [B, H, L, D/H]
+      return x.reshape(batch, length, self.num_heads, head_dim).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(head_dim)) + attention_bias
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = self.attention_dropout(probs, deterministic=rngs is None, rngs=rngs)
+    context = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+    context = context.transpose(0, 2, 1, 3).reshape(batch, length, d)
+    out = self.output_dropout(self.output(context), deterministic=rngs is None, rngs=rngs)
+    return self.layer_norm(out + hidden).astype(self.dtype)  # [B, L, D]
+
+
+class BertLayer(nnx.Module):
+  """Post-LN transformer layer: attention block, then GELU feed-forward block."""
+
+  def __init__(self, config: BertConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.attention = BertSelfAttention(config, dtype=dtype, rngs=rngs)
+    self.intermediate = _dense(config, config.hidden_size, config.intermediate_size, dtype, rngs)
+    self.output = _dense(config, config.intermediate_size, config.hidden_size, dtype, rngs)
+    self.layer_norm = _layer_norm(config, rngs)
+    self.dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.activation = _ACTIVATIONS[config.hidden_act]
+    self.dtype = dtype
+
+  def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None):
+    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L]
+    attended = self.attention(hidden, attention_bias, rngs=rngs)
+    ff = self.output(self.activation(self.intermediate(attended)))
+    ff = self.dropout(ff, deterministic=rngs is None, rngs=rngs)
+    return self.layer_norm(ff + attended).astype(self.dtype)  # [B, L, D]
+
+
+class BertModel(nnx.Module):
+  """BERT encoder returning the last layer's token vectors (no pooler).
+
+  Dropout is active exactly when `rngs` (with a `dropout` stream) is passed to `__call__`;
+  without it the forward pass is deterministic, as in evaluation.
+  """
+
+  def __init__(self, config: BertConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.embeddings = BertEmbeddings(config, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([BertLayer(config, dtype=dtype, rngs=rngs)
+                            for _ in range(config.num_hidden_layers)])
+
+  def __call__(
+      self,
+      input_ids,  # [B, L] int
+      attention_mask=None,  # [B, L] {0, 1}; None means no padding
+      token_type_ids=None,  # [B, L] int; None means all zeros
+      *,
+      rngs: nnx.Rngs | None = None,
+  ):
+    """Returns the last hidden states, [B, L, D] in the compute dtype."""
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+      token_type_ids = jnp.zeros_like(input_ids)
+    # Additive mask as in BertModel: padded keys get the most negative float32, so their
+    # softmax weight is exactly 0 for every row that has at least one real token.
+    keep = attention_mask.astype(bool)[:, None, None, :]
+    attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+    hidden = self.embeddings(input_ids, token_type_ids, rngs=rngs)
+    for layer in self.layers:
+      hidden = layer(hidden, attention_bias, rngs=rngs)
+    return hidden

@@ -1,0 +1,137 @@
+"""Reading-comprehension prediction and evaluation for the phrase model.
+
+A question's answer in a passage window is the span (i, j), i <= j < i + max_answer_length, of
+context tokens with the highest q_start . h_i + q_end . h_j; the start token must be in its
+"max context" window, so a token shared by overlapping windows is scored once. The best span over
+all windows of the question's passage is the prediction; EM/F1 use the official scorer.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dpjax import metrics
+from dpjax.data.squad import Passage, Question, RCFeatures
+from dpjax.parallel import map_batches
+
+
+def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.ndarray,
+               end_ok: np.ndarray, max_answer_length: int):
+  """Highest-scoring span per row.
+
+  Args:
+    start_scores, end_scores: [F, L] token scores.
+    start_ok, end_ok: [F, L] bool, the tokens allowed as start / end.
+    max_answer_length: spans cover at most this many tokens.
+
+  Returns:
+    (start [F], end [F], score [F]); score is -inf for rows with no allowed span.
+  """
+  neg = np.float32(-np.inf)
+  s = np.where(start_ok, start_scores, neg)
+  e = np.where(end_ok, end_scores, neg)
+  rows, length = s.shape
+  best = np.full(rows, neg, np.float32)
+  best_start = np.zeros(rows, np.int64)
+  best_len = np.zeros(rows, np.int64)
+  for width in range(min(max_answer_length, length)):
+    cand = s[:, :length - width] + e[:, width:]  # span (i, i + width)
+    i = np.argmax(cand, axis=1)
+    score = cand[np.arange(rows), i]
+    better = score > best
+    best = np.where(better, score, best)
+    best_start = np.where(better, i, best_start)
+    best_len = np.where(better, width, best_len)
+  return best_start, best_start + best_len, best
+
+
+def make_encoders(graphdef: nnx.GraphDef):
+  """Jitted phrase and question encoders taking the model state as an argument."""
+
+  @jax.jit
+  def phrases(state, input_ids, attention_mask):
+    return nnx.merge(graphdef, state).encode_phrases(input_ids, attention_mask)
+
+  @jax.jit
+  def questions(state, input_ids, attention_mask):
+    return nnx.merge(graphdef, state).encode_questions(input_ids, attention_mask)
+
+  return phrases, questions
+
+
+def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
+               batch_size: int = 32, max_answer_length: int = 10) -> dict[int, str]:
+  """Predicts an answer for every question of `features`; returns {question index: text}."""
+  graphdef, state = nnx.split(model)
+  encode_phrases, encode_questions = make_encoders(graphdef)
+  q_start = np.zeros((len(features.question_input_ids), model.config.hidden_size), np.float32)
+  q_end = np.zeros_like(q_start)
+  for rows, (qs, qe) in map_batches(lambda i, m: encode_questions(state, i, m),
+                                    [features.question_input_ids,
+                                     features.question_attention_mask], batch_size, mesh):
+    q_start[rows], q_end[rows] = qs, qe
+  windows = features.windows
+  by_window = np.argsort(features.window_index, kind="stable")
+  window_sorted = features.window_index[by_window]
+  best: dict[int, tuple[float, str]] = {}
+  for rows, vectors in map_batches(lambda i, m: encode_phrases(state, i, m),
+                                   [windows.input_ids, windows.attention_mask], batch_size, mesh):
+    lo, hi = np.searchsorted(window_sorted, [rows.start, rows.stop])
+    feats = by_window[lo:hi]
+    if not len(feats):
+      continue
+    w = features.window_index[feats]
+    q = features.question_index[feats]
+    h = vectors[w - rows.start]  # [F, L, D]
+    start, end, score = best_spans(
+        np.einsum("fld,fd->fl", h, q_start[q]), np.einsum("fld,fd->fl", h, q_end[q]),
+        windows.context_mask[w] & windows.is_max_context[w], windows.context_mask[w],
+        max_answer_length)
+    for f, qi in enumerate(q.tolist()):
+      if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
+        context = passages[windows.passage_index[w[f]]].context
+        text = context[windows.char_start[w[f], start[f]]:windows.char_end[w[f], end[f]]]
+        best[qi] = (float(score[f]), text)
+  return {qi: text for qi, (_, text) in best.items()}
+
+
+def evaluate_rc(model, features: RCFeatures, passages: list[Passage], questions: list[Question],
+                *, mesh, batch_size: int = 32, max_answer_length: int = 10):
+  """Official-equivalent EM/F1 (x100) over all questions, and the {question id: answer} map."""
+  answers = predict_rc(model, features, passages, mesh=mesh, batch_size=batch_size,
+                       max_answer_length=max_answer_length)
+  predictions = {questions[qi].id: text for qi, text in answers.items()}
+  gold = {q.id: q.answers for q in questions}
+  return metrics.squad_em_f1(predictions, gold), predictions
+
+
+def run_eval_rc(config, workdir: str) -> dict:
+  """`run.py eval_rc`: reading-comprehension EM/F1 of the configured model on the dev split.
+
+  Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
+  """
+  import json
+  import logging
+  import pathlib
+
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  from dpjax.models import create_model
+  from dpjax.parallel import make_mesh
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
+                      limit=config.eval.limit or None)
+  model = create_model(config.model)
+  mesh = make_mesh()
+  batch_size = -(-config.eval.batch_size // mesh.size) * mesh.size
+  scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
+                                    mesh=mesh, batch_size=batch_size,
+                                    max_answer_length=config.eval.max_answer_length)
+  logging.getLogger(__name__).info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path,
+                                   scores["exact_match"], scores["f1"], scores["count"])
+  (workdir / "rc_eval.json").write_text(json.dumps(scores, indent=1))
+  (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
+  return scores

@@ -1,0 +1,39 @@
+"""dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`.
+
+Modes:
+  eval_rc  reading-comprehension EM/F1 of the configured model on the dev split
+  data     write the configured data set (the synthetic one is generated) and print its counts
+"""
+import argparse
+import logging
+import sys
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument("mode", choices=["eval_rc", "data"])
+  parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
+  parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field, e.g. --set eval.batch_size=16")
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+  from dpjax.config import load_config
+  from dpjax.data import DataError
+  config = load_config(args.config, args.set)
+  try:
+    if args.mode == "eval_rc":
+      from dpjax.rc import run_eval_rc
+      run_eval_rc(config, args.workdir)
+    elif args.mode == "data":
+      from dpjax.data import run_data
+      run_data(config, args.workdir)
+  except DataError as e:
+    logging.error("%s", e)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,32 @@
+"""dpjax: dense phrase retrieval in JAX/Flax."""
+from setuptools import find_packages, setup
+
+setup(
+    name="dpjax",
+    version="0.1.0",
+    description="DensePhrases in JAX/Flax: phrase retrieval training, indexing and search.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["dpjax", "dpjax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.8,<0.11",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.22,<0.24",
+        "safetensors>=0.5,<0.9",
+        "faiss-cpu>=1.9,<1.16",
+        "numpy>=1.26,<3",
+        "ml_collections>=1.0,<2",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],
+        # CUDA 12 JAX plugin; the faiss GPU build is not on PyPI under a stable name, so it is
+        # taken from conda (`conda install -c pytorch faiss-gpu`) when wanted: dpjax uses it
+        # automatically when `faiss.StandardGpuResources` exists.
+        "gpu": ["jax[cuda12]>=0.8,<0.11", "faiss-gpu-cu12>=1.9,<1.16"],
+    },
+)

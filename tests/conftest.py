@@ -1,0 +1,36 @@
+"""Test set-up: 8 forced CPU devices (so sharding is really exercised) before jax starts."""
+import os
+import pathlib
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = pathlib.Path(os.environ.get("DPJAX_SHARED_DATA", REPO.parent / "shared" / "data"))
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def squad_dir() -> pathlib.Path:
+  """The SQuAD v1.1 files (`../shared/data/squad`, or $DPJAX_SHARED_DATA/squad)."""
+  path = SHARED_DATA / "squad"
+  if not (path / "dev-v1.1.json").is_file():
+    pytest.skip(f"SQuAD data not found under {path} (set DPJAX_SHARED_DATA)")
+  return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+  from dpjax.data import Tokenizer
+  return Tokenizer.from_pretrained("minilm-l6")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> pathlib.Path:
+  from dpjax.models import resolve_model_dir
+  return resolve_model_dir("minilm-l6")

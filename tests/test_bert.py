@@ -1,0 +1,128 @@
+"""The NNX BERT encoder against a plain-numpy BERT forward pass, on a tiny odd-sized config."""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpjax.models.bert import BertConfig, BertModel
+
+CONFIG = BertConfig(vocab_size=53, hidden_size=21, num_hidden_layers=3, num_attention_heads=3,
+                    intermediate_size=37, max_position_embeddings=17, type_vocab_size=2,
+                    layer_norm_eps=1e-12)
+
+
+def _params(model):
+  return {path: np.asarray(var[...]) for path, var in nnx.iter_graph(model)
+          if isinstance(var, nnx.Param)}
+
+
+def _numpy_bert(p, config, ids, mask, types):
+  """BERT forward in plain numpy (float64), following the original paper's definition."""
+  erf = np.vectorize(math.erf)
+
+  def layer_norm(x, prefix):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + config.layer_norm_eps) * p[(*prefix, "scale")] + \
+        p[(*prefix, "bias")]
+
+  def dense(x, prefix):
+    return x @ p[(*prefix, "kernel")] + p[(*prefix, "bias")]
+
+  b, length = ids.shape
+  x = (p[("embeddings", "word_embeddings", "embedding")][ids]
+       + p[("embeddings", "position_embeddings", "embedding")][np.arange(length)][None]
+       + p[("embeddings", "token_type_embeddings", "embedding")][types])
+  x = layer_norm(x, ("embeddings", "layer_norm"))
+  h = config.num_attention_heads
+  dh = config.hidden_size // h
+  for i in range(config.num_hidden_layers):
+    att = ("layers", i, "attention")
+    split = lambda t: t.reshape(b, length, h, dh).transpose(0, 2, 1, 3)
+    q, k, v = (split(dense(x, (*att, n))) for n in ("query", "key", "value"))
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(dh)
+    scores = np.where(mask[:, None, None, :] > 0, scores, -1e30)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    context = (weights @ v).transpose(0, 2, 1, 3).reshape(b, length, -1)
+    x = layer_norm(dense(context, (*att, "output")) + x, (*att, "layer_norm"))
+    inner = dense(x, ("layers", i, "intermediate"))
+    inner = 0.5 * inner * (1 + erf(inner / math.sqrt(2)))
+    x = layer_norm(dense(inner, ("layers", i, "output")) + x, ("layers", i, "layer_norm"))
+  return x
+
+
+def _inputs(seed=0, batch=3, length=13):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, CONFIG.vocab_size, (batch, length)).astype(np.int32)
+  lengths = np.array([length, 7, 2])[:batch]
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+  ids = np.where(mask > 0, ids, 0)
+  types = (np.arange(length)[None] >= 4).astype(np.int32) * mask
+  return ids, mask, types
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = BertModel(CONFIG, rngs=nnx.Rngs(7))
+  # Random (non-trivial) LayerNorm parameters, so the test covers them too.
+  rng = np.random.default_rng(3)
+  for path, var in nnx.iter_graph(m):
+    if isinstance(var, nnx.Param) and path[-1] in ("scale", "bias"):
+      var[...] = jnp.asarray(rng.normal(1.0 if path[-1] == "scale" else 0.0, 0.1, var.shape),
+                             jnp.float32)
+  return m
+
+
+def test_matches_numpy_bert(model):
+  ids, mask, types = _inputs()
+  ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types)))
+  ref = _numpy_bert({k: v.astype(np.float64) for k, v in _params(model).items()}, CONFIG,
+                    ids, mask, types)
+  real = mask.astype(bool)
+  assert ours.shape == (3, 13, CONFIG.hidden_size)
+  np.testing.assert_allclose(ours[real], ref[real], atol=2e-5, rtol=0)
+
+
+def test_padding_does_not_change_real_tokens(model):
+  ids, mask, types = _inputs()
+  short = model(jnp.asarray(ids[1:2, :7]), jnp.asarray(mask[1:2, :7]), jnp.asarray(types[1:2, :7]))
+  padded = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))
+  np.testing.assert_allclose(np.asarray(padded)[1, :7], np.asarray(short)[0], atol=1e-5)
+
+
+def test_dropout_only_with_rngs(model):
+  ids, mask, types = (jnp.asarray(a) for a in _inputs())
+  plain = model(ids, mask, types)
+  np.testing.assert_array_equal(plain, model(ids, mask, types))
+  noisy = model(ids, mask, types, rngs=nnx.Rngs(dropout=1))
+  again = model(ids, mask, types, rngs=nnx.Rngs(dropout=1))
+  other = model(ids, mask, types, rngs=nnx.Rngs(dropout=2))
+  np.testing.assert_array_equal(noisy, again)
+  assert not np.allclose(noisy, plain)
+  assert not np.allclose(noisy, other)
+
+
+def test_bfloat16_compute_tracks_float32(model):
+  ids, mask, types = (jnp.asarray(a) for a in _inputs())
+  fp32 = np.asarray(model(ids, mask, types))
+  bf16_model = BertModel(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  nnx.update(bf16_model, nnx.state(model, nnx.Param))
+  bf16 = bf16_model(ids, mask, types)
+  assert bf16.dtype == jnp.bfloat16
+  assert all(v.dtype == jnp.float32 for v in _params(bf16_model).values())  # fp32 params
+  real = np.asarray(mask).astype(bool)
+  # bf16 has an 8-bit mantissa: after 3 layers the LayerNorm-scaled outputs (~unit scale) agree
+  # to a few hundredths.
+  assert np.abs(np.asarray(bf16, np.float32) - fp32)[real].max() < 0.1
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="multiple"):
+    BertConfig(hidden_size=10, num_attention_heads=3)
+  with pytest.raises(ValueError, match="model_type"):
+    BertConfig.from_dict({"model_type": "roberta"})
+  assert BertConfig.from_dict({"hidden_size": 12, "num_attention_heads": 3,
+                               "unknown_key": 1}).hidden_size == 12

@@ -1,0 +1,55 @@
+"""The DensePhrases dual encoder: three encoders from one checkpoint, or shared query encoders."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpjax.models import BertConfig, DensePhrases, load_dense_phrases
+
+TINY = BertConfig(vocab_size=31, hidden_size=15, num_hidden_layers=2, num_attention_heads=3,
+                  intermediate_size=23, max_position_embeddings=19)
+
+
+def _num_params(module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_dense_phrases("minilm-l6")
+
+
+def test_all_encoders_start_from_the_checkpoint(model):
+  phrase = nnx.state(model.phrase_encoder, nnx.Param)
+  for encoder in (model.query_start_encoder, model.query_end_encoder):
+    assert encoder is not model.phrase_encoder
+    jax.tree.map(np.testing.assert_array_equal, phrase, nnx.state(encoder, nnx.Param))
+  assert model.query_start_encoder is not model.query_end_encoder
+  assert float(jnp.abs(model.filter_head.kernel[...]).max()) == 0.0
+
+
+def test_outputs(model, tokenizer):
+  ids, mask = tokenizer.encode(["Who wrote Hamlet?", "When was it written?"], 11)
+  passages, pmask = tokenizer.encode(["Hamlet was written by William Shakespeare."] * 2, 17)
+  h = model.encode_phrases(jnp.asarray(passages), jnp.asarray(pmask))
+  q_start, q_end = model.encode_questions(jnp.asarray(ids), jnp.asarray(mask))
+  assert h.shape == (2, 17, 384) and h.dtype == jnp.float32
+  assert q_start.shape == q_end.shape == (2, 384)
+  # Start and end encoders are identical copies at initialisation, so their vectors agree.
+  np.testing.assert_allclose(q_start, q_end, atol=1e-6)
+  # q vectors are the [CLS] position of the question encoder.
+  cls = model.query_start_encoder(jnp.asarray(ids), jnp.asarray(mask))[:, 0]
+  np.testing.assert_allclose(q_start, cls, atol=1e-6)
+  assert model.filter_logits(h).shape == (2, 17, 2)
+
+
+def test_shared_query_encoders():
+  separate = DensePhrases(TINY, rngs=nnx.Rngs(0))
+  shared = DensePhrases(TINY, share_query_encoders=True, rngs=nnx.Rngs(0))
+  encoder = _num_params(separate.phrase_encoder)
+  assert _num_params(separate) - _num_params(shared) == encoder
+  assert shared.query_start_encoder is shared.query_end_encoder
+  ids = jnp.array([[1, 5, 7, 2]])
+  q_start, q_end = shared.encode_questions(ids, jnp.ones_like(ids))
+  np.testing.assert_array_equal(q_start, q_end)

@@ -1,0 +1,35 @@
+"""EM/F1 against the official SQuAD v1.1 scores of five leaderboard systems."""
+import pytest
+
+from dpjax import metrics
+from dpjax.data.squad import load_json
+
+OFFICIAL = {  # ../shared/data/README.md: official evaluate-v1.1.py on dev-v1.1.json
+    "bert-ensemble.json": (86.20624408703878, 92.19557978351145),
+    "rnet-ensemble.json": (82.46925260170293, 88.47785965423249),
+    "slqa-ensemble.json": (81.94891201513718, 88.38386312172166),
+    "match-lstm-ensemble.json": (67.63481551561021, 76.75556184979695),
+    "logistic-regression-baseline.json": (40.14191106906339, 50.98153647324461),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_reproduces_official_scores(squad_dir, name):
+  dev = load_json(squad_dir / "dev-v1.1.json")
+  gold = {qa["id"]: [a["text"] for a in qa["answers"]]
+          for article in dev["data"] for p in article["paragraphs"] for qa in p["qas"]}
+  scores = metrics.squad_em_f1(load_json(squad_dir / "ref-predictions" / name), gold)
+  em, f1 = OFFICIAL[name]
+  assert abs(scores["exact_match"] - em) <= 1e-9
+  assert abs(scores["f1"] - f1) <= 1e-9
+
+
+def test_normalisation_and_f1():
+  assert metrics.normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
+  assert metrics.normalize_answer("an apple a day") == "apple day"
+  assert metrics.exact_match("the Beatles", "Beatles") == 1.0
+  assert metrics.f1("in Paris France", "Paris") == pytest.approx(0.5)
+  assert metrics.f1("", "Paris") == 0.0
+  assert metrics.squad_em_f1({}, {"q": ["x"]})["exact_match"] == 0.0
+  assert metrics.regex_match("Barack Obama", r"(Barack )?Obama") == 1.0
+  assert metrics.regex_match("Obama", r"[") == 0.0

@@ -1,0 +1,155 @@
+"""SQuAD-format reading: bad input, windows, answer spans, and the real SQuAD files."""
+import json
+
+import numpy as np
+import pytest
+
+from dpjax.data import squad
+from dpjax.data.squad import DataError, build_features, build_windows, read_squad
+
+
+def _write(tmp_path, content, name="data.json"):
+  path = tmp_path / name
+  if isinstance(content, (dict, list)):
+    content = json.dumps(content)
+  if isinstance(content, str):
+    content = content.encode("utf-8")
+  path.write_bytes(content)
+  return path
+
+
+def _squad(*paragraphs, title="T"):
+  return {"data": [{"title": title, "paragraphs": list(paragraphs)}]}
+
+
+def _qa(qid, question, text, start):
+  return {"id": qid, "question": question, "answers": [{"text": text, "answer_start": start}]}
+
+
+GOOD = {"context": "Paris is the capital of France.",
+        "qas": [_qa("q1", "What is the capital of France?", "Paris", 0)]}
+
+
+def test_truncated_json_names_file_and_position(tmp_path):
+  text = json.dumps(_squad(GOOD))
+  path = _write(tmp_path, text[:40])
+  with pytest.raises(DataError, match=r"data\.json: invalid JSON at line 1 column \d+"):
+    read_squad(path)
+
+
+def test_empty_and_non_utf8_files(tmp_path):
+  with pytest.raises(DataError, match="empty.json: file is empty"):
+    read_squad(_write(tmp_path, "  \n", "empty.json"))
+  latin1 = json.dumps(_squad(GOOD)).replace("Paris", "Par\u00eds").encode("latin-1")
+  with pytest.raises(DataError, match=r"latin.json: not valid UTF-8 \(byte \d+"):
+    read_squad(_write(tmp_path, latin1, "latin.json"))
+  with pytest.raises(DataError, match="expected a JSON object with a 'data' list"):
+    read_squad(_write(tmp_path, [1, 2], "list.json"))
+  with pytest.raises(DataError, match="cannot read"):
+    read_squad(tmp_path / "missing.json")
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path):
+  data = _squad(
+      GOOD,
+      {"context": "Berlin is in Germany.",
+       "qas": [{"id": "q2", "question": "Where is Berlin?"},  # no answers
+               _qa("q3", "Where is Berlin?", "Austria", 13),  # not in context
+               _qa("q4", "Where is Berlin?", "Germany", 0),  # wrong offset: relocated, kept
+               {"question": "No id?", "answers": [{"text": "Berlin", "answer_start": 0}]}]},
+      {"context": "   ", "qas": [_qa("q5", "?", "x", 0)]},  # empty context
+      {"qas": []})  # no context
+  passages, questions, summary = read_squad(_write(tmp_path, data))
+  assert [q.id for q in questions] == ["q1", "q4"]
+  assert questions[1].answer_start == 13
+  assert summary.answers_relocated == 1
+  assert summary.questions_seen == 6
+  assert summary.counts == {"question without 'answers'": 1, "answer not in context": 1,
+                            "question without 'id' or 'question'": 1, "empty context": 1,
+                            "question in a paragraph with empty context": 1,
+                            "paragraph without 'context'": 1}
+  assert "data[0].paragraphs[1].qas[1] (id=q3)" in str(summary)
+  assert len(passages) == 2
+
+
+def test_command_line_reports_errors_without_traceback(tmp_path, capsys):
+  assert squad.main([str(_write(tmp_path, "{\"data\": [", "bad.json"))]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and "bad.json" in err and "Traceback" not in err
+  assert squad.main([str(_write(tmp_path, _squad(GOOD), "ok.json")), "--max-seq-length",
+                     "64"]) == 0
+  out = capsys.readouterr().out
+  assert "questions read: 1, kept: 1, skipped: 0" in out
+
+
+def test_windows_cover_every_token_once(tokenizer):
+  context = " ".join(f"token{i}" for i in range(97))  # several word pieces each
+  passages = [squad.Passage("A title", context), squad.Passage("", "short one")]
+  windows, offsets = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=11)
+  n_tokens = len(offsets[0])
+  first = windows.passage_index == 0
+  assert first.sum() > 3
+  seen = np.zeros(n_tokens, int)
+  max_context = np.zeros(n_tokens, int)
+  for w in np.flatnonzero(first):
+    k = int(np.argmax(windows.context_mask[w]))
+    count = int(windows.context_mask[w].sum())
+    positions = windows.token_offset[w] + np.arange(count)
+    seen[positions] += 1
+    max_context[positions] += windows.is_max_context[w, k:k + count]
+    np.testing.assert_array_equal(windows.char_start[w, k:k + count], offsets[0][positions, 0])
+  assert (seen >= 1).all() and (max_context == 1).all()
+  assert windows.input_ids.shape[1] == 31
+  assert (windows.attention_mask.sum(1) <= 31).all()
+  # An empty title adds no [SEP]: the context starts right after [CLS].
+  last = np.flatnonzero(windows.passage_index == 1)[0]
+  assert windows.context_mask[last, 1] and not windows.context_mask[last, 0]
+
+
+def test_answer_spans_and_cls_targets(tokenizer):
+  context = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris indeed"
+  start = context.index("Paris")
+  passages = [squad.Passage("Title", context)]
+  questions = [squad.Question("q", "Where?", ["Paris"], start, 0)]
+  features = build_features(tokenizer, passages, questions, max_seq_length=32, doc_stride=8,
+                            max_query_length=8)
+  windows = features.windows
+  hits = features.start_position > 0
+  assert hits.any() and (~hits).any()  # some windows miss the answer and target [CLS]
+  assert (features.end_position[~hits] == 0).all()
+  for f in np.flatnonzero(hits):
+    w, s, e = features.window_index[f], features.start_position[f], features.end_position[f]
+    assert context[windows.char_start[w, s]:windows.char_end[w, e]] == "Paris"
+  assert features.question_input_ids.shape == (1, 8)
+
+
+def _span_texts(features, passages, questions):
+  windows = features.windows
+  for f in np.flatnonzero(features.start_position > 0):
+    w, s, e = features.window_index[f], features.start_position[f], features.end_position[f]
+    question = questions[features.question_index[f]]
+    context = passages[question.passage_index].context
+    yield context[windows.char_start[w, s]:windows.char_end[w, e]], question.answers[0]
+
+
+def test_real_squad_dev(squad_dir, tokenizer):
+  passages, questions, summary = read_squad(squad_dir / "dev-v1.1.json")
+  assert summary.questions_seen == len(questions) == 10570
+  assert len(passages) == 2067
+  features = build_features(tokenizer, passages, questions, max_seq_length=192, doc_stride=64)
+  pairs = list(_span_texts(features, passages, questions))
+  exact = sum(" ".join(a.split()) == " ".join(b.split()) for a, b in pairs)
+  assert len(pairs) > 10570  # long passages give several answerable windows
+  assert exact / len(pairs) >= 0.99
+
+
+@pytest.mark.slow
+def test_real_squad_train(squad_dir, tokenizer):
+  passages, questions, summary = read_squad(squad_dir / "train-v1.1.json")
+  assert summary.questions_seen == 87599
+  assert (summary.questions_seen - len(questions)) / summary.questions_seen <= 0.005
+  assert len(passages) == 18896
+  features = build_features(tokenizer, passages, questions, max_seq_length=384, doc_stride=128)
+  pairs = list(_span_texts(features, passages, questions))
+  exact = sum(" ".join(a.split()) == " ".join(b.split()) for a, b in pairs)
+  assert exact / len(pairs) >= 0.99

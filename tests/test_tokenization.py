@@ -1,0 +1,27 @@
+"""The tokenizer wrapper: offsets back to the text, and no hidden padding or truncation."""
+import numpy as np
+
+
+def test_offsets_map_back_to_text(tokenizer):
+  text = "Zürich's population was 415,367 in 2020 (the largest in Switzerland)."
+  ids, offsets = tokenizer.tokenize([text])[0]
+  assert len(ids) == len(offsets) > 10
+  pieces = [text[s:e] for s, e in offsets]
+  assert "".join(pieces).lower() == "".join(text.split()).lower()
+
+
+def test_no_truncation_or_padding_at_128(tokenizer):
+  text = " ".join(f"word{i}" for i in range(400))
+  ids, _ = tokenizer.tokenize([text])[0]
+  assert len(ids) > 400  # the bundled tokenizer.json would truncate at 128
+  short, _ = tokenizer.tokenize(["hello"])[0]
+  assert len(short) == 1  # and pad to 128
+
+
+def test_encode_pads_and_truncates_to_the_requested_length(tokenizer):
+  ids, mask = tokenizer.encode(["a b c", " ".join(["word"] * 50)], 9)
+  assert ids.shape == mask.shape == (2, 9)
+  np.testing.assert_array_equal(mask[0], [1, 1, 1, 1, 1, 0, 0, 0, 0])
+  assert ids[0, 0] == tokenizer.cls_id and ids[0, 4] == tokenizer.sep_id
+  assert ids[0, 5] == tokenizer.pad_id
+  assert ids[1, -1] == tokenizer.sep_id and mask[1].all()
