@@ -19,7 +19,7 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: venv
-	$(PY) run.py eval_rc --config experiments/demo.py --workdir $(WORKDIR)
+	$(PY) run.py train --config experiments/demo.py --workdir $(WORKDIR)
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: venv

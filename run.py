@@ -1,6 +1,7 @@
 """dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`.
 
 Modes:
+  train    train the phrase and question encoders, evaluating RC EM/F1 on dev; resumes
   eval_rc  reading-comprehension EM/F1 of the configured model on the dev split
   data     write the configured data set (the synthetic one is generated) and print its counts
 """
@@ -11,19 +12,24 @@ import sys
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument("mode", choices=["eval_rc", "data"])
+  parser.add_argument("mode", choices=["train", "eval_rc", "data"])
   parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config field, e.g. --set eval.batch_size=16")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  for noisy in ("absl", "jax._src.xla_bridge"):  # Orbax's per-save chatter, backend probing
+    logging.getLogger(noisy).setLevel(logging.WARNING)
 
   from dpjax.config import load_config
   from dpjax.data import DataError
   config = load_config(args.config, args.set)
   try:
-    if args.mode == "eval_rc":
+    if args.mode == "train":
+      from dpjax.train import train_and_evaluate
+      train_and_evaluate(config, args.workdir)
+    elif args.mode == "eval_rc":
       from dpjax.rc import run_eval_rc
       run_eval_rc(config, args.workdir)
     elif args.mode == "data":

@@ -63,4 +63,46 @@ def make_tiny(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Shrinks a config to a seconds-long CPU run of the same code path."""
   config.model.init = "random"
   config.eval.batch_size = 8
+  if "train" in config:
+    config.train.update(batch_size=8, num_steps=6, log_every=1, checkpoint_every=3,
+                        progress_bar=False)
+    config.train.loss.prebatch_warmup_steps = 2
+  return config
+
+
+def train_config(**overrides) -> ml_collections.ConfigDict:
+  """Training defaults: the unified loss of Kim et al. with DensePhrases' optimiser."""
+  config = ml_collections.ConfigDict({
+      "seed": 0,
+      "batch_size": 24,
+      "num_steps": 0,  # 0: `epochs` epochs
+      "epochs": 2,
+      "stop_at_step": 0,  # stop early (the schedule still assumes num_steps); 0: never
+      "learning_rate": 3e-5,
+      "warmup_steps": 0,  # 0: warmup_fraction of the steps
+      "warmup_fraction": 0.1,
+      "weight_decay": 0.0,
+      "grad_clip": 1.0,
+      # Parameter-path regexes (e.g. 'phrase_encoder/.*') whose parameters are not trained.
+      # The reference freezes the word embeddings.
+      "freeze": ["word_embeddings"],
+      "dropout": True,
+      "log_every": 20,
+      "checkpoint_every": 500,
+      "keep_checkpoints": 2,
+      "progress_bar": True,
+      "loss": {
+          "recipe": "unified",  # or "original"
+          # unified (Kim et al. Eq. 2): lambda of each negative type; 0 switches a type off.
+          "lambda_inp": 1.0, "lambda_inb": 256.0, "lambda_prb": 0.0,  # 0: same as lambda_inb
+          "lambda_hard": 1.0,
+          # original (DensePhrases): L = 1 L_single + 2 L_distill + 4 L_neg.
+          "weight_single": 1.0, "weight_distill": 2.0, "weight_negatives": 4.0,
+          "weight_filter": 0.0,  # joint filter training (Kim et al. train it separately)
+          "prebatch_size": 2,  # C previous batches; 0: no pre-batch negatives
+          "prebatch_warmup_steps": 0,
+          "clear_prebatch_each_epoch": True,
+      },
+  })
+  config.update(overrides)
   return config

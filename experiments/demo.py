@@ -1,7 +1,7 @@
 """The embedded default: MiniLM on the synthetic Wikipedia-like data set.
 
-  python run.py eval_rc --config experiments/demo.py --workdir workdirs/demo
-  python run.py eval_rc --config experiments/demo.py:tiny --workdir /tmp/tiny
+  python run.py train --config experiments/demo.py --workdir workdirs/demo
+  python run.py train --config experiments/demo.py:tiny --workdir /tmp/tiny
 """
 import ml_collections
 
@@ -13,11 +13,13 @@ def get_config(arg=None):
   config.model = common.model_config("minilm-l6")
   config.data = ml_collections.ConfigDict({
       "source": "synthetic", "seed": 0, "train_entities": 240, "dev_entities": 60,
-      "questions_per_entity": 8, "max_seq_length": 128, "doc_stride": 64,
-      "max_query_length": 32, "include_title": True,
+      "questions_per_entity": 8, "max_seq_length": 96, "doc_stride": 48,
+      "max_query_length": 24, "include_title": True,
   })
+  config.train = common.train_config(batch_size=16, num_steps=120, learning_rate=1e-4,
+                                     log_every=10, checkpoint_every=60)
   config.eval = ml_collections.ConfigDict({"batch_size": 32, "max_answer_length": 10,
-                                           "limit": 0})
+                                           "limit": 0, "every_steps": 0})
   if arg == "tiny":
     config = common.make_tiny(config)
     config.data.update(train_entities=6, dev_entities=4, questions_per_entity=3)

@@ -32,3 +32,29 @@ def test_data_mode_and_bad_file(tmp_path, capsys):
   assert result.returncode == 2
   assert "train-v1.1.json: invalid JSON at line 1" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def _train_losses(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+def test_train_resume_gives_the_same_losses(tmp_path):
+  """A run stopped after a checkpoint and resumed logs exactly the losses of an unbroken run."""
+  base = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
+  assert run.main(base + ["--workdir", str(tmp_path / "straight")]) == 0
+  straight = _train_losses(tmp_path / "straight")
+  assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]  # crosses epochs (2 steps each)
+
+  broken = tmp_path / "broken"
+  assert run.main(base + ["--workdir", str(broken), "--set", "train.stop_at_step=4"]) == 0
+  assert not (broken / "results.json").exists()
+  # Step 4 was saved at the stop; a save of step 5 that died half-way must not be used, and
+  # metrics logged after the last checkpoint by the dead run must not be duplicated.
+  (broken / "checkpoints" / "5.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+  with (broken / "metrics.jsonl").open("a") as f:
+    f.write(json.dumps({"step": 5, "split": "train", "loss": -1.0}) + "\n")
+  assert run.main(base + ["--workdir", str(broken)]) == 0
+  assert _train_losses(broken) == straight
+  assert (json.loads((broken / "results.json").read_text())
+          == json.loads((tmp_path / "straight" / "results.json").read_text()))

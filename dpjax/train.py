@@ -1,0 +1,403 @@
+"""Training: state, optimizer, the jitted data-parallel step over a device mesh, and the loop.
+
+One `train_step(state, batch) -> (state, metrics)` is built once: `jax.jit` over a 1-D `data`
+mesh, the batch sharded on its first axis, parameters and optimizer state replicated, the state
+donated, the dropout rng folded with the step inside the step. Losses are computed on the global
+batch, so in-batch negatives (and the unified loss's "all tokens of the other passages") span
+every device. The pre-batch queue (the token vectors of the C previous batches) is part of the
+state, so it is checkpointed and restored with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import re
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dpjax import losses
+from dpjax.data.squad import RCFeatures
+
+log = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # [] int32
+  params: Any  # nnx.State of nnx.Param
+  rest: Any  # nnx.State of every other variable
+  opt_state: Any
+  queue: dict  # pre-batch queue, see `init_queue`
+  rng: jax.Array  # [2] uint32 base key; the step's key is fold_in(rng, step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 to `peak`, then linear decay to 0 at `total_steps`."""
+  warmup_steps = max(int(warmup_steps), 1)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, warmup_steps),
+       optax.linear_schedule(peak, 0.0, max(total_steps - warmup_steps, 1))], [warmup_steps])
+
+
+def param_path(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def param_labels(params, freeze_patterns) -> Any:
+  """'frozen' for parameters whose path matches any regex of `freeze_patterns`, else 'train'."""
+  compiled = [re.compile(p) for p in freeze_patterns]
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if any(c.search(param_path(path)) for c in compiled)
+      else "train", params)
+
+
+def make_optimizer(train_config, params, total_steps: int):
+  """AdamW with grad-norm clipping and warm-up + linear decay; frozen parameters get no update."""
+  warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
+  schedule = learning_rate_schedule(train_config.learning_rate, warmup, total_steps)
+  trainable = optax.chain(optax.clip_by_global_norm(train_config.grad_clip),
+                          optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8,
+                                      weight_decay=train_config.weight_decay))
+  labels = param_labels(params, list(train_config.freeze))
+  tx = optax.multi_transform({"train": trainable, "frozen": optax.set_to_zero()}, labels)
+  return tx, schedule, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-batch queue
+
+
+def init_queue(size: int, batch_size: int, length: int, dim: int) -> dict:
+  """An empty queue of `size` previous batches: all their token vectors and gold positions."""
+  return {"vectors": jnp.zeros((size, batch_size, length, dim), jnp.float32),
+          "mask": jnp.zeros((size, batch_size, length), bool),
+          "passage_ids": jnp.full((size, batch_size), -1, jnp.int32),
+          "start": jnp.zeros((size, batch_size), jnp.int32),
+          "end": jnp.zeros((size, batch_size), jnp.int32),
+          "valid": jnp.zeros((size,), bool)}
+
+
+def push_queue(queue: dict, entry: dict) -> dict:
+  """Drops the oldest batch and puts `entry` (one batch, no gradient) first."""
+  if queue["valid"].shape[0] == 0:
+    return queue
+  entry = {**jax.lax.stop_gradient(entry), "valid": jnp.ones((), bool)}
+  return {k: jnp.concatenate([entry[k][None].astype(v.dtype), v[:-1]]) for k, v in queue.items()}
+
+
+def queue_sharding(mesh) -> dict:
+  batch_axis = NamedSharding(mesh, P(None, "data"))
+  return {"vectors": batch_axis, "mask": batch_axis, "passage_ids": batch_axis,
+          "start": batch_axis, "end": batch_axis, "valid": NamedSharding(mesh, P())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses of a batch
+
+
+def _log_weight(weight: float) -> float:
+  return math.log(weight) if weight > 0 else losses.NEG_INF
+
+
+def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
+  """The configured recipe's loss on one (global) batch.
+
+  Returns:
+    (loss scalar, metrics dict, queue entry of this batch).
+  """
+  h = model.encode_phrases(batch["input_ids"], batch["attention_mask"], rngs=rngs)  # [B, L, D]
+  q_start, q_end = model.encode_questions(batch["question_input_ids"],
+                                          batch["question_attention_mask"], rngs=rngs)
+  mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
+  pids = batch["passage_ids"]
+  b, length, dim = h.shape
+  start_logits = jnp.einsum("bld,bd->bl", h, q_start)
+  end_logits = jnp.einsum("bld,bd->bl", h, q_end)
+  queue_on = queue["valid"] & (step >= loss_config.prebatch_warmup_steps)  # [C]
+  metrics = {}
+  if loss_config.recipe == "unified":
+    lw_prb = _log_weight(loss_config.lambda_prb or loss_config.lambda_inb)
+    extra = [(queue["vectors"].reshape(-1, dim),
+              (queue["mask"] & queue_on[:, None, None]).reshape(-1),
+              jnp.repeat(queue["passage_ids"].reshape(-1), length),
+              jnp.full(queue["mask"].size, lw_prb))]
+    if "hard_input_ids" in batch:  # mined hard-negative passages, encoded with gradient
+      hard = model.encode_phrases(batch["hard_input_ids"], batch["hard_attention_mask"],
+                                  rngs=rngs)
+      extra.append((hard.reshape(-1, dim), batch["hard_context_mask"].reshape(-1),
+                    jnp.repeat(batch["hard_passage_ids"], length),
+                    jnp.full(batch["hard_context_mask"].size,
+                             _log_weight(loss_config.lambda_hard))))
+    vectors, extra_mask, extra_pids, extra_lw = (jnp.concatenate(x) for x in zip(*extra))
+    kwargs = dict(log_weight_in_passage=_log_weight(loss_config.lambda_inp),
+                  log_weight_in_batch=_log_weight(loss_config.lambda_inb))
+    per_example = 0.5 * (
+        losses.unified_loss(q_start, h, mask, start, pids, vectors, extra_mask, extra_pids,
+                            extra_lw, **kwargs)
+        + losses.unified_loss(q_end, h, mask, end, pids, vectors, extra_mask, extra_pids,
+                              extra_lw, **kwargs))
+  elif loss_config.recipe == "original":
+    single = losses.single_passage_loss(start_logits, end_logits, mask, start, end)
+    rows = jnp.arange(b)
+    qv = queue["vectors"]
+    c_rows = jnp.arange(qv.shape[0])[:, None]
+    b_rows = jnp.arange(qv.shape[1])[None, :]
+    queue_valid = jnp.broadcast_to(queue_on[:, None], queue["passage_ids"].shape).reshape(-1)
+
+    def side(queries, gold, queue_gold):
+      queue_vectors = qv[c_rows, b_rows, queue_gold].reshape(-1, dim)
+      queue_ids = (queue["passage_ids"] * length + queue_gold).reshape(-1)
+      return losses.in_batch_loss(queries, h[rows, gold], pids * length + gold, queue_vectors,
+                                  queue_ids, queue_valid)
+
+    negatives = 0.5 * (side(q_start, start, queue["start"]) + side(q_end, end, queue["end"]))
+    per_example = loss_config.weight_single * single + loss_config.weight_negatives * negatives
+    metrics.update(single=single.mean(), negatives=negatives.mean())
+    if "teacher_start_logits" in batch:
+      distill = losses.distillation_loss(start_logits, end_logits, batch["teacher_start_logits"],
+                                         batch["teacher_end_logits"], mask)
+      per_example = per_example + loss_config.weight_distill * distill
+      metrics["distill"] = distill.mean()
+  else:
+    raise ValueError(f"unknown loss recipe {loss_config.recipe!r} (unified or original)")
+  if loss_config.weight_filter:
+    targets = jnp.arange(length)[None, :]
+    filt = losses.filter_loss(model.filter_logits(h), targets == start[:, None],
+                              targets == end[:, None], mask)
+    per_example = per_example + loss_config.weight_filter * filt
+    metrics["filter"] = filt.mean()
+  loss = per_example.mean()
+  predicted = jnp.argmax(jnp.where(mask, start_logits, losses.NEG_INF), axis=1)
+  metrics.update(loss=loss, start_accuracy=(predicted == start).mean())
+  entry = {"vectors": h, "mask": mask, "passage_ids": pids, "start": start, "end": end}
+  return loss, (metrics, entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+def state_sharding(state: TrainState, mesh) -> TrainState:
+  replicated = NamedSharding(mesh, P())
+  return TrainState(step=replicated, params=jax.tree.map(lambda _: replicated, state.params),
+                    rest=jax.tree.map(lambda _: replicated, state.rest),
+                    opt_state=jax.tree.map(lambda _: replicated, state.opt_state),
+                    queue=queue_sharding(mesh), rng=replicated)
+
+
+def make_train_step(graphdef, tx, schedule, loss_config, sharding: TrainState, mesh,
+                    dropout: bool = True, labels: Any = None) -> Callable:
+  """Builds the jitted `train_step(state, batch) -> (state, metrics)`.
+
+  `labels` ('train'/'frozen' per parameter, from `make_optimizer`) lets the step skip the
+  gradients of frozen parameters (the optimizer ignores them anyway).
+  """
+
+  def train_step(state: TrainState, batch: dict):
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_fn(params):
+      if labels is not None:
+        params = jax.tree.map(lambda p, l: jax.lax.stop_gradient(p) if l == "frozen" else p,
+                              params, labels)
+      model = nnx.merge(graphdef, params, state.rest)
+      rngs = nnx.Rngs(dropout=rng) if dropout else None
+      return compute_loss(model, batch, state.queue, state.step, loss_config, rngs)
+
+    (loss, (metrics, entry)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads),
+               "learning_rate": schedule(state.step)}
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              queue=push_queue(state.queue, entry))
+    return new_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0,),
+                 out_shardings=(sharding, NamedSharding(mesh, P())))
+
+
+def init_state(model, tx, *, prebatch_size: int, batch_size: int, length: int, seed: int,
+               mesh) -> tuple[Any, TrainState, TrainState]:
+  """(graphdef, state placed on the mesh, its sharding)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                     opt_state=tx.init(params),
+                     queue=init_queue(prebatch_size, batch_size, length,
+                                      model.config.hidden_size),
+                     rng=jax.random.PRNGKey(seed))
+  sharding = state_sharding(state, mesh)
+  return graphdef, jax.device_put(state, sharding), sharding
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclasses.dataclass
+class TrainBatches:
+  """Deterministic shuffled batches of answerable features; position = global step."""
+
+  features: RCFeatures
+  batch_size: int
+  seed: int
+
+  def __post_init__(self):
+    self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
+    if len(self.usable) < self.batch_size:
+      raise ValueError(f"only {len(self.usable)} answerable training features for a batch of "
+                       f"{self.batch_size}")
+    self.steps_per_epoch = len(self.usable) // self.batch_size
+
+  def position(self, step: int) -> tuple[int, int]:
+    return divmod(step, self.steps_per_epoch)
+
+  def __call__(self, step: int) -> dict[str, np.ndarray]:
+    epoch, index = self.position(step)
+    order = np.random.default_rng([self.seed, epoch]).permutation(self.usable)
+    rows = order[index * self.batch_size:(index + 1) * self.batch_size]
+    f, w = self.features, self.features.windows
+    window = f.window_index[rows]
+    question = f.question_index[rows]
+    return {"input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
+            "context_mask": w.context_mask[window], "passage_ids": window.astype(np.int32),
+            "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
+            "question_input_ids": f.question_input_ids[question],
+            "question_attention_mask": f.question_attention_mask[question]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def every(step: int, n: int) -> bool:
+  return n > 0 and step % n == 0
+
+
+class MetricsWriter:
+  """Appends JSON lines to `workdir/metrics.jsonl`; on resume drops lines past the restored step."""
+
+  def __init__(self, path: pathlib.Path, resume_step: int):
+    self.path = path
+    if path.exists():
+      kept = [line for line in path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= resume_step]
+      path.write_text("".join(line + "\n" for line in kept))
+
+  def write(self, record: dict) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def _to_python(tree: dict) -> dict:
+  return {k: float(v) for k, v in jax.device_get(tree).items()}
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`."""
+  from tqdm import tqdm
+
+  from dpjax.checkpoint import Checkpointer, abstract_like
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  from dpjax.models import create_model
+  from dpjax.parallel import batch_sharding, make_mesh
+  from dpjax.rc import evaluate_rc
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tc = config.train
+  mesh = make_mesh(config.get("num_devices") or None)
+  if tc.batch_size % mesh.size:
+    raise ValueError(f"train.batch_size {tc.batch_size} must be a multiple of the "
+                     f"{mesh.size} devices")
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  files = data_files(config.data, workdir)
+  train = load_rc_split(files["train"], tokenizer, config.data)
+  dev = load_rc_split(files["dev"], tokenizer, config.data, limit=config.eval.limit or None)
+  batches = TrainBatches(train.features, tc.batch_size, tc.seed)
+  total = tc.num_steps or tc.epochs * batches.steps_per_epoch
+  model = create_model(config.model)
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  tx, schedule, labels = make_optimizer(tc, params, total)
+  frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
+               if l == "frozen")
+  log.info("%d steps (%d per epoch, batch %d on %d devices); %d of %d parameters frozen", total,
+           batches.steps_per_epoch, tc.batch_size, mesh.size, frozen,
+           sum(x.size for x in jax.tree.leaves(params)))
+  graphdef, state, sharding = init_state(
+      model, tx, prebatch_size=tc.loss.prebatch_size, batch_size=tc.batch_size,
+      length=config.data.max_seq_length, seed=tc.seed, mesh=mesh)
+  del model, params
+  checkpointer = Checkpointer(workdir / "checkpoints", keep=tc.keep_checkpoints)
+  restored = checkpointer.restore(abstract_like(state))
+  if restored:
+    state = restored[0]
+  first = int(state.step)
+  writer = MetricsWriter(workdir / "metrics.jsonl", first)
+  step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)
+  to_device = lambda batch: jax.device_put(batch, batch_sharding(mesh))
+
+  def evaluate(step: int) -> dict:
+    model = nnx.merge(graphdef, state.params, state.rest)
+    scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
+                                      mesh=mesh, batch_size=config.eval.batch_size,
+                                      max_answer_length=config.eval.max_answer_length)
+    record = {"step": step, "split": "dev", "rc_exact_match": scores["exact_match"],
+              "rc_f1": scores["f1"], "count": scores["count"]}
+    writer.write(record)
+    (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
+    log.info("step %d: dev RC EM %.2f F1 %.2f (%d questions)", step, scores["exact_match"],
+             scores["f1"], scores["count"])
+    return record
+
+  stop = min(total, tc.stop_at_step or total)
+  progress = tqdm(total=total, initial=first, desc="train", dynamic_ncols=True,
+                  disable=not tc.progress_bar)
+  record, last_time, last_step = {}, time.perf_counter(), first
+  for step in range(first, stop):
+    epoch, index = batches.position(step)
+    if index == 0 and step > 0 and tc.loss.clear_prebatch_each_epoch:
+      # A new epoch revisits the same passages: start the pre-batch queue afresh.
+      state = state.replace(queue={**state.queue, "valid": jnp.zeros_like(state.queue["valid"])})
+    state, metrics = step_fn(state, to_device(batches(step)))
+    done = step + 1
+    progress.update(1)
+    if every(done, tc.log_every) or done == stop:
+      values = _to_python(metrics)
+      if not math.isfinite(values["loss"]):
+        raise FloatingPointError(f"non-finite loss {values['loss']} at step {done}")
+      now = time.perf_counter()
+      values["examples_per_sec"] = (done - last_step) * tc.batch_size / (now - last_time)
+      last_time, last_step = now, done
+      writer.write({"step": done, "split": "train", "epoch": epoch, **values})
+      progress.set_postfix(loss=f"{values['loss']:.3f}",
+                           ex_s=f"{values['examples_per_sec']:.1f}")
+    if every(done, config.eval.every_steps) or done == total:
+      record = evaluate(done)
+    if every(done, tc.checkpoint_every) or done == stop:
+      checkpointer.save(done, state, {"step": done, "epoch": batches.position(done)[0],
+                                      "index_in_epoch": batches.position(done)[1],
+                                      "config": config.to_json()})
+      last_time = time.perf_counter()  # saving time is not training throughput
+  progress.close()
+  checkpointer.close()
+  if first >= total and not record:
+    record = evaluate(first)
+  if record:
+    (workdir / "results.json").write_text(json.dumps(record, indent=1))
+  return record

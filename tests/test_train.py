@@ -1,0 +1,78 @@
+"""The jitted train step: data parallel == single device, both recipes; frozen parameters."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpjax.config import load_config
+from dpjax.data import Tokenizer, data_files, load_rc_split
+from dpjax.models import create_model
+from dpjax.parallel import batch_sharding, make_mesh
+from dpjax import train
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  config = load_config("experiments/demo.py:tiny")
+  workdir = tmp_path_factory.mktemp("tiny")
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  split = load_rc_split(data_files(config.data, workdir)["train"], tokenizer, config.data)
+  return config, train.TrainBatches(split.features, config.train.batch_size, 0)
+
+
+def _run_steps(config, batches, num_devices, steps=3):
+  mesh = make_mesh(num_devices)
+  model = create_model(config.model)
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  tx, schedule, labels = train.make_optimizer(config.train, params, 10)
+  graphdef, state, sharding = train.init_state(
+      model, tx, prebatch_size=config.train.loss.prebatch_size,
+      batch_size=config.train.batch_size, length=config.data.max_seq_length, seed=0, mesh=mesh)
+  step_fn = train.make_train_step(graphdef, tx, schedule, config.train.loss, sharding, mesh,
+                                  labels=labels)
+  losses = []
+  for step in range(steps):
+    state, metrics = step_fn(state, jax.device_put(batches(step), batch_sharding(mesh)))
+    losses.append(float(metrics["loss"]))
+  return losses, jax.device_get(state.params), state
+
+
+@pytest.mark.parametrize("recipe", ["unified", "original"])
+def test_eight_devices_match_one(tiny, recipe):
+  config, batches = tiny
+  config = config.copy_and_resolve_references()
+  config.train.loss.recipe = recipe
+  config.train.loss.prebatch_warmup_steps = 1  # step 3 uses the pre-batch queue
+  assert jax.device_count() == 8
+  losses_1, params_1, _ = _run_steps(config, batches, 1)
+  losses_8, params_8, state_8 = _run_steps(config, batches, 8)
+  np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params_8, params_1)
+  assert state_8.queue["vectors"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+  assert bool(state_8.queue["valid"].all())
+
+
+def test_frozen_parameters_do_not_move(tiny):
+  config, batches = tiny
+  config = config.copy_and_resolve_references()
+  config.train.freeze = ["word_embeddings", "query_end_encoder/layers/0/"]
+  model = create_model(config.model)
+  _, before, _ = nnx.split(model, nnx.Param, ...)
+  before = jax.device_get(before)
+  _, after, _ = _run_steps(config, batches, 8, steps=2)
+  flat_before = dict(jax.tree_util.tree_leaves_with_path(before))
+  moved = {train.param_path(p): not np.array_equal(flat_before[p], v)
+           for p, v in jax.tree_util.tree_leaves_with_path(after)}
+  frozen = [p for p in moved if "word_embeddings" in p or "query_end_encoder/layers/0/" in p]
+  assert frozen and not any(moved[p] for p in frozen)
+  assert moved["phrase_encoder/layers/1/output/kernel/value"]
+  assert moved["query_end_encoder/layers/1/output/kernel/value"]
+
+
+def test_schedule_warms_up_and_decays():
+  schedule = train.learning_rate_schedule(1e-4, 10, 110)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(10)) == pytest.approx(1e-4)
+  assert float(schedule(60)) == pytest.approx(5e-5)
+  assert float(schedule(110)) == pytest.approx(0.0, abs=1e-12)
