@@ -1,0 +1,1 @@
+"""Phrase index: dumping token vectors of a corpus, faiss indexes over them."""

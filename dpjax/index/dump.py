@@ -1,0 +1,210 @@
+"""Dumping the phrase vectors of a corpus to disk, in shards, resumably.
+
+Every passage is cut into windows like the training data; each window is encoded by the jitted
+phrase encoder, sharded over all devices (fixed batches, padding dropped); of every context token
+only the copy from its "max context" window is kept, so token ids are contiguous within a
+passage and each token is stored once. A shard holds, for `shard_passages` passages:
+
+  vectors.npy        [T, D] float16  token vectors h_t
+  filter_logits.npy  [T, 2] float16  start/end logits of the token-filter head
+  token_passage.npy  [T]    int32    passage row (global) of each token
+  char_spans.npy     [T, 2] int32    characters [start, end) of each token in its passage text
+  passages.jsonl                     {"id", "title", "text"} of the shard's passages
+
+Shards are written into `<name>.tmp` and renamed when complete; `manifest.json` is rewritten after
+every shard and says `"complete": true` only when the whole corpus is done. Running the dump
+again resumes after the last complete shard; a dump that is not complete is refused by the
+indexer. The manifest carries a fingerprint of the phrase encoder so that search can check that
+questions are encoded by the model that produced the vectors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+from typing import Iterable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dpjax.corpus import CorpusPassage
+from dpjax.data.squad import Passage, build_windows
+from dpjax.data.tokenization import Tokenizer
+from dpjax.parallel import map_batches
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+class DumpError(RuntimeError):
+  """A dump that is missing, incomplete, or does not match what it is used with."""
+
+
+def encoder_fingerprint(model) -> str:
+  """A short hash of the phrase encoder's parameters (identifies the model of a dump)."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(nnx.state(model.phrase_encoder, nnx.Param)):
+    digest.update(np.asarray(leaf).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def question_fingerprint(model) -> str:
+  digest = hashlib.sha256()
+  for encoder in (model.query_start_encoder, model.query_end_encoder):
+    for leaf in jax.tree.leaves(nnx.state(encoder, nnx.Param)):
+      digest.update(np.asarray(leaf).tobytes())
+  return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class DumpConfig:
+  max_seq_length: int = 384
+  doc_stride: int = 128
+  include_title: bool = True
+  batch_size: int = 64
+  shard_passages: int = 2000
+
+
+def _batches(iterable: Iterable, size: int) -> Iterator[list]:
+  iterator = iter(iterable)
+  while chunk := list(itertools.islice(iterator, size)):
+    yield chunk
+
+
+def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
+  tmp = directory / (MANIFEST + ".tmp")
+  tmp.write_text(json.dumps(manifest, indent=1))
+  os.replace(tmp, directory / MANIFEST)
+
+
+def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
+                passages: list[CorpusPassage]) -> dict:
+  """Writes one shard atomically (temporary directory, then rename); returns its manifest entry."""
+  tmp = directory / f"{name}.tmp"
+  tmp.mkdir()
+  for key, value in arrays.items():
+    np.save(tmp / f"{key}.npy", value)
+  with (tmp / "passages.jsonl").open("w", encoding="utf-8") as f:
+    for p in passages:
+      f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
+  os.replace(tmp, directory / name)
+  return {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
+
+
+def encode_shard(model, tokenizer: Tokenizer, passages: list[CorpusPassage], config: DumpConfig,
+                 mesh, encode) -> dict[str, np.ndarray]:
+  """Encodes passages; returns the shard arrays (token rows in passage order, local passage rows)."""
+  windows, _ = build_windows(tokenizer, [Passage(p.title, p.text) for p in passages],
+                             max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
+                             include_title=config.include_title)
+  keep = windows.context_mask & windows.is_max_context  # [W, L]
+  parts = {"vectors": [], "filter_logits": []}
+  for rows, (vectors, logits) in map_batches(encode, [windows.input_ids, windows.attention_mask],
+                                             config.batch_size, mesh):
+    parts["vectors"].append(vectors[keep[rows]].astype(np.float16))
+    parts["filter_logits"].append(logits[keep[rows]].astype(np.float16))
+  token_window = np.nonzero(keep)[0]
+  return {"vectors": np.concatenate(parts["vectors"]),
+          "filter_logits": np.concatenate(parts["filter_logits"]),
+          "token_passage": windows.passage_index[token_window].astype(np.int32),
+          "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
+
+
+def make_phrase_encoder(graphdef):
+  @jax.jit
+  def encode(state, input_ids, attention_mask):
+    model = nnx.merge(graphdef, state)
+    h = model.encode_phrases(input_ids, attention_mask)
+    return h, model.filter_logits(h)
+  return encode
+
+
+def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
+                 out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
+                 model_info: dict | None = None) -> dict:
+  """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest."""
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  fingerprint = encoder_fingerprint(model)
+  settings = {**dataclasses.asdict(config), "shard_passages": config.shard_passages}
+  manifest = {"complete": False, "fingerprint": fingerprint, "model": model_info or {},
+              "settings": settings, "dim": model.config.hidden_size, "shards": []}
+  if (out_dir / MANIFEST).exists():
+    old = json.loads((out_dir / MANIFEST).read_text())
+    if old["fingerprint"] != fingerprint or old["settings"] != settings:
+      raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
+                      "use a new directory (or delete it)")
+    if old["complete"]:
+      log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
+               old["num_passages"], old["num_tokens"])
+      return old
+    manifest["shards"] = old["shards"]
+  for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
+    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+  done = sum(s["passages"] for s in manifest["shards"])
+  if done:
+    log.info("%s: resuming after %d shards (%d passages)", out_dir, len(manifest["shards"]), done)
+  graphdef, state = nnx.split(model)
+  jitted = make_phrase_encoder(graphdef)
+  encode = lambda ids, mask: jitted(state, ids, mask)
+  start = time.perf_counter()
+  stream = itertools.islice(passages, done, None)
+  for chunk in _batches(stream, config.shard_passages):
+    name = f"shard_{len(manifest['shards']):05d}"
+    arrays = encode_shard(model, tokenizer, chunk, config, mesh, encode)
+    manifest["shards"].append(write_shard(out_dir, name, arrays, chunk))
+    write_manifest(out_dir, manifest)
+    log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
+  if not manifest["shards"]:
+    raise DumpError(f"{out_dir}: the corpus is empty")
+  manifest.update(complete=True,
+                  num_passages=sum(s["passages"] for s in manifest["shards"]),
+                  num_tokens=sum(s["tokens"] for s in manifest["shards"]),
+                  seconds=time.perf_counter() - start)
+  write_manifest(out_dir, manifest)
+  return manifest
+
+
+@dataclasses.dataclass
+class Dump:
+  """A complete dump loaded into memory (vectors kept float16)."""
+
+  directory: pathlib.Path
+  manifest: dict
+  vectors: np.ndarray  # [T, D] float16
+  filter_logits: np.ndarray  # [T, 2] float16
+  token_passage: np.ndarray  # [T] int32, global passage row
+  char_spans: np.ndarray  # [T, 2] int32
+  passages: list[CorpusPassage]
+
+  @classmethod
+  def load(cls, directory: str | os.PathLike) -> "Dump":
+    directory = pathlib.Path(directory)
+    if not (directory / MANIFEST).is_file():
+      raise DumpError(f"{directory}: no {MANIFEST}: not a phrase dump (run `run.py dump`)")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    if not manifest.get("complete"):
+      raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
+                      "same dump command again to finish it")
+    arrays = {k: [] for k in ("vectors", "filter_logits", "token_passage", "char_spans")}
+    passages, offset = [], 0
+    for shard in manifest["shards"]:
+      path = directory / shard["name"]
+      for key in arrays:
+        value = np.load(path / f"{key}.npy")
+        arrays[key].append(value + offset if key == "token_passage" else value)
+      with (path / "passages.jsonl").open(encoding="utf-8") as f:
+        passages.extend(CorpusPassage(**json.loads(line)) for line in f)
+      offset = len(passages)
+    joined = {k: np.concatenate(v) for k, v in arrays.items()}
+    if len(joined["vectors"]) != manifest["num_tokens"] or len(passages) != manifest[
+        "num_passages"]:
+      raise DumpError(f"{directory}: shard contents do not match the manifest counts")
+    return cls(directory, manifest, passages=passages, **joined)

@@ -1,0 +1,213 @@
+"""Phrase search over a dump + faiss index, and retrieval of sentences, passages, documents.
+
+For a question with vectors (q_start, q_end): the index returns the top start tokens for q_start
+and the top end tokens for q_end; every start hit i is paired with its best end j in
+[i, i + max_answer_length) within the same passage, and every end hit j with its best start,
+both scored exactly from the stored token vectors: s = q_start . h_i + q_end . h_j. Phrases are
+deduplicated and sorted. A sentence, passage or document scores as its best phrase; more phrases
+are fetched until k distinct units are found (or the whole index has been asked).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+from typing import Sequence
+
+import faiss
+import numpy as np
+
+from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
+from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
+
+UNITS = ("phrase", "sentence", "passage", "document")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+@dataclasses.dataclass
+class Phrase:
+  score: float
+  start_token: int
+  end_token: int
+  passage: int  # row in the dump's passage table
+  start_char: int
+  end_char: int
+  text: str
+
+
+class PhraseIndex:
+  """A complete dump with one of its faiss indexes."""
+
+  def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
+               nprobe: int | None = None):
+    self.dump = dump if isinstance(dump, Dump) else Dump.load(dump)
+    directory = self.dump.directory / "indexes" / index_name
+    if not (directory / INDEX_MANIFEST).is_file():
+      available = sorted(p.name for p in (self.dump.directory / "indexes").glob("*")
+                         if (p / INDEX_MANIFEST).is_file())
+      raise DumpError(f"{directory}: no index named {index_name!r} (available: {available}); "
+                      "build it with `run.py index`")
+    self.manifest = json.loads((directory / INDEX_MANIFEST).read_text())
+    if self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]:
+      raise DumpError(f"{directory} was built from another dump than {self.dump.directory}")
+    self.index = faiss.read_index(str(directory / "index.faiss"))
+    if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
+      faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
+                                                 nprobe or self.manifest["nprobe"])
+    self.kept = np.load(directory / "kept_tokens.npy")
+    token_passage = self.dump.token_passage
+    num_passages = len(self.dump.passages)
+    self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
+    self.passage_end = np.searchsorted(token_passage, np.arange(num_passages), "right")
+    self._sentences: dict[int, np.ndarray] = {}
+
+  @property
+  def fingerprint(self) -> str:
+    return self.dump.manifest["fingerprint"]
+
+  def _hits(self, queries: np.ndarray, k: int) -> np.ndarray:
+    _, rows = self.index.search(np.ascontiguousarray(queries, np.float32), k)
+    return np.where(rows >= 0, self.kept[np.maximum(rows, 0)], -1)  # [Q, k] token ids
+
+  def _pair(self, anchors, queries_anchor, queries_other, max_len: int, forward: bool):
+    """Best partner of each anchor token. Returns (partner ids, total scores), [Q, k] each."""
+    offsets = np.arange(max_len)
+    valid_anchor = anchors >= 0
+    anchor = np.maximum(anchors, 0)
+    passage = self.dump.token_passage[anchor]
+    partners = anchor[..., None] + (offsets if forward else -offsets)  # [Q, k, L]
+    lo, hi = self.passage_start[passage][..., None], self.passage_end[passage][..., None]
+    ok = (partners >= lo) & (partners < hi) & valid_anchor[..., None]
+    vectors = self.dump.vectors
+    partner_scores = np.einsum("qkld,qd->qkl", vectors[np.clip(partners, 0, len(vectors) - 1)]
+                               .astype(np.float32), queries_other)
+    partner_scores = np.where(ok, partner_scores, -np.inf)
+    best = partner_scores.argmax(-1)
+    anchor_scores = np.einsum("qkd,qd->qk", vectors[anchor].astype(np.float32), queries_anchor)
+    total = anchor_scores + np.take_along_axis(partner_scores, best[..., None], -1)[..., 0]
+    partner = np.take_along_axis(partners, best[..., None], -1)[..., 0]
+    return partner, np.where(valid_anchor, total, -np.inf)
+
+  def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
+                     top_tokens: int | None = None, max_answer_length: int = 10,
+                     ) -> list[list[Phrase]]:
+    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D])."""
+    top_tokens = min(max(top_tokens or k, k), len(self.kept))
+    starts = self._hits(q_start, top_tokens)
+    ends = self._hits(q_end, top_tokens)
+    paired_end, score_s = self._pair(starts, q_start, q_end, max_answer_length, True)
+    paired_start, score_e = self._pair(ends, q_end, q_start, max_answer_length, False)
+    all_start = np.concatenate([starts, paired_start], 1)
+    all_end = np.concatenate([paired_end, ends], 1)
+    scores = np.concatenate([score_s, score_e], 1)
+    results = []
+    for q in range(len(q_start)):
+      phrases, seen = [], set()
+      for c in np.argsort(-scores[q], kind="stable"):
+        if not np.isfinite(scores[q, c]):
+          break
+        span = (int(all_start[q, c]), int(all_end[q, c]))
+        if span in seen:
+          continue
+        seen.add(span)
+        phrases.append(self.phrase(span[0], span[1], float(scores[q, c])))
+        if len(phrases) == k:
+          break
+      results.append(phrases)
+    return results
+
+  def phrase(self, start: int, end: int, score: float) -> Phrase:
+    passage = int(self.dump.token_passage[start])
+    s, e = int(self.dump.char_spans[start, 0]), int(self.dump.char_spans[end, 1])
+    return Phrase(score, start, end, passage, s, e, self.dump.passages[passage].text[s:e])
+
+  def sentence_of(self, phrase: Phrase) -> tuple[int, int]:
+    """(start, end) characters of the sentence holding the phrase's first character."""
+    if phrase.passage not in self._sentences:
+      text = self.dump.passages[phrase.passage].text
+      self._sentences[phrase.passage] = np.array(
+          [0] + [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)])
+    bounds = self._sentences[phrase.passage]
+    i = int(np.searchsorted(bounds, phrase.start_char, "right")) - 1
+    return int(bounds[i]), int(bounds[i + 1])
+
+  def unit_key(self, phrase: Phrase, unit: str):
+    if unit == "phrase":
+      return (phrase.start_token, phrase.end_token)
+    if unit == "sentence":
+      return (phrase.passage, self.sentence_of(phrase))
+    if unit == "passage":
+      return phrase.passage
+    if unit == "document":
+      passage = self.dump.passages[phrase.passage]
+      return passage.title or passage.id
+    raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+
+  def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
+             *, top_tokens: int | None = None, max_answer_length: int = 10,
+             ) -> list[list[tuple[Phrase, object]]]:
+    """Top-k units (each with its best phrase) per question."""
+    if unit not in UNITS:
+      raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+    fetch = max(top_tokens or 2 * k, k)
+    while True:
+      phrases = self.search_phrases(q_start, q_end, fetch, top_tokens=fetch,
+                                    max_answer_length=max_answer_length)
+      units = []
+      for found in phrases:
+        best: dict = {}
+        for phrase in found:
+          best.setdefault(self.unit_key(phrase, unit), phrase)
+        units.append([(p, key) for key, p in list(best.items())[:k]])
+      if all(len(u) >= k for u in units) or fetch >= len(self.kept):
+        return units
+      fetch = min(fetch * 4, len(self.kept))
+
+  def result(self, phrase: Phrase, unit: str = "phrase") -> dict:
+    """A JSON-friendly description of a retrieved phrase (and its unit)."""
+    passage = self.dump.passages[phrase.passage]
+    out = {"answer": phrase.text, "score": phrase.score, "start_char": phrase.start_char,
+           "end_char": phrase.end_char, "passage_id": passage.id, "title": passage.title,
+           "passage": passage.text}
+    if unit == "sentence":
+      s, e = self.sentence_of(phrase)
+      out["sentence"] = passage.text[s:e].strip()
+    return out
+
+
+class DensePhrases:
+  """Question answering over a phrase index: `DensePhrases(model, index).search(questions)`."""
+
+  def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
+               batch_size: int = 64, mesh=None, check_model: bool = True):
+    from dpjax.data.tokenization import Tokenizer
+    from dpjax.parallel import make_mesh
+    from dpjax.rc import make_encoders
+    from flax import nnx
+    if check_model and encoder_fingerprint(model) != index.fingerprint:
+      raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
+                      " (fingerprints differ): dump the corpus again with this model")
+    self.model, self.index = model, index
+    self.tokenizer = tokenizer or Tokenizer.from_pretrained("minilm-l6")
+    self.max_query_length = max_query_length
+    self.mesh = mesh or make_mesh()
+    self.batch_size = -(-batch_size // self.mesh.size) * self.mesh.size
+    graphdef, self.state = nnx.split(model)
+    _, self._encode = make_encoders(graphdef)
+
+  def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    from dpjax.parallel import map_batches
+    ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
+    outputs = [o for _, o in map_batches(lambda i, m: self._encode(self.state, i, m), [ids, mask],
+                                         self.batch_size, self.mesh)]
+    return (np.concatenate([o[0] for o in outputs]), np.concatenate([o[1] for o in outputs]))
+
+  def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
+             **kwargs) -> list[list[dict]] | list[dict]:
+    single = isinstance(questions, str)
+    q_start, q_end = self.encode([questions] if single else questions)
+    found = self.index.search(q_start, q_end, k, unit, **kwargs)
+    results = [[self.index.result(p, unit) for p, _ in units] for units in found]
+    return results[0] if single else results

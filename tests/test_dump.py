@@ -1,0 +1,105 @@
+"""Dumping a corpus with a (tiny) model: no padding leaks, tokens once, resumable after a crash."""
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import SHARED_DATA
+from dpjax.corpus import CorpusPassage, read_corpus, squad_to_jsonl
+from dpjax.data.squad import DataError, SkipSummary
+from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases
+from dpjax.models import BertConfig, DensePhrases
+from dpjax.parallel import make_mesh
+
+TINY = BertConfig(vocab_size=30522, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=13, max_position_embeddings=64)
+CONFIG = DumpConfig(max_seq_length=29, doc_stride=7, batch_size=8, shard_passages=3)
+
+
+def _passages(n=8):
+  words = "the quick brown fox jumps over a lazy dog near river banks at dawn".split()
+  return [CorpusPassage(f"p{i}", f"Title {i % 3}", " ".join(words[: 3 + (7 * i) % 40] * 2))
+          for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return DensePhrases(TINY, rngs=nnx.Rngs(0))
+
+
+def test_dump_keeps_each_context_token_once(model, tokenizer, tmp_path):
+  passages = _passages()
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path, CONFIG, mesh=make_mesh())
+  dump = Dump.load(tmp_path)
+  assert manifest["complete"] and len(manifest["shards"]) == 3
+  counts = [len(tokenizer.tokenize([p.text])[0][0]) for p in passages]
+  assert manifest["num_tokens"] == sum(counts) == len(dump.vectors)  # no padding, no duplicate
+  np.testing.assert_array_equal(np.bincount(dump.token_passage), counts)
+  assert (np.diff(dump.token_passage) >= 0).all()  # contiguous per passage
+  for row, p in enumerate(passages):
+    spans = dump.char_spans[dump.token_passage == row]
+    _, offsets = tokenizer.tokenize([p.text])[0]
+    np.testing.assert_array_equal(spans, offsets)
+  assert dump.vectors.dtype == np.float16 and np.isfinite(dump.vectors).all()
+  assert dump.passages[5].id == "p5"
+
+
+def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):
+  passages = _passages()
+  dump_phrases(model, tokenizer, passages, tmp_path / "straight", CONFIG, mesh=make_mesh())
+
+  def crashing():
+    for i, p in enumerate(passages):
+      if i == 5:
+        raise KeyboardInterrupt("killed")
+      yield p
+  broken = tmp_path / "broken"
+  with pytest.raises(KeyboardInterrupt):
+    dump_phrases(model, tokenizer, crashing(), broken, CONFIG, mesh=make_mesh())
+  assert not json.loads((broken / "manifest.json").read_text())["complete"]
+  with pytest.raises(DumpError, match="incomplete"):
+    Dump.load(broken)
+  (broken / "shard_00001.tmp").mkdir()  # a half-written shard
+  dump_phrases(model, tokenizer, passages, broken, CONFIG, mesh=make_mesh())
+  a, b = Dump.load(tmp_path / "straight"), Dump.load(broken)
+  np.testing.assert_array_equal(a.vectors, b.vectors)
+  np.testing.assert_array_equal(a.token_passage, b.token_passage)
+  other = DensePhrases(TINY, rngs=nnx.Rngs(1))
+  with pytest.raises(DumpError, match="another model"):
+    dump_phrases(other, tokenizer, passages, broken, CONFIG, mesh=make_mesh())
+
+
+def test_corpus_formats_and_bad_records(tmp_path):
+  jsonl = tmp_path / "c.jsonl"
+  jsonl.write_text('{"id": "x", "title": "T", "text": "hello"}\n'
+                   'not json\n'
+                   '{"id": "y", "title": "T"}\n'
+                   '{"id": "x", "text": "again"}\n'
+                   '{"contents": "pyserini style"}\n')
+  summary = SkipSummary()
+  passages = list(read_corpus(jsonl, summary))
+  assert [p.id for p in passages] == ["x", "c-5"]
+  assert summary.counts == {"invalid JSON line": 1, "passage without text": 1,
+                            "duplicate passage id": 1}
+  assert "c.jsonl:2" in str(summary)
+  with pytest.raises(DataError, match="not found"):
+    list(read_corpus(tmp_path / "missing.json"))
+  (tmp_path / "bad.json").write_text('{"data": [')
+  with pytest.raises(DataError, match="invalid JSON at line 1"):
+    list(read_corpus(tmp_path / "bad.json"))
+
+
+def test_custom_example_corpus():
+  path = SHARED_DATA / "custom-example" / "articles.json"
+  if not path.is_file():
+    pytest.skip(f"{path} not found")
+  passages = list(read_corpus(path))
+  assert len(passages) == 112 and len({p.title for p in passages}) == 4
+
+
+@pytest.mark.slow
+def test_squad_corpus_has_20958_unique_paragraphs(squad_dir, tmp_path):
+  count = squad_to_jsonl([squad_dir / "train-v1.1.json", squad_dir / "dev-v1.1.json"],
+                         tmp_path / "corpus.jsonl")
+  assert count == 20958  # 20,963 paragraphs, 5 of them exact repeats within their article
