@@ -18,8 +18,12 @@ $(STAMP): setup.py
 
 venv: $(STAMP)
 
+# The embedded default end to end: train, dump the corpus, build the index, answer open-domain.
 demo: venv
 	$(PY) run.py train --config experiments/demo.py --workdir $(WORKDIR)
+	$(PY) run.py dump --config experiments/demo.py --workdir $(WORKDIR)
+	$(PY) run.py index --config experiments/demo.py --workdir $(WORKDIR)
+	$(PY) run.py eval --config experiments/demo.py --workdir $(WORKDIR)
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: venv

@@ -1,2 +1,13 @@
-"""dpjax: dense phrase retrieval (DensePhrases) in JAX/Flax."""
+"""dpjax: dense phrase retrieval (DensePhrases) in JAX/Flax.
+
+`dpjax.DensePhrases(model, dpjax.PhraseIndex(dump_dir, "Flat")).search("question", k=10,
+unit="passage")` answers questions over an indexed corpus (see README).
+"""
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy, so `import dpjax` does not start JAX
+  if name in ("DensePhrases", "PhraseIndex"):
+    from dpjax import search
+    return getattr(search, name)
+  raise AttributeError(f"module 'dpjax' has no attribute {name!r}")

@@ -106,3 +106,21 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   })
   config.update(overrides)
   return config
+
+
+def index_config(**overrides) -> ml_collections.ConfigDict:
+  """Dump / index / search settings."""
+  config = ml_collections.ConfigDict({
+      "corpus": [],  # corpus files (SQuAD JSON or JSONL); empty: the data set's corpus.json
+      "questions": "",  # evaluation questions; empty: the dev split
+      "batch_size": 64,
+      "shard_passages": 2000,
+      "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
+      "nprobe": 256,
+      "filter_threshold": ml_collections.config_dict.placeholder(float),
+      "search_index": "Flat",  # index name (directory under dump/indexes) for search and eval
+      "top_k": 5,
+      "unit": "phrase",
+  })
+  config.update(overrides)
+  return config

@@ -66,3 +66,62 @@ def squad_em_f1(predictions: Mapping[str, str],
     f1_total += max_over_gold(f1, predictions[qid], golds)
   n = max(len(gold_answers), 1)
   return {"exact_match": 100.0 * em / n, "f1": 100.0 * f1_total / n, "count": len(gold_answers)}
+
+
+def has_answer(text: str, answers: Sequence[str], regex: bool = False) -> bool:
+  """Whether a passage contains an answer: normalised token-sequence match (or a regex search).
+
+  Text and answers are normalised as for EM (lower-case, no punctuation/articles) and the
+  answer's token sequence must occur contiguously in the passage's token sequence.
+  """
+  if regex:
+    return any(_regex_search(pattern, text) for pattern in answers)
+  tokens = normalize_answer(text).split()
+  for answer in answers:
+    target = normalize_answer(answer).split()
+    if not target:
+      continue
+    n = len(target)
+    if any(tokens[i:i + n] == target for i in range(len(tokens) - n + 1)):
+      return True
+  return False
+
+
+def _regex_search(pattern: str, text: str) -> bool:
+  try:
+    return re.search(pattern, text, flags=re.IGNORECASE | re.UNICODE | re.MULTILINE) is not None
+  except re.error:
+    return False
+
+
+def open_domain_scores(predictions: Sequence[Sequence[str]], answers: Sequence[Sequence[str]],
+                       ks: Sequence[int] = (1, 10), regex: bool = False) -> dict[str, float]:
+  """EM@k and F1@k (x100): the best over the top-k predicted answers of each question."""
+  em_metric = regex_match if regex else exact_match
+  scores = {}
+  for k in ks:
+    em = f1_total = 0.0
+    for preds, golds in zip(predictions, answers):
+      top = list(preds[:k])
+      em += max((max_over_gold(em_metric, p, golds) for p in top), default=0.0)
+      if not regex:
+        f1_total += max((max_over_gold(f1, p, golds) for p in top), default=0.0)
+    n = max(len(answers), 1)
+    scores[f"em@{k}"] = 100.0 * em / n
+    if not regex:
+      scores[f"f1@{k}"] = 100.0 * f1_total / n
+  return scores
+
+
+def passage_scores(retrieved: Sequence[Sequence[str]], answers: Sequence[Sequence[str]],
+                   ks: Sequence[int] = (1, 5, 20, 100), mrr_k: int = 20, precision_k: int = 20,
+                   regex: bool = False) -> dict[str, float]:
+  """Top-k accuracy, MRR@k and P@k (x100) of retrieved passage texts, by `has_answer`."""
+  hits = [[has_answer(text, golds, regex) for text in texts]
+          for texts, golds in zip(retrieved, answers)]
+  n = max(len(hits), 1)
+  scores = {f"top{k}": 100.0 * sum(any(h[:k]) for h in hits) / n for k in ks}
+  scores[f"mrr@{mrr_k}"] = 100.0 * sum(
+      next((1.0 / (i + 1) for i, hit in enumerate(h[:mrr_k]) if hit), 0.0) for h in hits) / n
+  scores[f"p@{precision_k}"] = 100.0 * sum(sum(h[:precision_k]) / precision_k for h in hits) / n
+  return scores

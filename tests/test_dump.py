@@ -9,6 +9,8 @@ from conftest import SHARED_DATA
 from dpjax.corpus import CorpusPassage, read_corpus, squad_to_jsonl
 from dpjax.data.squad import DataError, SkipSummary
 from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases
+from dpjax.index.faiss_index import build_index
+from dpjax.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.parallel import make_mesh
 
@@ -68,6 +70,12 @@ def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):
   other = DensePhrases(TINY, rngs=nnx.Rngs(1))
   with pytest.raises(DumpError, match="another model"):
     dump_phrases(other, tokenizer, passages, broken, CONFIG, mesh=make_mesh())
+  # Search checks that the question encoders belong to the model that made the vectors.
+  build_index(broken, "Flat")
+  index = PhraseIndex(broken, "Flat")
+  SearchAPI(model, index, tokenizer, max_query_length=8, batch_size=8)
+  with pytest.raises(DumpError, match="fingerprints differ"):
+    SearchAPI(other, index, tokenizer)
 
 
 def test_corpus_formats_and_bad_records(tmp_path):

@@ -33,3 +33,24 @@ def test_normalisation_and_f1():
   assert metrics.squad_em_f1({}, {"q": ["x"]})["exact_match"] == 0.0
   assert metrics.regex_match("Barack Obama", r"(Barack )?Obama") == 1.0
   assert metrics.regex_match("Obama", r"[") == 0.0
+
+
+def test_has_answer_matches_token_sequences():
+  assert metrics.has_answer("The Eiffel Tower is in Paris, France.", ["paris"])
+  assert not metrics.has_answer("Parisian cafes", ["Paris"])  # whole tokens only
+  assert metrics.has_answer("born in 1961 in Hawaii", ["1961"])
+  assert not metrics.has_answer("born in 1961", ["1962", ""])
+  assert metrics.has_answer("Born in 1961.", [r"19[0-9]{2}"], regex=True)
+
+
+def test_open_domain_and_passage_scores():
+  preds = [["Paris", "Lyon"], ["Rome", "Milan"], []]
+  golds = [["paris"], ["Milan"], ["x"]]
+  scores = metrics.open_domain_scores(preds, golds, ks=(1, 2))
+  assert scores["em@1"] == pytest.approx(100 / 3)
+  assert scores["em@2"] == pytest.approx(200 / 3)
+  retrieved = [["no", "it is Paris"], ["Milan here", "and Milan"], ["nothing"]]
+  p = metrics.passage_scores(retrieved, golds, ks=(1, 2), mrr_k=2, precision_k=2)
+  assert p["top1"] == pytest.approx(100 / 3) and p["top2"] == pytest.approx(200 / 3)
+  assert p["mrr@2"] == pytest.approx(100 * (0.5 + 1) / 3)
+  assert p["p@2"] == pytest.approx(100 * (0.5 + 1.0 + 0) / 3)

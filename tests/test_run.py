@@ -58,3 +58,18 @@ def test_train_resume_gives_the_same_losses(tmp_path):
   assert _train_losses(broken) == straight
   assert (json.loads((broken / "results.json").read_text())
           == json.loads((tmp_path / "straight" / "results.json").read_text()))
+
+
+def test_open_domain_pipeline_tiny(tmp_path, capsys):
+  """train -> dump -> index -> eval -> search on the tiny config, through run.py."""
+  workdir = str(tmp_path)
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", workdir]
+  for mode in ("train", "dump", "index", "eval"):
+    assert run.main([mode] + base) == 0, mode
+  report = json.loads((tmp_path / "open_eval_Flat.json").read_text())
+  assert report["questions"] == 12 and 0 <= report["em@1"] <= report["em@10"] <= 100
+  assert report["top1"] <= report["top5"] <= report["top20"] <= report["top100"]
+  predictions = (tmp_path / "open_predictions_Flat.jsonl").read_text().splitlines()
+  assert len(predictions) == 12
+  assert run.main(["search"] + base + ["--query", "Who was the mentor of Ne Chithashoum?"]) == 0
+  assert "1. " in capsys.readouterr().out
