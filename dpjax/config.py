@@ -112,6 +112,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
   """Dump / index / search settings."""
   config = ml_collections.ConfigDict({
       "corpus": [],  # corpus files (SQuAD JSON or JSONL); empty: the data set's corpus.json
+      "dump_name": "dump",  # the dump (and its indexes) live in <workdir>/<dump_name>
       "questions": "",  # evaluation questions; empty: the dev split
       "batch_size": 64,
       "shard_passages": 2000,

@@ -86,7 +86,7 @@ def _paths(config, workdir: pathlib.Path) -> dict:
   files = data_files(config.data, workdir)
   corpus = list(config.index.corpus) or [str(files["corpus"])]
   questions = config.index.questions or str(files["dev"])
-  return {"corpus": corpus, "questions": questions, "dump": workdir / "dump"}
+  return {"corpus": corpus, "questions": questions, "dump": workdir / config.index.dump_name}
 
 
 def run_dump(config, workdir: str) -> dict:
@@ -118,7 +118,7 @@ def run_dump(config, workdir: str) -> dict:
 
 def run_index(config, workdir: str) -> list[pathlib.Path]:
   from dpjax.index.faiss_index import build_index
-  dump = pathlib.Path(workdir) / "dump"
+  dump = pathlib.Path(workdir) / config.index.dump_name
   threshold = config.index.filter_threshold
   return [build_index(dump, spec, filter_threshold=None if threshold is None else threshold,
                       nprobe=config.index.nprobe) for spec in config.index.specs]
@@ -128,7 +128,7 @@ def _searcher(config, workdir: pathlib.Path, index_name: str):
   from dpjax.data import Tokenizer
   from dpjax.search import DensePhrases, PhraseIndex
   model, _ = restore_model(config, workdir)
-  index = PhraseIndex(workdir / "dump", index_name, nprobe=config.index.nprobe)
+  index = PhraseIndex(workdir / config.index.dump_name, index_name, nprobe=config.index.nprobe)
   return DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                       max_query_length=config.data.max_query_length,
                       batch_size=config.index.batch_size)
@@ -165,6 +165,10 @@ def run_eval_open(config, workdir: str) -> dict:
             **metrics.passage_scores([[p["passage"] for p in r] for r in passages], golds),
             "phrase_search_questions_per_sec": len(questions) / seconds,
             "index_tokens": searcher.index.manifest["num_tokens"],
+            "dump_passages": searcher.index.dump.manifest["num_passages"],
+            "dump_seconds": searcher.index.dump.manifest.get("seconds"),
+            "index_build_seconds": searcher.index.manifest["build_seconds"],
+            "index_spec": searcher.index.manifest["resolved_spec"],
             "index_bytes_per_token": searcher.index.manifest["index_bytes"] /
             searcher.index.manifest["num_tokens"]}
   name = config.index.search_index

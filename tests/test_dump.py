@@ -111,3 +111,12 @@ def test_squad_corpus_has_20958_unique_paragraphs(squad_dir, tmp_path):
   count = squad_to_jsonl([squad_dir / "train-v1.1.json", squad_dir / "dev-v1.1.json"],
                          tmp_path / "corpus.jsonl")
   assert count == 20958  # 20,963 paragraphs, 5 of them exact repeats within their article
+
+
+def test_missing_metadata_and_empty_corpus(model, tokenizer, tmp_path):
+  dump_phrases(model, tokenizer, _passages(4), tmp_path / "d", CONFIG, mesh=make_mesh())
+  (tmp_path / "d" / "shard_00001" / "char_spans.npy").unlink()
+  with pytest.raises(DumpError, match="shard_00001: shard is missing or damaged"):
+    Dump.load(tmp_path / "d")
+  with pytest.raises(DumpError, match="corpus is empty"):
+    dump_phrases(model, tokenizer, [], tmp_path / "empty", CONFIG, mesh=make_mesh())

@@ -197,11 +197,15 @@ class Dump:
     passages, offset = [], 0
     for shard in manifest["shards"]:
       path = directory / shard["name"]
-      for key in arrays:
-        value = np.load(path / f"{key}.npy")
-        arrays[key].append(value + offset if key == "token_passage" else value)
-      with (path / "passages.jsonl").open(encoding="utf-8") as f:
-        passages.extend(CorpusPassage(**json.loads(line)) for line in f)
+      try:
+        for key in arrays:
+          value = np.load(path / f"{key}.npy")
+          arrays[key].append(value + offset if key == "token_passage" else value)
+        with (path / "passages.jsonl").open(encoding="utf-8") as f:
+          passages.extend(CorpusPassage(**json.loads(line)) for line in f)
+      except (OSError, ValueError, TypeError) as e:
+        raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); "
+                        "delete the dump and run it again") from None
       offset = len(passages)
     joined = {k: np.concatenate(v) for k, v in arrays.items()}
     if len(joined["vectors"]) != manifest["num_tokens"] or len(passages) != manifest[
