@@ -5,7 +5,8 @@ Accepted inputs:
     passage ids are `<file stem>-<article>-<paragraph>` unless a paragraph has an `id`.
   - JSONL, one passage per line: `{"id": ..., "title": ..., "text": ...}` (`contents` is accepted
     for `text`, as in Pyserini); read line by line, so memory does not grow with the file.
-Bad records (invalid JSON line, no text, empty text, duplicate id) are skipped and counted.
+Bad records (invalid JSON line, no text, empty text, duplicate id) are skipped and counted, and so
+are exact repeats of a passage (same title and text), which would only duplicate index entries.
 
 `python -m dpjax.corpus squad FILE [FILE ...] --out corpus.jsonl` writes the unique paragraphs of
 SQuAD files as a JSONL corpus (train + dev v1.1: 20,963 paragraphs).
@@ -46,20 +47,24 @@ def _is_jsonl(path: pathlib.Path) -> bool:
 def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
                 summary: SkipSummary | None = None) -> Iterator[CorpusPassage]:
   """Streams passages from one or more corpus files; skips and counts bad records in `summary`."""
-  if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
+  paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
   summary = summary if summary is not None else SkipSummary()
+  summary.path = ", ".join(map(str, paths))
   seen: set[str] = set()
+  texts: set[tuple[str, str]] = set()
   for path in map(pathlib.Path, paths):
     if not path.is_file():
       raise DataError(f"{path}: corpus file not found")
-    summary.path = str(path)
     records = _read_jsonl(path, summary) if _is_jsonl(path) else _read_squad(path, summary)
     for passage, where in records:
       if passage.id in seen:
         summary.skip("duplicate passage id", where)
         continue
+      if (passage.title, passage.text) in texts:
+        summary.skip("repeated passage (same title and text)", where)
+        continue
       seen.add(passage.id)
+      texts.add((passage.title, passage.text))
       yield passage
 
 
@@ -113,13 +118,9 @@ def squad_to_jsonl(paths: Iterable[str | os.PathLike], out: str | os.PathLike) -
   """Writes the unique (title, context) paragraphs of SQuAD files as JSONL; returns the count."""
   out = pathlib.Path(out)
   tmp = out.with_name(out.name + ".tmp")
-  seen, count = set(), 0
+  count = 0
   with tmp.open("w", encoding="utf-8") as f:
     for passage in read_corpus(paths):
-      key = (passage.title, passage.text)
-      if key in seen:
-        continue
-      seen.add(key)
       f.write(json.dumps(dataclasses.asdict(passage), ensure_ascii=False) + "\n")
       count += 1
   os.replace(tmp, out)

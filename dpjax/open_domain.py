@@ -84,7 +84,9 @@ def read_questions(path: str | pathlib.Path) -> list[dict]:
 def _paths(config, workdir: pathlib.Path) -> dict:
   from dpjax.data import data_files
   files = data_files(config.data, workdir)
-  corpus = list(config.index.corpus) or [str(files["corpus"])]
+  # Default corpus: the data set's own (synthetic: corpus.json; SQuAD: train + dev paragraphs).
+  corpus = list(config.index.corpus) or [str(files[k]) for k in ("corpus",) if k in files] or [
+      str(files["train"]), str(files["dev"])]
   questions = config.index.questions or str(files["dev"])
   return {"corpus": corpus, "questions": questions, "dump": workdir / config.index.dump_name}
 
