@@ -7,6 +7,8 @@ all windows of the question's passage is the prediction; EM/F1 use the official 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -46,8 +48,12 @@ def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.nd
   return best_start, best_start + best_len, best
 
 
+@functools.lru_cache(maxsize=8)
 def make_encoders(graphdef: nnx.GraphDef):
-  """Jitted phrase and question encoders taking the model state as an argument."""
+  """Jitted phrase and question encoders taking the model state as an argument.
+
+  Cached per graph definition, so evaluating every N steps of training compiles once.
+  """
 
   @jax.jit
   def phrases(state, input_ids, attention_mask):
