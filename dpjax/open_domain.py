@@ -121,8 +121,7 @@ def run_dump(config, workdir: str) -> dict:
 def run_index(config, workdir: str) -> list[pathlib.Path]:
   from dpjax.index.faiss_index import build_index
   dump = pathlib.Path(workdir) / config.index.dump_name
-  threshold = config.index.filter_threshold
-  return [build_index(dump, spec, filter_threshold=None if threshold is None else threshold,
+  return [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
                       nprobe=config.index.nprobe) for spec in config.index.specs]
 
 
