@@ -147,6 +147,10 @@ def run_search(config, workdir: str, queries: Sequence[str]) -> list:
   return results
 
 
+def _spans(results: list[dict]) -> list[list]:
+  return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
+
+
 def run_eval_open(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   paths = _paths(config, workdir)
@@ -173,11 +177,16 @@ def run_eval_open(config, workdir: str) -> dict:
             "index_bytes_per_token": searcher.index.manifest["index_bytes"] /
             searcher.index.manifest["num_tokens"]}
   name = config.index.search_index
+  exact = workdir / "open_predictions_Flat.jsonl"
+  if name != "Flat" and exact.is_file():  # how often the approximate index's top-1 is Flat's
+    flat = {r["id"]: r["spans"][:1] for r in map(json.loads, exact.open())}
+    same = [flat[q["id"]] == _spans(r)[:1] for q, r in zip(questions, phrases) if q["id"] in flat]
+    report["top1_agreement_with_flat"] = 100.0 * sum(same) / max(len(same), 1)
   (workdir / f"open_eval_{name}.json").write_text(json.dumps(report, indent=1))
   with (workdir / f"open_predictions_{name}.jsonl").open("w") as f:
     for q, r in zip(questions, phrases):
       f.write(json.dumps({"id": q["id"], "question": q["question"], "answers": q["answers"],
-                          "predictions": [p["answer"] for p in r]}) + "\n")
+                          "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n")
   log.info("open-domain (%s, %d questions): EM@1 %.2f EM@10 %.2f; passage top1 %.2f top20 %.2f",
            name, len(questions), report["em@1"], report["em@10"], report["top1"],
            report["top20"])

@@ -71,5 +71,10 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert report["top1"] <= report["top5"] <= report["top20"] <= report["top100"]
   predictions = (tmp_path / "open_predictions_Flat.jsonl").read_text().splitlines()
   assert len(predictions) == 12
+  # An approximate index is compared with Flat's top-1 (same spans: a tiny corpus, nprobe 256).
+  ivf = base + ["--set", "index.specs=['IVFauto,SQ8']", "--set", "index.search_index=IVFauto_SQ8"]
+  assert run.main(["index"] + ivf) == 0 and run.main(["eval"] + ivf) == 0
+  agreement = json.loads((tmp_path / "open_eval_IVFauto_SQ8.json").read_text())
+  assert agreement["top1_agreement_with_flat"] >= 90.0
   assert run.main(["search"] + base + ["--query", "Who was the mentor of Ne Chithashoum?"]) == 0
   assert "1. " in capsys.readouterr().out
