@@ -351,11 +351,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
   writer = MetricsWriter(workdir / "metrics.jsonl", first)
   step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)
   to_device = lambda batch: jax.device_put(batch, batch_sharding(mesh))
+  eval_batch = -(-config.eval.batch_size // mesh.size) * mesh.size  # a multiple of the devices
 
   def evaluate(step: int) -> dict:
     model = nnx.merge(graphdef, state.params, state.rest)
     scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
-                                      mesh=mesh, batch_size=config.eval.batch_size,
+                                      mesh=mesh, batch_size=eval_batch,
                                       max_answer_length=config.eval.max_answer_length)
     record = {"step": step, "split": "dev", "rc_exact_match": scores["exact_match"],
               "rc_f1": scores["f1"], "count": scores["count"]}
