@@ -23,6 +23,7 @@ from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
 
 UNITS = ("phrase", "sentence", "passage", "document")
+_RESCORE_FLOATS = 1 << 25  # ~128 MiB of float32 partner vectors per rescoring chunk
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -95,6 +96,15 @@ class PhraseIndex:
                      ) -> list[list[Phrase]]:
     """Top-k phrases for each question vector pair (q_start, q_end: [Q, D])."""
     top_tokens = min(max(top_tokens or k, k), len(self.kept))
+    # Rescoring gathers [queries, top_tokens, max_answer_length, D] vectors: bound that memory.
+    chunk = max(1, _RESCORE_FLOATS // (top_tokens * max_answer_length * q_start.shape[1]))
+    results = []
+    for lo in range(0, len(q_start), chunk):
+      results += self._search_chunk(q_start[lo:lo + chunk], q_end[lo:lo + chunk], k, top_tokens,
+                                    max_answer_length)
+    return results
+
+  def _search_chunk(self, q_start, q_end, k: int, top_tokens: int, max_answer_length: int):
     starts = self._hits(q_start, top_tokens)
     ends = self._hits(q_end, top_tokens)
     paired_end, score_s = self._pair(starts, q_start, q_end, max_answer_length, True)
@@ -152,18 +162,22 @@ class PhraseIndex:
     if unit not in UNITS:
       raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
     fetch = max(top_tokens or 2 * k, k)
-    while True:
-      phrases = self.search_phrases(q_start, q_end, fetch, top_tokens=fetch,
+    units: list = [None] * len(q_start)
+    pending = np.arange(len(q_start))
+    while len(pending):
+      phrases = self.search_phrases(q_start[pending], q_end[pending], fetch, top_tokens=fetch,
                                     max_answer_length=max_answer_length)
-      units = []
-      for found in phrases:
+      short = []
+      for q, found in zip(pending, phrases):
         best: dict = {}
         for phrase in found:
           best.setdefault(self.unit_key(phrase, unit), phrase)
-        units.append([(p, key) for key, p in list(best.items())[:k]])
-      if all(len(u) >= k for u in units) or fetch >= len(self.kept):
-        return units
+        units[q] = [(p, key) for key, p in list(best.items())[:k]]
+        if len(units[q]) < k and fetch < len(self.kept):
+          short.append(q)
+      pending = np.array(short, dtype=np.int64)
       fetch = min(fetch * 4, len(self.kept))
+    return units
 
   def result(self, phrase: Phrase, unit: str = "phrase") -> dict:
     """A JSON-friendly description of a retrieved phrase (and its unit)."""

@@ -117,3 +117,13 @@ def test_clamping_and_errors(toy, tmp_path):
   (tmp_path / "manifest.json").write_text('{"complete": false}')
   with pytest.raises(DumpError, match="incomplete"):
     build_index(tmp_path, "Flat")
+
+
+def test_rescoring_in_chunks_gives_the_same_results(toy, monkeypatch):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  whole = index.search(q_start, q_end, k=4, unit="passage")
+  monkeypatch.setattr("dpjax.search._RESCORE_FLOATS", 1)  # one question per chunk
+  chunked = index.search(q_start, q_end, k=4, unit="passage")
+  assert [[(p.start_token, p.end_token) for p, _ in u] for u in whole] == \
+      [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]
