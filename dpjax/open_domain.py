@@ -15,7 +15,6 @@ import time
 from typing import Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
 from dpjax import metrics
@@ -95,7 +94,7 @@ def run_dump(config, workdir: str) -> dict:
   from dpjax.corpus import read_corpus
   from dpjax.data import SkipSummary, Tokenizer
   from dpjax.index.dump import DumpConfig, dump_phrases
-  from dpjax.parallel import make_mesh
+  from dpjax.parallel import make_mesh, round_to_devices
 
   workdir = pathlib.Path(workdir)
   paths = _paths(config, workdir)
@@ -104,7 +103,7 @@ def run_dump(config, workdir: str) -> dict:
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
-                           batch_size=-(-config.index.batch_size // mesh.size) * mesh.size,
+                           batch_size=round_to_devices(config.index.batch_size, mesh),
                            shard_passages=config.index.shard_passages)
   summary = SkipSummary()
   manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),

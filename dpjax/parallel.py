@@ -22,6 +22,11 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def round_to_devices(batch_size: int, mesh: jax.sharding.Mesh) -> int:
+  """The smallest multiple of the mesh size that is >= batch_size."""
+  return -(-batch_size // mesh.size) * mesh.size
+
+
 def pad_to_multiple(array: np.ndarray, multiple: int) -> np.ndarray:
   """Pads axis 0 with zeros to a multiple of `multiple`."""
   extra = -len(array) % multiple

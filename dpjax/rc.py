@@ -123,7 +123,7 @@ def run_eval_rc(config, workdir: str) -> dict:
 
   from dpjax.data import Tokenizer, data_files, load_rc_split
   from dpjax.models import create_model
-  from dpjax.parallel import make_mesh
+  from dpjax.parallel import make_mesh, round_to_devices
 
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def run_eval_rc(config, workdir: str) -> dict:
                       limit=config.eval.limit or None)
   model = create_model(config.model)
   mesh = make_mesh()
-  batch_size = -(-config.eval.batch_size // mesh.size) * mesh.size
+  batch_size = round_to_devices(config.eval.batch_size, mesh)
   scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
                                     mesh=mesh, batch_size=batch_size,
                                     max_answer_length=config.eval.max_answer_length)

@@ -197,7 +197,7 @@ class DensePhrases:
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
                batch_size: int = 64, mesh=None, check_model: bool = True):
     from dpjax.data.tokenization import Tokenizer
-    from dpjax.parallel import make_mesh
+    from dpjax.parallel import make_mesh, round_to_devices
     from dpjax.rc import make_encoders
     from flax import nnx
     if check_model and encoder_fingerprint(model) != index.fingerprint:
@@ -207,7 +207,7 @@ class DensePhrases:
     self.tokenizer = tokenizer or Tokenizer.from_pretrained("minilm-l6")
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
-    self.batch_size = -(-batch_size // self.mesh.size) * self.mesh.size
+    self.batch_size = round_to_devices(batch_size, self.mesh)
     graphdef, self.state = nnx.split(model)
     _, self._encode = make_encoders(graphdef)
 

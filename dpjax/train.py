@@ -315,7 +315,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   from dpjax.checkpoint import Checkpointer, abstract_like
   from dpjax.data import Tokenizer, data_files, load_rc_split
   from dpjax.models import create_model
-  from dpjax.parallel import batch_sharding, make_mesh
+  from dpjax.parallel import batch_sharding, make_mesh, round_to_devices
   from dpjax.rc import evaluate_rc
 
   workdir = pathlib.Path(workdir)
@@ -351,7 +351,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   writer = MetricsWriter(workdir / "metrics.jsonl", first)
   step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)
   to_device = lambda batch: jax.device_put(batch, batch_sharding(mesh))
-  eval_batch = -(-config.eval.batch_size // mesh.size) * mesh.size  # a multiple of the devices
+  eval_batch = round_to_devices(config.eval.batch_size, mesh)
 
   def evaluate(step: int) -> dict:
     model = nnx.merge(graphdef, state.params, state.rest)

@@ -55,14 +55,6 @@ def encoder_fingerprint(model) -> str:
   return digest.hexdigest()[:16]
 
 
-def question_fingerprint(model) -> str:
-  digest = hashlib.sha256()
-  for encoder in (model.query_start_encoder, model.query_end_encoder):
-    for leaf in jax.tree.leaves(nnx.state(encoder, nnx.Param)):
-      digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()[:16]
-
-
 @dataclasses.dataclass
 class DumpConfig:
   max_seq_length: int = 384
@@ -98,7 +90,7 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
   return {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
 
 
-def encode_shard(model, tokenizer: Tokenizer, passages: list[CorpusPassage], config: DumpConfig,
+def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: DumpConfig,
                  mesh, encode) -> dict[str, np.ndarray]:
   """Encodes passages; returns the shard arrays (token rows in passage order, local passage rows)."""
   windows, _ = build_windows(tokenizer, [Passage(p.title, p.text) for p in passages],
@@ -133,7 +125,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   fingerprint = encoder_fingerprint(model)
-  settings = {**dataclasses.asdict(config), "shard_passages": config.shard_passages}
+  settings = dataclasses.asdict(config)
   manifest = {"complete": False, "fingerprint": fingerprint, "model": model_info or {},
               "settings": settings, "dim": model.config.hidden_size, "shards": []}
   if (out_dir / MANIFEST).exists():
@@ -158,7 +150,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
   stream = itertools.islice(passages, done, None)
   for chunk in _batches(stream, config.shard_passages):
     name = f"shard_{len(manifest['shards']):05d}"
-    arrays = encode_shard(model, tokenizer, chunk, config, mesh, encode)
+    arrays = encode_shard(tokenizer, chunk, config, mesh, encode)
     manifest["shards"].append(write_shard(out_dir, name, arrays, chunk))
     write_manifest(out_dir, manifest)
     log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
