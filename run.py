@@ -8,24 +8,40 @@ Modes:
   search   answer --query questions open-domain
   eval     open-domain evaluation: EM@k, F1@k, passage Top-k / MRR@20 / P@20
   data     write the configured data set (the synthetic one is generated) and print its counts
+  subcorpus  write the validation subcorpora C0, R_r, H_k (validation.kinds) of the corpus
+  mine     mine hard negatives for the training questions from the model's full index
 """
 import argparse
 import logging
+import os
 import sys
+import traceback
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument("mode", choices=["train", "eval_rc", "data", "dump", "index", "search", "eval"])
+  parser.add_argument("mode", choices=["train", "eval_rc", "data", "dump", "index", "search", "eval",
+                                           "subcorpus", "mine"])
   parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config field, e.g. --set eval.batch_size=16")
   parser.add_argument("--query", action="append", default=[], help="a question (search mode)")
+  hosts = parser.add_argument_group("many processes/hosts (jax.distributed; see README)")
+  hosts.add_argument("--coordinator", help="host:port of process 0")
+  hosts.add_argument("--num_processes", type=int)
+  hosts.add_argument("--process_id", type=int)
+  hosts.add_argument("--distributed", action="store_true",
+                     help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src.xla_bridge"):  # Orbax's per-save chatter, backend probing
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  from dpjax.distributed import initialize
+  try:
+    initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
+  except ValueError as e:
+    parser.error(str(e))
 
   from dpjax.config import load_config
   from dpjax.data import DataError
@@ -47,11 +63,33 @@ def main(argv=None) -> int:
         open_domain.run_search(config, args.workdir, args.query)
       else:
         {"dump": open_domain.run_dump, "index": open_domain.run_index,
-         "eval": open_domain.run_eval_open}[args.mode](config, args.workdir)
+         "eval": open_domain.run_eval_open, "subcorpus": open_domain.run_subcorpus,
+         "mine": open_domain.run_mine}[args.mode](config, args.workdir)
   except (DataError, DumpError) as e:
     logging.error("%s", e)
-    return 2
+    return _exit(2)
+  except BaseException:
+    if _many_processes():  # the others would wait for this one at the next barrier: end the job
+      traceback.print_exc()
+      return _exit(1)
+    raise
   return 0
+
+
+def _many_processes() -> bool:
+  import jax
+  return jax.process_count() > 1
+
+
+def _exit(code: int) -> int:
+  """In a multi-process job, exits at once (no shutdown barrier the other processes would never
+  reach): the coordination service then ends the whole job instead of letting it hang."""
+  if _many_processes():
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
 
 
 if __name__ == "__main__":

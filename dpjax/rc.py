@@ -8,6 +8,7 @@ all windows of the question's passage is the prediction; EM/F1 use the official 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -48,8 +49,15 @@ def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.nd
   return best_start, best_start + best_len, best
 
 
+class Encoders(NamedTuple):
+  """Jitted encoders `fn(state, input_ids, attention_mask)` of one model graph."""
+  phrases: Callable  # -> h [B, L, D]
+  questions: Callable  # -> (q_start, q_end) [B, D] each
+  phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2])
+
+
 @functools.lru_cache(maxsize=8)
-def make_encoders(graphdef: nnx.GraphDef):
+def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
   """Jitted phrase and question encoders taking the model state as an argument.
 
   Cached per graph definition, so evaluating every N steps of training compiles once.
@@ -63,14 +71,20 @@ def make_encoders(graphdef: nnx.GraphDef):
   def questions(state, input_ids, attention_mask):
     return nnx.merge(graphdef, state).encode_questions(input_ids, attention_mask)
 
-  return phrases, questions
+  @jax.jit
+  def phrases_and_filter(state, input_ids, attention_mask):
+    model = nnx.merge(graphdef, state)
+    h = model.encode_phrases(input_ids, attention_mask)
+    return h, model.filter_logits(h)
+
+  return Encoders(phrases, questions, phrases_and_filter)
 
 
 def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
                batch_size: int = 32, max_answer_length: int = 10) -> dict[int, str]:
   """Predicts an answer for every question of `features`; returns {question index: text}."""
   graphdef, state = nnx.split(model)
-  encode_phrases, encode_questions = make_encoders(graphdef)
+  encode_phrases, encode_questions, _ = make_encoders(graphdef)
   q_start = np.zeros((len(features.question_input_ids), model.config.hidden_size), np.float32)
   q_end = np.zeros_like(q_start)
   for rows, (qs, qe) in map_batches(lambda i, m: encode_questions(state, i, m),
@@ -113,7 +127,9 @@ def evaluate_rc(model, features: RCFeatures, passages: list[Passage], questions:
 
 
 def run_eval_rc(config, workdir: str) -> dict:
-  """`run.py eval_rc`: reading-comprehension EM/F1 of the configured model on the dev split.
+  """`run.py eval_rc`: reading-comprehension EM/F1 on the dev split of the workdir's model (its
+  latest checkpoint, or the best one with `eval.checkpoint=best`; the untrained configured model
+  when the workdir has no checkpoint).
 
   Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
   """
@@ -122,7 +138,7 @@ def run_eval_rc(config, workdir: str) -> dict:
   import pathlib
 
   from dpjax.data import Tokenizer, data_files, load_rc_split
-  from dpjax.models import create_model
+  from dpjax.open_domain import restore_model
   from dpjax.parallel import make_mesh, round_to_devices
 
   workdir = pathlib.Path(workdir)
@@ -130,7 +146,7 @@ def run_eval_rc(config, workdir: str) -> dict:
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
                       limit=config.eval.limit or None)
-  model = create_model(config.model)
+  model, step = restore_model(config, workdir)
   mesh = make_mesh()
   batch_size = round_to_devices(config.eval.batch_size, mesh)
   scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
@@ -138,6 +154,6 @@ def run_eval_rc(config, workdir: str) -> dict:
                                     max_answer_length=config.eval.max_answer_length)
   logging.getLogger(__name__).info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path,
                                    scores["exact_match"], scores["f1"], scores["count"])
-  (workdir / "rc_eval.json").write_text(json.dumps(scores, indent=1))
+  (workdir / "rc_eval.json").write_text(json.dumps({**scores, "step": step}, indent=1))
   (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
   return scores

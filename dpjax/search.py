@@ -57,7 +57,36 @@ class PhraseIndex:
     if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
       faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                  nprobe or self.manifest["nprobe"])
-    self.kept = np.load(directory / "kept_tokens.npy")
+    if self.manifest.get("labels") != "token_id":
+      raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
+                      "rebuild it with `run.py index`")
+    self._setup()
+
+  @classmethod
+  def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None) -> "PhraseIndex":
+    """An exact (Flat, in memory) index over the tokens of some passages of a dump (default all).
+
+    Phrase vectors do not depend on the other passages of a corpus, so the index of any
+    subcorpus is a subset of the full dump's tokens: validation subcorpora need no new dump.
+    """
+    self = cls.__new__(cls)
+    self.dump = dump
+    rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
+    tokens = np.flatnonzero(np.isin(dump.token_passage, rows))
+    self.index = faiss.index_factory(dump.vectors.shape[1], "IDMap,Flat",
+                                     faiss.METRIC_INNER_PRODUCT)
+    for lo in range(0, len(tokens), 1 << 18):
+      part = tokens[lo:lo + (1 << 18)]
+      self.index.add_with_ids(dump.vectors[part].astype(np.float32), part)
+    self.manifest = {"spec": "Flat", "resolved_spec": "Flat", "labels": "token_id",
+                     "num_tokens": int(len(tokens)), "num_passages": int(len(rows)),
+                     "fingerprint": dump.manifest["fingerprint"], "build_seconds": 0.0,
+                     "index_bytes": int(len(tokens)) * (4 * dump.vectors.shape[1] + 8)}
+    self._setup()
+    return self
+
+  def _setup(self) -> None:
+    self.num_vectors = int(self.manifest["num_tokens"])
     token_passage = self.dump.token_passage
     num_passages = len(self.dump.passages)
     self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
@@ -69,8 +98,8 @@ class PhraseIndex:
     return self.dump.manifest["fingerprint"]
 
   def _hits(self, queries: np.ndarray, k: int) -> np.ndarray:
-    _, rows = self.index.search(np.ascontiguousarray(queries, np.float32), k)
-    return np.where(rows >= 0, self.kept[np.maximum(rows, 0)], -1)  # [Q, k] token ids
+    _, labels = self.index.search(np.ascontiguousarray(queries, np.float32), k)
+    return labels  # [Q, k] token ids (faiss labels), -1 where fewer than k were found
 
   def _pair(self, anchors, queries_anchor, queries_other, max_len: int, forward: bool):
     """Best partner of each anchor token. Returns (partner ids, total scores), [Q, k] each."""
@@ -95,7 +124,7 @@ class PhraseIndex:
                      top_tokens: int | None = None, max_answer_length: int = 10,
                      ) -> list[list[Phrase]]:
     """Top-k phrases for each question vector pair (q_start, q_end: [Q, D])."""
-    top_tokens = min(max(top_tokens or k, k), len(self.kept))
+    top_tokens = min(max(top_tokens or k, k), self.num_vectors)
     # Rescoring gathers [queries, top_tokens, max_answer_length, D] vectors: bound that memory.
     chunk = max(1, _RESCORE_FLOATS // (top_tokens * max_answer_length * q_start.shape[1]))
     results = []
@@ -173,17 +202,18 @@ class PhraseIndex:
         for phrase in found:
           best.setdefault(self.unit_key(phrase, unit), phrase)
         units[q] = [(p, key) for key, p in list(best.items())[:k]]
-        if len(units[q]) < k and fetch < len(self.kept):
+        if len(units[q]) < k and fetch < self.num_vectors:
           short.append(q)
       pending = np.array(short, dtype=np.int64)
-      fetch = min(fetch * 4, len(self.kept))
+      fetch = min(fetch * 4, self.num_vectors)
     return units
 
   def result(self, phrase: Phrase, unit: str = "phrase") -> dict:
     """A JSON-friendly description of a retrieved phrase (and its unit)."""
     passage = self.dump.passages[phrase.passage]
     out = {"answer": phrase.text, "score": phrase.score, "start_char": phrase.start_char,
-           "end_char": phrase.end_char, "passage_id": passage.id, "title": passage.title,
+           "end_char": phrase.end_char, "passage_id": passage.id,
+           "passage_row": phrase.passage, "title": passage.title,
            "passage": passage.text}
     if unit == "sentence":
       s, e = self.sentence_of(phrase)
@@ -209,7 +239,7 @@ class DensePhrases:
     self.mesh = mesh or make_mesh()
     self.batch_size = round_to_devices(batch_size, self.mesh)
     graphdef, self.state = nnx.split(model)
-    _, self._encode = make_encoders(graphdef)
+    self._encode = make_encoders(graphdef).questions
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     from dpjax.parallel import map_batches

@@ -203,7 +203,8 @@ def generate(seed: int = 0, num_train_entities: int = 240, num_dev_entities: int
 def write_synthetic(out_dir: str | os.PathLike, **kwargs) -> dict[str, pathlib.Path]:
   """Writes train.json, dev.json and corpus.json (all paragraphs) to `out_dir`.
 
-  Files are written to a temporary name and renamed, so a killed run leaves no partial file.
+  Files are written to a temporary name and renamed, so a killed run leaves no partial file (and
+  processes of one multi-process job, which all write the same content, do not collide).
   """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,7 @@ def write_synthetic(out_dir: str | os.PathLike, **kwargs) -> dict[str, pathlib.P
   paths = {}
   for name, content in [("train", splits["train"]), ("dev", splits["dev"]), ("corpus", corpus)]:
     path = out_dir / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
     os.replace(tmp, path)
     paths[name] = path

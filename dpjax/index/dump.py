@@ -11,10 +11,12 @@ passage and each token is stored once. A shard holds, for `shard_passages` passa
   char_spans.npy     [T, 2] int32    characters [start, end) of each token in its passage text
   passages.jsonl                     {"id", "title", "text"} of the shard's passages
 
-Shards are written into `<name>.tmp` and renamed when complete; `manifest.json` is rewritten after
-every shard and says `"complete": true` only when the whole corpus is done. Running the dump
-again resumes after the last complete shard; a dump that is not complete is refused by the
-indexer. The manifest carries a fingerprint of the phrase encoder so that search can check that
+  shard.json                         {"name", "passages", "tokens"}
+
+Shards are written into `<name>.tmp` and renamed when complete; `manifest.json` says
+`"complete": true` (and lists the shards) only when the whole corpus is done. Running the dump
+again redoes only the missing shards; a dump that is not complete is refused by the indexer.
+Several processes can dump together, each encoding its own shards (see `dump_phrases`). The manifest carries a fingerprint of the phrase encoder so that search can check that
 questions are encoded by the model that produced the vectors.
 """
 from __future__ import annotations
@@ -34,13 +36,16 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dpjax import distributed
 from dpjax.corpus import CorpusPassage
 from dpjax.data.squad import Passage, build_windows
 from dpjax.data.tokenization import Tokenizer
 from dpjax.parallel import map_batches
+from dpjax.rc import make_encoders
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+SHARD_INFO = "shard.json"
 
 
 class DumpError(RuntimeError):
@@ -76,18 +81,35 @@ def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
   os.replace(tmp, directory / MANIFEST)
 
 
+def read_manifest(directory: str | os.PathLike) -> dict:
+  """The manifest of a complete dump (DumpError when missing or incomplete)."""
+  directory = pathlib.Path(directory)
+  if not (directory / MANIFEST).is_file():
+    raise DumpError(f"{directory}: no {MANIFEST}: not a phrase dump (run `run.py dump`)")
+  manifest = json.loads((directory / MANIFEST).read_text())
+  if not manifest.get("complete"):
+    raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
+                    "same dump command again to finish it")
+  return manifest
+
+
 def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
                 passages: list[CorpusPassage]) -> dict:
   """Writes one shard atomically (temporary directory, then rename); returns its manifest entry."""
   tmp = directory / f"{name}.tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir()
   for key, value in arrays.items():
     np.save(tmp / f"{key}.npy", value)
   with (tmp / "passages.jsonl").open("w", encoding="utf-8") as f:
     for p in passages:
       f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
+  entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
+  (tmp / SHARD_INFO).write_text(json.dumps(entry))
+  if (directory / name).exists():  # an unfinished shard of an older layout: replace it
+    shutil.rmtree(directory / name)
   os.replace(tmp, directory / name)
-  return {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
+  return entry
 
 
 def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: DumpConfig,
@@ -109,19 +131,16 @@ def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: Du
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 
 
-def make_phrase_encoder(graphdef):
-  @jax.jit
-  def encode(state, input_ids, attention_mask):
-    model = nnx.merge(graphdef, state)
-    h = model.encode_phrases(input_ids, attention_mask)
-    return h, model.filter_logits(h)
-  return encode
-
-
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
                  model_info: dict | None = None) -> dict:
-  """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest."""
+  """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
+
+  With several processes (`dpjax.distributed`) every process runs this with the same corpus:
+  shard n is encoded by process n mod P on its own devices (`mesh` should be the process's local
+  mesh), and process 0 writes the manifest once all shards exist. A shard is done when its
+  directory exists (it is renamed into place complete), so a rerun resumes with the missing ones.
+  """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   fingerprint = encoder_fingerprint(model)
@@ -137,31 +156,52 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
       log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
                old["num_passages"], old["num_tokens"])
       return old
-    manifest["shards"] = old["shards"]
-  for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
-    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-  done = sum(s["passages"] for s in manifest["shards"])
-  if done:
-    log.info("%s: resuming after %d shards (%d passages)", out_dir, len(manifest["shards"]), done)
+  if distributed.is_main():
+    for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
+      shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    write_manifest(out_dir, manifest)
+  distributed.barrier("dump-start")
   graphdef, state = nnx.split(model)
-  jitted = make_phrase_encoder(graphdef)
+  jitted = make_encoders(graphdef).phrases_and_filter
   encode = lambda ids, mask: jitted(state, ids, mask)
   start = time.perf_counter()
-  stream = itertools.islice(passages, done, None)
-  for chunk in _batches(stream, config.shard_passages):
-    name = f"shard_{len(manifest['shards']):05d}"
+  num_shards = resumed = 0
+  for number, chunk in enumerate(_batches(passages, config.shard_passages)):
+    num_shards += 1
+    name = shard_name(number)
+    if not distributed.process_share(number):
+      continue
+    if (out_dir / name / SHARD_INFO).is_file():
+      resumed += 1
+      continue
     arrays = encode_shard(tokenizer, chunk, config, mesh, encode)
-    manifest["shards"].append(write_shard(out_dir, name, arrays, chunk))
-    write_manifest(out_dir, manifest)
+    write_shard(out_dir, name, arrays, chunk)
     log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
-  if not manifest["shards"]:
+  if resumed:
+    log.info("%s: %d shards were already done (resumed)", out_dir, resumed)
+  if not num_shards:
     raise DumpError(f"{out_dir}: the corpus is empty")
-  manifest.update(complete=True,
-                  num_passages=sum(s["passages"] for s in manifest["shards"]),
-                  num_tokens=sum(s["tokens"] for s in manifest["shards"]),
-                  seconds=time.perf_counter() - start)
-  write_manifest(out_dir, manifest)
-  return manifest
+  distributed.barrier("dump-shards")
+  if distributed.is_main():
+    manifest["shards"] = [json.loads((out_dir / shard_name(n) / SHARD_INFO).read_text())
+                          for n in range(num_shards)]
+    manifest.update(complete=True,
+                    num_passages=sum(s["passages"] for s in manifest["shards"]),
+                    num_tokens=sum(s["tokens"] for s in manifest["shards"]),
+                    seconds=time.perf_counter() - start, processes=jax.process_count())
+    write_manifest(out_dir, manifest)
+  distributed.barrier("dump-manifest")
+  return read_manifest(out_dir)
+
+
+def shard_name(number: int) -> str:
+  return f"shard_{number:05d}"
+
+
+def shard_token_offsets(manifest: dict) -> np.ndarray:
+  """Global id of each shard's first token (and the total at the end), [num_shards + 1]."""
+  return np.concatenate([[0], np.cumsum([s["tokens"] for s in manifest["shards"]])]).astype(
+      np.int64)
 
 
 @dataclasses.dataclass
@@ -179,12 +219,7 @@ class Dump:
   @classmethod
   def load(cls, directory: str | os.PathLike) -> "Dump":
     directory = pathlib.Path(directory)
-    if not (directory / MANIFEST).is_file():
-      raise DumpError(f"{directory}: no {MANIFEST}: not a phrase dump (run `run.py dump`)")
-    manifest = json.loads((directory / MANIFEST).read_text())
-    if not manifest.get("complete"):
-      raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
-                      "same dump command again to finish it")
+    manifest = read_manifest(directory)
     arrays = {k: [] for k in ("vectors", "filter_logits", "token_passage", "char_spans")}
     passages, offset = [], 0
     for shard in manifest["shards"]:

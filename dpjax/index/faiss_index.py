@@ -4,9 +4,9 @@
 `OPQ<m>,IVF<nlist>,PQ<m>x<bits>`; `IVFauto` picks nlist ~ 4 sqrt(N). On small corpora nlist is
 clamped to N / 39 (faiss's minimum training points per centroid) and PQ bits to log2(N), with a
 log line saying so, instead of failing. A token-filter threshold drops tokens whose start and end
-filter logits are both below it. The index is written with `kept_tokens.npy` (faiss row -> token
-id in the dump) and a manifest (spec, counts, nprobe, the dump's fingerprint) into
-`<dump>/indexes/<name>/`, via a temporary directory renamed when complete.
+filter logits are both below it. Every vector is added with its global token id in the dump as
+faiss label, and the index is written with a manifest (spec, counts, nprobe, the dump's
+fingerprint) into `<dump>/indexes/<name>/`, via a temporary directory renamed when complete.
 """
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ import shutil
 import time
 
 import faiss
+import jax
 import numpy as np
 
-from dpjax.index.dump import Dump, DumpError
+from dpjax import distributed
+from dpjax.index.dump import DumpError, read_manifest, shard_token_offsets
 
 log = logging.getLogger(__name__)
 MANIFEST = "index_manifest.json"
@@ -55,54 +57,121 @@ def _use_gpu() -> bool:
   return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
+def _shard_arrays(dump_dir: pathlib.Path, shard: dict, key: str) -> np.ndarray:
+  path = dump_dir / shard["name"] / f"{key}.npy"
+  try:
+    return np.load(path, mmap_mode="r")
+  except (OSError, ValueError) as e:
+    raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); delete the "
+                    "dump and run it again") from None
+
+
+def _kept(dump_dir: pathlib.Path, shard: dict, filter_threshold: float | None) -> np.ndarray:
+  """Shard-local rows of the tokens that pass the filter."""
+  if filter_threshold is None:
+    return np.arange(shard["tokens"], dtype=np.int64)
+  logits = np.asarray(_shard_arrays(dump_dir, shard, "filter_logits"), np.float32)
+  return np.flatnonzero(logits.max(1) >= filter_threshold)
+
+
 def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | None = None,
                 filter_threshold: float | None = None, train_size: int = 1_000_000,
                 nprobe: int = 256, seed: int = 0) -> pathlib.Path:
-  """Builds and writes a faiss index over a complete dump; returns the index directory."""
-  dump = Dump.load(dump_dir)
-  vectors = dump.vectors
-  kept = np.arange(len(vectors), dtype=np.int64)
+  """Builds and writes a faiss index over a complete dump; returns the index directory.
+
+  The index's labels are the dump's global token ids. Shards are read one at a time (memory
+  mapped), so memory holds the index and one shard. With several processes
+  (`dpjax.distributed`): process 0 trains the (empty) index on a sample of all shards, every
+  process adds the vectors of its own shards (shard n: process n mod P) to a copy, and process 0
+  merges the parts (faiss `merge_from`) into one index.
+  """
+  dump_dir = pathlib.Path(dump_dir)
+  dump = read_manifest(dump_dir)
+  shards = dump["shards"]
+  offsets = shard_token_offsets(dump)
+  kept_counts = [len(_kept(dump_dir, s, filter_threshold)) for s in shards]
+  total_kept = sum(kept_counts)
   if filter_threshold is not None:
-    kept = np.flatnonzero(dump.filter_logits.astype(np.float32).max(1) >= filter_threshold)
-    log.info("filter threshold %.3f keeps %d of %d tokens (%.1f%%)", filter_threshold, len(kept),
-             len(vectors), 100 * len(kept) / max(len(vectors), 1))
-  if not len(kept):
+    log.info("filter threshold %.3f keeps %d of %d tokens (%.1f%%)", filter_threshold,
+             total_kept, offsets[-1], 100 * total_kept / max(offsets[-1], 1))
+  if not total_kept:
     raise DumpError(f"{dump_dir}: no token passes the filter threshold {filter_threshold}")
-  resolved, notes = resolve_spec(spec, len(kept), train_size)
+  resolved, notes = resolve_spec(spec, total_kept, train_size)
   for note in notes:
     log.warning("%s", note)
-  dim = vectors.shape[1]
-  start = time.perf_counter()
-  index = (faiss.IndexFlatIP(dim) if resolved == "Flat"
-           else faiss.index_factory(dim, resolved, faiss.METRIC_INNER_PRODUCT))
-  if _use_gpu():
-    index = faiss.index_cpu_to_all_gpus(index)
-  if not index.is_trained:
-    rng = np.random.default_rng(seed)
-    sample = np.sort(rng.choice(kept, size=min(train_size, len(kept)), replace=False))
-    index.train(vectors[sample].astype(np.float32))
-  for lo in range(0, len(kept), 1 << 18):  # bounded float32 copies
-    index.add(vectors[kept[lo:lo + (1 << 18)]].astype(np.float32))
-  if _use_gpu():
-    index = faiss.index_gpu_to_cpu(index)
-  seconds = time.perf_counter() - start
+  dim = dump["dim"]
   name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + (
       f"_filter{filter_threshold:g}" if filter_threshold is not None else "")
-  final = pathlib.Path(dump_dir) / "indexes" / name
+  final = dump_dir / "indexes" / name
   tmp = final.with_name(final.name + ".tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
-  faiss.write_index(index, str(tmp / "index.faiss"))
-  np.save(tmp / "kept_tokens.npy", kept)
-  manifest = {"spec": spec, "resolved_spec": resolved, "notes": notes,
-              "num_tokens": int(len(kept)), "dump_tokens": int(len(vectors)),
-              "filter_threshold": filter_threshold, "nprobe": nprobe,
-              "fingerprint": dump.manifest["fingerprint"], "build_seconds": seconds,
-              "index_bytes": (tmp / "index.faiss").stat().st_size}
-  (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-  if final.exists():
-    shutil.rmtree(final)
-  os.replace(tmp, final)
-  log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, len(kept), resolved,
-           seconds, manifest["index_bytes"] / len(kept))
+  main, rank = distributed.is_main(), jax.process_index()
+  start = time.perf_counter()
+  if main:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    index = faiss.index_factory(dim, "IDMap," + resolved if resolved == "Flat" else resolved,
+                                faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+      index = _train(index, dump_dir, shards, offsets, kept_counts, filter_threshold,
+                     min(train_size, total_kept), seed)
+    if jax.process_count() > 1:
+      faiss.write_index(index, str(tmp / "trained.faiss"))
+  distributed.barrier(f"index-{name}-trained")
+  if jax.process_count() > 1:  # every part read back from the file: types match for merging
+    index = faiss.read_index(str(tmp / "trained.faiss"))
+  adder = faiss.index_cpu_to_all_gpus(index) if _use_gpu() and resolved != "Flat" else index
+  for number, shard in enumerate(shards):
+    if not distributed.process_share(number):
+      continue
+    rows = _kept(dump_dir, shard, filter_threshold)
+    vectors = _shard_arrays(dump_dir, shard, "vectors")
+    for lo in range(0, len(rows), 1 << 18):  # bounded float32 copies
+      part = rows[lo:lo + (1 << 18)]
+      adder.add_with_ids(np.asarray(vectors[part], np.float32), part + offsets[number])
+  index = faiss.index_gpu_to_cpu(adder) if adder is not index else index
+  if jax.process_count() > 1:
+    if not main:
+      faiss.write_index(index, str(tmp / f"part_{rank}.faiss"))
+    distributed.barrier(f"index-{name}-parts")
+    if main:
+      for other in range(1, jax.process_count()):
+        part_path = tmp / f"part_{other}.faiss"
+        part = faiss.read_index(str(part_path))
+        index.merge_from(part, 0) if "IVF" in resolved else index.merge_from(part)
+        part_path.unlink()
+      (tmp / "trained.faiss").unlink()
+  if main:
+    if index.ntotal != total_kept:
+      raise DumpError(f"{final}: the index holds {index.ntotal} vectors, expected {total_kept}")
+    seconds = time.perf_counter() - start
+    faiss.write_index(index, str(tmp / "index.faiss"))
+    manifest = {"spec": spec, "resolved_spec": resolved, "notes": notes,
+                "labels": "token_id", "num_tokens": int(total_kept),
+                "dump_tokens": int(offsets[-1]), "filter_threshold": filter_threshold,
+                "nprobe": nprobe, "fingerprint": dump["fingerprint"], "build_seconds": seconds,
+                "processes": jax.process_count(),
+                "index_bytes": (tmp / "index.faiss").stat().st_size}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if final.exists():
+      shutil.rmtree(final)
+    os.replace(tmp, final)
+    log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, total_kept, resolved,
+             seconds, manifest["index_bytes"] / total_kept)
+  distributed.barrier(f"index-{name}-done")
   return final
+
+
+def _train(index, dump_dir, shards, offsets, kept_counts, filter_threshold, size: int, seed: int):
+  """Trains `index` on `size` kept tokens drawn uniformly (seeded) from all shards."""
+  rng = np.random.default_rng(seed)
+  picks = np.sort(rng.choice(sum(kept_counts), size=size, replace=False))  # kept-token ordinals
+  bounds = np.concatenate([[0], np.cumsum(kept_counts)])
+  sample = []
+  for number, shard in enumerate(shards):
+    mine = picks[(picks >= bounds[number]) & (picks < bounds[number + 1])] - bounds[number]
+    if len(mine):
+      rows = _kept(dump_dir, shard, filter_threshold)[mine]
+      sample.append(np.asarray(_shard_arrays(dump_dir, shard, "vectors")[rows], np.float32))
+  trainer = faiss.index_cpu_to_all_gpus(index) if _use_gpu() else index
+  trainer.train(np.concatenate(sample))
+  return faiss.index_gpu_to_cpu(trainer) if trainer is not index else index

@@ -1,0 +1,67 @@
+"""Running one program on many processes/hosts with JAX's multi-controller runtime.
+
+Every process runs the same `run.py` command. `initialize` connects them (`jax.distributed`);
+afterwards `jax.devices()` lists the devices of all processes, the training mesh spans them,
+each process feeds its own rows of every global batch, and only process 0 writes logs, metrics
+and result files (Orbax coordinates the checkpoint writes itself). Work that needs no
+communication (encoding a corpus for the dump, adding vectors to an index) is split into
+disjoint, deterministic shares by `process_share`.
+
+  # explicit (any machines, including several processes on one CPU host):
+  python run.py train ... --coordinator 10.0.0.1:1234 --num_processes 2 --process_id 0
+  # cluster environments JAX detects by itself (SLURM, Open MPI, Cloud TPU pods, ...):
+  python run.py train ... --distributed
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+from jax.experimental import multihost_utils
+
+log = logging.getLogger(__name__)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, auto: bool = False) -> bool:
+  """Joins the multi-process runtime when asked; returns whether it did.
+
+  Args:
+    coordinator: "host:port" of process 0's coordination service.
+    num_processes, process_id: this job's size and this process's rank.
+    auto: let JAX read the cluster environment (SLURM, Open MPI, TPU pod metadata, ...).
+  """
+  explicit = [coordinator, num_processes, process_id]
+  if not auto and all(x is None for x in explicit):
+    return False
+  if not auto and any(x is None for x in explicit):
+    raise ValueError("--coordinator, --num_processes and --process_id go together "
+                     "(or use --distributed to read them from the cluster environment)")
+  # Cross-process collectives of the CPU backend (for CPU-only hosts and tests); other
+  # backends use their own (NCCL, ICI) and ignore this.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if auto:
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+  log.info("process %d of %d: %d local devices, %d global", jax.process_index(),
+           jax.process_count(), jax.local_device_count(), jax.device_count())
+  if jax.process_index() != 0:  # one process speaks for the job
+    logging.getLogger().setLevel(logging.WARNING)
+  return True
+
+
+def is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (no-op in a single process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def process_share(item: int) -> bool:
+  """Whether work item `item` (a shard number) belongs to this process (round-robin)."""
+  return item % jax.process_count() == jax.process_index()

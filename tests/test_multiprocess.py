@@ -1,0 +1,112 @@
+"""Two processes on localhost (CPU, 2 forced devices each) on JAX's distributed runtime.
+
+The commands are the README's "Running on many hosts" ones: `run.py MODE ... --coordinator
+127.0.0.1:PORT --num_processes 2 --process_id I`, with XLA_FLAGS forcing 2 CPU devices each.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import faiss
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+CONFIG = "experiments/demo.py:tiny"
+SETTINGS = ["--set", "index.shard_passages=7", "--set", "index.specs=['Flat','IVF8,SQ8']"]
+
+
+def _env(devices: int) -> dict:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  return env
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(mode: str, workdir, *, processes: int, devices: int):
+  """Runs `run.py mode` as `processes` processes of `devices` devices each; waits for all."""
+  command = [sys.executable, "run.py", mode, "--config", CONFIG, "--workdir", str(workdir),
+             *SETTINGS]
+  if processes == 1:
+    launched = [subprocess.Popen(command, cwd=REPO, env=_env(devices), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)]
+  else:
+    address = f"127.0.0.1:{_free_port()}"
+    launched = [subprocess.Popen(
+        command + ["--coordinator", address, "--num_processes", str(processes),
+                   "--process_id", str(rank)], cwd=REPO, env=_env(devices),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(processes)]
+  outputs = []
+  for process in launched:
+    try:
+      outputs.append(process.communicate(timeout=600)[0])
+    except subprocess.TimeoutExpired:
+      for p in launched:
+        p.kill()
+      raise
+  for rank, (process, output) in enumerate(zip(launched, outputs)):
+    assert process.returncode == 0, f"{mode} process {rank} failed:\n{output[-4000:]}"
+  return outputs
+
+
+def _losses(workdir) -> list[float]:
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [r["loss"] for r in rows if r["split"] == "train"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_dump_and_merged_index(tmp_path):
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  # Training: 2 processes x 2 devices == 1 process x 4 devices, same global batch of 8.
+  _run("train", multi, processes=2, devices=2)
+  _run("train", single, processes=1, devices=4)
+  expected = _losses(single)
+  assert len(expected) == 6  # tiny: 6 steps, the pre-batch queue active from step 3
+  np.testing.assert_allclose(_losses(multi), expected, rtol=1e-5)
+  assert (multi / "results.json").is_file() and (multi / "checkpoints" / "6").is_dir()
+
+  # Dump: each process encodes its own shards; the result equals a one-process dump.
+  _run("dump", multi, processes=2, devices=2)
+  _run("dump", single, processes=1, devices=4)
+  from dpjax.index.dump import Dump
+  two, one = Dump.load(multi / "dump"), Dump.load(single / "dump")
+  assert two.manifest["processes"] == 2 and len(two.manifest["shards"]) >= 4
+  assert [s["tokens"] for s in two.manifest["shards"]] == [
+      s["tokens"] for s in one.manifest["shards"]]
+  assert two.passages == one.passages
+  np.testing.assert_array_equal(two.token_passage, one.token_passage)
+  np.testing.assert_array_equal(two.char_spans, one.char_spans)
+  np.testing.assert_allclose(two.vectors.astype(np.float32), one.vectors.astype(np.float32),
+                             atol=2e-3, rtol=2e-3)
+
+  # Index: built by 2 processes (parts merged by process 0) == built by one process.
+  _run("index", multi, processes=2, devices=2)
+  from dpjax.index.faiss_index import build_index
+  queries = np.random.default_rng(0).standard_normal((16, two.vectors.shape[1]), np.float32)
+  for name, spec in [("Flat", "Flat"), ("IVF8_SQ8", "IVF8,SQ8")]:
+    merged_dir = multi / "dump" / "indexes" / name
+    manifest = json.loads((merged_dir / "index_manifest.json").read_text())
+    assert manifest["processes"] == 2 and manifest["num_tokens"] == len(two.vectors)
+    alone_dir = build_index(multi / "dump", spec, name=f"one_process_{name}", nprobe=8)
+    merged = faiss.read_index(str(merged_dir / "index.faiss"))
+    alone = faiss.read_index(str(alone_dir / "index.faiss"))
+    for index in (merged, alone):
+      if "IVF" in spec:
+        faiss.ParameterSpace().set_index_parameter(index, "nprobe", 8)
+    assert merged.ntotal == alone.ntotal == len(two.vectors)
+    scores_m, ids_m = merged.search(queries, 10)
+    scores_a, ids_a = alone.search(queries, 10)
+    np.testing.assert_array_equal(ids_m, ids_a)
+    np.testing.assert_allclose(scores_m, scores_a, rtol=1e-6)
+    if spec == "Flat":  # labels are global token ids: the exact top-10 by brute force
+      exact = np.argsort(-(queries @ two.vectors.astype(np.float32).T), axis=1)[:, :10]
+      np.testing.assert_array_equal(ids_m, exact)
