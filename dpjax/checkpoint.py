@@ -20,22 +20,33 @@ log = logging.getLogger(__name__)
 class Checkpointer:
   """Saves and restores `(state, meta)` pairs under `directory`."""
 
-  def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
+  def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, best_metric: str = ""):
+    """Keeps the `keep` latest checkpoints, or with `best_metric` the `keep` best by that metric
+    (higher is better; `save` then needs `metrics`)."""
     self.directory = pathlib.Path(directory).absolute()
+    self.best_metric = best_metric
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, cleanup_tmp_directories=True,
-        enable_async_checkpointing=False)
+        enable_async_checkpointing=False,
+        best_fn=(lambda metrics: metrics[best_metric]) if best_metric else None,
+        best_mode="max", keep_checkpoints_without_metrics=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "meta"))
 
-  def save(self, step: int, state: Any, meta: dict) -> None:
+  def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None) -> None:
+    if self.best_metric and (not metrics or self.best_metric not in metrics):
+      raise ValueError(f"a best-{self.best_metric} checkpoint needs that metric, got {metrics}")
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+                                                    meta=ocp.args.JsonSave(meta)),
+                      metrics=metrics, force=True)
     self.manager.wait_until_finished()
     log.info("saved checkpoint %d to %s", step, self.directory)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def best_step(self) -> int | None:
+    return self.manager.best_step() if self.best_metric else self.manager.latest_step()
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
     """Restores `step` (default: the latest complete one) into the shapes/shardings given.

@@ -91,6 +91,8 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       "checkpoint_every": 500,
       "keep_checkpoints": 2,
       "progress_bar": True,
+      # Mined hard negatives (`run.py mine`): h passages per example, all their tokens N_hard.
+      "hard_negatives": {"file": "", "per_example": 1},
       "loss": {
           "recipe": "unified",  # or "original"
           # unified (Kim et al. Eq. 2): lambda of each negative type; 0 switches a type off.
@@ -108,6 +110,33 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def validation_config(**overrides) -> ml_collections.ConfigDict:
+  """Validation on a subcorpus during training (off unless `corpus` and `every_steps` are set)."""
+  config = ml_collections.ConfigDict({
+      "corpus": "",  # a subcorpus file (`run.py subcorpus` writes C0, R_r, H_k)
+      "questions": "",  # dev questions; empty: the dev split
+      "every_steps": 0,
+      "metric": "em@1",  # selects the best checkpoint (workdir/checkpoints_best)
+      "limit": 0,  # use only the first N questions (0: all)
+      # `run.py subcorpus`: which subcorpora to write, the full index and depth for H_k.
+      "kinds": ["C0", "R0.1", "R0.333", "H1", "H2", "H4", "H8", "H16", "H32"],
+      "seed": 0,
+  })
+  config.update(overrides)
+  return config
+
+
+def mine_config(**overrides) -> ml_collections.ConfigDict:
+  """`run.py mine`: hard negatives of the training questions from the model's full index."""
+  config = ml_collections.ConfigDict({
+      "top_k": 100,  # phrases retrieved per question
+      "out": "hard_negatives.jsonl",  # relative to the workdir
+      "limit": 0,  # mine only the first N training questions (0: all)
+  })
+  config.update(overrides)
+  return config
+
+
 def index_config(**overrides) -> ml_collections.ConfigDict:
   """Dump / index / search settings."""
   config = ml_collections.ConfigDict({
@@ -118,6 +147,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "shard_passages": 2000,
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
+      "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers
       "filter_threshold": ml_collections.config_dict.placeholder(float),
       "search_index": "Flat",  # index name (directory under dump/indexes) for search and eval
       "top_k": 5,

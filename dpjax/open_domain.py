@@ -24,14 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def restore_model(config, workdir: pathlib.Path):
-  """The configured model with the parameters of the latest checkpoint in `workdir`."""
+  """The configured model with the parameters of the latest checkpoint in `workdir` (or of the
+  best one by validation, `eval.checkpoint=best`)."""
   from dpjax.checkpoint import Checkpointer, abstract_like
   from dpjax.models import create_model
   from dpjax.parallel import make_mesh
   from dpjax.train import init_state, make_optimizer
 
   model = create_model(config.model)
-  checkpoints = workdir / "checkpoints"
+  which = config.eval.get("checkpoint", "latest")
+  if which not in ("latest", "best"):
+    raise ValueError(f"eval.checkpoint must be 'latest' or 'best', not {which!r}")
+  checkpoints = workdir / ("checkpoints_best" if which == "best" else "checkpoints")
+  if which == "best" and not checkpoints.is_dir():
+    raise DataError(f"{checkpoints}: no best checkpoint (train with validation.every_steps)")
   if not checkpoints.is_dir():
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir,
                 config.model.name if config.model.init == "pretrained" else "random")
@@ -42,7 +48,7 @@ def restore_model(config, workdir: pathlib.Path):
                            batch_size=config.train.batch_size,
                            length=config.data.max_seq_length, seed=0, mesh=make_mesh())
   checkpointer = Checkpointer(checkpoints)
-  restored = checkpointer.restore(abstract_like(state))
+  restored = checkpointer.restore(abstract_like(state))  # the best dir keeps only the best
   checkpointer.close()
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
@@ -99,7 +105,7 @@ def run_dump(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   paths = _paths(config, workdir)
   model, step = restore_model(config, workdir)
-  mesh = make_mesh()
+  mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
@@ -121,7 +127,8 @@ def run_index(config, workdir: str) -> list[pathlib.Path]:
   from dpjax.index.faiss_index import build_index
   dump = pathlib.Path(workdir) / config.index.dump_name
   return [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
-                      nprobe=config.index.nprobe) for spec in config.index.specs]
+                      train_size=config.index.train_size, nprobe=config.index.nprobe)
+          for spec in config.index.specs]
 
 
 def _searcher(config, workdir: pathlib.Path, index_name: str):
@@ -196,3 +203,71 @@ def run_eval_open(config, workdir: str) -> dict:
     print(f"  Q: {q['question']}  gold: {q['answers'][0]!r}  predicted: {r[0]['answer']!r}"
           if r else f"  Q: {q['question']}  (no answer)")
   return report
+
+
+def run_subcorpus(config, workdir: str) -> dict:
+  """Writes the validation subcorpora `validation.kinds` (C0, R<r>, H<k>, full) of the corpus to
+  workdir/subcorpora/<kind>.jsonl with their metadata; H_k uses the model and the full index."""
+  from dpjax.corpus import read_corpus
+  from dpjax.data import SkipSummary
+  from dpjax.index.dump import MANIFEST, Dump
+  from dpjax import validation
+
+  workdir = pathlib.Path(workdir)
+  paths = _paths(config, workdir)
+  summary = SkipSummary()
+  corpus = list(read_corpus(paths["corpus"], summary))
+  c0 = validation.gold_rows(corpus, paths["questions"])
+  kinds = list(config.validation.kinds)
+  hard_ks = [int(v) for n, v in map(validation.parse_kind, kinds) if n == "H"]
+  dump = Dump.load(paths["dump"]) if (paths["dump"] / MANIFEST).is_file() else None
+  if dump is not None and [p.id for p in dump.passages] != [p.id for p in corpus]:
+    raise DataError(f"{paths['dump']} is not a dump of the configured corpus "
+                    f"({len(dump.passages)} vs {len(corpus)} passages, or another order)")
+  retrieved, provenance = None, {"corpus": paths["corpus"], "questions": paths["questions"],
+                                 "seed": config.validation.seed}
+  if hard_ks:
+    if dump is None:
+      raise DataError(f"H_k needs the full dump and index of the corpus in {paths['dump']} "
+                      "(run `run.py dump` and `run.py index` first)")
+    searcher = _searcher(config, workdir, config.index.search_index)
+    texts = [q["question"] for q in read_questions(paths["questions"])]
+    found = searcher.search(texts, k=max(hard_ks), unit="phrase",
+                            max_answer_length=config.eval.max_answer_length)
+    retrieved = [[r["passage_row"] for r in results] for results in found]
+    provenance.update(index=config.index.search_index,
+                      model_step=searcher.index.dump.manifest["model"].get("step"),
+                      fingerprint=searcher.index.fingerprint)
+  out = workdir / "subcorpora"
+  written = {}
+  for kind in kinds:
+    rows = validation.select(kind, len(corpus), c0, retrieved, config.validation.seed)
+    meta = {"kind": kind, **provenance}
+    if dump is not None:
+      meta["tokens"] = validation.subcorpus_tokens(dump.token_passage, rows)
+    written[kind] = validation.write_subcorpus(out / f"{kind}.jsonl", corpus, rows, meta)
+    print(f"{kind}: {written[kind]['passages']} passages"
+          + (f", {meta['tokens']} tokens" if "tokens" in meta else "") + f" -> {out / kind}.jsonl")
+  return written
+
+
+def run_mine(config, workdir: str) -> dict:
+  """Mines hard negatives for the training questions with the model and its full index."""
+  from dpjax.data import data_files
+  from dpjax.mining import mine_hard_negatives
+
+  workdir = pathlib.Path(workdir)
+  files = data_files(config.data, workdir)
+  passages, questions, _ = read_squad(files["train"])
+  if config.mine.limit:
+    questions = questions[:config.mine.limit]
+  searcher = _searcher(config, workdir, config.index.search_index)
+  out = workdir / config.mine.out
+  counts = mine_hard_negatives(searcher, questions, passages, out, top_k=config.mine.top_k,
+                               max_answer_length=config.eval.max_answer_length)
+  print(f"hard negatives of {counts['questions']} questions -> {out}: "
+        f"{counts['negatives'] / max(counts['questions'], 1):.1f} per question, "
+        f"{counts['with_negatives']} questions with at least one, "
+        f"{counts['dropped_with_answer']} retrieved passages dropped (they contain an answer)")
+  return counts
+

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpjax import losses
 from dpjax.data.squad import RCFeatures
+from dpjax.parallel import global_array
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def init_state(model, tx, *, prebatch_size: int, batch_size: int, length: int, s
                                       model.config.hidden_size),
                      rng=jax.random.PRNGKey(seed))
   sharding = state_sharding(state, mesh)
-  return graphdef, jax.device_put(state, sharding), sharding
+  return graphdef, global_array(state, sharding), sharding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +257,7 @@ class TrainBatches:
   features: RCFeatures
   batch_size: int
   seed: int
+  hard_negatives: Any = None  # a `mining.HardNegatives`: adds h mined passages per example
 
   def __post_init__(self):
     self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
@@ -267,18 +269,24 @@ class TrainBatches:
   def position(self, step: int) -> tuple[int, int]:
     return divmod(step, self.steps_per_epoch)
 
-  def __call__(self, step: int) -> dict[str, np.ndarray]:
+  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
+    """The batch of `step`, or only its rows `part` (a process's share of the global batch)."""
     epoch, index = self.position(step)
     order = np.random.default_rng([self.seed, epoch]).permutation(self.usable)
-    rows = order[index * self.batch_size:(index + 1) * self.batch_size]
+    rows = order[index * self.batch_size:(index + 1) * self.batch_size][part]
     f, w = self.features, self.features.windows
     window = f.window_index[rows]
     question = f.question_index[rows]
-    return {"input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
-            "context_mask": w.context_mask[window], "passage_ids": window.astype(np.int32),
-            "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
-            "question_input_ids": f.question_input_ids[question],
-            "question_attention_mask": f.question_attention_mask[question]}
+    # Passage-level ids: no token of an example's passage (any window) is ever its negative.
+    batch = {"input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
+             "context_mask": w.context_mask[window],
+             "passage_ids": w.passage_index[window].astype(np.int32),
+             "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
+             "question_input_ids": f.question_input_ids[question],
+             "question_attention_mask": f.question_attention_mask[question]}
+    if self.hard_negatives is not None:
+      batch.update(self.hard_negatives(step, question))
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,16 +298,22 @@ def every(step: int, n: int) -> bool:
 
 
 class MetricsWriter:
-  """Appends JSON lines to `workdir/metrics.jsonl`; on resume drops lines past the restored step."""
+  """Appends JSON lines to `workdir/metrics.jsonl`; on resume drops lines past the restored step.
+
+  Only the main process (process 0) writes; the others' writers do nothing.
+  """
 
   def __init__(self, path: pathlib.Path, resume_step: int):
     self.path = path
-    if path.exists():
+    self.enabled = jax.process_index() == 0
+    if self.enabled and path.exists():
       kept = [line for line in path.read_text().splitlines()
               if line.strip() and json.loads(line)["step"] <= resume_step]
       path.write_text("".join(line + "\n" for line in kept))
 
   def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
 
@@ -315,11 +329,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
   from dpjax.checkpoint import Checkpointer, abstract_like
   from dpjax.data import Tokenizer, data_files, load_rc_split
   from dpjax.models import create_model
-  from dpjax.parallel import batch_sharding, make_mesh, round_to_devices
+  from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
   from dpjax.rc import evaluate_rc
 
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  main = jax.process_index() == 0
   tc = config.train
   mesh = make_mesh(config.get("num_devices") or None)
   if tc.batch_size % mesh.size:
@@ -329,15 +344,25 @@ def train_and_evaluate(config, workdir: str) -> dict:
   files = data_files(config.data, workdir)
   train = load_rc_split(files["train"], tokenizer, config.data)
   dev = load_rc_split(files["dev"], tokenizer, config.data, limit=config.eval.limit or None)
-  batches = TrainBatches(train.features, tc.batch_size, tc.seed)
+  hard = None
+  if tc.hard_negatives.file:
+    from dpjax.mining import HardNegatives, read_hard_negatives
+    hard = HardNegatives(read_hard_negatives(tc.hard_negatives.file, train.questions),
+                         train.features.windows,
+                         np.array([q.passage_index for q in train.questions]),
+                         tc.hard_negatives.per_example, tc.seed)
+    if tc.loss.recipe != "unified":
+      raise ValueError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
+  batches = TrainBatches(train.features, tc.batch_size, tc.seed, hard)
   total = tc.num_steps or tc.epochs * batches.steps_per_epoch
   model = create_model(config.model)
   _, params, _ = nnx.split(model, nnx.Param, ...)
   tx, schedule, labels = make_optimizer(tc, params, total)
   frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
                if l == "frozen")
-  log.info("%d steps (%d per epoch, batch %d on %d devices); %d of %d parameters frozen", total,
-           batches.steps_per_epoch, tc.batch_size, mesh.size, frozen,
+  log.info("%d steps (%d per epoch, batch %d on %d devices, %d processes); %d of %d parameters "
+           "frozen", total, batches.steps_per_epoch, tc.batch_size, mesh.size,
+           jax.process_count(), frozen,
            sum(x.size for x in jax.tree.leaves(params)))
   graphdef, state, sharding = init_state(
       model, tx, prebatch_size=tc.loss.prebatch_size, batch_size=tc.batch_size,
@@ -350,7 +375,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
   first = int(state.step)
   writer = MetricsWriter(workdir / "metrics.jsonl", first)
   step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)
-  to_device = lambda batch: jax.device_put(batch, batch_sharding(mesh))
+  # Each process builds and transfers only its own rows of every global batch.
+  mine = local_rows(batch_sharding(mesh), tc.batch_size)
+  to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
+                                       mine.stop - mine.start)
   eval_batch = round_to_devices(config.eval.batch_size, mesh)
 
   def evaluate(step: int) -> dict:
@@ -361,21 +389,25 @@ def train_and_evaluate(config, workdir: str) -> dict:
     record = {"step": step, "split": "dev", "rc_exact_match": scores["exact_match"],
               "rc_f1": scores["f1"], "count": scores["count"]}
     writer.write(record)
-    (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
+    if main:
+      (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
     log.info("step %d: dev RC EM %.2f F1 %.2f (%d questions)", step, scores["exact_match"],
              scores["f1"], scores["count"])
     return record
 
+  vc = config.get("validation")
+  validator = (Validator(vc, config, workdir, files["dev"], tokenizer, mesh, eval_batch, writer)
+               if vc and vc.corpus and vc.every_steps else None)
   stop = min(total, tc.stop_at_step or total)
   progress = tqdm(total=total, initial=first, desc="train", dynamic_ncols=True,
-                  disable=not tc.progress_bar)
+                  disable=not (tc.progress_bar and main))
   record, last_time, last_step = {}, time.perf_counter(), first
   for step in range(first, stop):
     epoch, index = batches.position(step)
     if index == 0 and step > 0 and tc.loss.clear_prebatch_each_epoch:
       # A new epoch revisits the same passages: start the pre-batch queue afresh.
       state = state.replace(queue={**state.queue, "valid": jnp.zeros_like(state.queue["valid"])})
-    state, metrics = step_fn(state, to_device(batches(step)))
+    state, metrics = step_fn(state, to_device(step))
     done = step + 1
     progress.update(1)
     if every(done, tc.log_every) or done == stop:
@@ -390,15 +422,68 @@ def train_and_evaluate(config, workdir: str) -> dict:
                            ex_s=f"{values['examples_per_sec']:.1f}")
     if every(done, config.eval.every_steps) or done == total:
       record = evaluate(done)
+    meta = {"step": done, "epoch": batches.position(done)[0],
+            "index_in_epoch": batches.position(done)[1], "config": config.to_json()}
+    if validator and (every(done, validator.every_steps) or done == total):
+      validator(done, nnx.merge(graphdef, state.params, state.rest), state, meta)
     if every(done, tc.checkpoint_every) or done == stop:
-      checkpointer.save(done, state, {"step": done, "epoch": batches.position(done)[0],
-                                      "index_in_epoch": batches.position(done)[1],
-                                      "config": config.to_json()})
+      checkpointer.save(done, state, meta)
       last_time = time.perf_counter()  # saving time is not training throughput
   progress.close()
   checkpointer.close()
   if first >= total and not record:
     record = evaluate(first)
-  if record:
+  if validator:
+    record = {**record, **validator.best()}
+    validator.close()
+  if record and main:
     (workdir / "results.json").write_text(json.dumps(record, indent=1))
   return record
+
+
+class Validator:
+  """Validation on a subcorpus during training (`config.validation`, Kim et al. 2022): every
+  `every_steps` the subcorpus is encoded with the current parameters and indexed (exact, in
+  memory), the dev questions are answered over it, and the checkpoint manager of
+  `workdir/checkpoints_best` keeps the checkpoint with the best `metric` (e.g. em@1)."""
+
+  def __init__(self, vc, config, workdir: pathlib.Path, dev_file, tokenizer, mesh, batch_size,
+               writer: MetricsWriter):
+    from dpjax.checkpoint import Checkpointer
+    from dpjax.open_domain import read_questions
+    from dpjax.validation import read_subcorpus
+    self.every_steps, self.metric = vc.every_steps, vc.metric
+    self.passages = read_subcorpus(vc.corpus)
+    self.questions = read_questions(vc.questions or dev_file)[:vc.limit or None]
+    self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
+    self.batch_size, self.writer = batch_size, writer
+    self.checkpointer = Checkpointer(workdir / "checkpoints_best", keep=1,
+                                     best_metric=self.metric)
+    self.history: dict[int, dict] = {}
+    log.info("validation every %d steps on %s (%d passages, %d questions), best by %s",
+             self.every_steps, vc.corpus, len(self.passages), len(self.questions), self.metric)
+
+  def __call__(self, step: int, model, state, meta: dict) -> dict:
+    from dpjax.validation import evaluate_subcorpus
+    report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,
+                                data_config=self.config.data, mesh=self.mesh,
+                                batch_size=self.batch_size,
+                                max_answer_length=self.config.eval.max_answer_length)
+    if self.metric not in report:
+      raise ValueError(f"validation.metric {self.metric!r} is not one of {sorted(report)}")
+    self.history[step] = report
+    self.writer.write({"step": step, "split": "validation", **report})
+    log.info("step %d: validation EM@1 %.2f EM@10 %.2f on %d passages", step, report["em@1"],
+             report["em@10"], report["passages"])
+    self.checkpointer.save(step, state, meta, metrics={self.metric: report[self.metric]})
+    return report
+
+  def best(self) -> dict:
+    step = self.checkpointer.best_step()
+    if step is None:
+      return {}
+    return {"best_step": step, f"best_validation_{self.metric}":
+            self.history.get(step, {}).get(self.metric)}
+
+  def close(self) -> None:
+    self.checkpointer.close()

@@ -19,8 +19,11 @@ def get_config(arg=None):
   config.train = common.train_config(batch_size=16, num_steps=120, learning_rate=1e-4,
                                      log_every=10, checkpoint_every=60)
   config.index = common.index_config()
+  config.validation = common.validation_config()
+  config.mine = common.mine_config()
   config.eval = ml_collections.ConfigDict({"batch_size": 32, "max_answer_length": 10,
-                                           "limit": 0, "every_steps": 0})
+                                           "limit": 0, "every_steps": 0,
+                                           "checkpoint": "latest"})
   if arg == "tiny":
     config = common.make_tiny(config)
     config.data.update(train_entities=6, dev_entities=4, questions_per_entity=3)

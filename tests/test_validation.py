@@ -1,0 +1,130 @@
+"""Validation subcorpora, hard-negative mining and training, best-checkpoint selection."""
+import json
+
+import numpy as np
+import pytest
+
+from dpjax import metrics, validation
+from dpjax.data.squad import read_squad
+from dpjax.mining import HardNegatives, filter_negatives
+
+import run
+
+
+def test_subcorpora_properties():
+  c0 = np.array([3, 7, 11])
+  rng = np.random.default_rng(0)
+  retrieved = [rng.integers(0, 50, size=32).tolist() for _ in range(5)]
+  previous = c0
+  for k in (1, 2, 4, 8, 16, 32):
+    hard = validation.select(f"H{k}", 50, c0, retrieved)
+    assert set(c0) <= set(hard) and set(previous) <= set(hard)  # contains C_0, grows with k
+    assert set(hard) == set(c0) | {p for ranked in retrieved for p in ranked[:k]}
+    previous = hard
+  r = validation.select("R0.5", 50, c0, seed=1)
+  assert len(r) == 25 and set(c0) <= set(r)
+  np.testing.assert_array_equal(r, validation.select("R0.5", 50, c0, seed=1))  # seeded
+  assert not np.array_equal(r, validation.select("R0.5", 50, c0, seed=2))
+  assert len(validation.select("R0.01", 50, c0)) == 3  # never smaller than C_0
+  np.testing.assert_array_equal(validation.select("full", 5, c0[:1]), np.arange(5))
+  for bad in ("H0", "H1.5", "R0", "R2", "X3", "C1"):
+    with pytest.raises(ValueError):
+      validation.select(bad, 50, c0, retrieved)
+
+
+def test_filter_negatives_drops_answers_and_gold():
+  texts = ["Paris is the capital.", "Berlin, the capital.", "It is in Paris!", "London."]
+  retrieved = [(0, 0), (1, 3), (2, 9), (1, 0), (3, 1)]
+  passages, starts = filter_negatives(retrieved, ["paris"], texts, gold_passage=1)
+  assert passages == [3] and starts == [1]  # 0 and 2 contain the answer, 1 is the gold one
+
+
+def _tiny_pipeline(workdir):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(workdir)]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0, mode
+  return base
+
+
+def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
+  base = _tiny_pipeline(tmp_path)
+  assert run.main(["subcorpus"] + base +
+                  ["--set", "validation.kinds=['C0','R0.5','H1','H2','H4']"]) == 0
+  out = tmp_path / "subcorpora"
+  rows = {}
+  for kind in ("C0", "R0.5", "H1", "H2", "H4"):
+    meta = json.loads((out / f"{kind}.meta.json").read_text())
+    ids = [json.loads(line)["id"] for line in (out / f"{kind}.jsonl").read_text().splitlines()]
+    assert meta["passages"] == len(ids) and meta["tokens"] > 0 and meta["kind"] == kind
+    rows[kind] = set(ids)
+  assert rows["C0"] <= rows["H1"] <= rows["H2"] <= rows["H4"]
+  assert rows["C0"] <= rows["R0.5"]
+  _, dev_questions, _ = read_squad(tmp_path / "data" / "dev.json")
+  assert len(rows["C0"]) == len({q.passage_index for q in dev_questions})  # passages asked about
+
+  # Mining: no mined passage contains a gold answer of its question, or is its gold passage.
+  assert run.main(["mine"] + base + ["--set", "mine.top_k=20"]) == 0
+  assert "hard negatives of" in capsys.readouterr().out
+  passages, questions, _ = read_squad(tmp_path / "data" / "train.json")
+  mined = [json.loads(line) for line in (tmp_path / "hard_negatives.jsonl").read_text()
+           .splitlines()]
+  assert [m["id"] for m in mined] == [q.id for q in questions]
+  assert sum(len(m["passages"]) for m in mined) > 0
+  for q, m in zip(questions, mined):
+    assert q.passage_index not in m["passages"]
+    for p in m["passages"]:
+      assert not metrics.has_answer(passages[p].context, q.answers)
+
+  # Training with them: h = 2 hard-negative passages per example enter the unified loss.
+  hard = tmp_path / "hard"
+  assert run.main(["train", "--config", "experiments/demo.py:tiny", "--workdir", str(hard),
+                   "--set", f"train.hard_negatives.file={tmp_path / 'hard_negatives.jsonl'}",
+                   "--set", "train.hard_negatives.per_example=2"]) == 0
+  losses = [json.loads(line)["loss"] for line in (hard / "metrics.jsonl").read_text()
+            .splitlines() if '"train"' in line]
+  plain = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text()
+           .splitlines() if '"train"' in line]
+  assert len(losses) == 6 and np.isfinite(losses).all()
+  assert losses[0] > plain[0]  # more negatives in the softmax: a larger loss at the same start
+
+
+def test_hard_negative_windows(tokenizer):
+  from dpjax.data.squad import Passage, build_windows
+  passages = [Passage("A", "alpha " * 60), Passage("B", "beta " * 10 + "gamma delta " * 40),
+              Passage("C", "gamma " * 5)]
+  windows, _ = build_windows(tokenizer, passages, max_seq_length=32, doc_stride=16,
+                             include_title=True)
+  start = passages[1].context.index("gamma delta gamma", 200)
+  mined = [[(1, start)], [], [(0, 0), (2, 0)]]
+  sampler = HardNegatives(mined, windows, np.array([0, 1, 2]), per_example=2, seed=0)
+  batch = sampler(3, np.array([0, 1, 2]))
+  assert batch["hard_input_ids"].shape == (6, 32)
+  ids = batch["hard_passage_ids"].reshape(3, 2)
+  assert ids[0, 0] == 1 and ids[0, 1] != 0  # the mined one, then a random one (not its own)
+  assert (ids[1] != 1).all()  # nothing mined: random passages other than its own
+  assert sorted(ids[2].tolist()) == [0, 2]
+  # The mined window holds the retrieved phrase's start as a max-context token.
+  window = sampler._window(1, start)
+  hit = (windows.char_start[window] <= start) & (start < windows.char_end[window])
+  assert (hit & windows.context_mask[window] & windows.is_max_context[window]).any()
+  np.testing.assert_array_equal(sampler(3, np.array([0, 1, 2]))["hard_input_ids"],
+                                batch["hard_input_ids"])  # deterministic per step
+
+
+def test_validation_keeps_the_best_checkpoint(tmp_path):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(["data"] + base) == 0
+  corpus = tmp_path / "data" / "corpus.json"
+  assert run.main(["train"] + base + [
+      "--set", f"validation.corpus={corpus}", "--set", "validation.every_steps=2",
+      "--set", "validation.metric=mrr@20"]) == 0
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  validated = {r["step"]: r for r in records if r["split"] == "validation"}
+  assert sorted(validated) == [2, 4, 6]
+  results = json.loads((tmp_path / "results.json").read_text())
+  best = max(r["mrr@20"] for r in validated.values())
+  assert validated[results["best_step"]]["mrr@20"] == best == results["best_validation_mrr@20"]
+  kept = [p.name for p in (tmp_path / "checkpoints_best").iterdir() if p.name.isdigit()]
+  assert kept == [str(results["best_step"])]
+  # eval.checkpoint=best restores that one.
+  assert run.main(["eval_rc"] + base + ["--set", "eval.checkpoint=best"]) == 0
