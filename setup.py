@@ -21,6 +21,7 @@ setup(
         "numpy>=1.26,<3",
         "ml_collections>=1.0,<2",
         "tqdm>=4.66,<5",
+        "matplotlib>=3.8,<4",  # figures of the result notebooks
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],

@@ -23,9 +23,9 @@ from dpjax.data.squad import DataError, load_json, read_squad
 log = logging.getLogger(__name__)
 
 
-def restore_model(config, workdir: pathlib.Path):
+def restore_model(config, workdir: pathlib.Path, step: int | None = None):
   """The configured model with the parameters of the latest checkpoint in `workdir` (or of the
-  best one by validation, `eval.checkpoint=best`)."""
+  best one by validation, `eval.checkpoint=best`, or of checkpoint `step`)."""
   from dpjax.checkpoint import Checkpointer, abstract_like
   from dpjax.models import create_model
   from dpjax.parallel import make_mesh
@@ -48,7 +48,11 @@ def restore_model(config, workdir: pathlib.Path):
                            batch_size=config.train.batch_size,
                            length=config.data.max_seq_length, seed=0, mesh=make_mesh())
   checkpointer = Checkpointer(checkpoints)
-  restored = checkpointer.restore(abstract_like(state))  # the best dir keeps only the best
+  if step is not None and step not in checkpointer.manager.all_steps():
+    checkpointer.close()
+    raise DataError(f"{checkpoints}: no checkpoint of step {step} "
+                    f"(there are {sorted(checkpointer.manager.all_steps())})")
+  restored = checkpointer.restore(abstract_like(state), step)  # the best dir keeps only the best
   checkpointer.close()
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")

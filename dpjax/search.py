@@ -242,11 +242,8 @@ class DensePhrases:
     self._encode = make_encoders(graphdef).questions
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    from dpjax.parallel import map_batches
-    ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
-    outputs = [o for _, o in map_batches(lambda i, m: self._encode(self.state, i, m), [ids, mask],
-                                         self.batch_size, self.mesh)]
-    return (np.concatenate([o[0] for o in outputs]), np.concatenate([o[1] for o in outputs]))
+    return _encode_questions(self._encode, self.state, self.tokenizer, questions,
+                             self.max_query_length, self.batch_size, self.mesh)
 
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
              **kwargs) -> list[list[dict]] | list[dict]:
@@ -255,3 +252,25 @@ class DensePhrases:
     found = self.index.search(q_start, q_end, k, unit, **kwargs)
     results = [[self.index.result(p, unit) for p, _ in units] for units in found]
     return results[0] if single else results
+
+
+def _encode_questions(encode, state, tokenizer, questions, max_query_length, batch_size, mesh):
+  from dpjax.parallel import map_batches
+  ids, mask = tokenizer.encode(list(questions), max_query_length)
+  outputs = [o for _, o in map_batches(lambda i, m: encode(state, i, m), [ids, mask], batch_size,
+                                       mesh)]
+  return (np.concatenate([o[0] for o in outputs]), np.concatenate([o[1] for o in outputs]))
+
+
+def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,
+                     batch_size: int = 64, mesh=None) -> tuple[np.ndarray, np.ndarray]:
+  """(q_start, q_end) [Q, D] of `questions` by the model's question encoders."""
+  from flax import nnx
+
+  from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.rc import make_encoders
+  mesh = mesh or make_mesh()
+  graphdef, state = nnx.split(model)
+  return _encode_questions(make_encoders(graphdef).questions, state, tokenizer, questions,
+                           max_query_length, round_to_devices(batch_size, mesh), mesh)
+

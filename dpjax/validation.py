@@ -137,7 +137,7 @@ def evaluate_subcorpus(model, tokenizer, passages: Sequence[CorpusPassage],
 
   from dpjax.index.dump import Dump, DumpConfig, encode_shard, encoder_fingerprint
   from dpjax.rc import make_encoders
-  from dpjax.search import PhraseIndex
+  from dpjax.search import PhraseIndex, encode_questions
 
   config = DumpConfig(max_seq_length=data_config.max_seq_length,
                       doc_stride=data_config.doc_stride,
@@ -151,10 +151,9 @@ def evaluate_subcorpus(model, tokenizer, passages: Sequence[CorpusPassage],
                         "num_passages": len(passages), "num_tokens": len(arrays["vectors"])},
               **arrays)
   index = PhraseIndex.over_passages(dump)
-  from dpjax.search import DensePhrases
-  searcher = DensePhrases(model, index, tokenizer, max_query_length=data_config.max_query_length,
-                          batch_size=batch_size, mesh=mesh, check_model=False)
-  q_start, q_end = searcher.encode([q["question"] for q in questions])
+  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+                                    max_query_length=data_config.max_query_length,
+                                    batch_size=batch_size, mesh=mesh)
   report = open_domain_eval(index, q_start, q_end, [q["answers"] for q in questions],
                             max_answer_length=max_answer_length)
   report.update(passages=len(passages), tokens=int(len(arrays["vectors"])))

@@ -1,0 +1,207 @@
+"""Kim et al. (2022), Figure 2 at our scale: do small hard subcorpora rank models like the corpus?
+
+For every model (a workdir and a checkpoint step): the full corpus is dumped once with it
+(`<workdir>/dump_step<N>`, resumable), and its accuracy is measured on the dev questions over
+each subcorpus written by `run.py subcorpus` (C0, R_r, H_k) and over the full corpus, all as exact
+(Flat) indexes over the subsets of that one dump. Reading-comprehension EM/F1 (single passage)
+is measured too. Then, for each subcorpus, Kendall's tau between its ranking of the models and
+the full corpus's ranking.
+
+  python run.py subcorpus --config experiments/squad.py:cpu --workdir workdirs/squad-cpu-unified
+  python experiments/validation_experiment.py --config experiments/squad.py:cpu \\
+      --subcorpora workdirs/squad-cpu-unified/subcorpora \\
+      --model original-900=workdirs/squad-cpu-original@900 \\
+      --model unified-900=workdirs/squad-cpu-unified@900 ... \\
+      --out results/validation.json
+
+writes results/validation.json (every figure) and results/validation.md (tables, tau, the
+command); `experiments/notebooks/validation.ipynb` draws the figure from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+METRICS = ("em@1", "em@10", "top1", "top20")
+
+
+def kendall_tau(a, b) -> float:
+  """Kendall's tau-b of two score lists (ties counted as neither concordant nor discordant)."""
+  n = len(a)
+  concordant = discordant = ties_a = ties_b = 0
+  for i in range(n):
+    for j in range(i + 1, n):
+      da, db = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
+      if da == 0 and db == 0:
+        continue
+      if da == 0:
+        ties_a += 1
+      elif db == 0:
+        ties_b += 1
+      elif da == db:
+        concordant += 1
+      else:
+        discordant += 1
+  denominator = np.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+  return float((concordant - discordant) / denominator) if denominator else float("nan")
+
+
+def parse_model(spec: str) -> tuple[str, pathlib.Path, int | None]:
+  """'name=workdir@step' (step optional: the latest)."""
+  if "=" not in spec:
+    raise SystemExit(f"--model {spec!r}: expected NAME=WORKDIR[@STEP]")
+  name, rest = spec.split("=", 1)
+  workdir, _, step = rest.partition("@")
+  return name, pathlib.Path(workdir), int(step) if step else None
+
+
+def load_subcorpora(directory: pathlib.Path, corpus) -> dict[str, dict]:
+  """{kind: {"rows", "meta"}} of the subcorpus files in `directory`, as rows of `corpus`."""
+  row_of = {p.id: i for i, p in enumerate(corpus)}
+  found = {}
+  for meta_path in sorted(directory.glob("*.meta.json")):
+    meta = json.loads(meta_path.read_text())
+    jsonl = meta_path.with_name(meta_path.name.replace(".meta.json", ".jsonl"))
+    ids = [json.loads(line)["id"] for line in jsonl.read_text().splitlines() if line.strip()]
+    missing = [i for i in ids if i not in row_of]
+    if missing:
+      raise SystemExit(f"{jsonl}: {len(missing)} passages are not in the corpus (e.g. "
+                       f"{missing[0]!r})")
+    found[meta["kind"]] = {"rows": np.array([row_of[i] for i in ids]), "meta": meta}
+  if not found:
+    raise SystemExit(f"{directory}: no subcorpus (run `run.py subcorpus` first)")
+  return found
+
+
+def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, rc_split,
+                   tokenizer, mesh, batch_size) -> dict:
+  from dpjax.corpus import read_corpus  # noqa: F401  (dpjax on the path)
+  from dpjax.index.dump import Dump, DumpConfig, dump_phrases
+  from dpjax.open_domain import restore_model
+  from dpjax.parallel import make_mesh
+  from dpjax.rc import evaluate_rc
+  from dpjax.search import PhraseIndex, encode_questions
+  from dpjax.validation import open_domain_eval
+
+  model, step = restore_model(config, workdir, step)
+  start = time.perf_counter()
+  dump_dir = workdir / f"dump_step{step}"
+  dump_phrases(model, tokenizer, corpus, dump_dir,
+               DumpConfig(max_seq_length=config.data.max_seq_length,
+                          doc_stride=config.data.doc_stride,
+                          include_title=config.data.include_title, batch_size=batch_size,
+                          shard_passages=config.index.shard_passages),
+               mesh=make_mesh(local=True), model_info={"workdir": str(workdir), "step": step})
+  dump = Dump.load(dump_dir)
+  logging.info("%s: dump of %d tokens in %.0f s", name, len(dump.vectors),
+               time.perf_counter() - start)
+  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+                                    max_query_length=config.data.max_query_length,
+                                    batch_size=batch_size, mesh=mesh)
+  answers = [q["answers"] for q in questions]
+  rc, _ = evaluate_rc(model, rc_split.features, rc_split.passages, rc_split.questions, mesh=mesh,
+                      batch_size=batch_size, max_answer_length=config.eval.max_answer_length)
+  result = {"workdir": str(workdir), "step": step, "rc_em": rc["exact_match"],
+            "rc_f1": rc["f1"], "subcorpora": {}}
+  for kind, sub in {**subcorpora, "full": {"rows": None}}.items():
+    index = PhraseIndex.over_passages(dump, sub["rows"])
+    report = open_domain_eval(index, q_start, q_end, answers,
+                              max_answer_length=config.eval.max_answer_length)
+    report.update(passages=index.manifest["num_passages"], tokens=index.manifest["num_tokens"])
+    result["subcorpora"][kind] = report
+    logging.info("%s step %s, %s (%d tokens): EM@1 %.2f EM@10 %.2f top20 %.2f", name, step,
+                 kind, report["tokens"], report["em@1"], report["em@10"], report["top20"])
+  return result
+
+
+def markdown(results: dict, command: str) -> str:
+  models = results["models"]
+  kinds = list(next(iter(models.values()))["subcorpora"])
+  lines = ["# Validation on hard subcorpora (Kim et al. 2022, Figure 2) at our scale", "",
+           f"Command: `{command}`", "",
+           f"{results['questions']} dev questions; corpus of {results['corpus_passages']} "
+           "passages; exact (Flat) indexes over subsets of each model's full dump.", "",
+           "## EM@1 (phrase) by subcorpus", "",
+           "| model | step | RC EM | " + " | ".join(
+               f"{k} ({models[next(iter(models))]['subcorpora'][k]['tokens']:,} tok)"
+               for k in kinds) + " |",
+           "|---|---|---|" + "---|" * len(kinds)]
+  for name, m in models.items():
+    lines.append(f"| {name} | {m['step']} | {m['rc_em']:.2f} | " + " | ".join(
+        f"{m['subcorpora'][k]['em@1']:.2f}" for k in kinds) + " |")
+  lines += ["", "## Passage Top-20 by subcorpus", "",
+            "| model | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+  for name, m in models.items():
+    lines.append(f"| {name} | " + " | ".join(f"{m['subcorpora'][k]['top20']:.2f}"
+                                             for k in kinds) + " |")
+  lines += ["", "## Kendall tau with the full-corpus ranking of the models", "",
+            "| subcorpus | tokens | " + " | ".join(f"tau ({m})" for m in METRICS) + " |",
+            "|---|---|" + "---|" * len(METRICS)]
+  for kind in kinds:
+    tokens = models[next(iter(models))]["subcorpora"][kind]["tokens"]
+    lines.append(f"| {kind} | {tokens:,} | " + " | ".join(
+        f"{results['tau'][kind][m]:.3f}" for m in METRICS) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--model", action="append", required=True, help="NAME=WORKDIR[@STEP]")
+  parser.add_argument("--subcorpora", required=True, help="a `run.py subcorpus` output folder")
+  parser.add_argument("--out", required=True, help="results JSON (the .md goes beside it)")
+  parser.add_argument("--set", action="append", default=[])
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  for noisy in ("absl", "jax._src.xla_bridge", "dpjax.checkpoint"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+  from dpjax.config import load_config
+  from dpjax.corpus import read_corpus
+  from dpjax.data import Tokenizer, load_rc_split
+  from dpjax.open_domain import _paths, read_questions
+  from dpjax.parallel import make_mesh, round_to_devices
+
+  config = load_config(args.config, args.set)
+  specs = [parse_model(m) for m in args.model]
+  paths = _paths(config, specs[0][1])
+  corpus = list(read_corpus(paths["corpus"]))
+  subcorpora = load_subcorpora(pathlib.Path(args.subcorpora), corpus)
+  questions = read_questions(paths["questions"])[:config.eval.limit or None]
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  rc_split = load_rc_split(paths["questions"], tokenizer, config.data,
+                           limit=config.eval.limit or None)
+  mesh = make_mesh()
+  batch_size = round_to_devices(config.index.batch_size, mesh)
+  models = {name: evaluate_model(config, name, workdir, step, corpus, subcorpora, questions,
+                                 rc_split, tokenizer, mesh, batch_size)
+            for name, workdir, step in specs}
+  full = {m: [r["subcorpora"]["full"][m] for r in models.values()] for m in METRICS}
+  tau = {kind: {m: kendall_tau([r["subcorpora"][kind][m] for r in models.values()], full[m])
+                for m in METRICS}
+         for kind in next(iter(models.values()))["subcorpora"]}
+  results = {"config": args.config, "overrides": args.set, "questions": len(questions),
+             "corpus_passages": len(corpus),
+             "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
+             "models": models, "tau": tau}
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=1))
+  command = "python experiments/validation_experiment.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
+  out.with_suffix(".md").write_text(markdown(results, command))
+  print(out.with_suffix(".md").read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,64 @@
+"""The validation experiment script and its notebook, end to end on a tiny run."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+import run
+
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location(
+    "validation_experiment", REPO / "experiments" / "validation_experiment.py")
+experiment = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(experiment)
+
+
+def test_kendall_tau():
+  assert experiment.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert experiment.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  # tau-b with a tie: 3 concordant, 2 discordant pairs, 1 tied in b -> 1 / sqrt(5 * 6).
+  assert experiment.kendall_tau([1, 2, 3, 4], [1, 3, 2, 2]) == pytest.approx(1 / np.sqrt(30))
+  assert np.isnan(experiment.kendall_tau([1, 1, 1], [1, 2, 3]))  # no ranking to compare
+
+
+@pytest.mark.slow
+def test_experiment_and_notebook(tmp_path, monkeypatch):
+  workdir = tmp_path / "model"
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(workdir)]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0
+  assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['C0','R0.5','H1','H4']"]) == 0
+  out = tmp_path / "results" / "validation.json"
+  monkeypatch.chdir(REPO)
+  assert experiment.main(["--config", "experiments/demo.py:tiny",
+                          "--subcorpora", str(workdir / "subcorpora"),
+                          "--model", f"early={workdir}@3", "--model", f"final={workdir}@6",
+                          "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert list(results["models"]) == ["early", "final"]
+  final = results["models"]["final"]["subcorpora"]
+  assert list(final) == ["C0", "H1", "H4", "R0.5", "full"]
+  assert final["C0"]["tokens"] <= final["H1"]["tokens"] <= final["H4"]["tokens"] < \
+      final["full"]["tokens"]
+  assert results["tau"]["full"]["em@1"] in (1.0,) or np.isnan(results["tau"]["full"]["em@1"])
+  assert "Kendall tau" in out.with_suffix(".md").read_text()
+  # The full-corpus row of the subset evaluation equals the run.py eval numbers of step 6.
+  assert run.main(["eval"] + base) == 0
+  report = json.loads((workdir / "open_eval_Flat.json").read_text())
+  assert final["full"]["em@1"] == pytest.approx(report["em@1"])
+  assert final["full"]["top20"] == pytest.approx(report["top20"])
+
+  # The notebook's code, top to bottom, writes the figure.
+  figure = tmp_path / "results" / "validation.png"
+  monkeypatch.setenv("DPJAX_VALIDATION_RESULTS", str(out))
+  monkeypatch.setenv("DPJAX_VALIDATION_FIGURE", str(figure))
+  notebook = json.loads((REPO / "experiments" / "notebooks" / "validation.ipynb").read_text())
+  namespace = {}
+  for cell in notebook["cells"]:
+    if cell["cell_type"] == "code":
+      exec(compile("".join(cell["source"]), "validation.ipynb", "exec"), namespace)
+  assert figure.is_file() and figure.stat().st_size > 10_000
