@@ -10,6 +10,8 @@ Modes:
   data     write the configured data set (the synthetic one is generated) and print its counts
   subcorpus  write the validation subcorpora C0, R_r, H_k (validation.kinds) of the corpus
   mine     mine hard negatives for the training questions from the model's full index
+  qsft     query-side fine-tuning of the question encoders on the workdir's index
+  filter   train the token filter on frozen phrase vectors; threshold sweep
 """
 import argparse
 import logging
@@ -21,7 +23,7 @@ import traceback
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument("mode", choices=["train", "eval_rc", "data", "dump", "index", "search", "eval",
-                                           "subcorpus", "mine"])
+                                           "subcorpus", "mine", "qsft", "filter"])
   parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -54,6 +56,12 @@ def main(argv=None) -> int:
     elif args.mode == "eval_rc":
       from dpjax.rc import run_eval_rc
       run_eval_rc(config, args.workdir)
+    elif args.mode == "qsft":
+      from dpjax.qsft import run_qsft
+      run_qsft(config, args.workdir)
+    elif args.mode == "filter":
+      from dpjax.token_filter import run_filter
+      run_filter(config, args.workdir)
     elif args.mode == "data":
       from dpjax.data import run_data
       run_data(config, args.workdir)

@@ -126,10 +126,49 @@ def validation_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def qsft_config(**overrides) -> ml_collections.ConfigDict:
+  """`run.py qsft`: query-side fine-tuning on the workdir's index (DensePhrases defaults)."""
+  config = ml_collections.ConfigDict({
+      "index": "Flat",  # index (under <dump>/indexes) to retrieve from
+      "quantized": False,  # candidates as the index's quantizer reconstructs them (IVF-SQ/PQ)
+      "level": "phrase",  # positives: 'phrase' (text = gold answer) or 'document' (L_doc)
+      "top_k": 100,
+      "epochs": 2,
+      "batch_size": 12,
+      "learning_rate": 3e-5,
+      "dropout": True,
+      # Everything but the question encoders stays as it is (the index depends on it).
+      "freeze": ["phrase_encoder/", "filter_head/", "word_embeddings"],
+      "questions": "",  # training questions (SQuAD or open-QA JSON/JSONL); empty: train split
+      "limit": 0,  # use the first N training questions (0: all)
+      "dev_limit": 0,  # evaluate on the first N dev questions (0: all)
+  })
+  config.update(overrides)
+  return config
+
+
+def filter_config(**overrides) -> ml_collections.ConfigDict:
+  """`run.py filter`: the token filter trained on frozen phrase vectors, and its sweep."""
+  config = ml_collections.ConfigDict({
+      "train_windows": 4000,  # training windows (with an answer) whose vectors train the head
+      "dev_windows": 1000,  # dev windows for AUC-PR
+      "epochs": 5,
+      "batch_size": 64,
+      "learning_rate": 1e-3,
+      "seed": 0,
+      # The sweep: thresholds keeping these fractions of the dump's tokens.
+      "keep_fractions": [1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1],
+      "sweep_questions": 0,  # dev questions for the sweep (0: all)
+      "max_em_drop": 1.0,  # the chosen threshold loses at most this much EM@1
+  })
+  config.update(overrides)
+  return config
+
+
 def mine_config(**overrides) -> ml_collections.ConfigDict:
   """`run.py mine`: hard negatives of the training questions from the model's full index."""
   config = ml_collections.ConfigDict({
-      "top_k": 100,  # phrases retrieved per question
+      "top_k": 10,  # phrases retrieved per question (Kim et al.: 10)
       "out": "hard_negatives.jsonl",  # relative to the workdir
       "limit": 0,  # mine only the first N training questions (0: all)
   })

@@ -11,6 +11,8 @@ import re
 import string
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 _PUNCTUATION = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -125,3 +127,22 @@ def passage_scores(retrieved: Sequence[Sequence[str]], answers: Sequence[Sequenc
       next((1.0 / (i + 1) for i, hit in enumerate(h[:mrr_k]) if hit), 0.0) for h in hits) / n
   scores[f"p@{precision_k}"] = 100.0 * sum(sum(h[:precision_k]) / precision_k for h in hits) / n
   return scores
+
+
+def average_precision(scores: Sequence[float], labels: Sequence[bool]) -> float:
+  """Area under the precision-recall curve over all thresholds (average precision, as
+  scikit-learn's `average_precision_score`): sum over thresholds of (recall gain) x precision,
+  tied scores forming one threshold. NaN when there is no positive."""
+  scores = np.asarray(scores, np.float64)
+  labels = np.asarray(labels, bool)
+  positives = labels.sum()
+  if not positives:
+    return float("nan")
+  order = np.argsort(-scores, kind="stable")
+  scores, labels = scores[order], labels[order]
+  last_of_tie = np.r_[np.flatnonzero(np.diff(scores)), len(scores) - 1]
+  true_pos = np.cumsum(labels)[last_of_tie]
+  precision = true_pos / (last_of_tie + 1)
+  recall_gain = np.diff(np.r_[0, true_pos]) / positives
+  return float((recall_gain * precision).sum())
+

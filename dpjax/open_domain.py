@@ -33,20 +33,27 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None):
 
   model = create_model(config.model)
   which = config.eval.get("checkpoint", "latest")
-  if which not in ("latest", "best"):
-    raise ValueError(f"eval.checkpoint must be 'latest' or 'best', not {which!r}")
-  checkpoints = workdir / ("checkpoints_best" if which == "best" else "checkpoints")
-  if which == "best" and not checkpoints.is_dir():
-    raise DataError(f"{checkpoints}: no best checkpoint (train with validation.every_steps)")
+  folders = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
+  if which not in folders:
+    raise ValueError(f"eval.checkpoint must be one of {sorted(folders)}, not {which!r}")
+  checkpoints = workdir / folders[which]
+  if which != "latest" and not checkpoints.is_dir():
+    raise DataError(f"{checkpoints}: no {which} checkpoint (train with validation.every_steps, "
+                    "or run `run.py qsft`)")
   if not checkpoints.is_dir():
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir,
                 config.model.name if config.model.init == "pretrained" else "random")
     return model, None
   _, params, _ = nnx.split(model, nnx.Param, ...)
-  tx, _, _ = make_optimizer(config.train, params, 1)  # the state's structure, for restoring
-  _, state, _ = init_state(model, tx, prebatch_size=config.train.loss.prebatch_size,
-                           batch_size=config.train.batch_size,
-                           length=config.data.max_seq_length, seed=0, mesh=make_mesh())
+  tc = config.train
+  shape = dict(prebatch_size=tc.loss.prebatch_size, batch_size=tc.batch_size,
+               length=config.data.max_seq_length)
+  if which == "qsft":  # the QSFT state: its own freezing (optimizer state) and no queue
+    tc = tc.copy_and_resolve_references()
+    tc.freeze = list(config.qsft.freeze)
+    shape = dict(prebatch_size=0, batch_size=config.qsft.batch_size, length=1)
+  tx, _, _ = make_optimizer(tc, params, 1)  # the state's structure, for restoring
+  _, state, _ = init_state(model, tx, seed=0, mesh=make_mesh(), **shape)
   checkpointer = Checkpointer(checkpoints)
   if step is not None and step not in checkpointer.manager.all_steps():
     checkpointer.close()
@@ -78,8 +85,9 @@ def read_questions(path: str | pathlib.Path) -> list[dict]:
     if not isinstance(rows, list):
       raise DataError(f"{path}: expected a 'data' list")
     if rows and isinstance(rows[0], dict) and "paragraphs" in rows[0]:  # SQuAD format
-      _, questions, _ = read_squad(path)
-      return [{"id": q.id, "question": q.question, "answers": q.answers} for q in questions]
+      passages, questions, _ = read_squad(path)
+      return [{"id": q.id, "question": q.question, "answers": q.answers,
+               "title": passages[q.passage_index].title} for q in questions]
   questions = []
   for i, row in enumerate(rows):
     answers = row.get("answers") if isinstance(row, dict) else None
@@ -109,6 +117,8 @@ def run_dump(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   paths = _paths(config, workdir)
   model, step = restore_model(config, workdir)
+  from dpjax.token_filter import apply_saved_head
+  apply_saved_head(model, workdir)  # a separately trained token filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,

@@ -60,6 +60,9 @@ class PhraseIndex:
     if self.manifest.get("labels") != "token_id":
       raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
                       "rebuild it with `run.py index`")
+    threshold = self.manifest.get("filter_threshold")
+    self.kept_mask = (None if threshold is None else
+                      self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
     self._setup()
 
   @classmethod
@@ -69,17 +72,29 @@ class PhraseIndex:
     Phrase vectors do not depend on the other passages of a corpus, so the index of any
     subcorpus is a subset of the full dump's tokens: validation subcorpora need no new dump.
     """
+    rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
+    return cls.over_tokens(dump, np.flatnonzero(np.isin(dump.token_passage, rows)),
+                           num_passages=len(rows))
+
+  @classmethod
+  def over_tokens(cls, dump: Dump, tokens: np.ndarray, *,
+                  num_passages: int | None = None) -> "PhraseIndex":
+    """An exact (Flat, in memory) index over some tokens of a dump (e.g. those a filter keeps);
+    phrases start and end only at these tokens."""
     self = cls.__new__(cls)
     self.dump = dump
-    rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
-    tokens = np.flatnonzero(np.isin(dump.token_passage, rows))
+    tokens = np.asarray(tokens, np.int64)
     self.index = faiss.index_factory(dump.vectors.shape[1], "IDMap,Flat",
                                      faiss.METRIC_INNER_PRODUCT)
     for lo in range(0, len(tokens), 1 << 18):
       part = tokens[lo:lo + (1 << 18)]
       self.index.add_with_ids(dump.vectors[part].astype(np.float32), part)
+    if num_passages is None:
+      num_passages = len(np.unique(dump.token_passage[tokens]))
+    self.kept_mask = np.zeros(len(dump.vectors), bool)
+    self.kept_mask[tokens] = True
     self.manifest = {"spec": "Flat", "resolved_spec": "Flat", "labels": "token_id",
-                     "num_tokens": int(len(tokens)), "num_passages": int(len(rows)),
+                     "num_tokens": int(len(tokens)), "num_passages": int(num_passages),
                      "fingerprint": dump.manifest["fingerprint"], "build_seconds": 0.0,
                      "index_bytes": int(len(tokens)) * (4 * dump.vectors.shape[1] + 8)}
     self._setup()
@@ -111,8 +126,11 @@ class PhraseIndex:
     lo, hi = self.passage_start[passage][..., None], self.passage_end[passage][..., None]
     ok = (partners >= lo) & (partners < hi) & valid_anchor[..., None]
     vectors = self.dump.vectors
-    partner_scores = np.einsum("qkld,qd->qkl", vectors[np.clip(partners, 0, len(vectors) - 1)]
-                               .astype(np.float32), queries_other)
+    clipped = np.clip(partners, 0, len(vectors) - 1)
+    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
+      ok &= self.kept_mask[clipped]
+    partner_scores = np.einsum("qkld,qd->qkl", vectors[clipped].astype(np.float32),
+                               queries_other)
     partner_scores = np.where(ok, partner_scores, -np.inf)
     best = partner_scores.argmax(-1)
     anchor_scores = np.einsum("qkd,qd->qk", vectors[anchor].astype(np.float32), queries_anchor)

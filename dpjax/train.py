@@ -95,13 +95,15 @@ def init_queue(size: int, batch_size: int, length: int, dim: int) -> dict:
 
 def push_queue(queue: dict, entry: dict) -> dict:
   """Drops the oldest batch and puts `entry` (one batch, no gradient) first."""
-  if queue["valid"].shape[0] == 0:
+  if not queue:  # no pre-batch negatives
     return queue
   entry = {**jax.lax.stop_gradient(entry), "valid": jnp.ones((), bool)}
   return {k: jnp.concatenate([entry[k][None].astype(v.dtype), v[:-1]]) for k, v in queue.items()}
 
 
-def queue_sharding(mesh) -> dict:
+def queue_sharding(mesh, queue: dict) -> dict:
+  if not queue:
+    return {}
   batch_axis = NamedSharding(mesh, P(None, "data"))
   return {"vectors": batch_axis, "mask": batch_axis, "passage_ids": batch_axis,
           "start": batch_axis, "end": batch_axis, "valid": NamedSharding(mesh, P())}
@@ -115,12 +117,36 @@ def _log_weight(weight: float) -> float:
   return math.log(weight) if weight > 0 else losses.NEG_INF
 
 
+def _qsft_loss(model, batch: dict, rngs=None):
+  """Query-side fine-tuning: marginal likelihood of the positive retrieved phrases (Eq. 11), on
+  phrase scores plus start-only and end-only scores (as the reference)."""
+  q_start, q_end = model.encode_questions(batch["question_input_ids"],
+                                          batch["question_attention_mask"], rngs=rngs)
+  start = jnp.einsum("bkd,bd->bk", batch["candidate_start"], q_start)
+  end = jnp.einsum("bkd,bd->bk", batch["candidate_end"], q_end)
+  positive, valid = batch["candidate_positive"], batch["candidate_valid"]
+  per_example = (losses.marginal_likelihood_loss(start + end, positive, valid)
+                 + losses.marginal_likelihood_loss(start, positive, valid)
+                 + losses.marginal_likelihood_loss(end, positive, valid))
+  loss = per_example.mean()
+  top1 = jnp.take_along_axis(positive, jnp.argmax(jnp.where(valid, start + end, losses.NEG_INF),
+                                                  axis=1)[:, None], 1)[:, 0]
+  entry = {"vectors": jnp.zeros((q_start.shape[0], 1, q_start.shape[1])),
+           "mask": jnp.zeros((q_start.shape[0], 1), bool),
+           "passage_ids": jnp.zeros(q_start.shape[0], jnp.int32),
+           "start": jnp.zeros(q_start.shape[0], jnp.int32),
+           "end": jnp.zeros(q_start.shape[0], jnp.int32)}
+  return loss, ({"loss": loss, "top1_positive": top1.mean()}, entry)
+
+
 def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   """The configured recipe's loss on one (global) batch.
 
   Returns:
     (loss scalar, metrics dict, queue entry of this batch).
   """
+  if loss_config.recipe == "qsft":
+    return _qsft_loss(model, batch, rngs)
   h = model.encode_phrases(batch["input_ids"], batch["attention_mask"], rngs=rngs)  # [B, L, D]
   q_start, q_end = model.encode_questions(batch["question_input_ids"],
                                           batch["question_attention_mask"], rngs=rngs)
@@ -129,6 +155,8 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   b, length, dim = h.shape
   start_logits = jnp.einsum("bld,bd->bl", h, q_start)
   end_logits = jnp.einsum("bld,bd->bl", h, q_end)
+  if not queue:  # no pre-batch negatives (prebatch_size 0): an empty queue of this shape
+    queue = init_queue(0, b, length, dim)
   queue_on = queue["valid"] & (step >= loss_config.prebatch_warmup_steps)  # [C]
   metrics = {}
   if loss_config.recipe == "unified":
@@ -198,7 +226,7 @@ def state_sharding(state: TrainState, mesh) -> TrainState:
   return TrainState(step=replicated, params=jax.tree.map(lambda _: replicated, state.params),
                     rest=jax.tree.map(lambda _: replicated, state.rest),
                     opt_state=jax.tree.map(lambda _: replicated, state.opt_state),
-                    queue=queue_sharding(mesh), rng=replicated)
+                    queue=queue_sharding(mesh, state.queue), rng=replicated)
 
 
 def make_train_step(graphdef, tx, schedule, loss_config, sharding: TrainState, mesh,
@@ -240,7 +268,7 @@ def init_state(model, tx, *, prebatch_size: int, batch_size: int, length: int, s
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                      opt_state=tx.init(params),
                      queue=init_queue(prebatch_size, batch_size, length,
-                                      model.config.hidden_size),
+                                      model.config.hidden_size) if prebatch_size else {},
                      rng=jax.random.PRNGKey(seed))
   sharding = state_sharding(state, mesh)
   return graphdef, global_array(state, sharding), sharding
@@ -404,7 +432,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   record, last_time, last_step = {}, time.perf_counter(), first
   for step in range(first, stop):
     epoch, index = batches.position(step)
-    if index == 0 and step > 0 and tc.loss.clear_prebatch_each_epoch:
+    if index == 0 and step > 0 and tc.loss.clear_prebatch_each_epoch and state.queue:
       # A new epoch revisits the same passages: start the pre-batch queue afresh.
       state = state.replace(queue={**state.queue, "valid": jnp.zeros_like(state.queue["valid"])})
     state, metrics = step_fn(state, to_device(step))

@@ -30,6 +30,8 @@ def get_config(arg=None):
   config.index = common.index_config(specs=["Flat", "IVFauto,SQ4", "OPQ96,IVFauto,PQ96x8"])
   config.validation = common.validation_config()
   config.mine = common.mine_config()
+  config.qsft = common.qsft_config()
+  config.filter = common.filter_config()
   config.eval = ml_collections.ConfigDict({"batch_size": 64, "max_answer_length": 10,
                                            "limit": 0, "every_steps": 0,
                                            "checkpoint": "latest"})

@@ -1,4 +1,5 @@
 """EM/F1 against the official SQuAD v1.1 scores of five leaderboard systems."""
+import numpy as np
 import pytest
 
 from dpjax import metrics
@@ -54,3 +55,16 @@ def test_open_domain_and_passage_scores():
   assert p["top1"] == pytest.approx(100 / 3) and p["top2"] == pytest.approx(200 / 3)
   assert p["mrr@2"] == pytest.approx(100 * (0.5 + 1) / 3)
   assert p["p@2"] == pytest.approx(100 * (0.5 + 1.0 + 0) / 3)
+
+
+def test_average_precision():
+  from dpjax.metrics import average_precision
+  rng = np.random.default_rng(0)
+  labels = rng.random(200_000) < 0.07
+  assert average_precision(labels * 2.0 + rng.random(200_000), labels) == pytest.approx(1.0)
+  random_ap = average_precision(rng.random(200_000), labels)
+  assert abs(random_ap - labels.mean()) < 0.005  # a random scorer: the positive rate
+  # By hand: positives at ranks 1 and 3 of 4 -> (1/1 + 2/3) / 2; ties form one threshold.
+  assert average_precision([4, 3, 2, 1], [1, 0, 1, 0]) == pytest.approx((1 + 2 / 3) / 2)
+  assert average_precision([1, 1, 1, 1], [1, 0, 0, 0]) == pytest.approx(0.25)
+  assert np.isnan(average_precision([1, 2], [0, 0]))

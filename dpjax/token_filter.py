@@ -1,0 +1,231 @@
+"""The token filter trained on its own (Kim et al. 2022, Section 6): `run.py filter`.
+
+After the encoders are trained, the filter head (a linear layer on the phrase vector h_t giving a
+start and an end logit) is trained on frozen phrase vectors of training windows with the token
+filter BCE (targets: the gold answer starts and ends of the window's questions), and validated
+on dev windows by AUC-PR (average precision over all thresholds) of "keep this token" scores
+(max of the two logits) against "is a gold start or end"; the epoch with the best AUC-PR is kept.
+
+Then a threshold sweep over the workdir's dump: filter logits recomputed from the stored vectors
+with the trained head, and for thresholds keeping 100%, 75%, 50%, ... of the tokens, an exact
+index over the kept tokens answers the dev questions (EM@1, EM@10). The chosen threshold is the
+one keeping the fewest tokens that loses at most `filter.max_em_drop` EM@1 points. The trained
+head's logits are written into the dump (`filter_logits.npy` of every shard) so that
+`run.py index --set index.filter_threshold=T` uses them, and the head goes into
+`workdir/filter_head.npz`, `dump_phrases` applies it to later dumps of this workdir.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+
+import numpy as np
+
+from dpjax import metrics
+
+log = logging.getLogger(__name__)
+HEAD_FILE = "filter_head.npz"
+
+
+def window_targets(features) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(windows, start targets [W, L], end targets [W, L]) of the windows holding an answer."""
+  answerable = np.flatnonzero(features.start_position > 0)
+  windows, inverse = np.unique(features.window_index[answerable], return_inverse=True)
+  length = features.windows.input_ids.shape[1]
+  start = np.zeros((len(windows), length), bool)
+  end = np.zeros((len(windows), length), bool)
+  start[inverse, features.start_position[answerable]] = True
+  end[inverse, features.end_position[answerable]] = True
+  return windows, start, end
+
+
+def encode_windows(model, windows, rows: np.ndarray, mesh, batch_size: int) -> np.ndarray:
+  """Frozen phrase vectors [N, L, D] (float16) of windows `rows`."""
+  from flax import nnx
+
+  from dpjax.parallel import map_batches
+  from dpjax.rc import make_encoders
+  graphdef, state = nnx.split(model)
+  encode = make_encoders(graphdef).phrases
+  out = np.zeros((len(rows), windows.input_ids.shape[1], model.config.hidden_size), np.float16)
+  for part, h in map_batches(lambda i, m: encode(state, i, m),
+                             [windows.input_ids[rows], windows.attention_mask[rows]],
+                             batch_size, mesh):
+    out[part] = h
+  return out
+
+
+def filter_scores(vectors: np.ndarray, kernel: np.ndarray, bias: np.ndarray) -> np.ndarray:
+  """[..., 2] start/end filter logits of token vectors."""
+  return vectors.astype(np.float32) @ kernel + bias
+
+
+def auc_pr(vectors, mask, start, end, kernel, bias) -> float:
+  """AUC-PR of the keep score max(start, end logit) for "gold start or end" over masked tokens."""
+  logits = filter_scores(vectors[mask], kernel, bias)
+  return metrics.average_precision(logits.max(-1), (start | end)[mask])
+
+
+def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, batch_size: int,
+               seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+  """Trains the filter head on frozen vectors; returns the best (kernel, bias) by dev AUC-PR.
+
+  Args:
+    train, dev: (vectors [N, L, D], mask [N, L], start [N, L], end [N, L]).
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from dpjax import losses
+
+  params = {"kernel": jnp.asarray(kernel, jnp.float32), "bias": jnp.asarray(bias, jnp.float32)}
+  tx = optax.adam(learning_rate)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, h, mask, start, end):
+    def loss_fn(p):
+      logits = h.astype(jnp.float32) @ p["kernel"] + p["bias"]
+      return losses.filter_loss(logits, start, end, mask).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  best = (auc_pr(*dev, kernel, bias), np.asarray(kernel), np.asarray(bias))
+  history = [{"epoch": 0, "dev_auc_pr": best[0]}]
+  rng = np.random.default_rng(seed)
+  for epoch in range(1, epochs + 1):
+    order = rng.permutation(len(train[0]))
+    epoch_losses = []
+    for lo in range(0, len(order) - batch_size + 1, batch_size):
+      rows = np.sort(order[lo:lo + batch_size])
+      params, opt_state, loss = step(params, opt_state, *(x[rows] for x in train))
+      epoch_losses.append(float(loss))
+    k, b = np.asarray(params["kernel"]), np.asarray(params["bias"])
+    score = auc_pr(*dev, k, b)
+    history.append({"epoch": epoch, "train_loss": float(np.mean(epoch_losses)),
+                    "dev_auc_pr": score})
+    log.info("filter epoch %d: loss %.4f, dev AUC-PR %.4f", epoch, history[-1]["train_loss"],
+             score)
+    if score > best[0]:
+      best = (score, k, b)
+  return best[1], best[2], history
+
+
+def apply_saved_head(model, workdir: pathlib.Path) -> bool:
+  """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any."""
+  from flax import nnx
+  path = pathlib.Path(workdir) / HEAD_FILE
+  if not path.is_file():
+    return False
+  saved = np.load(path)
+  head = nnx.state(model.filter_head, nnx.Param)
+  head["kernel"].set_value(saved["kernel"].astype(np.float32))
+  head["bias"].set_value(saved["bias"].astype(np.float32))
+  nnx.update(model.filter_head, head)
+  log.info("token filter head from %s", path)
+  return True
+
+
+def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
+  """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file)."""
+  from dpjax.index.dump import read_manifest, write_manifest
+  manifest = read_manifest(dump_dir)
+  for shard in manifest["shards"]:
+    path = dump_dir / shard["name"]
+    vectors = np.load(path / "vectors.npy", mmap_mode="r")
+    logits = np.concatenate([filter_scores(vectors[lo:lo + 65536], kernel, bias)
+                             for lo in range(0, len(vectors), 65536)]).astype(np.float16)
+    tmp = path / "filter_logits.tmp.npy"
+    np.save(tmp, logits)
+    os.replace(tmp, path / "filter_logits.npy")
+  manifest["filter_head"] = {"file": HEAD_FILE, "sha": _digest(kernel, bias)}
+  write_manifest(dump_dir, manifest)
+
+
+def _digest(kernel, bias) -> str:
+  import hashlib
+  return hashlib.sha256(np.asarray(kernel, np.float32).tobytes() +
+                        np.asarray(bias, np.float32).tobytes()).hexdigest()[:16]
+
+
+def run_filter(config, workdir: str) -> dict:
+  """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
+  from flax import nnx
+
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  from dpjax.index.dump import Dump
+  from dpjax.open_domain import _paths, read_questions, restore_model
+  from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.search import PhraseIndex, encode_questions
+  from dpjax.validation import open_domain_eval
+
+  workdir = pathlib.Path(workdir)
+  fc = config.filter
+  model, step = restore_model(config, workdir)
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  files = data_files(config.data, workdir)
+  mesh = make_mesh()
+  batch = round_to_devices(config.eval.batch_size, mesh)
+  splits = {}
+  for name, path, limit in (("train", files["train"], fc.train_windows),
+                            ("dev", files["dev"], fc.dev_windows)):
+    split = load_rc_split(path, tokenizer, config.data)
+    windows, start, end = window_targets(split.features)
+    keep = np.random.default_rng([fc.seed, len(name)]).permutation(len(windows))[:limit]
+    keep.sort()
+    w = split.features.windows
+    rows = windows[keep]
+    vectors = encode_windows(model, w, rows, mesh, batch)
+    splits[name] = (vectors, w.context_mask[rows] & w.is_max_context[rows], start[keep],
+                    end[keep])
+    log.info("filter %s: %d windows, %.2f%% of context tokens are answer starts/ends", name,
+             len(rows), 100 * (start[keep] | end[keep])[splits[name][1]].mean())
+  head = nnx.state(model.filter_head, nnx.Param)
+  kernel, bias, history = train_head(
+      splits["train"], splits["dev"], np.asarray(head["kernel"][...]),
+      np.asarray(head["bias"][...]), epochs=fc.epochs, learning_rate=fc.learning_rate,
+      batch_size=fc.batch_size, seed=fc.seed)
+  best_auc = max(h["dev_auc_pr"] for h in history)
+  np.savez(workdir / HEAD_FILE, kernel=kernel, bias=bias)
+
+  # The size / accuracy sweep on the dump, with the trained head's logits.
+  paths = _paths(config, workdir)
+  rewrite_dump_logits(paths["dump"], kernel, bias)
+  dump = Dump.load(paths["dump"])
+  keep_score = dump.filter_logits.astype(np.float32).max(1)
+  questions = read_questions(paths["questions"])[:fc.sweep_questions or None]
+  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+                                    max_query_length=config.data.max_query_length,
+                                    batch_size=batch, mesh=mesh)
+  answers = [q["answers"] for q in questions]
+  sweep = []
+  for fraction in fc.keep_fractions:
+    threshold = (None if fraction >= 1 else
+                 float(np.quantile(keep_score, 1 - fraction, method="higher")))
+    kept = (np.arange(len(keep_score)) if threshold is None
+            else np.flatnonzero(keep_score >= threshold))
+    index = PhraseIndex.over_tokens(dump, kept)
+    report = open_domain_eval(index, q_start, q_end, answers,
+                              max_answer_length=config.eval.max_answer_length, passages=False)
+    sweep.append({"threshold": threshold, "tokens": int(len(kept)),
+                  "kept_fraction": len(kept) / len(keep_score), **report})
+    log.info("filter threshold %s keeps %d tokens (%.1f%%): EM@1 %.2f EM@10 %.2f", threshold,
+             len(kept), 100 * sweep[-1]["kept_fraction"], report["em@1"], report["em@10"])
+  full = next(s for s in sweep if s["threshold"] is None)["em@1"] if any(
+      s["threshold"] is None for s in sweep) else max(s["em@1"] for s in sweep)
+  good = [s for s in sweep if s["em@1"] >= full - fc.max_em_drop]
+  chosen = min(good, key=lambda s: s["tokens"])
+  result = {"model_step": step, "dev_auc_pr": best_auc, "history": history,
+            "train_windows": int(len(splits["train"][0])),
+            "dev_windows": int(len(splits["dev"][0])), "sweep_questions": len(questions),
+            "sweep": sweep, "max_em_drop": fc.max_em_drop, "chosen": chosen}
+  (workdir / "filter_results.json").write_text(json.dumps(result, indent=1))
+  print(f"token filter: dev AUC-PR {best_auc:.4f}; chosen threshold {chosen['threshold']} keeps "
+        f"{100 * chosen['kept_fraction']:.1f}% of the tokens (EM@1 {chosen['em@1']:.2f} vs "
+        f"{full:.2f} unfiltered); build it with `run.py index --set "
+        f"index.filter_threshold={chosen['threshold']}`")
+  return result

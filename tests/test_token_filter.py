@@ -1,0 +1,40 @@
+"""The separately trained token filter and its threshold sweep, on the tiny pipeline."""
+import json
+
+import numpy as np
+
+from dpjax.index.dump import Dump
+
+import run
+
+
+def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  for mode in ("train", "dump"):
+    assert run.main([mode] + base) == 0
+  before = Dump.load(tmp_path / "dump").filter_logits.copy()
+  assert (before == 0).all()  # the head is zero-initialised and not trained jointly
+  assert run.main(["filter"] + base + ["--set", "filter.epochs=3",
+                                       "--set", "filter.batch_size=8"]) == 0
+  result = json.loads((tmp_path / "filter_results.json").read_text())
+  assert 0 < result["dev_auc_pr"] <= 1
+  assert result["dev_auc_pr"] == max(h["dev_auc_pr"] for h in result["history"])
+  tokens = [s["tokens"] for s in result["sweep"]]
+  assert tokens == sorted(tokens, reverse=True) and result["sweep"][0]["threshold"] is None
+  for s in result["sweep"][1:]:  # each threshold keeps about its fraction of the tokens
+    assert abs(s["kept_fraction"] - s["tokens"] / tokens[0]) < 1e-9
+  chosen = result["chosen"]
+  assert chosen["em@1"] >= result["sweep"][0]["em@1"] - 1.0
+  # The dump now carries the trained head's logits, and an index built with the chosen
+  # threshold holds exactly the tokens the sweep kept.
+  after = Dump.load(tmp_path / "dump").filter_logits
+  assert not (after == 0).all()
+  threshold = chosen["threshold"]
+  if threshold is not None:
+    assert run.main(["index"] + base + ["--set", f"index.filter_threshold={threshold}"]) == 0
+    manifest = json.loads(next((tmp_path / "dump" / "indexes").glob("Flat_filter*/"
+                                                                     "index_manifest.json"))
+                          .read_text())
+    assert manifest["num_tokens"] == chosen["tokens"]
+  assert "token filter: dev AUC-PR" in capsys.readouterr().out
+  assert (tmp_path / "filter_head.npz").is_file()
