@@ -184,10 +184,12 @@ def run_eval_open(config, workdir: str) -> dict:
   start = time.perf_counter()
   phrases = searcher.search(texts, k=10, unit="phrase", **kwargs)
   seconds = time.perf_counter() - start
-  passages = searcher.search(texts, k=100, unit="passage", **kwargs)
+  passage_k = config.eval.get("passage_k", 100)
+  passages = searcher.search(texts, k=passage_k, unit="passage", **kwargs)
   report = {"index": config.index.search_index, "questions": len(questions),
             **metrics.open_domain_scores([[p["answer"] for p in r] for r in phrases], golds),
-            **metrics.passage_scores([[p["passage"] for p in r] for r in passages], golds),
+            **metrics.passage_scores([[p["passage"] for p in r] for r in passages], golds,
+                                     ks=[k for k in (1, 5, 20, 100) if k <= passage_k]),
             "phrase_search_questions_per_sec": len(questions) / seconds,
             "index_tokens": searcher.index.manifest["num_tokens"],
             "dump_passages": searcher.index.dump.manifest["num_passages"],

@@ -41,6 +41,7 @@ def get_config(arg=None):
     config.train.update(batch_size=12, num_steps=1500, learning_rate=1e-4, dropout=False,
                         checkpoint_every=250, log_every=25)
     config.index.train_size = 262_144  # quantizer training in minutes on 2 cores
+    config.eval.passage_k = 20  # passage Top-1/5/20, MRR@20, P@20 (Top-100: eval.passage_k=100)
   elif arg == "tiny":
     config = common.make_tiny(config)
     config.data.max_seq_length = 64

@@ -1,0 +1,198 @@
+"""Passage retrieval side by side (SQuAD-open small): dpjax phrase-based passage retrieval vs BM25
+vs an off-the-shelf dense passage retriever, on the same passages, questions and answer matching.
+
+  python experiments/benchmarks/passage_retrieval.py --config experiments/squad.py:cpu \\
+      --workdir workdirs/squad-cpu-unified --out results/peers.json
+
+Systems (all retrieve from the passages of the workdir's dump: the 20,958 unique SQuAD train+dev
+paragraphs; all are scored by `dpjax.metrics.passage_scores`, normalised token-sequence answer
+match):
+  dpjax-<index>  phrase-based passage retrieval (a passage scores as its best phrase), for every
+                 index in --indexes (default Flat and IVFauto_SQ4), plus phrase EM@1/EM@10;
+  bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, Porter stemming
+                 when PyStemmer is installed, over "title text";
+  dense-minilm   all-MiniLM-L6-v2 as sentence-transformers uses it: mean of the last hidden
+                 states over the tokens, L2-normalised, passages cut at 256 tokens, through
+                 dpjax's own BERT; faiss IndexFlatIP.
+Writes the JSON and a Markdown table (`--out` with .md) with the command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+KS = (1, 5, 20, 100)
+
+
+def bm25_retrieve(passages, questions, k: int) -> tuple[list[list[int]], dict]:
+  import bm25s
+  try:
+    import Stemmer
+    stemmer = Stemmer.Stemmer("english")
+  except ImportError:
+    stemmer = None
+  texts = [f"{p.title} {p.text}" for p in passages]
+  start = time.perf_counter()
+  retriever = bm25s.BM25(k1=0.9, b=0.4)
+  retriever.index(bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False),
+                  show_progress=False)
+  built = time.perf_counter() - start
+  start = time.perf_counter()
+  rows, _ = retriever.retrieve(bm25s.tokenize(questions, stopwords="en", stemmer=stemmer,
+                                              show_progress=False), k=k, show_progress=False)
+  seconds = time.perf_counter() - start
+  return rows.tolist(), {"index_seconds": built, "questions_per_sec": len(questions) / seconds,
+                         "stemmer": "porter (PyStemmer)" if stemmer else "none",
+                         "k1": 0.9, "b": 0.4}
+
+
+def mean_pooled(model, tokenizer, texts, max_len: int, batch_size: int, mesh) -> np.ndarray:
+  """sentence-transformers' all-MiniLM-L6-v2 embedding: masked mean, L2-normalised."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from dpjax.parallel import map_batches
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def embed(state, ids, mask):
+    hidden = nnx.merge(graphdef, state)(ids, mask)
+    weights = mask[..., None].astype(jnp.float32)
+    pooled = (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1e-9)
+    return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+  # Length-sorted batches: far less padding (the order is undone below).
+  order = np.argsort([len(t) for t in texts])
+  out = np.zeros((len(texts), model.config.hidden_size), np.float32)
+  for lo in range(0, len(texts), batch_size * 16):
+    rows = order[lo:lo + batch_size * 16]
+    ids, mask = tokenizer.encode([texts[i] for i in rows], max_len)
+    used = int(mask.sum(1).max())
+    for part, vectors in map_batches(lambda i, m: embed(state, i, m),
+                                     [ids[:, :used], mask[:, :used]], batch_size, mesh):
+      out[rows[part]] = vectors
+  return out
+
+
+def dense_retrieve(passages, questions, k: int, mesh, batch_size: int):
+  import faiss
+
+  from dpjax.data import Tokenizer
+  from dpjax.models.pretrained import load_pretrained_bert
+  model = load_pretrained_bert("minilm-l6")
+  tokenizer = Tokenizer.from_pretrained("minilm-l6")
+  start = time.perf_counter()
+  passage_vectors = mean_pooled(model, tokenizer, [f"{p.title} {p.text}" for p in passages], 256,
+                                batch_size, mesh)
+  encoded = time.perf_counter() - start
+  index = faiss.IndexFlatIP(passage_vectors.shape[1])
+  index.add(passage_vectors)
+  start = time.perf_counter()
+  question_vectors = mean_pooled(model, tokenizer, questions, 64, batch_size, mesh)
+  _, rows = index.search(question_vectors, k)
+  seconds = time.perf_counter() - start
+  return rows.tolist(), {"passage_encoding_seconds": encoded,
+                         "questions_per_sec": len(questions) / seconds}
+
+
+def table(results: dict, command: str) -> str:
+  lines = ["# Passage retrieval side by side: SQuAD-open small", "", f"Command: `{command}`", "",
+           f"{results['questions']} SQuAD dev questions, {results['passages']} passages (the unique "
+           "SQuAD train + dev paragraphs), one answer-matching function for all systems "
+           "(normalised token-sequence match, `dpjax.metrics.passage_scores`).", "",
+           "| system | " + " | ".join(f"Top-{k}" for k in KS) + " | MRR@20 | P@20 | phrase EM@1 | "
+           "questions/s |", "|---|" + "---|" * (len(KS) + 4)]
+  for name, r in results["systems"].items():
+    s = r["scores"]
+    lines.append(f"| {name} | " + " | ".join(f"{s[f'top{k}']:.2f}" for k in KS)
+                 + f" | {s['mrr@20']:.2f} | {s['p@20']:.2f} | "
+                 + (f"{r['em@1']:.2f}" if "em@1" in r else "-")
+                 + f" | {r['questions_per_sec']:.1f} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", required=True, help="a workdir with a dump and its indexes")
+  parser.add_argument("--indexes", nargs="+", default=["Flat", "IVFauto_SQ4"])
+  parser.add_argument("--systems", nargs="+", default=["dpjax", "bm25", "dense-minilm"])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--set", action="append", default=[])
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  for noisy in ("absl", "jax._src.xla_bridge", "dpjax.checkpoint"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+  from dpjax import metrics
+  from dpjax.config import load_config
+  from dpjax.data import Tokenizer
+  from dpjax.index.dump import Dump
+  from dpjax.open_domain import _paths, read_questions, restore_model
+  from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.search import DensePhrases, PhraseIndex
+
+  config = load_config(args.config, args.set)
+  workdir = pathlib.Path(args.workdir)
+  paths = _paths(config, workdir)
+  dump = Dump.load(paths["dump"])
+  passages = dump.passages
+  questions = read_questions(paths["questions"])[:config.eval.limit or None]
+  texts = [q["question"] for q in questions]
+  answers = [q["answers"] for q in questions]
+  mesh = make_mesh()
+  batch = round_to_devices(config.index.batch_size, mesh)
+  k = min(max(KS), len(passages))
+  score = lambda rows: metrics.passage_scores([[passages[i].text for i in r if i >= 0]
+                                               for r in rows], answers, ks=KS)
+  systems = {}
+  if "dpjax" in args.systems:
+    model, step = restore_model(config, workdir)
+    tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+    for name in args.indexes:
+      searcher = DensePhrases(model, PhraseIndex(dump, name, nprobe=config.index.nprobe),
+                              tokenizer, max_query_length=config.data.max_query_length,
+                              batch_size=batch, mesh=mesh)
+      start = time.perf_counter()
+      found = searcher.search(texts, k=k, unit="passage",
+                              max_answer_length=config.eval.max_answer_length)
+      seconds = time.perf_counter() - start
+      phrases = searcher.search(texts, k=10, unit="phrase",
+                                max_answer_length=config.eval.max_answer_length)
+      systems[f"dpjax-{name}"] = {
+          "scores": score([[r["passage_row"] for r in res] for res in found]),
+          **metrics.open_domain_scores([[r["answer"] for r in res] for res in phrases], answers),
+          "questions_per_sec": len(texts) / seconds, "model_step": step}
+      logging.info("dpjax-%s: %s", name, systems[f"dpjax-{name}"]["scores"])
+  if "bm25" in args.systems:
+    rows, info = bm25_retrieve(passages, texts, k)
+    systems["bm25"] = {"scores": score(rows), **info}
+    logging.info("bm25: %s", systems["bm25"]["scores"])
+  if "dense-minilm" in args.systems:
+    rows, info = dense_retrieve(passages, texts, k, mesh, batch)
+    systems["dense-minilm"] = {"scores": score(rows), **info}
+    logging.info("dense-minilm: %s", systems["dense-minilm"]["scores"])
+  results = {"questions": len(questions), "passages": len(passages), "systems": systems}
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=1))
+  command = "python experiments/benchmarks/passage_retrieval.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
+  out.with_suffix(".md").write_text(table(results, command))
+  print(out.with_suffix(".md").read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
