@@ -32,3 +32,31 @@ def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):
   # The synthetic questions name their entity: BM25 finds the passage.
   assert results["systems"]["bm25"]["scores"]["top5"] >= 50
   assert "| bm25 |" in out.with_suffix(".md").read_text()
+
+
+def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  for mode in ("train", "dump"):
+    assert run.main([mode] + base) == 0
+  monkeypatch.chdir(REPO)
+  out = tmp_path / "scale.json"
+  assert _load("search_scale").main(base + [
+      "--sizes", "3000", "9000", "--specs", "Flat", "IVFauto,SQ8", "OPQ6,IVFauto,PQ6x4",
+      "--questions", "64", "--recall-queries", "16", "--max-gb", "1", "--out", str(out),
+      "--set", "index.train_size=4000"]) == 0
+  results = json.loads(out.read_text())
+  rows = {(r["size"], r["spec"]): r for r in results["rows"]}
+  assert len(rows) == 6 and not any("skipped" in r for r in rows.values())
+  for size in (3000, 9000):
+    assert rows[(size, "Flat")]["recall_at_10"] == 1.0  # exact search finds the exact top-10
+    assert rows[(size, "Flat")]["bytes_per_token"] > rows[(size, "IVFauto,SQ8")]["bytes_per_token"]
+  for r in rows.values():
+    assert r["batch64"]["questions_per_sec"] > 0 and r["batch1"]["p99_ms"] >= r["batch1"]["p50_ms"]
+  assert set(results["extrapolation"]) == {"Flat", "IVFauto,SQ8", "OPQ6,IVFauto,PQ6x4"}
+  assert out.with_suffix(".png").is_file() and "English Wikipedia" in out.with_suffix(".md").read_text()
+  # A memory limit below what Flat needs skips it, and says so.
+  assert _load("search_scale").main(base + [
+      "--sizes", "3000", "--specs", "Flat", "--questions", "8", "--recall-queries", "4",
+      "--max-gb", "0.00001", "--out", str(tmp_path / "skip.json")]) == 0
+  skipped = json.loads((tmp_path / "skip.json").read_text())["rows"][0]
+  assert "skipped" in skipped and "GiB" in skipped["skipped"]
