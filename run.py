@@ -36,9 +36,8 @@ def main(argv=None) -> int:
   hosts.add_argument("--distributed", action="store_true",
                      help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  for noisy in ("absl", "jax._src.xla_bridge"):  # Orbax's per-save chatter, backend probing
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from dpjax.config import setup_logging
+  setup_logging()
   from dpjax.distributed import initialize
   try:
     initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)

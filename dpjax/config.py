@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import pathlib
 from typing import Sequence
 
@@ -44,6 +45,14 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
 
 
 # Pieces shared by the experiment configs in experiments/.
+def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s"):
+  """INFO logging for the command line and scripts, without Orbax's per-save chatter and JAX's
+  backend probing (plus the `quiet` loggers)."""
+  logging.basicConfig(level=logging.INFO, format=fmt)
+  for noisy in ("absl", "jax._src.xla_bridge", *quiet):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 def model_config(name: str = "minilm-l6") -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
       "init": "pretrained",  # or "random" (uses `random`), for tests
@@ -194,3 +203,18 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
   })
   config.update(overrides)
   return config
+
+
+def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib.Path":
+  """Writes `results` as JSON to `out` and `render(results, command)` as Markdown beside it
+  (`command`: how the script was run); prints the Markdown; returns the JSON path."""
+  import json
+  import sys
+  out = pathlib.Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=1))
+  command = f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
+  out.with_suffix(".md").write_text(render(results, command))
+  print(out.with_suffix(".md").read_text())
+  return out
+

@@ -98,7 +98,7 @@ def read_questions(path: str | pathlib.Path) -> list[dict]:
   return questions
 
 
-def _paths(config, workdir: pathlib.Path) -> dict:
+def data_paths(config, workdir: pathlib.Path) -> dict:
   from dpjax.data import data_files
   files = data_files(config.data, workdir)
   # Default corpus: the data set's own (synthetic: corpus.json; SQuAD: train + dev paragraphs).
@@ -115,7 +115,7 @@ def run_dump(config, workdir: str) -> dict:
   from dpjax.parallel import make_mesh, round_to_devices
 
   workdir = pathlib.Path(workdir)
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   model, step = restore_model(config, workdir)
   from dpjax.token_filter import apply_saved_head
   apply_saved_head(model, workdir)  # a separately trained token filter, if `run.py filter` ran
@@ -173,7 +173,7 @@ def _spans(results: list[dict]) -> list[list]:
 
 def run_eval_open(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   questions = read_questions(paths["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
@@ -230,7 +230,7 @@ def run_subcorpus(config, workdir: str) -> dict:
   from dpjax import validation
 
   workdir = pathlib.Path(workdir)
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   summary = SkipSummary()
   corpus = list(read_corpus(paths["corpus"], summary))
   c0 = validation.gold_rows(corpus, paths["questions"])

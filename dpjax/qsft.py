@@ -106,14 +106,14 @@ def run_qsft(config, workdir: str) -> dict:
 
   from dpjax.checkpoint import Checkpointer
   from dpjax.data import Tokenizer, data_files
-  from dpjax.open_domain import read_questions, restore_model, _paths
+  from dpjax.open_domain import read_questions, restore_model, data_paths
   from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
   from dpjax.search import PhraseIndex, encode_questions
   from dpjax.train import MetricsWriter, init_state, make_optimizer, make_train_step
 
   workdir = pathlib.Path(workdir)
   qc = config.qsft
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   model, trained_step = restore_model(config, workdir)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe)
   vectors = CandidateVectors(index, qc.quantized)

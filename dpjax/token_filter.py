@@ -158,7 +158,7 @@ def run_filter(config, workdir: str) -> dict:
 
   from dpjax.data import Tokenizer, data_files, load_rc_split
   from dpjax.index.dump import Dump
-  from dpjax.open_domain import _paths, read_questions, restore_model
+  from dpjax.open_domain import data_paths, read_questions, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.search import PhraseIndex, encode_questions
   from dpjax.validation import open_domain_eval
@@ -193,7 +193,7 @@ def run_filter(config, workdir: str) -> dict:
   np.savez(workdir / HEAD_FILE, kernel=kernel, bias=bias)
 
   # The size / accuracy sweep on the dump, with the trained head's logits.
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   rewrite_dump_logits(paths["dump"], kernel, bias)
   dump = Dump.load(paths["dump"])
   keep_score = dump.filter_logits.astype(np.float32).max(1)

@@ -83,7 +83,6 @@ def load_subcorpora(directory: pathlib.Path, corpus) -> dict[str, dict]:
 
 def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, rc_split,
                    tokenizer, mesh, batch_size) -> dict:
-  from dpjax.corpus import read_corpus  # noqa: F401  (dpjax on the path)
   from dpjax.index.dump import Dump, DumpConfig, dump_phrases
   from dpjax.open_domain import restore_model
   from dpjax.parallel import make_mesh
@@ -161,19 +160,18 @@ def main(argv=None) -> int:
   parser.add_argument("--out", required=True, help="results JSON (the .md goes beside it)")
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-  for noisy in ("absl", "jax._src.xla_bridge", "dpjax.checkpoint"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from dpjax.config import setup_logging
+  setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   from dpjax.config import load_config
   from dpjax.corpus import read_corpus
   from dpjax.data import Tokenizer, load_rc_split
-  from dpjax.open_domain import _paths, read_questions
+  from dpjax.open_domain import data_paths, read_questions
   from dpjax.parallel import make_mesh, round_to_devices
 
   config = load_config(args.config, args.set)
   specs = [parse_model(m) for m in args.model]
-  paths = _paths(config, specs[0][1])
+  paths = data_paths(config, specs[0][1])
   corpus = list(read_corpus(paths["corpus"]))
   subcorpora = load_subcorpora(pathlib.Path(args.subcorpora), corpus)
   questions = read_questions(paths["questions"])[:config.eval.limit or None]
@@ -193,13 +191,8 @@ def main(argv=None) -> int:
              "corpus_passages": len(corpus),
              "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
              "models": models, "tau": tau}
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
-  command = "python experiments/validation_experiment.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  out.with_suffix(".md").write_text(markdown(results, command))
-  print(out.with_suffix(".md").read_text())
+  from dpjax.config import save_results
+  save_results(args.out, results, markdown, "experiments/validation_experiment.py", argv)
   return 0
 
 

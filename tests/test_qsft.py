@@ -2,7 +2,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

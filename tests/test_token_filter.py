@@ -1,7 +1,6 @@
 """The separately trained token filter and its threshold sweep, on the tiny pipeline."""
 import json
 
-import numpy as np
 
 from dpjax.index.dump import Dump
 

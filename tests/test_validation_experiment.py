@@ -1,6 +1,5 @@
 """The validation experiment script and its notebook, end to end on a tiny run."""
 import json
-import os
 
 import numpy as np
 import pytest

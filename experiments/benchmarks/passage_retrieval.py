@@ -19,7 +19,6 @@ Writes the JSON and a Markdown table (`--out` with .md) with the command.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 import sys
@@ -131,21 +130,20 @@ def main(argv=None) -> int:
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-  for noisy in ("absl", "jax._src.xla_bridge", "dpjax.checkpoint"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from dpjax.config import setup_logging
+  setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   from dpjax import metrics
   from dpjax.config import load_config
   from dpjax.data import Tokenizer
   from dpjax.index.dump import Dump
-  from dpjax.open_domain import _paths, read_questions, restore_model
+  from dpjax.open_domain import data_paths, read_questions, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.search import DensePhrases, PhraseIndex
 
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   dump = Dump.load(paths["dump"])
   passages = dump.passages
   questions = read_questions(paths["questions"])[:config.eval.limit or None]
@@ -184,13 +182,8 @@ def main(argv=None) -> int:
     systems["dense-minilm"] = {"scores": score(rows), **info}
     logging.info("dense-minilm: %s", systems["dense-minilm"]["scores"])
   results = {"questions": len(questions), "passages": len(passages), "systems": systems}
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
-  command = "python experiments/benchmarks/passage_retrieval.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  out.with_suffix(".md").write_text(table(results, command))
-  print(out.with_suffix(".md").read_text())
+  from dpjax.config import save_results
+  save_results(args.out, results, table, "experiments/benchmarks/passage_retrieval.py", argv)
   return 0
 
 

@@ -18,9 +18,7 @@ throughput) and a log-log figure beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import pathlib
 import re
@@ -143,21 +141,20 @@ def main(argv=None) -> int:
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-  for noisy in ("absl", "jax._src.xla_bridge", "dpjax.checkpoint"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from dpjax.config import setup_logging
+  setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   import faiss
 
   from dpjax.config import load_config
   from dpjax.data import Tokenizer
   from dpjax.index.dump import Dump
-  from dpjax.open_domain import _paths, read_questions, restore_model
+  from dpjax.open_domain import data_paths, read_questions, restore_model
   from dpjax.search import DensePhrases, PhraseIndex
 
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
-  paths = _paths(config, workdir)
+  paths = data_paths(config, workdir)
   dump = Dump.load(paths["dump"])
   model, step = restore_model(config, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
@@ -212,14 +209,9 @@ def main(argv=None) -> int:
                                "tokens_per_sec": manifest["num_tokens"] / manifest["seconds"]
                                if manifest.get("seconds") else None},
              "extrapolation": extrapolate(rows)}
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
-  command = "python experiments/benchmarks/search_scale.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  out.with_suffix(".md").write_text(report(results, command))
+  from dpjax.config import save_results
+  out = save_results(args.out, results, report, "experiments/benchmarks/search_scale.py", argv)
   figure(results, out.with_suffix(".png"))
-  print(out.with_suffix(".md").read_text())
   return 0
 
 
