@@ -5,7 +5,8 @@ and the top end tokens for q_end; every start hit i is paired with its best end 
 [i, i + max_answer_length) within the same passage, and every end hit j with its best start,
 both scored exactly from the stored token vectors: s = q_start . h_i + q_end . h_j. Phrases are
 deduplicated and sorted. A sentence, passage or document scores as its best phrase; more phrases
-are fetched until k distinct units are found (or the whole index has been asked).
+are fetched until k distinct units are found or `max_fetch` phrases (default 20 k; the reference
+retrieves ~2k phrases for k units) have been asked for.
 """
 from __future__ import annotations
 
@@ -203,11 +204,14 @@ class PhraseIndex:
 
   def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
              *, top_tokens: int | None = None, max_answer_length: int = 10,
-             ) -> list[list[tuple[Phrase, object]]]:
+             max_fetch: int | None = None) -> list[list[tuple[Phrase, object]]]:
     """Top-k units (each with its best phrase) per question."""
     if unit not in UNITS:
       raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
     fetch = max(top_tokens or 2 * k, k)
+    # A question whose best phrases crowd into few units would otherwise grow the fetch (and
+    # the exact rescoring) without bound; it then gets fewer than k units.
+    max_fetch = min(max(max_fetch or 20 * k, fetch), self.num_vectors)
     units: list = [None] * len(q_start)
     pending = np.arange(len(q_start))
     while len(pending):
@@ -219,10 +223,10 @@ class PhraseIndex:
         for phrase in found:
           best.setdefault(self.unit_key(phrase, unit), phrase)
         units[q] = [(p, key) for key, p in list(best.items())[:k]]
-        if len(units[q]) < k and fetch < self.num_vectors:
+        if len(units[q]) < k and fetch < max_fetch:
           short.append(q)
       pending = np.array(short, dtype=np.int64)
-      fetch = min(fetch * 4, self.num_vectors)
+      fetch = min(fetch * 4, max_fetch)
     return units
 
   def result(self, phrase: Phrase, unit: str = "phrase") -> dict:
