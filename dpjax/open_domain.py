@@ -190,6 +190,8 @@ def run_eval_open(config, workdir: str) -> dict:
   for lo in range(0, len(timed), 64):
     searcher.search(timed[lo:lo + 64], k=10, unit="phrase", **kwargs)
   batch64_qps = len(timed) / (time.perf_counter() - start)
+  log.info("phrase search: %d questions in %.0f s; %.1f questions/s at batch 64; passages next",
+           len(texts), seconds, batch64_qps)
   passage_k = config.eval.get("passage_k", 100)
   passages = searcher.search(texts, k=passage_k, unit="passage", **kwargs)
   report = {"index": config.index.search_index, "questions": len(questions),
