@@ -134,6 +134,9 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
   """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file)."""
   from dpjax.index.dump import read_manifest, write_manifest
   manifest = read_manifest(dump_dir)
+  # Marked first: a rewrite killed half-way leaves shards of two heads, which read_manifest
+  # then refuses until `run.py filter` is run again.
+  write_manifest(dump_dir, {**manifest, "filter_rewrite_incomplete": True})
   for shard in manifest["shards"]:
     path = dump_dir / shard["name"]
     vectors = np.load(path / "vectors.npy", mmap_mode="r")

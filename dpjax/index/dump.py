@@ -90,6 +90,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
   if not manifest.get("complete"):
     raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
                     "same dump command again to finish it")
+  if manifest.get("filter_rewrite_incomplete"):
+    raise DumpError(f"{directory}: rewriting its filter logits was interrupted; run "
+                    "`run.py filter` again")
   return manifest
 
 
