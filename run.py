@@ -44,7 +44,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     parser.error(str(e))
 
-  from dpjax.config import load_config
+  from dpjax.config import ConfigError, load_config
   from dpjax.data import DataError
   from dpjax.index.dump import DumpError
   config = load_config(args.config, args.set)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         {"dump": open_domain.run_dump, "index": open_domain.run_index,
          "eval": open_domain.run_eval_open, "subcorpus": open_domain.run_subcorpus,
          "mine": open_domain.run_mine}[args.mode](config, args.workdir)
-  except (DataError, DumpError) as e:
+  except (ConfigError, DataError, DumpError) as e:
     logging.error("%s", e)
     return _exit(2)
   except BaseException:

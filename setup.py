@@ -23,6 +23,7 @@ setup(
         "tqdm>=4.66,<5",
         "matplotlib>=3.8,<4",  # figures of the result notebooks
         "bm25s>=0.2,<0.4",  # the BM25 peer of experiments/benchmarks/passage_retrieval.py
+        "PyStemmer>=2.2,<4",  # its English (Porter2) stemmer; Pyserini stems too
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],

@@ -10,6 +10,10 @@ from typing import Sequence
 import ml_collections
 
 
+class ConfigError(ValueError):
+  """A config value that cannot work (reported with the field name, before any work starts)."""
+
+
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """Loads `path/to/config.py[:arg]` and applies `key.sub=value` overrides.
 

@@ -6,7 +6,9 @@ and the top end tokens for q_end; every start hit i is paired with its best end 
 both scored exactly from the stored token vectors: s = q_start . h_i + q_end . h_j. Phrases are
 deduplicated and sorted. A sentence, passage or document scores as its best phrase; more phrases
 are fetched until k distinct units are found or `max_fetch` phrases (default 20 k; the reference
-retrieves ~2k phrases for k units) have been asked for.
+retrieves ~2k phrases for k units) have been asked for; the index itself is searched at most
+twice per question (the first round, then once at `max_fetch` for the questions still short), and
+`DensePhrases.search_many` serves several searches of the same questions with one.
 """
 from __future__ import annotations
 
@@ -140,20 +142,24 @@ class PhraseIndex:
 
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
                      top_tokens: int | None = None, max_answer_length: int = 10,
-                     ) -> list[list[Phrase]]:
-    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D])."""
+                     hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[Phrase]]:
+    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D]).
+
+    `hits`: the (start, end) token ids of an earlier, wider search of the same questions
+    ([Q, >= top_tokens] each); their first `top_tokens` columns are this search's hits.
+    """
     top_tokens = min(max(top_tokens or k, k), self.num_vectors)
     # Rescoring gathers [queries, top_tokens, max_answer_length, D] vectors: bound that memory.
     chunk = max(1, _RESCORE_FLOATS // (top_tokens * max_answer_length * q_start.shape[1]))
     results = []
     for lo in range(0, len(q_start), chunk):
-      results += self._search_chunk(q_start[lo:lo + chunk], q_end[lo:lo + chunk], k, top_tokens,
-                                    max_answer_length)
+      part = slice(lo, lo + chunk)
+      starts, ends = ((self._hits(q_start[part], top_tokens), self._hits(q_end[part], top_tokens))
+                      if hits is None else (hits[0][part, :top_tokens], hits[1][part, :top_tokens]))
+      results += self._rescore(q_start[part], q_end[part], starts, ends, k, max_answer_length)
     return results
 
-  def _search_chunk(self, q_start, q_end, k: int, top_tokens: int, max_answer_length: int):
-    starts = self._hits(q_start, top_tokens)
-    ends = self._hits(q_end, top_tokens)
+  def _rescore(self, q_start, q_end, starts, ends, k: int, max_answer_length: int):
     paired_end, score_s = self._pair(starts, q_start, q_end, max_answer_length, True)
     paired_start, score_e = self._pair(ends, q_end, q_start, max_answer_length, False)
     all_start = np.concatenate([starts, paired_start], 1)
@@ -202,21 +208,48 @@ class PhraseIndex:
       return passage.title or passage.id
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
 
-  def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
-             *, top_tokens: int | None = None, max_answer_length: int = 10,
-             max_fetch: int | None = None) -> list[list[tuple[Phrase, object]]]:
-    """Top-k units (each with its best phrase) per question."""
-    if unit not in UNITS:
-      raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
-    fetch = max(top_tokens or 2 * k, k)
+  def fetch_bounds(self, k: int, unit: str = "phrase", *, top_tokens: int | None = None,
+                   max_fetch: int | None = None) -> tuple[int, int]:
+    """(first, most) phrases a unit search asks for: it starts at `first` and grows to at most
+    `most` (20 k by default) while a question has fewer than k distinct units."""
+    first = max(top_tokens or 2 * k, k)
     # A question whose best phrases crowd into few units would otherwise grow the fetch (and
     # the exact rescoring) without bound; it then gets fewer than k units.
-    max_fetch = min(max(max_fetch or 20 * k, fetch), self.num_vectors)
+    return first, min(max(max_fetch or 20 * k, first), self.num_vectors)
+
+  def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`."""
+    n = min(n, self.num_vectors)
+    return self._hits(q_start, n), self._hits(q_end, n)
+
+  def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
+             *, top_tokens: int | None = None, max_answer_length: int = 10,
+             max_fetch: int | None = None,
+             hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[tuple[Phrase, object]]]:
+    """Top-k units (each with its best phrase) per question.
+
+    `hits`: `self.hits(q_start, q_end, n)` of these questions, shared by several searches (e.g.
+    phrases and passages): rounds that need at most n tokens use its first columns instead of
+    searching the index again (the same hits, up to ties of an approximate index's scores).
+    """
+    if unit not in UNITS:
+      raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+    first, max_fetch = self.fetch_bounds(k, unit, top_tokens=top_tokens, max_fetch=max_fetch)
+    fetch = first
     units: list = [None] * len(q_start)
     pending = np.arange(len(q_start))
+    wide, wide_row = (None, None) if hits is None else (hits, np.arange(len(q_start)))
     while len(pending):
+      needed = min(fetch, self.num_vectors)
+      if (wide is None and fetch > first) or (wide is not None and wide[0].shape[1] < needed):
+        # One index search at max_fetch serves every later round: the top-f hits of a search
+        # are the first f of a wider one, so only the rescoring grows round by round.
+        wide = self.hits(q_start[pending], q_end[pending], max_fetch)
+        wide_row = np.full(len(q_start), -1)
+        wide_row[pending] = np.arange(len(pending))
+      rows = None if wide is None else tuple(h[wide_row[pending]] for h in wide)
       phrases = self.search_phrases(q_start[pending], q_end[pending], fetch, top_tokens=fetch,
-                                    max_answer_length=max_answer_length)
+                                    max_answer_length=max_answer_length, hits=rows)
       short = []
       for q, found in zip(pending, phrases):
         best: dict = {}
@@ -273,6 +306,19 @@ class DensePhrases:
     found = self.index.search(q_start, q_end, k, unit, **kwargs)
     results = [[self.index.result(p, unit) for p, _ in units] for units in found]
     return results[0] if single else results
+
+  def search_many(self, questions: Sequence[str], requests: Sequence[tuple[int, str]],
+                  **kwargs) -> list[list[list[dict]]]:
+    """Several searches of the same questions, e.g. `[(10, "phrase"), (20, "passage")]`: the
+    questions are encoded once and the index is searched once, as wide as the widest needs."""
+    q_start, q_end = self.encode(list(questions))
+    width = max(self.index.fetch_bounds(k, unit, top_tokens=kwargs.get("top_tokens"),
+                                        max_fetch=kwargs.get("max_fetch"))[unit != "phrase"]
+                for k, unit in requests)
+    hits = self.index.hits(q_start, q_end, width)
+    return [[[self.index.result(p, unit) for p, _ in units]
+             for units in self.index.search(q_start, q_end, k, unit, hits=hits, **kwargs)]
+            for k, unit in requests]
 
 
 def _encode_questions(encode, state, tokenizer, questions, max_query_length, batch_size, mesh):

@@ -360,6 +360,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
   from dpjax.rc import evaluate_rc
 
+  vc = config.get("validation")
+  if vc and vc.corpus:
+    Validator.check(vc)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   main = jax.process_index() == 0
@@ -423,7 +426,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
              scores["f1"], scores["count"])
     return record
 
-  vc = config.get("validation")
   validator = (Validator(vc, config, workdir, files["dev"], tokenizer, mesh, eval_batch, writer)
                if vc and vc.corpus and vc.every_steps else None)
   stop = min(total, tc.stop_at_step or total)
@@ -480,6 +482,7 @@ class Validator:
     from dpjax.checkpoint import Checkpointer
     from dpjax.open_domain import read_questions
     from dpjax.validation import read_subcorpus
+    self.check(vc)
     self.every_steps, self.metric = vc.every_steps, vc.metric
     self.passages = read_subcorpus(vc.corpus)
     self.questions = read_questions(vc.questions or dev_file)[:vc.limit or None]
@@ -491,14 +494,22 @@ class Validator:
     log.info("validation every %d steps on %s (%d passages, %d questions), best by %s",
              self.every_steps, vc.corpus, len(self.passages), len(self.questions), self.metric)
 
+  @staticmethod
+  def check(vc) -> None:
+    """Config errors surface before any work, not after the first `every_steps` of training."""
+    from dpjax.config import ConfigError
+    from dpjax.validation import METRICS
+    if vc.metric not in METRICS:
+      raise ConfigError(f"validation.metric {vc.metric!r} is not one of {', '.join(METRICS)}")
+    if not pathlib.Path(vc.corpus).is_file():
+      raise ConfigError(f"validation.corpus {vc.corpus}: no such file")
+
   def __call__(self, step: int, model, state, meta: dict) -> dict:
     from dpjax.validation import evaluate_subcorpus
     report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,
                                 data_config=self.config.data, mesh=self.mesh,
                                 batch_size=self.batch_size,
                                 max_answer_length=self.config.eval.max_answer_length)
-    if self.metric not in report:
-      raise ValueError(f"validation.metric {self.metric!r} is not one of {sorted(report)}")
     self.history[step] = report
     self.writer.write({"step": step, "split": "validation", **report})
     log.info("step %d: validation EM@1 %.2f EM@10 %.2f on %d passages", step, report["em@1"],

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from dpjax import metrics
+from dpjax.config import ConfigError
 from dpjax.corpus import CorpusPassage, read_corpus
 from dpjax.data.squad import DataError, SkipSummary, read_squad
 
@@ -75,7 +76,10 @@ def write_subcorpus(path: str | os.PathLike, corpus: Sequence[CorpusPassage], ro
       f.write(json.dumps(dataclasses.asdict(corpus[row]), ensure_ascii=False) + "\n")
   os.replace(tmp, path)
   meta = {"passages": int(len(rows)), "corpus_passages": len(corpus), **provenance}
-  path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+  meta_path = path.with_suffix(".meta.json")
+  meta_tmp = meta_path.with_name(meta_path.name + ".tmp")
+  meta_tmp.write_text(json.dumps(meta, indent=1))
+  os.replace(meta_tmp, meta_path)
   return meta
 
 
@@ -95,8 +99,8 @@ def parse_kind(kind: str) -> tuple[str, float]:
       value = None
     if value is not None and value > 0 and (kind[0] == "R" or value.is_integer()):
       return kind[0], value
-  raise ValueError(f"unknown subcorpus {kind!r}: expected C0, R<fraction> (e.g. R0.1), "
-                   "H<k> (e.g. H8) or full")
+  raise ConfigError(f"validation.kinds: unknown subcorpus {kind!r}: expected C0, R<fraction> "
+                    "(e.g. R0.1), H<k> (e.g. H8) or full")
 
 
 def select(kind: str, num_passages: int, c0: np.ndarray, retrieved=None,
@@ -112,6 +116,10 @@ def select(kind: str, num_passages: int, c0: np.ndarray, retrieved=None,
   if retrieved is None:
     raise ValueError(f"{kind} needs the passages a model retrieves from the full index")
   return hard_subcorpus(c0, retrieved, int(value))
+
+
+# What `open_domain_eval` reports (validation.metric must be one of these).
+METRICS = ("em@1", "f1@1", "em@10", "f1@10", "top1", "top5", "top20", "mrr@20", "p@20")
 
 
 def open_domain_eval(index, q_start: np.ndarray, q_end: np.ndarray, answers, *,

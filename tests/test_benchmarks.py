@@ -60,3 +60,9 @@ def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
       "--max-gb", "0.00001", "--out", str(tmp_path / "skip.json")]) == 0
   skipped = json.loads((tmp_path / "skip.json").read_text())["rows"][0]
   assert "skipped" in skipped and "GiB" in skipped["skipped"]
+  # So does a build time limit, estimated from the smaller size's build.
+  assert _load("search_scale").main(base + [
+      "--sizes", "3000", "9000", "--specs", "Flat", "--questions", "8", "--recall-queries", "4",
+      "--max-build-minutes", "1e-9", "--out", str(tmp_path / "slow.json")]) == 0
+  small, large = json.loads((tmp_path / "slow.json").read_text())["rows"]
+  assert "skipped" not in small and "estimated" in large["skipped"]

@@ -127,3 +127,88 @@ def test_rescoring_in_chunks_gives_the_same_results(toy, monkeypatch):
   chunked = index.search(q_start, q_end, k=4, unit="passage")
   assert [[(p.start_token, p.end_token) for p, _ in u] for u in whole] == \
       [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]
+
+
+def _units_one_search_per_round(index, q_start, q_end, k, unit):
+  """The unit search as a fresh index search of every round (what the cached hits must equal)."""
+  fetch, max_fetch = 2 * k, min(20 * k, index.num_vectors)
+  units, pending = [None] * len(q_start), list(range(len(q_start)))
+  while pending:
+    phrases = index.search_phrases(q_start[pending], q_end[pending], fetch, top_tokens=fetch)
+    short = []
+    for q, found in zip(pending, phrases):
+      best = {}
+      for phrase in found:
+        best.setdefault(index.unit_key(phrase, unit), phrase)
+      units[q] = [(p, key) for key, p in list(best.items())[:k]]
+      if len(units[q]) < k and fetch < max_fetch:
+        short.append(q)
+    pending, fetch = short, min(fetch * 4, max_fetch)
+  return units
+
+
+@pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])
+@pytest.mark.parametrize("unit,k", [("passage", 4), ("passage", 5), ("document", 3),
+                                    ("document", 4)])
+def test_unit_search_searches_the_index_at_most_twice(toy, index_name, unit, k):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, index_name)
+  expected = _units_one_search_per_round(index, q_start, q_end, k, unit)
+  calls = []
+  hits = index._hits
+  index._hits = lambda queries, n: calls.append(n) or hits(queries, n)
+  found = index.search(q_start, q_end, k=k, unit=unit)
+  assert [[(p.start_token, p.end_token, p.score, key) for p, key in u] for u in found] == \
+      [[(p.start_token, p.end_token, p.score, key) for p, key in u] for u in expected]
+  assert len(calls) <= 4  # start and end tokens: the first round, then one wide search (the
+  # document cases need three rounds: a fresh search per round would make 6 calls)
+
+
+@pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])
+def test_searches_sharing_one_index_search(toy, index_name):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, index_name)
+  requests = [(3, "phrase"), (4, "passage"), (4, "document"), (5, "sentence")]
+  alone = [index.search(q_start, q_end, k, unit) for k, unit in requests]
+  width = max(index.fetch_bounds(k, unit)[unit != "phrase"] for k, unit in requests)
+  hits = index.hits(q_start, q_end, width)
+  calls = []
+  index._hits = lambda queries, n: calls.append(n) or PhraseIndex._hits(index, queries, n)
+  shared = [index.search(q_start, q_end, k, unit, hits=hits) for k, unit in requests]
+  assert calls == []  # every round of every search served by the shared hits
+  key = lambda found: [[(p.start_token, p.end_token, p.score, u) for p, u in f] for f in found]
+  if index_name == "Flat":
+    assert list(map(key, shared)) == list(map(key, alone))
+  else:  # the top-f of a wider search equal a top-f search up to ties of the approximate
+    # scores, and SQ8 codes of the toy's near-zero components tie often: the answers still agree
+    assert [[f[0][0].text for f in found] for found in shared] == \
+        [[f[0][0].text for f in found] for found in alone]
+  # Hits narrower than a round needs: that round searches the index itself.
+  narrow = index.search(q_start, q_end, 4, "document", hits=index.hits(q_start, q_end, 2))
+  assert calls
+  if index_name == "Flat":
+    assert key(narrow) == key(alone[2])
+
+
+def test_tuned_exact_search_returns_what_faiss_defaults_return():
+  import faiss
+
+  from dpjax.index.faiss_index import tune_exact_search
+  rng = np.random.default_rng(0)
+  vectors = rng.standard_normal((70_000, 16)).astype(np.float32)  # > one 65,536-vector block
+  queries = rng.standard_normal((64, 16)).astype(np.float32)
+  index = faiss.IndexFlatIP(16)
+  index.add(vectors)
+  tuned = index.search(queries, 20)
+  cvar = faiss.cvar
+  names = ("distance_compute_blas_threshold", "distance_compute_blas_query_bs",
+           "distance_compute_blas_database_bs")
+  assert [getattr(cvar, n) for n in names] == [20, 1024, 65536]  # set on import
+  try:
+    for name, default in zip(names, (128_000, 4096, 1024)):  # faiss 1.15's defaults
+      setattr(cvar, name, default)
+    plain = index.search(queries, 20)
+  finally:
+    tune_exact_search()
+  np.testing.assert_array_equal(tuned[1], plain[1])
+  np.testing.assert_allclose(tuned[0], plain[0], rtol=1e-5)

@@ -128,3 +128,16 @@ def test_validation_keeps_the_best_checkpoint(tmp_path):
   assert kept == [str(results["best_step"])]
   # eval.checkpoint=best restores that one.
   assert run.main(["eval_rc"] + base + ["--set", "eval.checkpoint=best"]) == 0
+
+
+def test_bad_validation_settings_are_config_errors(tmp_path, caplog):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['C0','Z3']"]) == 2
+  assert "validation.kinds: unknown subcorpus 'Z3'" in caplog.text
+  # A metric validation does not report fails before training, not after `every_steps`.
+  assert run.main(["train"] + base + ["--set", "validation.metric=em@5",
+                                      "--set", "validation.corpus=x.jsonl"]) == 2
+  assert "validation.metric 'em@5' is not one of" in caplog.text
+  assert run.main(["train"] + base + ["--set", "validation.corpus=missing.jsonl"]) == 2
+  assert "validation.corpus missing.jsonl: no such file" in caplog.text
+  assert not (tmp_path / "checkpoints").exists()

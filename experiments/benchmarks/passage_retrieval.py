@@ -9,8 +9,9 @@ paragraphs; all are scored by `dpjax.metrics.passage_scores`, normalised token-s
 match):
   dpjax-<index>  phrase-based passage retrieval (a passage scores as its best phrase), for every
                  index in --indexes (default Flat and IVFauto_SQ4), plus phrase EM@1/EM@10;
-  bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, Porter stemming
-                 when PyStemmer is installed, over "title text";
+  bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, the Snowball
+                 English (Porter2) stemmer of PyStemmer (Pyserini: Lucene's Porter), over
+                 "title text";
   dense-minilm   all-MiniLM-L6-v2 as sentence-transformers uses it: mean of the last hidden
                  states over the tokens, L2-normalised, passages cut at 256 tokens, through
                  dpjax's own BERT; faiss IndexFlatIP.
@@ -49,7 +50,7 @@ def bm25_retrieve(passages, questions, k: int) -> tuple[list[list[int]], dict]:
                                               show_progress=False), k=k, show_progress=False)
   seconds = time.perf_counter() - start
   return rows.tolist(), {"index_seconds": built, "questions_per_sec": len(questions) / seconds,
-                         "stemmer": "porter (PyStemmer)" if stemmer else "none",
+                         "stemmer": "snowball english (PyStemmer)" if stemmer else "none",
                          "k1": 0.9, "b": 0.4}
 
 
@@ -134,19 +135,14 @@ def main(argv=None) -> int:
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   from dpjax import metrics
-  from dpjax.config import load_config
   from dpjax.data import Tokenizer
-  from dpjax.index.dump import Dump
-  from dpjax.open_domain import data_paths, read_questions, restore_model
+  from dpjax.open_domain import open_workdir, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.search import DensePhrases, PhraseIndex
 
-  config = load_config(args.config, args.set)
-  workdir = pathlib.Path(args.workdir)
-  paths = data_paths(config, workdir)
-  dump = Dump.load(paths["dump"])
+  config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   passages = dump.passages
-  questions = read_questions(paths["questions"])[:config.eval.limit or None]
+  questions = questions[:config.eval.limit or None]
   texts = [q["question"] for q in questions]
   answers = [q["answers"] for q in questions]
   mesh = make_mesh()
@@ -163,11 +159,9 @@ def main(argv=None) -> int:
                               tokenizer, max_query_length=config.data.max_query_length,
                               batch_size=batch, mesh=mesh)
       start = time.perf_counter()
-      found = searcher.search(texts, k=k, unit="passage",
-                              max_answer_length=config.eval.max_answer_length)
-      seconds = time.perf_counter() - start
-      phrases = searcher.search(texts, k=10, unit="phrase",
-                                max_answer_length=config.eval.max_answer_length)
+      found, phrases = searcher.search_many(texts, [(k, "passage"), (10, "phrase")],
+                                            max_answer_length=config.eval.max_answer_length)
+      seconds = time.perf_counter() - start  # passages and top-10 phrases, one index search
       systems[f"dpjax-{name}"] = {
           "scores": score([[r["passage_row"] for r in res] for res in found]),
           **metrics.open_domain_scores([[r["answer"] for r in res] for res in phrases], answers),

@@ -64,6 +64,23 @@ def estimated_bytes(spec: str, size: int, dim: int) -> float:
   return size * (per + 8) + (1 << 18) * dim * 4
 
 
+def estimated_build_seconds(spec: str, size: int, train_size: int,
+                            built: list[dict]) -> float | None:
+  """Build time of `spec` at `size`, scaled from the largest smaller size built: adding vectors
+  dominates and costs tokens x nlist (each vector is compared with every IVF centroid)."""
+  from dpjax.index.faiss_index import resolve_spec
+  done = [r for r in built if r["spec"] == spec and "build_seconds" in r and r["size"] < size]
+  if not done:
+    return None
+  last = max(done, key=lambda r: r["size"])
+
+  def cost(n: int) -> float:
+    match = re.search(r"IVF(\d+)", resolve_spec(spec, n, train_size)[0])
+    return n * (int(match.group(1)) if match else 1)
+
+  return last["build_seconds"] * cost(size) / cost(last["size"])
+
+
 def available_gb() -> float:
   with open("/proc/meminfo") as f:
     info = dict(line.split(":", 1) for line in f)
@@ -138,6 +155,9 @@ def main(argv=None) -> int:
   parser.add_argument("--noise", type=float, default=0.05)
   parser.add_argument("--max-gb", type=float, default=0.0,
                       help="skip indexes needing more (default: 80%% of available memory)")
+  parser.add_argument("--max-build-minutes", type=float, default=0.0,
+                      help="skip builds estimated (from the previous size) to take longer "
+                      "(default: no limit)")
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
@@ -146,19 +166,14 @@ def main(argv=None) -> int:
 
   import faiss
 
-  from dpjax.config import load_config
   from dpjax.data import Tokenizer
-  from dpjax.index.dump import Dump
-  from dpjax.open_domain import data_paths, read_questions, restore_model
+  from dpjax.open_domain import open_workdir, restore_model
   from dpjax.search import DensePhrases, PhraseIndex
 
-  config = load_config(args.config, args.set)
-  workdir = pathlib.Path(args.workdir)
-  paths = data_paths(config, workdir)
-  dump = Dump.load(paths["dump"])
+  config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   model, step = restore_model(config, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  questions = [q["question"] for q in read_questions(paths["questions"])][:args.questions]
+  questions = [q["question"] for q in questions][:args.questions]
   dim = dump.vectors.shape[1]
   max_gb = args.max_gb or 0.8 * available_gb()
   rows = []
@@ -171,6 +186,13 @@ def main(argv=None) -> int:
       row = {"size": size, "spec": spec, "estimated_gb": need}
       if need > max_gb:
         row["skipped"] = f"needs ~{need:.1f} GiB, more than the {max_gb:.1f} GiB allowed"
+        logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
+        rows.append(row)
+        continue
+      estimate = estimated_build_seconds(spec, size, config.index.train_size, rows)
+      if args.max_build_minutes and estimate and estimate > 60 * args.max_build_minutes:
+        row["skipped"] = (f"build estimated at ~{estimate / 60:.0f} min (scaled from the smaller "
+                          f"size's build), more than the {args.max_build_minutes:g} min allowed")
         logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
         rows.append(row)
         continue
