@@ -7,6 +7,7 @@ F1 over the bag of normalised tokens; max over the gold answers; unanswered ques
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import string
 from typing import Iterable, Mapping, Sequence
@@ -78,15 +79,15 @@ def has_answer(text: str, answers: Sequence[str], regex: bool = False) -> bool:
   """
   if regex:
     return any(_regex_search(pattern, text) for pattern in answers)
-  tokens = normalize_answer(text).split()
-  for answer in answers:
-    target = normalize_answer(answer).split()
-    if not target:
-      continue
-    n = len(target)
-    if any(tokens[i:i + n] == target for i in range(len(tokens) - n + 1)):
-      return True
-  return False
+  # Normalised texts are tokens joined by single spaces, so a contiguous token sequence is a
+  # substring bounded by spaces; the passage side is cached (passages recur across questions).
+  padded = _padded_normal_form(text)
+  return any(target != "  " and target in padded for target in map(_padded_normal_form, answers))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _padded_normal_form(text: str) -> str:
+  return f" {normalize_answer(text)} "
 
 
 def _regex_search(pattern: str, text: str) -> bool:

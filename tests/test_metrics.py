@@ -44,6 +44,25 @@ def test_has_answer_matches_token_sequences():
   assert metrics.has_answer("Born in 1961.", [r"19[0-9]{2}"], regex=True)
 
 
+def test_has_answer_equals_a_token_window_search():
+  def windows(text, answers):  # the definition: a contiguous run of normalised tokens
+    tokens = metrics.normalize_answer(text).split()
+    for answer in answers:
+      target = metrics.normalize_answer(answer).split()
+      if target and any(tokens[i:i + len(target)] == target
+                        for i in range(len(tokens) - len(target) + 1)):
+        return True
+    return False
+
+  rng = np.random.default_rng(0)
+  words = ["a", "the", "an", "ab", "b", "ba", "c,", "C", "a.b", "x-y", "xy", "  ", "!"]
+  for _ in range(3000):
+    text = " ".join(rng.choice(words, size=rng.integers(0, 12)))
+    answers = [" ".join(rng.choice(words, size=rng.integers(0, 4)))
+               for _ in range(rng.integers(1, 3))]
+    assert metrics.has_answer(text, answers) == windows(text, answers), (text, answers)
+
+
 def test_open_domain_and_passage_scores():
   preds = [["Paris", "Lyon"], ["Rome", "Milan"], []]
   golds = [["paris"], ["Milan"], ["x"]]
