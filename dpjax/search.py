@@ -208,7 +208,7 @@ class PhraseIndex:
       return passage.title or passage.id
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
 
-  def fetch_bounds(self, k: int, unit: str = "phrase", *, top_tokens: int | None = None,
+  def fetch_bounds(self, k: int, *, top_tokens: int | None = None,
                    max_fetch: int | None = None) -> tuple[int, int]:
     """(first, most) phrases a unit search asks for: it starts at `first` and grows to at most
     `most` (20 k by default) while a question has fewer than k distinct units."""
@@ -224,8 +224,8 @@ class PhraseIndex:
 
   def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
              *, top_tokens: int | None = None, max_answer_length: int = 10,
-             max_fetch: int | None = None,
-             hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[tuple[Phrase, object]]]:
+             max_fetch: int | None = None, hits: tuple[np.ndarray, np.ndarray] | None = None,
+             ) -> list[list[tuple[Phrase, object]]]:
     """Top-k units (each with its best phrase) per question.
 
     `hits`: `self.hits(q_start, q_end, n)` of these questions, shared by several searches (e.g.
@@ -234,7 +234,7 @@ class PhraseIndex:
     """
     if unit not in UNITS:
       raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
-    first, max_fetch = self.fetch_bounds(k, unit, top_tokens=top_tokens, max_fetch=max_fetch)
+    first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)
     pending = np.arange(len(q_start))
@@ -312,7 +312,8 @@ class DensePhrases:
     """Several searches of the same questions, e.g. `[(10, "phrase"), (20, "passage")]`: the
     questions are encoded once and the index is searched once, as wide as the widest needs."""
     q_start, q_end = self.encode(list(questions))
-    width = max(self.index.fetch_bounds(k, unit, top_tokens=kwargs.get("top_tokens"),
+    # A phrase search grows past its first round only when fewer than k phrases exist at all.
+    width = max(self.index.fetch_bounds(k, top_tokens=kwargs.get("top_tokens"),
                                         max_fetch=kwargs.get("max_fetch"))[unit != "phrase"]
                 for k, unit in requests)
     hits = self.index.hits(q_start, q_end, width)

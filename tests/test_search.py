@@ -170,7 +170,7 @@ def test_searches_sharing_one_index_search(toy, index_name):
   index = PhraseIndex(directory, index_name)
   requests = [(3, "phrase"), (4, "passage"), (4, "document"), (5, "sentence")]
   alone = [index.search(q_start, q_end, k, unit) for k, unit in requests]
-  width = max(index.fetch_bounds(k, unit)[unit != "phrase"] for k, unit in requests)
+  width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   hits = index.hits(q_start, q_end, width)
   calls = []
   index._hits = lambda queries, n: calls.append(n) or PhraseIndex._hits(index, queries, n)
