@@ -153,8 +153,9 @@ def qsft_config(**overrides) -> ml_collections.ConfigDict:
       # Everything but the question encoders stays as it is (the index depends on it).
       "freeze": ["phrase_encoder/", "filter_head/", "word_embeddings"],
       "questions": "",  # training questions (SQuAD or open-QA JSON/JSONL); empty: train split
-      "limit": 0,  # use the first N training questions (0: all)
-      "dev_limit": 0,  # evaluate on the first N dev questions (0: all)
+      "limit": 0,  # train on N training questions drawn at random (0: all)
+      "dev_limit": 0,  # evaluate on N dev questions drawn at random (0: all)
+      "seed": 0,  # of those draws
   })
   config.update(overrides)
   return config
@@ -171,7 +172,7 @@ def filter_config(**overrides) -> ml_collections.ConfigDict:
       "seed": 0,
       # The sweep: thresholds keeping these fractions of the dump's tokens.
       "keep_fractions": [1.0, 0.75, 0.5, 0.4, 0.3, 0.2, 0.1],
-      "sweep_questions": 0,  # dev questions for the sweep (0: all)
+      "sweep_questions": 0,  # dev questions for the sweep, drawn at random (0: all)
       "max_em_drop": 1.0,  # the chosen threshold loses at most this much EM@1
   })
   config.update(overrides)
@@ -209,16 +210,30 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def write_text_atomic(path, text: str) -> None:
+  """Writes a file so that a crash leaves the old file or the new one, never half of one."""
+  import os
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+  tmp.write_text(text, encoding="utf-8")
+  os.replace(tmp, path)
+
+
+def write_json(path, obj) -> None:
+  """`obj` as indented JSON, written atomically (reports, results, predictions)."""
+  import json
+  write_text_atomic(path, json.dumps(obj, indent=1))
+
+
 def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib.Path":
   """Writes `results` as JSON to `out` and `render(results, command)` as Markdown beside it
   (`command`: how the script was run); prints the Markdown; returns the JSON path."""
-  import json
   import sys
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
+  write_json(out, results)
   command = f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
-  out.with_suffix(".md").write_text(render(results, command))
+  write_text_atomic(out.with_suffix(".md"), render(results, command))
   print(out.with_suffix(".md").read_text())
   return out
 

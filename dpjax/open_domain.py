@@ -5,6 +5,7 @@
   search  answer questions given on the command line
   eval    answer the evaluation questions open-domain; EM@k/F1@k (phrases) and passage
           Top-k / MRR@20 / P@20, written to workdir/open_eval_<index>.json with predictions
+          (open_eval_<index>_<checkpoint>.json for eval.checkpoint other than latest)
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import time
 from typing import Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
 from dpjax import metrics
+from dpjax.config import write_json, write_text_atomic
 from dpjax.data.squad import DataError, load_json, read_squad
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,16 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None):
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
   nnx.update(model, jax.device_get(restored[0].params))
   return model, int(restored[0].step)
+
+
+def sample_questions(questions: list[dict], limit: int, seed: int) -> list[dict]:
+  """`limit` questions drawn at random (seeded, file order kept); all of them when limit is 0.
+
+  The first N questions of a SQuAD file come from a handful of articles: a sample is not."""
+  if not limit or limit >= len(questions):
+    return questions
+  rows = np.sort(np.random.default_rng(seed).choice(len(questions), limit, replace=False))
+  return [questions[i] for i in rows]
 
 
 def read_questions(path: str | pathlib.Path) -> list[dict]:
@@ -156,14 +169,15 @@ def run_index(config, workdir: str) -> list[pathlib.Path]:
           for spec in config.index.specs]
 
 
-def _searcher(config, workdir: pathlib.Path, index_name: str):
+def _searcher(config, workdir: pathlib.Path, index_name: str, *, with_step: bool = False):
   from dpjax.data import Tokenizer
   from dpjax.search import DensePhrases, PhraseIndex
-  model, _ = restore_model(config, workdir)
+  model, step = restore_model(config, workdir)
   index = PhraseIndex(workdir / config.index.dump_name, index_name, nprobe=config.index.nprobe)
-  return DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
-                      max_query_length=config.data.max_query_length,
-                      batch_size=config.index.batch_size)
+  searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
+                          max_query_length=config.data.max_query_length,
+                          batch_size=config.index.batch_size)
+  return (searcher, step) if with_step else searcher
 
 
 def run_search(config, workdir: str, queries: Sequence[str]) -> list:
@@ -188,7 +202,7 @@ def run_eval_open(config, workdir: str) -> dict:
   questions = read_questions(paths["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
-  searcher = _searcher(config, workdir, config.index.search_index)
+  searcher, step = _searcher(config, workdir, config.index.search_index, with_step=True)
   texts = [q["question"] for q in questions]
   golds = [q["answers"] for q in questions]
   kwargs = dict(max_answer_length=config.eval.max_answer_length)
@@ -205,7 +219,10 @@ def run_eval_open(config, workdir: str) -> dict:
   batch64_qps = len(timed) / (time.perf_counter() - start)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
            "(top-10 phrases)", len(texts), seconds, batch64_qps)
+  checkpoint = config.eval.checkpoint
   report = {"index": config.index.search_index, "questions": len(questions),
+            "checkpoint": checkpoint, "model_step": step,
+            "fingerprint": searcher.index.fingerprint,
             **metrics.open_domain_scores([[p["answer"] for p in r] for r in phrases], golds),
             **metrics.passage_scores([[p["passage"] for p in r] for r in passages], golds,
                                      ks=[k for k in (1, 5, 20, 100) if k <= passage_k]),
@@ -218,17 +235,28 @@ def run_eval_open(config, workdir: str) -> dict:
             "index_spec": searcher.index.manifest["resolved_spec"],
             "index_bytes_per_token": searcher.index.manifest["index_bytes"] /
             searcher.index.manifest["num_tokens"]}
+  # Files of the latest checkpoint are open_eval_<index>.json; of another (eval.checkpoint=best,
+  # qsft, a step) open_eval_<index>_<checkpoint>.json: evaluating QSFT overwrites nothing.
   name = config.index.search_index
-  exact = workdir / "open_predictions_Flat.jsonl"
-  if name != "Flat" and exact.is_file():  # how often the approximate index's top-1 is Flat's
-    flat = {r["id"]: r["spans"][:1] for r in map(json.loads, exact.open())}
-    same = [flat[q["id"]] == _spans(r)[:1] for q, r in zip(questions, phrases) if q["id"] in flat]
-    report["top1_agreement_with_flat"] = 100.0 * sum(same) / max(len(same), 1)
-  (workdir / f"open_eval_{name}.json").write_text(json.dumps(report, indent=1))
-  with (workdir / f"open_predictions_{name}.jsonl").open("w") as f:
-    for q, r in zip(questions, phrases):
-      f.write(json.dumps({"id": q["id"], "question": q["question"], "answers": q["answers"],
-                          "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n")
+  tag = "" if checkpoint == "latest" else f"_{checkpoint}"
+  flat_report = workdir / f"open_eval_Flat{tag}.json"
+  exact = workdir / f"open_predictions_Flat{tag}.jsonl"
+  if name != "Flat" and exact.is_file() and flat_report.is_file():
+    flat_model = {k: load_json(flat_report).get(k) for k in ("model_step", "fingerprint")}
+    if flat_model == {"model_step": step, "fingerprint": searcher.index.fingerprint}:
+      # How often the approximate index's top-1 is Flat's.
+      flat = {r["id"]: r["spans"][:1] for r in map(json.loads, exact.open())}
+      same = [flat[q["id"]] == _spans(r)[:1] for q, r in zip(questions, phrases)
+              if q["id"] in flat]
+      report["top1_agreement_with_flat"] = 100.0 * sum(same) / max(len(same), 1)
+    else:
+      log.warning("%s is of another model or dump (%s); no top-1 agreement with Flat reported",
+                  flat_report, flat_model)
+  write_text_atomic(workdir / f"open_predictions_{name}{tag}.jsonl", "".join(
+      json.dumps({"id": q["id"], "question": q["question"], "answers": q["answers"],
+                  "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n"
+      for q, r in zip(questions, phrases)))
+  write_json(workdir / f"open_eval_{name}{tag}.json", report)
   log.info("open-domain (%s, %d questions): EM@1 %.2f EM@10 %.2f; passage top1 %.2f top20 %.2f",
            name, len(questions), report["em@1"], report["em@10"], report["top1"],
            report["top20"])

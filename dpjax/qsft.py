@@ -15,7 +15,6 @@ the full index is measured before training and after every epoch; the best check
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 import shutil
@@ -26,6 +25,7 @@ import faiss
 import numpy as np
 
 from dpjax import metrics
+from dpjax.config import write_json
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def run_qsft(config, workdir: str) -> dict:
 
   from dpjax.checkpoint import Checkpointer
   from dpjax.data import Tokenizer, data_files
-  from dpjax.open_domain import read_questions, restore_model, data_paths
+  from dpjax.open_domain import data_paths, read_questions, restore_model, sample_questions
   from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
   from dpjax.search import PhraseIndex, encode_questions
   from dpjax.train import MetricsWriter, init_state, make_optimizer, make_train_step
@@ -119,8 +119,8 @@ def run_qsft(config, workdir: str) -> dict:
   vectors = CandidateVectors(index, qc.quantized)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train_file = qc.questions or str(data_files(config.data, workdir)["train"])
-  questions = read_questions(train_file)[:qc.limit or None]
-  dev = read_questions(paths["questions"])[:qc.dev_limit or None]
+  questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)
+  dev = sample_questions(read_questions(paths["questions"]), qc.dev_limit, qc.seed)
   if qc.level == "document" and any("title" not in q for q in questions):
     raise ValueError(f"{train_file}: document-level QSFT needs gold titles (SQuAD format)")
   mesh = make_mesh()
@@ -203,7 +203,7 @@ def run_qsft(config, workdir: str) -> dict:
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}
   if jax.process_index() == 0:
     name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"
-    (workdir / name).write_text(json.dumps(result, indent=1))
+    write_json(workdir / name, result)
   print(f"QSFT ({qc.index}): dev EM@1 {before['em@1']:.2f} -> "
         + " -> ".join(f"{h['em@1']:.2f}" for h in history))
   return result

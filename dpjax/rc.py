@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dpjax import metrics
+from dpjax.config import write_json
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.parallel import map_batches
 
@@ -133,7 +134,6 @@ def run_eval_rc(config, workdir: str) -> dict:
 
   Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
   """
-  import json
   import logging
   import pathlib
 
@@ -154,6 +154,6 @@ def run_eval_rc(config, workdir: str) -> dict:
                                     max_answer_length=config.eval.max_answer_length)
   logging.getLogger(__name__).info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path,
                                    scores["exact_match"], scores["f1"], scores["count"])
-  (workdir / "rc_eval.json").write_text(json.dumps({**scores, "step": step}, indent=1))
-  (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
+  write_json(workdir / "rc_eval.json", {**scores, "step": step})
+  write_json(workdir / "rc_predictions.json", predictions)
   return scores

@@ -16,7 +16,6 @@ head's logits are written into the dump (`filter_logits.npy` of every shard) so 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pathlib
@@ -24,6 +23,7 @@ import pathlib
 import numpy as np
 
 from dpjax import metrics
+from dpjax.config import write_json
 
 log = logging.getLogger(__name__)
 HEAD_FILE = "filter_head.npz"
@@ -161,7 +161,7 @@ def run_filter(config, workdir: str) -> dict:
 
   from dpjax.data import Tokenizer, data_files, load_rc_split
   from dpjax.index.dump import Dump
-  from dpjax.open_domain import data_paths, read_questions, restore_model
+  from dpjax.open_domain import data_paths, read_questions, restore_model, sample_questions
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.search import PhraseIndex, encode_questions
   from dpjax.validation import open_domain_eval
@@ -200,7 +200,8 @@ def run_filter(config, workdir: str) -> dict:
   rewrite_dump_logits(paths["dump"], kernel, bias)
   dump = Dump.load(paths["dump"])
   keep_score = dump.filter_logits.astype(np.float32).max(1)
-  questions = read_questions(paths["questions"])[:fc.sweep_questions or None]
+  questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions,
+                               fc.seed)
   q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
                                     max_query_length=config.data.max_query_length,
                                     batch_size=batch, mesh=mesh)
@@ -226,7 +227,7 @@ def run_filter(config, workdir: str) -> dict:
             "train_windows": int(len(splits["train"][0])),
             "dev_windows": int(len(splits["dev"][0])), "sweep_questions": len(questions),
             "sweep": sweep, "max_em_drop": fc.max_em_drop, "chosen": chosen}
-  (workdir / "filter_results.json").write_text(json.dumps(result, indent=1))
+  write_json(workdir / "filter_results.json", result)
   print(f"token filter: dev AUC-PR {best_auc:.4f}; chosen threshold {chosen['threshold']} keeps "
         f"{100 * chosen['kept_fraction']:.1f}% of the tokens (EM@1 {chosen['em@1']:.2f} vs "
         f"{full:.2f} unfiltered); build it with `run.py index --set "

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpjax import losses
+from dpjax.config import write_json, write_text_atomic
 from dpjax.data.squad import RCFeatures
 from dpjax.parallel import global_array
 
@@ -337,7 +338,7 @@ class MetricsWriter:
     if self.enabled and path.exists():
       kept = [line for line in path.read_text().splitlines()
               if line.strip() and json.loads(line)["step"] <= resume_step]
-      path.write_text("".join(line + "\n" for line in kept))
+      write_text_atomic(path, "".join(line + "\n" for line in kept))
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -421,7 +422,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
               "rc_f1": scores["f1"], "count": scores["count"]}
     writer.write(record)
     if main:
-      (workdir / "rc_predictions.json").write_text(json.dumps(predictions, indent=1))
+      write_json(workdir / "rc_predictions.json", predictions)
     log.info("step %d: dev RC EM %.2f F1 %.2f (%d questions)", step, scores["exact_match"],
              scores["f1"], scores["count"])
     return record
@@ -467,7 +468,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     record = {**record, **validator.best()}
     validator.close()
   if record and main:
-    (workdir / "results.json").write_text(json.dumps(record, indent=1))
+    write_json(workdir / "results.json", record)
   return record
 
 

@@ -73,3 +73,15 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
                                      "qsft.quantized=True", "--set", "qsft.epochs=1"]) == 0
   quantized = json.loads((tmp_path / "qsft_results_IVFauto_SQ8_quantized.json").read_text())
   assert quantized["quantized"] and len(quantized["epochs"]) == 1
+
+
+def test_sample_questions_is_seeded_and_keeps_file_order():
+  from dpjax.open_domain import sample_questions
+  questions = [{"id": i} for i in range(100)]
+  sample = sample_questions(questions, 10, seed=0)
+  assert sample == sample_questions(questions, 10, seed=0)
+  assert sample != sample_questions(questions, 10, seed=1)
+  ids = [q["id"] for q in sample]
+  assert len(set(ids)) == 10 and ids == sorted(ids) and ids != list(range(10))
+  assert sample_questions(questions, 0, seed=0) is questions
+  assert sample_questions(questions, 500, seed=0) is questions
