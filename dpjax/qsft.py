@@ -197,7 +197,8 @@ def run_qsft(config, workdir: str) -> dict:
              scores["em@1"])
   best = checkpointer.best_step()
   checkpointer.close()
-  result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized,
+  result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
+            "learning_rate": qc.learning_rate, "batch_size": qc.batch_size,
             "train_questions": len(questions), "dev_questions": len(dev), "before": before,
             "epochs": history, "best_step": best,
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}

@@ -173,7 +173,7 @@ def run_filter(config, workdir: str) -> dict:
   files = data_files(config.data, workdir)
   mesh = make_mesh()
   batch = round_to_devices(config.eval.batch_size, mesh)
-  splits = {}
+  splits, rates = {}, {}
   for name, path, limit in (("train", files["train"], fc.train_windows),
                             ("dev", files["dev"], fc.dev_windows)):
     split = load_rc_split(path, tokenizer, config.data)
@@ -185,8 +185,9 @@ def run_filter(config, workdir: str) -> dict:
     vectors = encode_windows(model, w, rows, mesh, batch)
     splits[name] = (vectors, w.context_mask[rows] & w.is_max_context[rows], start[keep],
                     end[keep])
+    rates[name] = float((start[keep] | end[keep])[splits[name][1]].mean())
     log.info("filter %s: %d windows, %.2f%% of context tokens are answer starts/ends", name,
-             len(rows), 100 * (start[keep] | end[keep])[splits[name][1]].mean())
+             len(rows), 100 * rates[name])
   head = nnx.state(model.filter_head, nnx.Param)
   kernel, bias, history = train_head(
       splits["train"], splits["dev"], np.asarray(head["kernel"][...]),
@@ -225,7 +226,9 @@ def run_filter(config, workdir: str) -> dict:
   chosen = min(good, key=lambda s: s["tokens"])
   result = {"model_step": step, "dev_auc_pr": best_auc, "history": history,
             "train_windows": int(len(splits["train"][0])),
-            "dev_windows": int(len(splits["dev"][0])), "sweep_questions": len(questions),
+            "dev_windows": int(len(splits["dev"][0])),
+            # AUC-PR of a random scorer: the rate of positives (answer starts/ends) among tokens.
+            "positive_rate": rates, "sweep_questions": len(questions),
             "sweep": sweep, "max_em_drop": fc.max_em_drop, "chosen": chosen}
   write_json(workdir / "filter_results.json", result)
   print(f"token filter: dev AUC-PR {best_auc:.4f}; chosen threshold {chosen['threshold']} keeps "

@@ -15,6 +15,16 @@ SHARED_DATA = pathlib.Path(os.environ.get("DPJAX_SHARED_DATA", REPO.parent / "sh
 FIXTURES = REPO / "tests" / "fixtures"
 
 
+def load_script(relative: str):
+  """An experiment script (not a package module), e.g. `experiments/report_qsft_filter.py`."""
+  import importlib.util
+  path = REPO / relative
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 @pytest.fixture(scope="session")
 def squad_dir() -> pathlib.Path:
   """The SQuAD v1.1 files (`../shared/data/squad`, or $DPJAX_SHARED_DATA/squad)."""

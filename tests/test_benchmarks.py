@@ -1,18 +1,13 @@
 """The peers benchmark script runs end to end on the tiny pipeline."""
-import importlib.util
 import json
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 import run
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "benchmarks" /
-                                                f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(f"experiments/benchmarks/{name}.py")
 
 
 def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ import json
 
 import jax
 import numpy as np
+from conftest import load_script
 from flax import nnx
 
 from dpjax.config import load_config
@@ -73,6 +74,11 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
                                      "qsft.quantized=True", "--set", "qsft.epochs=1"]) == 0
   quantized = json.loads((tmp_path / "qsft_results_IVFauto_SQ8_quantized.json").read_text())
   assert quantized["quantized"] and len(quantized["epochs"]) == 1
+  # The report of results/qsft.md, from this workdir: one row per run.
+  report = load_script("experiments/report_qsft_filter.py")
+  assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
+  text = (tmp_path / "results" / "qsft.md").read_text()
+  assert "| Flat | stored (exact) |" in text and "| IVFauto_SQ8 | quantizer reconstruction" in text
 
 
 def test_sample_questions_is_seeded_and_keeps_file_order():

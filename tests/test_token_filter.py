@@ -1,6 +1,7 @@
 """The separately trained token filter and its threshold sweep, on the tiny pipeline."""
 import json
 
+from conftest import load_script
 
 from dpjax.index.dump import Dump
 
@@ -37,3 +38,8 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
     assert manifest["num_tokens"] == chosen["tokens"]
   assert "token filter: dev AUC-PR" in capsys.readouterr().out
   assert (tmp_path / "filter_head.npz").is_file()
+  # The report of results/filter.md, from this workdir.
+  report = load_script("experiments/report_qsft_filter.py")
+  assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
+  text = (tmp_path / "results" / "filter.md").read_text()
+  assert f"{result['dev_auc_pr']:.4f}" in text and (tmp_path / "results" / "filter.png").is_file()

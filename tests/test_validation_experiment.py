@@ -4,16 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 import run
 
-import importlib.util
-
-_spec = importlib.util.spec_from_file_location(
-    "validation_experiment", REPO / "experiments" / "validation_experiment.py")
-experiment = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(experiment)
+experiment = load_script("experiments/validation_experiment.py")
 
 
 def test_kendall_tau():
