@@ -61,3 +61,10 @@ def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
       "--max-build-minutes", "1e-9", "--out", str(tmp_path / "slow.json")]) == 0
   small, large = json.loads((tmp_path / "slow.json").read_text())["rows"]
   assert "skipped" not in small and "estimated" in large["skipped"]
+  # A later run measures the skipped row and merges it into the table.
+  assert _load("search_scale").main(base + [
+      "--sizes", "9000", "--specs", "Flat", "--questions", "8", "--recall-queries", "4",
+      "--merge", "--out", str(tmp_path / "slow.json")]) == 0
+  merged = json.loads((tmp_path / "slow.json").read_text())
+  assert [(r["size"], "skipped" in r) for r in merged["rows"]] == [(3000, False), (9000, False)]
+  assert merged["rows"][0] == small and len(merged["commands"]) == 2

@@ -66,19 +66,23 @@ def estimated_bytes(spec: str, size: int, dim: int) -> float:
 
 def estimated_build_seconds(spec: str, size: int, train_size: int,
                             built: list[dict]) -> float | None:
-  """Build time of `spec` at `size`, scaled from the largest smaller size built: adding vectors
-  dominates and costs tokens x nlist (each vector is compared with every IVF centroid)."""
+  """Build time of `spec` at `size`, scaled from the largest smaller size built: training costs
+  at most nlist x its (fixed) sample, adding costs tokens x nlist (each vector is compared with
+  every IVF centroid)."""
   from dpjax.index.faiss_index import resolve_spec
   done = [r for r in built if r["spec"] == spec and "build_seconds" in r and r["size"] < size]
   if not done:
     return None
   last = max(done, key=lambda r: r["size"])
 
-  def cost(n: int) -> float:
+  def nlist(n: int) -> int:
     match = re.search(r"IVF(\d+)", resolve_spec(spec, n, train_size)[0])
-    return n * (int(match.group(1)) if match else 1)
+    return int(match.group(1)) if match else 1
 
-  return last["build_seconds"] * cost(size) / cost(last["size"])
+  train = last.get("train_seconds", 0.0)
+  add = last["build_seconds"] - train
+  return (train * nlist(size) / nlist(last["size"])
+          + add * size * nlist(size) / (last["size"] * nlist(last["size"])))
 
 
 def available_gb() -> float:
@@ -99,10 +103,11 @@ def build(spec: str, vectors: TiledVectors, dim: int, train_size: int, seed: int
     rows = np.sort(np.random.default_rng(seed).choice(vectors.size, size=min(
         train_size, vectors.size), replace=False))
     index.train(_gather(vectors, rows))
+  trained = time.perf_counter()
   for lo in range(0, vectors.size, 1 << 18):
     hi = min(lo + (1 << 18), vectors.size)
     index.add_with_ids(vectors(lo, hi), np.arange(lo, hi, dtype=np.int64))
-  return index, resolved, notes, time.perf_counter() - start
+  return index, resolved, notes, time.perf_counter() - start, trained - start
 
 
 def _gather(vectors: TiledVectors, rows: np.ndarray) -> np.ndarray:
@@ -159,8 +164,19 @@ def main(argv=None) -> int:
                       help="skip builds estimated (from the previous size) to take longer "
                       "(default: no limit)")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--merge", action="store_true",
+                      help="keep the rows of an earlier run in --out that this run does not "
+                      "measure (e.g. add one size or index to a finished table)")
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
+  earlier = {"rows": [], "commands": []}
+  if args.merge and pathlib.Path(args.out).is_file():
+    import json
+    earlier = json.loads(pathlib.Path(args.out).read_text())
+    if "commands" not in earlier:  # written before results carried their commands
+      markdown = pathlib.Path(args.out).with_suffix(".md")
+      first = markdown.read_text().splitlines()[2] if markdown.is_file() else ""
+      earlier["commands"] = re.findall(r"`([^`]+)`", first)
   from dpjax.config import setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
@@ -189,14 +205,16 @@ def main(argv=None) -> int:
         logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
         rows.append(row)
         continue
-      estimate = estimated_build_seconds(spec, size, config.index.train_size, rows)
+      estimate = estimated_build_seconds(spec, size, config.index.train_size,
+                                         rows + earlier["rows"])
       if args.max_build_minutes and estimate and estimate > 60 * args.max_build_minutes:
         row["skipped"] = (f"build estimated at ~{estimate / 60:.0f} min (scaled from the smaller "
                           f"size's build), more than the {args.max_build_minutes:g} min allowed")
         logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
         rows.append(row)
         continue
-      index, resolved, notes, seconds = build(spec, vectors, dim, config.index.train_size)
+      index, resolved, notes, seconds, train_seconds = build(spec, vectors, dim,
+                                                             config.index.train_size)
       if "IVF" in resolved:
         faiss.ParameterSpace().set_index_parameter(index, "nprobe", config.index.nprobe)
       with tempfile.TemporaryDirectory() as tmp:
@@ -216,6 +234,7 @@ def main(argv=None) -> int:
       recall = float(np.mean([len(set(f) & set(e)) / 10 for f, e in zip(found, exact)]))
       searcher.search(questions[:64], k=10, unit="phrase")  # compile / warm up
       row.update(resolved=resolved, notes=notes, build_seconds=seconds,
+                 train_seconds=train_seconds, threads=faiss.omp_get_max_threads(),
                  bytes_per_token=index_bytes / size, recall_at_10=recall,
                  batch1=timed_search(searcher, questions, 1, min(200, len(questions))),
                  batch64=timed_search(searcher, questions, 64, max(1, len(questions) // 64)))
@@ -224,8 +243,17 @@ def main(argv=None) -> int:
                    row["batch64"]["questions_per_sec"])
       rows.append(row)
       del index, phrase_index, searcher
+  measured = {(r["size"], r["spec"]) for r in rows if "skipped" not in r}
+  kept = [r for r in earlier["rows"] if (r["size"], r["spec"]) not in measured]
+  rows = [r for r in rows if "skipped" not in r or (r["size"], r["spec"]) not in
+          {(e["size"], e["spec"]) for e in kept}] + kept
+  rank = {spec: i for i, spec in enumerate(dict.fromkeys(
+      [*args.specs, *(r["spec"] for r in rows)]))}
+  rows.sort(key=lambda r: (r["size"], rank[r["spec"]]))
+  command = "python experiments/benchmarks/search_scale.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
   manifest = dump.manifest
-  results = {"workdir": str(workdir), "model_step": step, "dump_tokens": len(dump.vectors),
+  results = {"commands": earlier.get("commands", []) + [command], "workdir": str(workdir), "model_step": step, "dump_tokens": len(dump.vectors),
              "noise": args.noise, "nprobe": config.index.nprobe, "rows": rows,
              "dump_encoding": {"tokens": manifest["num_tokens"], "seconds": manifest.get("seconds"),
                                "tokens_per_sec": manifest["num_tokens"] / manifest["seconds"]
@@ -267,7 +295,10 @@ def extrapolate(rows: list[dict]) -> dict:
 
 
 def report(results: dict, command: str) -> str:
-  lines = ["# Search cost vs index size", "", f"Command: `{command}`", "",
+  commands = results.get("commands") or [command]
+  lines = ["# Search cost vs index size", "",
+           "Command" + ("s (later ones add rows with `--merge`): " if len(commands) > 1 else ": ")
+           + "; ".join(f"`{c}`" for c in commands), "",
            f"Real vectors of a {results['dump_tokens']:,}-token dump, tiled with noise "
            f"({results['noise']} x std) beyond it; nprobe {results['nprobe']}; whole dpjax "
            "phrase search including question encoding; this machine's CPU.", "",
