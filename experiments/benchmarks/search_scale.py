@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 WIKIPEDIA_TOKENS = {"before filtering": 3.0e9, "after filtering": 0.8e9}
+EXACT_CHUNK = 1 << 18  # vectors per brute-force chunk (recall's exact top-10)
 
 
 class TiledVectors:
@@ -61,7 +62,9 @@ def estimated_bytes(spec: str, size: int, dim: int) -> float:
     per = dim * int(m.group(1)) / 8
   else:
     per = 4 * dim
-  return size * (per + 8) + (1 << 18) * dim * 4
+  # Beside the index: float32 chunks of tiled vectors with their noise, the brute-force scores
+  # and their argpartition (~6 chunk-sized temporaries at once).
+  return size * (per + 8) + 6 * min(size, EXACT_CHUNK) * dim * 4
 
 
 def estimated_build_seconds(spec: str, size: int, train_size: int,
@@ -123,8 +126,8 @@ def exact_top(vectors: TiledVectors, queries: np.ndarray, k: int) -> np.ndarray:
   """Exact top-k ids by inner product, chunked over the vectors."""
   best_scores = np.full((len(queries), k), -np.inf, np.float32)
   best_ids = np.zeros((len(queries), k), np.int64)
-  for lo in range(0, vectors.size, 1 << 20):
-    hi = min(lo + (1 << 20), vectors.size)
+  for lo in range(0, vectors.size, EXACT_CHUNK):  # ~1.5 GiB of temporaries per chunk
+    hi = min(lo + EXACT_CHUNK, vectors.size)
     scores = queries @ vectors(lo, hi).T
     top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
     cand_scores = np.concatenate([best_scores, np.take_along_axis(scores, top, 1)], 1)
@@ -184,6 +187,7 @@ def main(argv=None) -> int:
 
   from dpjax.data import Tokenizer
   from dpjax.open_domain import open_workdir, restore_model
+  from dpjax.config import save_results
   from dpjax.search import DensePhrases, PhraseIndex
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
@@ -191,19 +195,48 @@ def main(argv=None) -> int:
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   questions = [q["question"] for q in questions][:args.questions]
   dim = dump.vectors.shape[1]
-  max_gb = args.max_gb or 0.8 * available_gb()
+
+  def save(rows: list[dict]) -> None:
+    """Writes the table so far (after every row: a killed run keeps what it measured)."""
+    measured = {(r["size"], r["spec"]) for r in rows if "skipped" not in r}
+    kept = [r for r in earlier["rows"] if (r["size"], r["spec"]) not in measured]
+    rows = [r for r in rows if "skipped" not in r or (r["size"], r["spec"]) not in
+            {(e["size"], e["spec"]) for e in kept}] + kept
+    rank = {spec: i for i, spec in enumerate(dict.fromkeys(
+        [*args.specs, *(r["spec"] for r in rows)]))}
+    rows.sort(key=lambda r: (r["size"], rank[r["spec"]]))
+    manifest = dump.manifest
+    results = {"commands": list(dict.fromkeys(earlier.get("commands", []) + [command])),
+               "workdir": str(workdir), "model_step": step, "dump_tokens": len(dump.vectors),
+               "noise": args.noise, "nprobe": config.index.nprobe, "rows": rows,
+               "dump_encoding": {"tokens": manifest["num_tokens"],
+                                 "seconds": manifest.get("seconds"),
+                                 "tokens_per_sec": manifest["num_tokens"] / manifest["seconds"]
+                                 if manifest.get("seconds") else None},
+               "extrapolation": extrapolate(rows)}
+    out = save_results(args.out, results, report, "experiments/benchmarks/search_scale.py", argv)
+    figure(results, out.with_suffix(".png"))
+
+  done = {(r["size"], r["spec"]) for r in earlier["rows"] if "skipped" not in r}
+  command = "python experiments/benchmarks/search_scale.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
   rows = []
   for size in args.sizes:
     vectors = TiledVectors(dump.vectors, size, args.noise)
     queries = None
     exact = None
     for spec in args.specs:
+      if (size, spec) in done:
+        logging.info("%s at %d: measured by an earlier run (--merge), kept", spec, size)
+        continue
       need = estimated_bytes(spec, size, dim) / 2 ** 30
       row = {"size": size, "spec": spec, "estimated_gb": need}
+      max_gb = args.max_gb or 0.8 * available_gb()  # other processes may have grown
       if need > max_gb:
         row["skipped"] = f"needs ~{need:.1f} GiB, more than the {max_gb:.1f} GiB allowed"
         logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
         rows.append(row)
+        save(rows)
         continue
       estimate = estimated_build_seconds(spec, size, config.index.train_size,
                                          rows + earlier["rows"])
@@ -212,6 +245,7 @@ def main(argv=None) -> int:
                           f"size's build), more than the {args.max_build_minutes:g} min allowed")
         logging.info("%s at %d: skipped (%s)", spec, size, row["skipped"])
         rows.append(row)
+        save(rows)
         continue
       index, resolved, notes, seconds, train_seconds = build(spec, vectors, dim,
                                                              config.index.train_size)
@@ -242,26 +276,9 @@ def main(argv=None) -> int:
                    spec, size, seconds, row["bytes_per_token"], recall,
                    row["batch64"]["questions_per_sec"])
       rows.append(row)
+      save(rows)
       del index, phrase_index, searcher
-  measured = {(r["size"], r["spec"]) for r in rows if "skipped" not in r}
-  kept = [r for r in earlier["rows"] if (r["size"], r["spec"]) not in measured]
-  rows = [r for r in rows if "skipped" not in r or (r["size"], r["spec"]) not in
-          {(e["size"], e["spec"]) for e in kept}] + kept
-  rank = {spec: i for i, spec in enumerate(dict.fromkeys(
-      [*args.specs, *(r["spec"] for r in rows)]))}
-  rows.sort(key=lambda r: (r["size"], rank[r["spec"]]))
-  command = "python experiments/benchmarks/search_scale.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  manifest = dump.manifest
-  results = {"commands": earlier.get("commands", []) + [command], "workdir": str(workdir), "model_step": step, "dump_tokens": len(dump.vectors),
-             "noise": args.noise, "nprobe": config.index.nprobe, "rows": rows,
-             "dump_encoding": {"tokens": manifest["num_tokens"], "seconds": manifest.get("seconds"),
-                               "tokens_per_sec": manifest["num_tokens"] / manifest["seconds"]
-                               if manifest.get("seconds") else None},
-             "extrapolation": extrapolate(rows)}
-  from dpjax.config import save_results
-  out = save_results(args.out, results, report, "experiments/benchmarks/search_scale.py", argv)
-  figure(results, out.with_suffix(".png"))
+  save(rows)
   return 0
 
 
