@@ -21,6 +21,12 @@ QSFT_COMMANDS = ("bash experiments/squad_qsft.sh {w}   # = run.py qsft --config 
 FILTER_COMMAND = "python run.py filter --config experiments/squad.py:cpu --workdir {w}"
 
 
+def _with_notes(lines: list[str], results: dict) -> str:
+  """The report's lines, then each note as its own paragraph."""
+  notes = [part for note in results.get("notes", []) for part in ("", note)]
+  return "\n".join(lines + notes) + "\n"
+
+
 def qsft_report(results: dict, command: str) -> str:
   runs = results["runs"]
   first = runs[0]
@@ -29,24 +35,29 @@ def qsft_report(results: dict, command: str) -> str:
            f"Model: `{results['workdir']}` (step {results.get('model_step', '?')}); its phrase "
            f"encoder and index are frozen. {first['train_questions']:,} training questions "
            f"(random sample of SQuAD train), dev EM@1 on {first['dev_questions']:,} random dev "
-           f"questions over the full index (all {results.get('index_tokens', 0):,} token vectors of "
+           f"questions over the full index (all {results.get('index_tokens', 0):,} token vectors "
+           "of "
            "the 20,958 passages), measured before QSFT and after each epoch; top-k "
            f"{results['top_k']} candidates per question, {results['level']}-level positives.", "",
-           "| index | candidates | EM@1 before | EM@1 per epoch | best EM@1 | change | EM@10 before "
-           "-> best epoch | questions with a positive (epoch 1) | train loss per epoch |",
+           "| index | candidates | EM@1 before | EM@1 per epoch | best EM@1 | change | "
+           "EM@10 before -> best epoch | questions with a positive (epoch 1) | "
+           "train loss per epoch |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in runs:
     epochs = r["epochs"]
+    trained = [e for e in epochs if e["train_loss"] is not None]
     best = max(epochs, key=lambda e: e["em@1"]) if epochs else None
     best_em = max([r["before"]["em@1"]] + [e["em@1"] for e in epochs])
     lines.append(
-        f"| {r['index']} | {'quantizer reconstruction (QAT)' if r['quantized'] else 'stored (exact)'} "
+        f"| {r['index']} | "
+        f"{'quantizer reconstruction (QAT)' if r['quantized'] else 'stored (exact)'} "
         f"| {r['before']['em@1']:.2f} | {' -> '.join(format(e['em@1'], '.2f') for e in epochs)} | "
         f"{best_em:.2f} | {best_em - r['before']['em@1']:+.2f} | "
         f"{r['before']['em@10']:.2f} -> {best['em@10'] if best else float('nan'):.2f} | "
         f"{epochs[0]['questions_with_positive'] if epochs else 0:,} of {r['train_questions']:,} | "
-        f"{', '.join(format(e['train_loss'], '.3f') for e in epochs if e['train_loss'] is not None)} |")
-  return "\n".join(lines + [""] + results.get("notes", [])) + "\n"
+        f"{', '.join(format(e['train_loss'], '.3f') for e in trained)}"
+        " |")
+  return _with_notes(lines, results)
 
 
 def filter_report(results: dict, command: str) -> str:
@@ -59,7 +70,8 @@ def filter_report(results: dict, command: str) -> str:
            "start and end logits, positives = gold answer starts/ends among context tokens).", "",
            "| epoch | train loss | dev AUC-PR |", "|---|---|---|"]
   for h in history:
-    loss = f"{h['train_loss']:.4f}" if "train_loss" in h else "- (the model's head before this training)"
+    loss = (f"{h['train_loss']:.4f}" if "train_loss" in h
+            else "- (the model's head before this training)")
     lines.append(f"| {h['epoch']} | {loss} | {h['dev_auc_pr']:.4f} |")
   rate = r.get("positive_rate", {}).get("dev")
   if rate is not None:
@@ -76,7 +88,7 @@ def filter_report(results: dict, command: str) -> str:
   lines += ["", f"Chosen (fewest tokens within {r['max_em_drop']} EM@1 of the unfiltered index): "
             f"threshold {c['threshold']}, {100 * c['kept_fraction']:.1f}% of the tokens, EM@1 "
             f"{c['em@1']:.2f}. ![sweep](filter.png)"]
-  return "\n".join(lines + [""] + results.get("notes", [])) + "\n"
+  return _with_notes(lines, results)
 
 
 def filter_figure(results: dict, path: pathlib.Path) -> None:
@@ -106,6 +118,17 @@ def main(argv=None) -> int:
                       help="a line added under the tables (what the figures mean, caveats)")
   parser.add_argument("--filter-note", action="append", default=[])
   args = parser.parse_args(argv)
+  # The reports' command line, with the notes (printed under the tables) elided.
+  shown, rest = [], list(sys.argv[1:] if argv is None else argv)
+  while rest:
+    arg = rest.pop(0)
+    if arg in ("--note", "--filter-note"):
+      rest.pop(0) if rest else None
+      if f"{arg} ..." not in shown:
+        shown.append(f"{arg} ...")
+    else:
+      shown.append(arg)
+  argv = shown
   from dpjax.config import load_config, save_results
   workdir = pathlib.Path(args.workdir)
   out_dir = pathlib.Path(args.out_dir)
