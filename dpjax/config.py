@@ -225,6 +225,21 @@ def write_json(path, obj) -> None:
   write_text_atomic(path, json.dumps(obj, indent=1))
 
 
+def elide_notes(argv: Sequence[str], flags=("--note",)) -> list[str]:
+  """A command line with the values of note flags (prose printed in the report) shown as `...`."""
+  shown, rest = [], list(argv)
+  while rest:
+    arg = rest.pop(0)
+    if arg in flags:
+      if rest:
+        rest.pop(0)
+      if f"{arg} ..." not in shown:
+        shown.append(f"{arg} ...")
+    else:
+      shown.append(arg)
+  return shown
+
+
 def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib.Path":
   """Writes `results` as JSON to `out` and `render(results, command)` as Markdown beside it
   (`command`: how the script was run); prints the Markdown; returns the JSON path."""

@@ -118,17 +118,8 @@ def main(argv=None) -> int:
                       help="a line added under the tables (what the figures mean, caveats)")
   parser.add_argument("--filter-note", action="append", default=[])
   args = parser.parse_args(argv)
-  # The reports' command line, with the notes (printed under the tables) elided.
-  shown, rest = [], list(sys.argv[1:] if argv is None else argv)
-  while rest:
-    arg = rest.pop(0)
-    if arg in ("--note", "--filter-note"):
-      rest.pop(0) if rest else None
-      if f"{arg} ..." not in shown:
-        shown.append(f"{arg} ...")
-    else:
-      shown.append(arg)
-  argv = shown
+  from dpjax.config import elide_notes
+  argv = elide_notes(sys.argv[1:] if argv is None else argv, ("--note", "--filter-note"))
   from dpjax.config import load_config, save_results
   workdir = pathlib.Path(args.workdir)
   out_dir = pathlib.Path(args.out_dir)

@@ -171,7 +171,11 @@ def main(argv=None) -> int:
                       help="keep the rows of an earlier run in --out that this run does not "
                       "measure (e.g. add one size or index to a finished table)")
   parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph under the tables (kept by --merge unless given again)")
   args = parser.parse_args(argv)
+  from dpjax.config import elide_notes
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
   earlier = {"rows": [], "commands": []}
   if args.merge and pathlib.Path(args.out).is_file():
     import json
@@ -213,13 +217,13 @@ def main(argv=None) -> int:
                                  "seconds": manifest.get("seconds"),
                                  "tokens_per_sec": manifest["num_tokens"] / manifest["seconds"]
                                  if manifest.get("seconds") else None},
-               "extrapolation": extrapolate(rows)}
+               "extrapolation": extrapolate(rows),
+               "notes": args.note or earlier.get("notes", [])}
     out = save_results(args.out, results, report, "experiments/benchmarks/search_scale.py", argv)
     figure(results, out.with_suffix(".png"))
 
   done = {(r["size"], r["spec"]) for r in earlier["rows"] if "skipped" not in r}
-  command = "python experiments/benchmarks/search_scale.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  command = "python experiments/benchmarks/search_scale.py " + " ".join(argv)
   rows = []
   for size in args.sizes:
     vectors = TiledVectors(dump.vectors, size, args.noise)
@@ -343,6 +347,7 @@ def report(results: dict, command: str) -> str:
     for name in WIKIPEDIA_TOKENS:
       lines.append(f"| {spec} | {e[name]['tokens']:.1e} ({name}) | {e[name]['memory_gb']:,.0f} | "
                    f"{e[name]['questions_per_sec']:.3g} | {e['fitted_exponent']:.2f} |")
+  lines += [part for note in results.get("notes", []) for part in ("", note)]
   return "\n".join(lines) + "\n"
 
 
