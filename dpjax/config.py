@@ -166,7 +166,9 @@ def filter_config(**overrides) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict({
       "train_windows": 4000,  # training windows (with an answer) whose vectors train the head
       "dev_windows": 1000,  # dev windows for AUC-PR
-      "epochs": 5,
+      # A linear probe from zero: ~30 steps per epoch at the CPU settings; AUC-PR was still
+      # rising steeply after 5 epochs (0.041 -> 0.091) on SQuAD; the best epoch is kept.
+      "epochs": 50,
       "batch_size": 64,
       "learning_rate": 1e-3,
       "seed": 0,

@@ -298,7 +298,8 @@ class _ModuloLabels:
 
 
 def extrapolate(rows: list[dict]) -> dict:
-  """Memory (bytes/token x tokens) and questions/s (power law fitted on the measured sizes)."""
+  """Memory (bytes/token x tokens) and questions/s (power law fitted on the measured sizes; none
+  when only one size was measured: one point fixes no exponent)."""
   out = {}
   for spec in dict.fromkeys(r["spec"] for r in rows):
     done = [r for r in rows if r["spec"] == spec and "skipped" not in r]
@@ -306,13 +307,18 @@ def extrapolate(rows: list[dict]) -> dict:
       continue
     sizes = np.array([r["size"] for r in done], float)
     qps = np.array([r["batch64"]["questions_per_sec"] for r in done])
-    slope = float(np.polyfit(np.log(sizes), np.log(qps), 1)[0]) if len(done) > 1 else -1.0
+    slope = float(np.polyfit(np.log(sizes), np.log(qps), 1)[0]) if len(done) > 1 else None
     per_token = float(np.mean([r["bytes_per_token"] for r in done]))
     out[spec] = {name: {"tokens": tokens, "memory_gb": per_token * tokens / 2 ** 30,
-                        "questions_per_sec": float(qps[-1] * (tokens / sizes[-1]) ** slope)}
+                        "questions_per_sec": None if slope is None else
+                        float(qps[-1] * (tokens / sizes[-1]) ** slope)}
                  for name, tokens in WIKIPEDIA_TOKENS.items()}
     out[spec]["fitted_exponent"] = slope
   return out
+
+
+def _g(value, spec: str = ".3g") -> str:
+  return "n/a (one size measured)" if value is None else format(value, spec)
 
 
 def report(results: dict, command: str) -> str:
@@ -346,7 +352,7 @@ def report(results: dict, command: str) -> str:
   for spec, e in results["extrapolation"].items():
     for name in WIKIPEDIA_TOKENS:
       lines.append(f"| {spec} | {e[name]['tokens']:.1e} ({name}) | {e[name]['memory_gb']:,.0f} | "
-                   f"{e[name]['questions_per_sec']:.3g} | {e['fitted_exponent']:.2f} |")
+                   f"{_g(e[name]['questions_per_sec'])} | {_g(e['fitted_exponent'], '.2f')} |")
   lines += [part for note in results.get("notes", []) for part in ("", note)]
   return "\n".join(lines) + "\n"
 
