@@ -118,9 +118,8 @@ def main(argv=None) -> int:
                       help="a line added under the tables (what the figures mean, caveats)")
   parser.add_argument("--filter-note", action="append", default=[])
   args = parser.parse_args(argv)
-  from dpjax.config import elide_notes
+  from dpjax.config import elide_notes, qsft_config, save_results
   argv = elide_notes(sys.argv[1:] if argv is None else argv, ("--note", "--filter-note"))
-  from dpjax.config import load_config, save_results
   workdir = pathlib.Path(args.workdir)
   out_dir = pathlib.Path(args.out_dir)
   wrote = 0
@@ -130,12 +129,12 @@ def main(argv=None) -> int:
   dump_manifest = workdir / "dump" / "manifest.json"
   tokens = json.loads(dump_manifest.read_text())["num_tokens"] if dump_manifest.is_file() else 0
   if runs:
-    qc = load_config("experiments/squad.py:cpu").qsft
     step = json.loads((workdir / "results.json").read_text()).get("step") if (
         workdir / "results.json").is_file() else None
     save_results(out_dir / "qsft.json",
                  {"workdir": str(workdir), "model_step": step, "index_tokens": tokens,
-                  "top_k": runs[0].get("top_k", qc.top_k), "level": runs[0]["level"],
+                  # (results of runs before they recorded top_k used the default)
+                  "top_k": runs[0].get("top_k", qsft_config().top_k), "level": runs[0]["level"],
                   "qsft_command": QSFT_COMMANDS.format(w=workdir), "runs": runs,
                   "notes": args.note}, qsft_report, "experiments/report_qsft_filter.py", argv)
     wrote += 1
