@@ -1,6 +1,8 @@
 """The peers benchmark script runs end to end on the tiny pipeline."""
 import json
 
+import pytest
+
 from conftest import REPO, load_script
 
 import run
@@ -68,3 +70,7 @@ def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
   merged = json.loads((tmp_path / "slow.json").read_text())
   assert [(r["size"], "skipped" in r) for r in merged["rows"]] == [(3000, False), (9000, False)]
   assert merged["rows"][0] == small and len(merged["commands"]) == 2
+  # Merging a table of another setup (here: other noise) is refused, naming the file.
+  with pytest.raises(SystemExit, match="slow.json.*mix two setups"):
+    _load("search_scale").main(base + ["--sizes", "3000", "--specs", "Flat", "--noise", "0.1",
+                                       "--merge", "--out", str(tmp_path / "slow.json")])

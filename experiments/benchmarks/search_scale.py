@@ -178,20 +178,15 @@ def main(argv=None) -> int:
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   earlier = {"rows": [], "commands": []}
   if args.merge and pathlib.Path(args.out).is_file():
-    import json
-    earlier = json.loads(pathlib.Path(args.out).read_text())
-    if "commands" not in earlier:  # written before results carried their commands
-      markdown = pathlib.Path(args.out).with_suffix(".md")
-      first = markdown.read_text().splitlines()[2] if markdown.is_file() else ""
-      earlier["commands"] = re.findall(r"`([^`]+)`", first)
+    earlier = _earlier_table(pathlib.Path(args.out), args)
   from dpjax.config import setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   import faiss
 
+  from dpjax.config import save_results
   from dpjax.data import Tokenizer
   from dpjax.open_domain import open_workdir, restore_model
-  from dpjax.config import save_results
   from dpjax.search import DensePhrases, PhraseIndex
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
@@ -204,8 +199,9 @@ def main(argv=None) -> int:
     """Writes the table so far (after every row: a killed run keeps what it measured)."""
     measured = {(r["size"], r["spec"]) for r in rows if "skipped" not in r}
     kept = [r for r in earlier["rows"] if (r["size"], r["spec"]) not in measured]
-    rows = [r for r in rows if "skipped" not in r or (r["size"], r["spec"]) not in
-            {(e["size"], e["spec"]) for e in kept}] + kept
+    kept_keys = {(r["size"], r["spec"]) for r in kept}
+    rows = [r for r in rows if "skipped" not in r or (r["size"], r["spec"]) not in kept_keys]
+    rows += kept
     rank = {spec: i for i, spec in enumerate(dict.fromkeys(
         [*args.specs, *(r["spec"] for r in rows)]))}
     rows.sort(key=lambda r: (r["size"], rank[r["spec"]]))
@@ -284,6 +280,24 @@ def main(argv=None) -> int:
       del index, phrase_index, searcher
   save(rows)
   return 0
+
+
+def _earlier_table(path: pathlib.Path, args) -> dict:
+  """The results an earlier run wrote to `path`, for --merge; refuses a table of another setup."""
+  import json
+  try:
+    earlier = json.loads(path.read_text())
+    rows, commands = earlier["rows"], earlier["commands"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise SystemExit(f"{path}: not a search_scale table that --merge can extend "
+                     f"({type(e).__name__}: {e}); move it away or drop --merge")
+  same_workdir = (pathlib.Path(earlier.get("workdir", "")).resolve()
+                  == pathlib.Path(args.workdir).resolve())
+  if not same_workdir or earlier.get("noise") != args.noise:
+    raise SystemExit(f"{path} was measured on {earlier.get('workdir')!r} with noise "
+                     f"{earlier.get('noise')}, not {args.workdir!r} with noise {args.noise}: "
+                     "--merge would mix two setups in one table")
+  return {**earlier, "rows": rows, "commands": commands}
 
 
 class _ModuloLabels:
