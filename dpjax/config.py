@@ -131,6 +131,9 @@ def validation_config(**overrides) -> ml_collections.ConfigDict:
       "every_steps": 0,
       "metric": "em@1",  # selects the best checkpoint (workdir/checkpoints_best)
       "limit": 0,  # use only the first N questions (0: all)
+      # `run.py subcorpus`: build C0 / H_k for N dev questions drawn at random (seeded; 0: all);
+      # the sample is written beside the subcorpora (questions.json) and recorded in their meta.
+      "sample_questions": 0,
       # `run.py subcorpus`: which subcorpora to write, the full index and depth for H_k.
       "kinds": ["C0", "R0.1", "R0.333", "H1", "H2", "H4", "H8", "H16", "H32"],
       "seed": 0,
@@ -240,6 +243,11 @@ def elide_notes(argv: Sequence[str], flags=("--note",)) -> list[str]:
     else:
       shown.append(arg)
   return shown
+
+
+def with_notes(lines: Sequence[str], notes: Sequence[str]) -> str:
+  """A report's markdown: its lines, then each note (`--note`) as its own paragraph."""
+  return "\n".join([*lines, *(part for note in notes for part in ("", note))]) + "\n"
 
 
 def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib.Path":

@@ -274,6 +274,7 @@ def run_subcorpus(config, workdir: str) -> dict:
   workdir/subcorpora/<kind>.jsonl with their metadata; H_k uses the model and the full index."""
   from dpjax.corpus import read_corpus
   from dpjax.data import SkipSummary
+  from dpjax.data.squad import write_squad_subset
   from dpjax.index.dump import MANIFEST, Dump
   from dpjax import validation
 
@@ -281,28 +282,36 @@ def run_subcorpus(config, workdir: str) -> dict:
   hard_ks = [int(v) for n, v in map(validation.parse_kind, kinds) if n == "H"]
   workdir = pathlib.Path(workdir)
   paths = data_paths(config, workdir)
+  out = workdir / "subcorpora"
+  questions_file = paths["questions"]
+  if config.validation.sample_questions:
+    # A seeded random sample of the dev questions (the first N come from a few articles only).
+    sample = sample_questions(read_questions(questions_file), config.validation.sample_questions,
+                              config.validation.seed)
+    questions_file = str(out / "questions.json")
+    write_squad_subset(paths["questions"], questions_file, [q["id"] for q in sample])
   summary = SkipSummary()
   corpus = list(read_corpus(paths["corpus"], summary))
-  c0 = validation.gold_rows(corpus, paths["questions"])
+  c0 = validation.gold_rows(corpus, questions_file)
   dump = Dump.load(paths["dump"]) if (paths["dump"] / MANIFEST).is_file() else None
   if dump is not None and [p.id for p in dump.passages] != [p.id for p in corpus]:
     raise DataError(f"{paths['dump']} is not a dump of the configured corpus "
                     f"({len(dump.passages)} vs {len(corpus)} passages, or another order)")
-  retrieved, provenance = None, {"corpus": paths["corpus"], "questions": paths["questions"],
+  retrieved, provenance = None, {"corpus": paths["corpus"], "questions": questions_file,
+                                 "sample_questions": config.validation.sample_questions,
                                  "seed": config.validation.seed}
   if hard_ks:
     if dump is None:
       raise DataError(f"H_k needs the full dump and index of the corpus in {paths['dump']} "
                       "(run `run.py dump` and `run.py index` first)")
     searcher = _searcher(config, workdir, config.index.search_index)
-    texts = [q["question"] for q in read_questions(paths["questions"])]
+    texts = [q["question"] for q in read_questions(questions_file)]
     found = searcher.search(texts, k=max(hard_ks), unit="phrase",
                             max_answer_length=config.eval.max_answer_length)
     retrieved = [[r["passage_row"] for r in results] for results in found]
     provenance.update(index=config.index.search_index,
                       model_step=searcher.index.dump.manifest["model"].get("step"),
                       fingerprint=searcher.index.fingerprint)
-  out = workdir / "subcorpora"
   written = {}
   for kind in kinds:
     rows = validation.select(kind, len(corpus), c0, retrieved, config.validation.seed)

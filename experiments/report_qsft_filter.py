@@ -9,7 +9,6 @@ for, with the JSON beside each Markdown file.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -22,9 +21,8 @@ FILTER_COMMAND = "python run.py filter --config experiments/squad.py:cpu --workd
 
 
 def _with_notes(lines: list[str], results: dict) -> str:
-  """The report's lines, then each note as its own paragraph."""
-  notes = [part for note in results.get("notes", []) for part in ("", note)]
-  return "\n".join(lines + notes) + "\n"
+  from dpjax.config import with_notes
+  return with_notes(lines, results.get("notes", []))
 
 
 def qsft_report(results: dict, command: str) -> str:
@@ -119,17 +117,18 @@ def main(argv=None) -> int:
   parser.add_argument("--filter-note", action="append", default=[])
   args = parser.parse_args(argv)
   from dpjax.config import elide_notes, qsft_config, save_results
+  from dpjax.data.squad import load_json
   argv = elide_notes(sys.argv[1:] if argv is None else argv, ("--note", "--filter-note"))
   workdir = pathlib.Path(args.workdir)
   out_dir = pathlib.Path(args.out_dir)
   wrote = 0
   order = {"Flat": 0, "IVFauto_SQ4": 1}
-  runs = sorted((json.loads(p.read_text()) for p in workdir.glob("qsft_results_*.json")),
+  runs = sorted((load_json(p) for p in workdir.glob("qsft_results_*.json")),
                 key=lambda r: (order.get(r["index"], 2), r["index"], r["quantized"]))
   dump_manifest = workdir / "dump" / "manifest.json"
-  tokens = json.loads(dump_manifest.read_text())["num_tokens"] if dump_manifest.is_file() else 0
+  tokens = load_json(dump_manifest)["num_tokens"] if dump_manifest.is_file() else 0
   if runs:
-    step = json.loads((workdir / "results.json").read_text()).get("step") if (
+    step = load_json(workdir / "results.json").get("step") if (
         workdir / "results.json").is_file() else None
     save_results(out_dir / "qsft.json",
                  {"workdir": str(workdir), "model_step": step, "index_tokens": tokens,
@@ -140,7 +139,7 @@ def main(argv=None) -> int:
     wrote += 1
   if (workdir / "filter_results.json").is_file():
     results = {"workdir": str(workdir),
-               "filter": json.loads((workdir / "filter_results.json").read_text()),
+               "filter": load_json(workdir / "filter_results.json"),
                "filter_command": FILTER_COMMAND.format(w=workdir), "notes": args.filter_note}
     out = save_results(out_dir / "filter.json", results, filter_report,
                        "experiments/report_qsft_filter.py", argv)

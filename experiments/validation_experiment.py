@@ -65,10 +65,11 @@ def parse_model(spec: str) -> tuple[str, pathlib.Path, int | None]:
 
 def load_subcorpora(directory: pathlib.Path, corpus) -> dict[str, dict]:
   """{kind: {"rows", "meta"}} of the subcorpus files in `directory`, as rows of `corpus`."""
+  from dpjax.data.squad import load_json
   row_of = {p.id: i for i, p in enumerate(corpus)}
   found = {}
   for meta_path in sorted(directory.glob("*.meta.json")):
-    meta = json.loads(meta_path.read_text())
+    meta = load_json(meta_path)
     jsonl = meta_path.with_name(meta_path.name.replace(".meta.json", ".jsonl"))
     ids = [json.loads(line)["id"] for line in jsonl.read_text().splitlines() if line.strip()]
     missing = [i for i in ids if i not in row_of]
@@ -78,11 +79,46 @@ def load_subcorpora(directory: pathlib.Path, corpus) -> dict[str, dict]:
     found[meta["kind"]] = {"rows": np.array([row_of[i] for i in ids]), "meta": meta}
   if not found:
     raise SystemExit(f"{directory}: no subcorpus (run `run.py subcorpus` first)")
+  questions = {m["meta"].get("questions") for m in found.values()}
+  if len(questions) > 1:
+    raise SystemExit(f"{directory}: the subcorpora were built for different question files "
+                     f"{sorted(map(str, questions))}: rebuild them with one `run.py subcorpus`")
   return found
 
 
+def questions_file(subcorpora: dict, default: str) -> str:
+  """The dev questions the subcorpora were built for (C0 = their gold passages)."""
+  return next(iter(subcorpora.values()))["meta"].get("questions") or default
+
+
+def cache_key(subcorpora: dict, questions: list[dict], config) -> str:
+  """What a model's cached figures depend on besides the model: subcorpora, questions, settings."""
+  import hashlib
+  payload = {"rows": {k: v["rows"].tolist() for k, v in sorted(subcorpora.items())},
+             "questions": [q["id"] for q in questions],
+             "max_answer_length": config.eval.max_answer_length,
+             "data": {k: config.data[k] for k in ("max_seq_length", "doc_stride",
+                                                  "max_query_length", "include_title")}}
+  return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_dump_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
+  """The model's existing full dump (`<workdir>/dump`) when it was made at `step`, else
+  `<workdir>/dump_step<step>` (made or resumed here). `dump_phrases` refuses a dump of other
+  parameters or settings either way."""
+  from dpjax.index.dump import read_manifest
+  default = workdir / "dump"
+  if (default / "manifest.json").is_file() and read_manifest(default)["model"].get("step") == step:
+    return default
+  return workdir / f"dump_step{step}"
+
+
 def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, rc_split,
-                   tokenizer, mesh, batch_size) -> dict:
+                   tokenizer, mesh, batch_size, key) -> dict:
+  """The model's figures; cached in `<workdir>/validation_step<N>.json` under `key` (a rerun
+  with more models evaluates only the new ones)."""
+  from dpjax.config import write_json
+  from dpjax.data.squad import load_json
   from dpjax.index.dump import Dump, DumpConfig, dump_phrases
   from dpjax.open_domain import restore_model
   from dpjax.parallel import make_mesh
@@ -91,8 +127,14 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   from dpjax.validation import open_domain_eval
 
   model, step = restore_model(config, workdir, step)
+  cache = workdir / f"validation_step{step}.json"
+  if cache.is_file():
+    cached = load_json(cache)
+    if cached.get("key") == key:
+      logging.info("%s: figures of step %d from %s", name, step, cache)
+      return cached["result"]
   start = time.perf_counter()
-  dump_dir = workdir / f"dump_step{step}"
+  dump_dir = model_dump_dir(workdir, step)
   dump_phrases(model, tokenizer, corpus, dump_dir,
                DumpConfig(max_seq_length=config.data.max_seq_length,
                           doc_stride=config.data.doc_stride,
@@ -118,6 +160,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
     result["subcorpora"][kind] = report
     logging.info("%s step %s, %s (%d tokens): EM@1 %.2f EM@10 %.2f top20 %.2f", name, step,
                  kind, report["tokens"], report["em@1"], report["em@10"], report["top20"])
+  write_json(cache, {"key": key, "result": result})
   return result
 
 
@@ -126,8 +169,9 @@ def markdown(results: dict, command: str) -> str:
   kinds = list(next(iter(models.values()))["subcorpora"])
   lines = ["# Validation on hard subcorpora (Kim et al. 2022, Figure 2) at our scale", "",
            f"Command: `{command}`", "",
-           f"{results['questions']} dev questions; corpus of {results['corpus_passages']} "
-           "passages; exact (Flat) indexes over subsets of each model's full dump.", "",
+           f"{results['questions']} dev questions (`{results['questions_file']}`); corpus of "
+           f"{results['corpus_passages']} passages; exact (Flat) indexes over subsets of each "
+           "model's full dump.", "",
            "## EM@1 (phrase) by subcorpus", "",
            "| model | step | RC EM | " + " | ".join(
                f"{k} ({models[next(iter(models))]['subcorpora'][k]['tokens']:,} tok)"
@@ -174,20 +218,22 @@ def main(argv=None) -> int:
   paths = data_paths(config, specs[0][1])
   corpus = list(read_corpus(paths["corpus"]))
   subcorpora = load_subcorpora(pathlib.Path(args.subcorpora), corpus)
-  questions = read_questions(paths["questions"])[:config.eval.limit or None]
+  dev_file = questions_file(subcorpora, paths["questions"])
+  questions = read_questions(dev_file)[:config.eval.limit or None]
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  rc_split = load_rc_split(paths["questions"], tokenizer, config.data,
-                           limit=config.eval.limit or None)
+  rc_split = load_rc_split(dev_file, tokenizer, config.data, limit=config.eval.limit or None)
+  key = cache_key(subcorpora, questions, config)
   mesh = make_mesh()
   batch_size = round_to_devices(config.index.batch_size, mesh)
   models = {name: evaluate_model(config, name, workdir, step, corpus, subcorpora, questions,
-                                 rc_split, tokenizer, mesh, batch_size)
+                                 rc_split, tokenizer, mesh, batch_size, key)
             for name, workdir, step in specs}
   full = {m: [r["subcorpora"]["full"][m] for r in models.values()] for m in METRICS}
   tau = {kind: {m: kendall_tau([r["subcorpora"][kind][m] for r in models.values()], full[m])
                 for m in METRICS}
          for kind in next(iter(models.values()))["subcorpora"]}
   results = {"config": args.config, "overrides": args.set, "questions": len(questions),
+             "questions_file": dev_file,
              "corpus_passages": len(corpus),
              "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
              "models": models, "tau": tau}

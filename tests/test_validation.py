@@ -62,6 +62,22 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
   _, dev_questions, _ = read_squad(tmp_path / "data" / "dev.json")
   assert len(rows["C0"]) == len({q.passage_index for q in dev_questions})  # passages asked about
 
+  # A seeded random sample of the dev questions: written out, C0 = its gold passages only.
+  assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['C0','H2']",
+                                          "--set", "validation.sample_questions=5"]) == 0
+  sample_passages, sample, _ = read_squad(out / "questions.json")
+  assert len(sample) == 5 and {q.id for q in sample} < {q.id for q in dev_questions}
+  assert [q.id for q in sample] != [q.id for q in dev_questions[:5]]  # drawn, not the first 5
+  meta = json.loads((out / "C0.meta.json").read_text())
+  assert meta["questions"] == str(out / "questions.json") and meta["sample_questions"] == 5
+  c0 = [json.loads(line) for line in (out / "C0.jsonl").read_text().splitlines()]
+  assert {(p["title"], p["text"]) for p in c0} == {
+      (sample_passages[q.passage_index].title, sample_passages[q.passage_index].context)
+      for q in sample}
+  assert {p["id"] for p in c0} <= rows["C0"]
+  h2 = {json.loads(line)["id"] for line in (out / "H2.jsonl").read_text().splitlines()}
+  assert {p["id"] for p in c0} <= h2
+
   # Mining: no mined passage contains a gold answer of its question, or is its gold passage.
   assert run.main(["mine"] + base + ["--set", "mine.top_k=20"]) == 0
   assert "hard negatives of" in capsys.readouterr().out

@@ -46,6 +46,20 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   assert final["full"]["em@1"] == pytest.approx(report["em@1"])
   assert final["full"]["top20"] == pytest.approx(report["top20"])
 
+  # A rerun takes every model's figures from its cache (<workdir>/validation_step<N>.json) while
+  # the subcorpora, questions and settings are the same, and recomputes them when they change.
+  cache = workdir / "validation_step3.json"
+  cached = json.loads(cache.read_text())
+  cached["result"]["rc_em"] = 123.0
+  cache.write_text(json.dumps(cached))
+  rerun = tmp_path / "results" / "rerun.json"
+  args = ["--config", "experiments/demo.py:tiny", "--subcorpora", str(workdir / "subcorpora"),
+          "--model", f"early={workdir}@3", "--model", f"final={workdir}@6"]
+  assert experiment.main(args + ["--out", str(rerun)]) == 0
+  assert json.loads(rerun.read_text())["models"]["early"]["rc_em"] == 123.0
+  assert experiment.main(args + ["--out", str(rerun), "--set", "eval.max_answer_length=5"]) == 0
+  assert json.loads(rerun.read_text())["models"]["early"]["rc_em"] != 123.0
+
   # The notebook's code, top to bottom, writes the figure.
   figure = tmp_path / "results" / "validation.png"
   monkeypatch.setenv("DPJAX_VALIDATION_RESULTS", str(out))

@@ -24,8 +24,9 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -100,6 +101,32 @@ def load_json(path: str | os.PathLike) -> Any:
   except json.JSONDecodeError as e:
     raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} "
                     f"(char {e.pos}): {e.msg}") from None
+
+
+def write_squad_subset(src: str | os.PathLike, dst: str | os.PathLike,
+                       question_ids: Iterable[str]) -> int:
+  """Writes the questions `question_ids` of SQuAD file `src` (with their paragraphs only) to `dst`
+  in the same format; returns how many were found (all of them, or a `DataError`)."""
+  wanted = set(question_ids)
+  root = load_json(src)
+  articles, found = [], 0
+  for article in root.get("data", []):
+    paragraphs = []
+    for paragraph in article.get("paragraphs", []):
+      qas = [qa for qa in paragraph.get("qas", []) if qa.get("id") in wanted]
+      if qas:
+        paragraphs.append({**paragraph, "qas": qas})
+        found += len(qas)
+    if paragraphs:
+      articles.append({**article, "paragraphs": paragraphs})
+  if found != len(wanted):
+    raise DataError(f"{src}: {len(wanted) - found} of {len(wanted)} question ids not found")
+  dst = pathlib.Path(dst)
+  dst.parent.mkdir(parents=True, exist_ok=True)
+  tmp = dst.with_name(dst.name + ".tmp")
+  tmp.write_text(json.dumps({**root, "data": articles}, ensure_ascii=False), encoding="utf-8")
+  os.replace(tmp, dst)
+  return found
 
 
 def read_squad(path: str | os.PathLike, *, require_answers: bool = True,

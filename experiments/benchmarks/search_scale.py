@@ -367,8 +367,8 @@ def report(results: dict, command: str) -> str:
     for name in WIKIPEDIA_TOKENS:
       lines.append(f"| {spec} | {e[name]['tokens']:.1e} ({name}) | {e[name]['memory_gb']:,.0f} | "
                    f"{_g(e[name]['questions_per_sec'])} | {_g(e['fitted_exponent'], '.2f')} |")
-  lines += [part for note in results.get("notes", []) for part in ("", note)]
-  return "\n".join(lines) + "\n"
+  from dpjax.config import with_notes
+  return with_notes(lines, results.get("notes", []))
 
 
 def figure(results: dict, path: pathlib.Path) -> None:
