@@ -85,24 +85,43 @@ def pad_to_multiple(array: np.ndarray, multiple: int) -> np.ndarray:
 
 
 def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size: int,
-                mesh: jax.sharding.Mesh) -> Iterator[tuple[slice, Any]]:
-  """Applies a jitted `fn(*batch)` to fixed-size batches of `arrays`, sharded over the mesh.
+                mesh: jax.sharding.Mesh, *, lengths: np.ndarray | None = None,
+                length_multiple: int = 32) -> Iterator[tuple[np.ndarray, Any]]:
+  """Applies a jitted `fn(*batch)` to batches of `arrays`' rows, sharded over the mesh.
 
-  The last batch is padded to `batch_size` (one compiled shape) and the padding rows are cut
-  from the outputs before they are yielded, so no padding ever leaks.
+  Batches hold `batch_size` rows; the last one is padded only to the smallest power-of-two
+  multiple of the mesh size that holds it (one question is encoded as a batch of one, not 64),
+  and padding rows are cut from the outputs before they are yielded, so no padding ever leaks.
+
+  With `lengths` (the real length of each row along axis 1, e.g. `attention_mask.sum(1)`), rows
+  are taken longest first and every array with a sequence axis (axis 1) is cut, per batch, to
+  the batch's longest row rounded up to `length_multiple`: no compute on padding tokens, a few
+  compiled shapes. Outputs along that axis are then as wide as the batch's arrays.
 
   Yields:
-    (rows, outputs): the slice of input rows and `fn`'s outputs for them, as numpy arrays.
+    (rows, outputs): the indices of the batch's input rows and `fn`'s outputs for them, as
+    numpy arrays (rows in input order when `lengths` is None).
   """
   if batch_size % mesh.size:
     raise ValueError(f"batch_size {batch_size} is not a multiple of the {mesh.size} devices")
   total = len(arrays[0])
+  if lengths is None:
+    order = np.arange(total)
+  else:
+    lengths = np.asarray(lengths)
+    if lengths.shape != (total,):
+      raise ValueError(f"lengths has shape {lengths.shape}, expected ({total},)")
+    order = np.argsort(-lengths, kind="stable")
   sharding = batch_sharding(mesh)
-  mine = local_rows(sharding, batch_size)
   for start in range(0, total, batch_size):
-    rows = slice(start, min(start + batch_size, total))
-    n = rows.stop - rows.start
-    batch = global_batch([pad_to_multiple(a[rows], batch_size)[mine] for a in arrays], sharding,
-                         batch_size)
+    rows = order[start:start + batch_size]
+    n = len(rows)
+    padded = min(batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
+    batch = [a[rows] for a in arrays]
+    if lengths is not None:
+      width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
+      batch = [a[:, :width] if a.ndim > 1 else a for a in batch]
+    mine = local_rows(sharding, padded)
+    batch = global_batch([pad_to_multiple(a, padded)[mine] for a in batch], sharding, padded)
     outputs = fn(*batch)
     yield rows, jax.tree.map(lambda x: to_host(x)[:n], outputs)

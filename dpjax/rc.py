@@ -90,25 +90,29 @@ def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
   q_end = np.zeros_like(q_start)
   for rows, (qs, qe) in map_batches(lambda i, m: encode_questions(state, i, m),
                                     [features.question_input_ids,
-                                     features.question_attention_mask], batch_size, mesh):
+                                     features.question_attention_mask], batch_size, mesh,
+                                    lengths=features.question_attention_mask.sum(1),
+                                    length_multiple=16):
     q_start[rows], q_end[rows] = qs, qe
   windows = features.windows
-  by_window = np.argsort(features.window_index, kind="stable")
-  window_sorted = features.window_index[by_window]
+  in_batch = np.full(len(windows.input_ids), -1)  # window -> its row in the current batch
   best: dict[int, tuple[float, str]] = {}
   for rows, vectors in map_batches(lambda i, m: encode_phrases(state, i, m),
-                                   [windows.input_ids, windows.attention_mask], batch_size, mesh):
-    lo, hi = np.searchsorted(window_sorted, [rows.start, rows.stop])
-    feats = by_window[lo:hi]
+                                   [windows.input_ids, windows.attention_mask], batch_size, mesh,
+                                   lengths=windows.attention_mask.sum(1)):
+    in_batch[rows] = np.arange(len(rows))
+    feats = np.nonzero(in_batch[features.window_index] >= 0)[0]
+    w = features.window_index[feats]
+    h = vectors[in_batch[w]]  # [F, L', D], L' <= L: the batch's width (the rest is padding)
+    in_batch[rows] = -1
     if not len(feats):
       continue
-    w = features.window_index[feats]
     q = features.question_index[feats]
-    h = vectors[w - rows.start]  # [F, L, D]
+    width = h.shape[1]
     start, end, score = best_spans(
         np.einsum("fld,fd->fl", h, q_start[q]), np.einsum("fld,fd->fl", h, q_end[q]),
-        windows.context_mask[w] & windows.is_max_context[w], windows.context_mask[w],
-        max_answer_length)
+        (windows.context_mask[w] & windows.is_max_context[w])[:, :width],
+        windows.context_mask[w, :width], max_answer_length)
     for f, qi in enumerate(q.tolist()):
       if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
         context = passages[windows.passage_index[w[f]]].context

@@ -325,9 +325,16 @@ class DensePhrases:
 def _encode_questions(encode, state, tokenizer, questions, max_query_length, batch_size, mesh):
   from dpjax.parallel import map_batches
   ids, mask = tokenizer.encode(list(questions), max_query_length)
-  outputs = [o for _, o in map_batches(lambda i, m: encode(state, i, m), [ids, mask], batch_size,
-                                       mesh)]
-  return (np.concatenate([o[0] for o in outputs]), np.concatenate([o[1] for o in outputs]))
+  q_start = q_end = None
+  for rows, (qs, qe) in map_batches(lambda i, m: encode(state, i, m), [ids, mask], batch_size,
+                                    mesh, lengths=mask.sum(1), length_multiple=16):
+    if q_start is None:
+      q_start = np.zeros((len(ids), qs.shape[1]), qs.dtype)
+      q_end = np.zeros_like(q_start)
+    q_start[rows], q_end[rows] = qs, qe
+  if q_start is None:
+    raise ValueError("no questions to encode")
+  return q_start, q_end
 
 
 def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,

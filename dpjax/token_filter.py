@@ -50,10 +50,10 @@ def encode_windows(model, windows, rows: np.ndarray, mesh, batch_size: int) -> n
   graphdef, state = nnx.split(model)
   encode = make_encoders(graphdef).phrases
   out = np.zeros((len(rows), windows.input_ids.shape[1], model.config.hidden_size), np.float16)
-  for part, h in map_batches(lambda i, m: encode(state, i, m),
-                             [windows.input_ids[rows], windows.attention_mask[rows]],
-                             batch_size, mesh):
-    out[part] = h
+  mask = windows.attention_mask[rows]
+  for part, h in map_batches(lambda i, m: encode(state, i, m), [windows.input_ids[rows], mask],
+                             batch_size, mesh, lengths=mask.sum(1)):
+    out[part, :h.shape[1]] = h  # columns past the batch's width stay 0 (padding)
   return out
 
 

@@ -1,13 +1,14 @@
 """Dumping a corpus with a (tiny) model: no padding leaks, tokens once, resumable after a crash."""
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import SHARED_DATA
 from dpjax.corpus import CorpusPassage, read_corpus, squad_to_jsonl
-from dpjax.data.squad import DataError, SkipSummary
+from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
 from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases
 from dpjax.index.faiss_index import build_index
 from dpjax.search import DensePhrases as SearchAPI, PhraseIndex
@@ -45,6 +46,22 @@ def test_dump_keeps_each_context_token_once(model, tokenizer, tmp_path):
     np.testing.assert_array_equal(spans, offsets)
   assert dump.vectors.dtype == np.float16 and np.isfinite(dump.vectors).all()
   assert dump.passages[5].id == "p5"
+
+
+def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):
+  """Batches cut to their longest window (longest first) change no vector and no token order."""
+  config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=12)
+  passages = _passages(12)
+  dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
+  dump = Dump.load(tmp_path)
+  windows, _ = build_windows(tokenizer, [Passage(p.title, p.text) for p in passages],
+                             max_seq_length=64, doc_stride=16, include_title=True)
+  lengths = np.sort(windows.attention_mask.sum(1))
+  assert lengths[:len(lengths) % 8 or 8].max() <= 32 < lengths.max()  # the last batch is cut
+  h = np.asarray(model.encode_phrases(jnp.asarray(windows.input_ids),
+                                      jnp.asarray(windows.attention_mask)))
+  keep = windows.context_mask & windows.is_max_context
+  np.testing.assert_allclose(dump.vectors.astype(np.float32), h[keep], rtol=2e-3, atol=2e-3)
 
 
 def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):

@@ -122,14 +122,23 @@ def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: Du
                              max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
                              include_title=config.include_title)
   keep = windows.context_mask & windows.is_max_context  # [W, L]
-  parts = {"vectors": [], "filter_logits": []}
+  # Batches of similar length (no compute on padding) come back out of order: every kept token's
+  # flat position window * L + column puts them back in passage order.
+  parts = {"vectors": [], "filter_logits": [], "position": []}
   for rows, (vectors, logits) in map_batches(encode, [windows.input_ids, windows.attention_mask],
-                                             config.batch_size, mesh):
-    parts["vectors"].append(vectors[keep[rows]].astype(np.float16))
-    parts["filter_logits"].append(logits[keep[rows]].astype(np.float16))
+                                             config.batch_size, mesh,
+                                             lengths=windows.attention_mask.sum(1)):
+    kept = keep[rows, :vectors.shape[1]]
+    window, column = np.nonzero(kept)
+    parts["vectors"].append(vectors[kept].astype(np.float16))
+    parts["filter_logits"].append(logits[kept].astype(np.float16))
+    parts["position"].append(rows[window] * keep.shape[1] + column)
+  order = np.argsort(np.concatenate(parts["position"]), kind="stable")
   token_window = np.nonzero(keep)[0]
-  return {"vectors": np.concatenate(parts["vectors"]),
-          "filter_logits": np.concatenate(parts["filter_logits"]),
+  if len(order) != len(token_window):  # a kept token past its window's attention mask
+    raise AssertionError(f"{len(token_window) - len(order)} context tokens lie in padding")
+  return {"vectors": np.concatenate(parts["vectors"])[order],
+          "filter_logits": np.concatenate(parts["filter_logits"])[order],
           "token_passage": windows.passage_index[token_window].astype(np.int32),
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 

@@ -71,16 +71,12 @@ def mean_pooled(model, tokenizer, texts, max_len: int, batch_size: int, mesh) ->
     pooled = (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1e-9)
     return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
 
-  # Length-sorted batches: far less padding (the order is undone below).
-  order = np.argsort([len(t) for t in texts])
+  ids, mask = tokenizer.encode(list(texts), max_len)
   out = np.zeros((len(texts), model.config.hidden_size), np.float32)
-  for lo in range(0, len(texts), batch_size * 16):
-    rows = order[lo:lo + batch_size * 16]
-    ids, mask = tokenizer.encode([texts[i] for i in rows], max_len)
-    used = int(mask.sum(1).max())
-    for part, vectors in map_batches(lambda i, m: embed(state, i, m),
-                                     [ids[:, :used], mask[:, :used]], batch_size, mesh):
-      out[rows[part]] = vectors
+  # Length-bucketed batches: no compute on padding (map_batches undoes the order via `rows`).
+  for rows, vectors in map_batches(lambda i, m: embed(state, i, m), [ids, mask], batch_size,
+                                   mesh, lengths=mask.sum(1)):
+    out[rows] = vectors
   return out
 
 
