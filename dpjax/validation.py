@@ -123,16 +123,26 @@ METRICS = ("em@1", "f1@1", "em@10", "f1@10", "top1", "top5", "top20", "mrr@20", 
 
 
 def open_domain_eval(index, q_start: np.ndarray, q_end: np.ndarray, answers, *,
-                     max_answer_length: int = 10, passages: bool = True) -> dict:
-  """EM@1/EM@10 (phrases) and, optionally, passage Top-k/MRR@20/P@20 over a PhraseIndex."""
+                     max_answer_length: int = 10, passages: bool = True,
+                     per_question: bool = False) -> dict:
+  """EM@1/EM@10 (phrases) and, optionally, passage Top-k/MRR@20/P@20 over a PhraseIndex.
+
+  `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
+  and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests)."""
   found = index.search(q_start, q_end, 10, "phrase", max_answer_length=max_answer_length)
   texts = [[p.text for p, _ in units] for units in found]
   report = metrics.open_domain_scores(texts, answers)
+  hits = {"em@1": "".join(
+      str(int(bool(t) and metrics.max_over_gold(metrics.exact_match, t[0], golds) > 0))
+      for t, golds in zip(texts, answers))}
   if passages:
     ranked = index.search(q_start, q_end, 20, "passage", max_answer_length=max_answer_length)
-    report.update(metrics.passage_scores(
-        [[index.dump.passages[p.passage].text for p, _ in units] for units in ranked], answers,
-        ks=(1, 5, 20)))
+    ranked_texts = [[index.dump.passages[p.passage].text for p, _ in units] for units in ranked]
+    report.update(metrics.passage_scores(ranked_texts, answers, ks=(1, 5, 20)))
+    hits["top20"] = "".join(str(int(any(metrics.has_answer(d, golds) for d in docs[:20])))
+                            for docs, golds in zip(ranked_texts, answers))
+  if per_question:
+    report["hits"] = hits
   return report
 
 

@@ -94,7 +94,8 @@ def questions_file(subcorpora: dict, default: str) -> str:
 def cache_key(subcorpora: dict, questions: list[dict], config) -> str:
   """What a model's cached figures depend on besides the model: subcorpora, questions, settings."""
   import hashlib
-  payload = {"rows": {k: v["rows"].tolist() for k, v in sorted(subcorpora.items())},
+  payload = {"format": 2,  # 2: per-question hits on the full corpus
+             "rows": {k: v["rows"].tolist() for k, v in sorted(subcorpora.items())},
              "questions": [q["id"] for q in questions],
              "max_answer_length": config.eval.max_answer_length,
              "data": {k: config.data[k] for k in ("max_seq_length", "doc_stride",
@@ -155,13 +156,63 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   for kind, sub in {**subcorpora, "full": {"rows": None}}.items():
     index = PhraseIndex.over_passages(dump, sub["rows"])
     report = open_domain_eval(index, q_start, q_end, answers,
-                              max_answer_length=config.eval.max_answer_length)
+                              max_answer_length=config.eval.max_answer_length,
+                              per_question=sub["rows"] is None)  # paired tests on the full C
     report.update(passages=index.manifest["num_passages"], tokens=index.manifest["num_tokens"])
     result["subcorpora"][kind] = report
     logging.info("%s step %s, %s (%d tokens): EM@1 %.2f EM@10 %.2f top20 %.2f", name, step,
                  kind, report["tokens"], report["em@1"], report["em@10"], report["top20"])
   write_json(cache, {"key": key, "result": result})
   return result
+
+
+def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
+  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
+  import math
+  a_only = sum(x == "1" and y == "0" for x, y in zip(hits_a, hits_b))
+  b_only = sum(x == "0" and y == "1" for x, y in zip(hits_a, hits_b))
+  n = a_only + b_only
+  tail = sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n if n else 1.0
+  return a_only, b_only, min(1.0, 2 * tail)
+
+
+def equal_size_pairs(tokens: dict[str, int]) -> list[tuple[str, str]]:
+  """(R_r, the H_k closest to it in index size) for every random subcorpus."""
+  hard = [k for k in tokens if k.startswith("H")]
+  return [(r, min(hard, key=lambda h: abs(tokens[h] - tokens[r])))
+          for r in tokens if r.startswith("R") and hard]
+
+
+def findings(results: dict) -> list[str]:
+  """The two questions of the issue, answered from the figures (no hand-written claims)."""
+  models = results["models"]
+  first = next(iter(models.values()))["subcorpora"]
+  tokens = {k: v["tokens"] for k, v in first.items()}
+  lines = ["## Findings", "",
+           "Hard vs random subcorpora of (about) equal size: Kendall tau with the full-corpus "
+           "ranking of the models (higher = ranks the models more like the full corpus).", "",
+           "| random | tokens | tau EM@1 | tau Top-20 | hard | tokens | tau EM@1 | tau Top-20 | "
+           "closer to the full ranking (EM@1) |", "|---|---|---|---|---|---|---|---|---|"]
+  for r, h in equal_size_pairs(tokens):
+    tr, th = results["tau"][r], results["tau"][h]
+    verdict = ("tie" if np.isclose(tr["em@1"], th["em@1"]) else
+               h if th["em@1"] > tr["em@1"] else r)
+    lines.append(f"| {r} | {tokens[r]:,} | {tr['em@1']:.3f} | {tr['top20']:.3f} | {h} | "
+                 f"{tokens[h]:,} | {th['em@1']:.3f} | {th['top20']:.3f} | {verdict} |")
+  if results.get("compare"):
+    lines += ["", "Model comparisons on the full corpus (paired over the same questions; "
+              "McNemar's exact test on the questions only one of the two gets right):", "",
+              "| A vs B | EM@1 A | EM@1 B | diff | A only / B only | p | Top-20 A | Top-20 B | "
+              "diff | A only / B only | p |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a, b in results["compare"]:
+      fa, fb = models[a]["subcorpora"]["full"], models[b]["subcorpora"]["full"]
+      cells = []
+      for metric in ("em@1", "top20"):
+        a_only, b_only, p = mcnemar_p(fa["hits"][metric], fb["hits"][metric])
+        cells.append(f"{fa[metric]:.2f} | {fb[metric]:.2f} | {fa[metric] - fb[metric]:+.2f} | "
+                     f"{a_only} / {b_only} | {p:.3f}")
+      lines.append(f"| {a} vs {b} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def markdown(results: dict, command: str) -> str:
@@ -192,7 +243,8 @@ def markdown(results: dict, command: str) -> str:
     tokens = models[next(iter(models))]["subcorpora"][kind]["tokens"]
     lines.append(f"| {kind} | {tokens:,} | " + " | ".join(
         f"{results['tau'][kind][m]:.3f}" for m in METRICS) + " |")
-  return "\n".join(lines) + "\n"
+  from dpjax.config import with_notes
+  return with_notes(lines + [""] + findings(results), results.get("notes", []))
 
 
 def main(argv=None) -> int:
@@ -202,6 +254,10 @@ def main(argv=None) -> int:
   parser.add_argument("--model", action="append", required=True, help="NAME=WORKDIR[@STEP]")
   parser.add_argument("--subcorpora", required=True, help="a `run.py subcorpus` output folder")
   parser.add_argument("--out", required=True, help="results JSON (the .md goes beside it)")
+  parser.add_argument("--compare", action="append", default=[],
+                      help="A:B, two --model names: paired EM@1 / Top-20 test of A vs B")
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph printed after the tables (e.g. the conclusions)")
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
   from dpjax.config import setup_logging
@@ -215,6 +271,11 @@ def main(argv=None) -> int:
 
   config = load_config(args.config, args.set)
   specs = [parse_model(m) for m in args.model]
+  compare = [tuple(c.split(":", 1)) for c in args.compare]
+  names = {name for name, _, _ in specs}
+  for pair in compare:
+    if len(pair) != 2 or not set(pair) <= names:
+      raise SystemExit(f"--compare {':'.join(pair)}: expected A:B, two of {sorted(names)}")
   paths = data_paths(config, specs[0][1])
   corpus = list(read_corpus(paths["corpus"]))
   subcorpora = load_subcorpora(pathlib.Path(args.subcorpora), corpus)
@@ -236,8 +297,9 @@ def main(argv=None) -> int:
              "questions_file": dev_file,
              "corpus_passages": len(corpus),
              "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
-             "models": models, "tau": tau}
-  from dpjax.config import save_results
+             "models": models, "tau": tau, "compare": compare, "notes": args.note}
+  from dpjax.config import elide_notes, save_results
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
   save_results(args.out, results, markdown, "experiments/validation_experiment.py", argv)
   return 0
 

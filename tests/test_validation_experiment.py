@@ -19,6 +19,14 @@ def test_kendall_tau():
   assert np.isnan(experiment.kendall_tau([1, 1, 1], [1, 2, 3]))  # no ranking to compare
 
 
+def test_mcnemar_and_equal_size_pairs():
+  assert experiment.mcnemar_p("1100", "1010") == (1, 1, 1.0)
+  assert experiment.mcnemar_p("1111", "0000") == (4, 0, pytest.approx(0.125))  # 2 x 1/16
+  assert experiment.mcnemar_p("10", "10") == (0, 0, 1.0)
+  tokens = {"C0": 10, "R0.1": 30, "R0.333": 100, "H1": 28, "H2": 35, "H32": 90, "full": 300}
+  assert experiment.equal_size_pairs(tokens) == [("R0.1", "H1"), ("R0.333", "H32")]
+
+
 @pytest.mark.slow
 def test_experiment_and_notebook(tmp_path, monkeypatch):
   workdir = tmp_path / "model"
@@ -31,7 +39,7 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   assert experiment.main(["--config", "experiments/demo.py:tiny",
                           "--subcorpora", str(workdir / "subcorpora"),
                           "--model", f"early={workdir}@3", "--model", f"final={workdir}@6",
-                          "--out", str(out)]) == 0
+                          "--compare", "final:early", "--out", str(out)]) == 0
   results = json.loads(out.read_text())
   assert list(results["models"]) == ["early", "final"]
   final = results["models"]["final"]["subcorpora"]
@@ -39,7 +47,13 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   assert final["C0"]["tokens"] <= final["H1"]["tokens"] <= final["H4"]["tokens"] < \
       final["full"]["tokens"]
   assert results["tau"]["full"]["em@1"] in (1.0,) or np.isnan(results["tau"]["full"]["em@1"])
-  assert "Kendall tau" in out.with_suffix(".md").read_text()
+  report_md = out.with_suffix(".md").read_text()
+  assert "Kendall tau" in report_md and "| final vs early |" in report_md
+  assert "| R0.5 |" in report_md.split("## Findings")[1]  # R0.5 next to its nearest H_k
+  hits = final["full"]["hits"]  # per question, for the paired test
+  assert len(hits["em@1"]) == len(hits["top20"]) == results["questions"]
+  assert 100 * hits["em@1"].count("1") / len(hits["em@1"]) == pytest.approx(final["full"]["em@1"])
+  assert 100 * hits["top20"].count("1") / len(hits["top20"]) == pytest.approx(final["full"]["top20"])
   # The full-corpus row of the subset evaluation equals the run.py eval numbers of step 6.
   assert run.main(["eval"] + base) == 0
   report = json.loads((workdir / "open_eval_Flat.json").read_text())
