@@ -10,6 +10,7 @@
 #     corpus, and Kendall tau -> results/validation.{json,md}; the notebook draws the figure.
 # Every step resumes or is skipped when its output exists, so the script can be rerun after a kill.
 # Usage: nohup bash experiments/squad_validation.sh > logs/squad_validation.log 2>&1 &
+# (extra arguments go to validation_experiment.py, e.g. --note "...")
 # (after experiments/squad_cpu.sh-style 900-step runs of both recipes and experiments/squad_open.sh
 #  for the unified one; see results/squad_rc.md for their commands)
 set -euo pipefail
@@ -31,4 +32,5 @@ $PY experiments/validation_experiment.py $CPU --subcorpora $U/subcorpora \
     --model original-800=$O@800 --model original-900=$O@900 \
     --model unified-800=$U@800 --model unified-900=$U@900 \
     --model unified+hn-400=$H@400 --model unified+hn-900=$H@900 \
-    --out results/validation.json
+    --compare unified-900:original-900 --compare unified+hn-900:unified-900 \
+    --compare unified+hn-900:original-900 --out results/validation.json "$@"
