@@ -74,3 +74,21 @@ def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="slow.json.*mix two setups"):
     _load("search_scale").main(base + ["--sizes", "3000", "--specs", "Flat", "--noise", "0.1",
                                        "--merge", "--out", str(tmp_path / "slow.json")])
+
+
+def test_encode_speed_benchmark_tiny(tmp_path, monkeypatch):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(["train"] + base) == 0
+  monkeypatch.chdir(REPO)
+  out = tmp_path / "speed.json"
+  from dpjax import parallel
+  before = parallel.map_batches
+  assert _load("encode_speed").main(base + ["--questions", "4", "--passages", "12",
+                                            "--repeats", "2", "--out", str(out)]) == 0
+  assert parallel.map_batches is before  # the padded stand-in is gone again
+  results = json.loads(out.read_text())
+  q, d = results["question"], results["dump"]
+  assert q["bucketed_ms"] > 0 and q["padded_ms"] > 0 and q["questions"] == 4
+  assert d["tokens"] > 0 and d["bucketed_tokens_per_s"] > 0 and d["padded_tokens_per_s"] > 0
+  assert d["max_abs_diff"] < 1e-2  # bucketing changes no vector
+  assert "| dump encoding" in out.with_suffix(".md").read_text()
