@@ -39,8 +39,9 @@ def padded_batches(map_batches):
 
 
 def markdown(results: dict, command: str) -> str:
+  from dpjax.config import with_notes
   q, d = results["question"], results["dump"]
-  return "\n".join([
+  return with_notes([
       "# Encoding speed: length-bucketed batches vs padded ones", "",
       f"Command: `{command}`", "",
       f"Model: `{results['workdir']}` (step {results['step']}); {results['devices']} "
@@ -55,7 +56,7 @@ def markdown(results: dict, command: str) -> str:
       f"{d['padded_tokens_per_s']:,.0f} tokens/s | "
       f"{d['bucketed_tokens_per_s'] / d['padded_tokens_per_s']:.2f}x |", "",
       f"The dumped vectors are the same either way: max abs difference {d['max_abs_diff']:.2g} "
-      "(float16).", ""])
+      "(float16)."], results.get("notes", []))
 
 
 def main(argv=None) -> int:
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
   parser.add_argument("--passages", type=int, default=256, help="corpus passages dumped")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", required=True)
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph printed after the table (e.g. what else ran)")
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
 
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     return encode_shard(tokenizer, sample, dump_config, mesh, encode_phrases)
 
   results = {"workdir": str(workdir), "step": step, "devices": mesh.size,
-             "platform": jax.devices()[0].platform, "repeats": args.repeats}
+             "platform": jax.devices()[0].platform, "repeats": args.repeats,
+             "notes": args.note}
   per_question, dump_seconds = {}, {}
   try:
     vectors = {}
@@ -154,6 +158,8 @@ def main(argv=None) -> int:
                      "max_abs_diff": float(np.abs(vectors["bucketed"] - vectors["padded"]).max()),
                      **{f"{k}_tokens_per_s": tokens / statistics.median(v)
                         for k, v in dump_seconds.items()}}
+  from dpjax.config import elide_notes
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
   save_results(args.out, results, markdown, "experiments/benchmarks/encode_speed.py", argv)
   return 0
 
