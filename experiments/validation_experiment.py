@@ -103,6 +103,18 @@ def cache_key(subcorpora: dict, questions: list[dict], config) -> str:
   return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_fingerprint(model) -> str:
+  """A short hash of all the model's parameters (phrase and question encoders)."""
+  import hashlib
+
+  import jax
+  from flax import nnx
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    digest.update(np.asarray(leaf).tobytes())
+  return digest.hexdigest()[:16]
+
+
 def model_dump_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
   """The model's existing full dump (`<workdir>/dump`) when it was made at `step`, else
   `<workdir>/dump_step<step>` (made or resumed here). `dump_phrases` refuses a dump of other
@@ -129,9 +141,10 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
 
   model, step = restore_model(config, workdir, step)
   cache = workdir / f"validation_step{step}.json"
+  parameters = model_fingerprint(model)  # a retrained workdir must not reuse old figures
   if cache.is_file():
     cached = load_json(cache)
-    if cached.get("key") == key:
+    if cached.get("key") == key and cached.get("parameters") == parameters:
       logging.info("%s: figures of step %d from %s", name, step, cache)
       return cached["result"]
   start = time.perf_counter()
@@ -162,7 +175,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
     result["subcorpora"][kind] = report
     logging.info("%s step %s, %s (%d tokens): EM@1 %.2f EM@10 %.2f top20 %.2f", name, step,
                  kind, report["tokens"], report["em@1"], report["em@10"], report["top20"])
-  write_json(cache, {"key": key, "result": result})
+  write_json(cache, {"key": key, "parameters": parameters, "result": result})
   return result
 
 

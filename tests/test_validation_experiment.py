@@ -73,6 +73,12 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   assert json.loads(rerun.read_text())["models"]["early"]["rc_em"] == 123.0
   assert experiment.main(args + ["--out", str(rerun), "--set", "eval.max_answer_length=5"]) == 0
   assert json.loads(rerun.read_text())["models"]["early"]["rc_em"] != 123.0
+  # ... and when the checkpoint holds other parameters (a retrained workdir).
+  cached = json.loads(cache.read_text())
+  cached["result"]["rc_em"], cached["parameters"] = 123.0, "another-model"
+  cache.write_text(json.dumps(cached))
+  assert experiment.main(args + ["--out", str(rerun), "--set", "eval.max_answer_length=5"]) == 0
+  assert json.loads(rerun.read_text())["models"]["early"]["rc_em"] != 123.0
 
   # The notebook's code, top to bottom, writes the figure.
   figure = tmp_path / "results" / "validation.png"
