@@ -156,6 +156,9 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
                           shard_passages=config.index.shard_passages),
                mesh=make_mesh(local=True), model_info={"workdir": str(workdir), "step": step})
   dump = Dump.load(dump_dir)
+  if [p.id for p in dump.passages] != [p.id for p in corpus]:  # subcorpus rows index the corpus
+    raise SystemExit(f"{dump_dir} is not a dump of the configured corpus ({len(dump.passages)} "
+                     f"vs {len(corpus)} passages, or another order)")
   logging.info("%s: dump of %d tokens in %.0f s", name, len(dump.vectors),
                time.perf_counter() - start)
   q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
