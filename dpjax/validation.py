@@ -132,17 +132,18 @@ def open_domain_eval(index, q_start: np.ndarray, q_end: np.ndarray, answers, *,
   found = index.search(q_start, q_end, 10, "phrase", max_answer_length=max_answer_length)
   texts = [[p.text for p, _ in units] for units in found]
   report = metrics.open_domain_scores(texts, answers)
-  hits = {"em@1": "".join(
-      str(int(bool(t) and metrics.max_over_gold(metrics.exact_match, t[0], golds) > 0))
-      for t, golds in zip(texts, answers))}
+  if per_question:
+    report["hits"] = {"em@1": "".join(
+        str(int(bool(t) and metrics.max_over_gold(metrics.exact_match, t[0], golds) > 0))
+        for t, golds in zip(texts, answers))}
   if passages:
     ranked = index.search(q_start, q_end, 20, "passage", max_answer_length=max_answer_length)
     ranked_texts = [[index.dump.passages[p.passage].text for p, _ in units] for units in ranked]
     report.update(metrics.passage_scores(ranked_texts, answers, ks=(1, 5, 20)))
-    hits["top20"] = "".join(str(int(any(metrics.has_answer(d, golds) for d in docs[:20])))
-                            for docs, golds in zip(ranked_texts, answers))
-  if per_question:
-    report["hits"] = hits
+    if per_question:
+      report["hits"]["top20"] = "".join(
+          str(int(any(metrics.has_answer(d, golds) for d in docs[:20])))
+          for docs, golds in zip(ranked_texts, answers))
   return report
 
 

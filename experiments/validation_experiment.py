@@ -103,18 +103,6 @@ def cache_key(subcorpora: dict, questions: list[dict], config) -> str:
   return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_fingerprint(model) -> str:
-  """A short hash of all the model's parameters (phrase and question encoders)."""
-  import hashlib
-
-  import jax
-  from flax import nnx
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
-    digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()[:16]
-
-
 def model_dump_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
   """The model's existing full dump (`<workdir>/dump`) when it was made at `step`, else
   `<workdir>/dump_step<step>` (made or resumed here). `dump_phrases` refuses a dump of other
@@ -132,7 +120,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   with more models evaluates only the new ones)."""
   from dpjax.config import write_json
   from dpjax.data.squad import load_json
-  from dpjax.index.dump import Dump, DumpConfig, dump_phrases
+  from dpjax.index.dump import Dump, DumpConfig, dump_phrases, params_fingerprint
   from dpjax.open_domain import restore_model
   from dpjax.parallel import make_mesh
   from dpjax.rc import evaluate_rc
@@ -141,7 +129,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
 
   model, step = restore_model(config, workdir, step)
   cache = workdir / f"validation_step{step}.json"
-  parameters = model_fingerprint(model)  # a retrained workdir must not reuse old figures
+  parameters = params_fingerprint(model)  # a retrained workdir must not reuse old figures
   if cache.is_file():
     cached = load_json(cache)
     if cached.get("key") == key and cached.get("parameters") == parameters:

@@ -52,12 +52,17 @@ class DumpError(RuntimeError):
   """A dump that is missing, incomplete, or does not match what it is used with."""
 
 
-def encoder_fingerprint(model) -> str:
-  """A short hash of the phrase encoder's parameters (identifies the model of a dump)."""
+def params_fingerprint(module) -> str:
+  """A short hash of a module's parameters."""
   digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(nnx.state(model.phrase_encoder, nnx.Param)):
+  for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)):
     digest.update(np.asarray(leaf).tobytes())
   return digest.hexdigest()[:16]
+
+
+def encoder_fingerprint(model) -> str:
+  """A short hash of the phrase encoder's parameters (identifies the model of a dump)."""
+  return params_fingerprint(model.phrase_encoder)
 
 
 @dataclasses.dataclass
