@@ -27,6 +27,13 @@ def test_mcnemar_and_equal_size_pairs():
   assert experiment.equal_size_pairs(tokens) == [("R0.1", "H1"), ("R0.333", "H32")]
 
 
+def test_hard_builder():
+  subcorpora = {"C0": {"meta": {"kind": "C0"}}, "R0.1": {"meta": {"fingerprint": "a"}},
+                "H1": {"meta": {"fingerprint": "b"}}, "H2": {"meta": {"fingerprint": "b"}}}
+  assert experiment.hard_builder(subcorpora, {"x": "a", "y": "b"}) == "y"
+  assert experiment.hard_builder(subcorpora, {"x": "a", "z": "c"}) is None
+
+
 @pytest.mark.slow
 def test_experiment_and_notebook(tmp_path, monkeypatch):
   workdir = tmp_path / "model"
@@ -47,7 +54,13 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   assert final["C0"]["tokens"] <= final["H1"]["tokens"] <= final["H4"]["tokens"] < \
       final["full"]["tokens"]
   assert results["tau"]["full"]["em@1"] in (1.0,) or np.isnan(results["tau"]["full"]["em@1"])
+  # `run.py subcorpus` built H_k with the latest model (step 6): its top phrase over the full
+  # corpus is in every H_k, so its EM@1 there is its full-corpus EM@1, and it is named.
+  assert results["hard_builder"] == "final" and results["tau_without_builder"] is None
+  for kind in ("H1", "H4"):
+    assert final[kind]["em@1"] == pytest.approx(final["full"]["em@1"])
   report_md = out.with_suffix(".md").read_text()
+  assert "built from final's own retrieval" in report_md
   assert "Kendall tau" in report_md and "| final vs early |" in report_md
   assert "| R0.5 |" in report_md.split("## Findings")[1]  # R0.5 next to its nearest H_k
   hits = final["full"]["hits"]  # per question, for the paired test
