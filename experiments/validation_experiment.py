@@ -86,6 +86,13 @@ def load_subcorpora(directory: pathlib.Path, corpus) -> dict[str, dict]:
   return found
 
 
+def subcorpus_order(kind: str) -> tuple[int, float]:
+  """C0, then R_r by r, then H_k by k, then the full corpus."""
+  from dpjax.validation import parse_kind
+  family, value = parse_kind(kind)
+  return ("C", "R", "H", "full").index(family), value
+
+
 def questions_file(subcorpora: dict, default: str) -> str:
   """The dev questions the subcorpora were built for (C0 = their gold passages)."""
   return next(iter(subcorpora.values()))["meta"].get("questions") or default
@@ -332,6 +339,9 @@ def main(argv=None) -> int:
   models = {name: evaluate_model(config, name, workdir, step, corpus, subcorpora, questions,
                                  rc_split, tokenizer, mesh, batch_size, key)
             for name, workdir, step in specs}
+  for result in models.values():  # cached figures keep their own order
+    result["subcorpora"] = dict(sorted(result["subcorpora"].items(),
+                                       key=lambda item: subcorpus_order(item[0])))
   kinds = list(next(iter(models.values()))["subcorpora"])
   tau = tau_table(models, kinds)
   from dpjax.index.dump import read_manifest

@@ -25,6 +25,9 @@ def test_mcnemar_and_equal_size_pairs():
   assert experiment.mcnemar_p("10", "10") == (0, 0, 1.0)
   tokens = {"C0": 10, "R0.1": 30, "R0.333": 100, "H1": 28, "H2": 35, "H32": 90, "full": 300}
   assert experiment.equal_size_pairs(tokens) == [("R0.1", "H1"), ("R0.333", "H32")]
+  kinds = ["H16", "full", "R0.333", "H2", "C0", "R0.1", "H1"]
+  assert sorted(kinds, key=experiment.subcorpus_order) == \
+      ["C0", "R0.1", "R0.333", "H1", "H2", "H16", "full"]
 
 
 def test_hard_builder():
@@ -50,7 +53,7 @@ def test_experiment_and_notebook(tmp_path, monkeypatch):
   results = json.loads(out.read_text())
   assert list(results["models"]) == ["early", "final"]
   final = results["models"]["final"]["subcorpora"]
-  assert list(final) == ["C0", "H1", "H4", "R0.5", "full"]
+  assert list(final) == ["C0", "R0.5", "H1", "H4", "full"]
   assert final["C0"]["tokens"] <= final["H1"]["tokens"] <= final["H4"]["tokens"] < \
       final["full"]["tokens"]
   assert results["tau"]["full"]["em@1"] in (1.0,) or np.isnan(results["tau"]["full"]["em@1"])
