@@ -27,6 +27,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],
+        # `jupyter nbconvert --execute` of experiments/notebooks/ (the tests run their code directly)
+        "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8"],
         # CUDA 12 JAX plugin; the faiss GPU build is not on PyPI under a stable name, so it is
         # taken from conda (`conda install -c pytorch faiss-gpu`) when wanted: dpjax uses it
         # automatically when `faiss.StandardGpuResources` exists.
