@@ -344,10 +344,11 @@ def main(argv=None) -> int:
                                        key=lambda item: subcorpus_order(item[0])))
   kinds = list(next(iter(models.values()))["subcorpora"])
   tau = tau_table(models, kinds)
-  from dpjax.index.dump import read_manifest
-  builder = hard_builder(subcorpora, {
-      name: read_manifest(model_dump_dir(pathlib.Path(r["workdir"]), r["step"]))["fingerprint"]
-      for name, r in models.items()})
+  manifests = {name: model_dump_dir(pathlib.Path(r["workdir"]), r["step"]) / "manifest.json"
+               for name, r in models.items()}  # a dump deleted after its figures were cached:
+  builder = hard_builder(subcorpora, {  # that model cannot be recognised as the builder
+      name: json.loads(path.read_text())["fingerprint"] for name, path in manifests.items()
+      if path.is_file()})
   others = {name: r for name, r in models.items() if name != builder}
   tau_without = tau_table(others, kinds) if builder and len(others) >= 3 else None
   results = {"config": args.config, "overrides": args.set, "questions": len(questions),
