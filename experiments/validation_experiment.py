@@ -121,6 +121,16 @@ def model_dump_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
   return workdir / f"dump_step{step}"
 
 
+def dump_fingerprint(workdir: pathlib.Path, step: int) -> str | None:
+  """The encoder fingerprint of the model's dump; None when the dump is gone (deleted after its
+  figures were cached): that model then cannot be recognised as the H_k builder."""
+  from dpjax.index.dump import DumpError, read_manifest
+  try:
+    return read_manifest(model_dump_dir(workdir, step))["fingerprint"]
+  except DumpError:
+    return None
+
+
 def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, rc_split,
                    tokenizer, mesh, batch_size, key) -> dict:
   """The model's figures; cached in `<workdir>/validation_step<N>.json` under `key` (a rerun
@@ -344,11 +354,8 @@ def main(argv=None) -> int:
                                        key=lambda item: subcorpus_order(item[0])))
   kinds = list(next(iter(models.values()))["subcorpora"])
   tau = tau_table(models, kinds)
-  manifests = {name: model_dump_dir(pathlib.Path(r["workdir"]), r["step"]) / "manifest.json"
-               for name, r in models.items()}  # a dump deleted after its figures were cached:
-  builder = hard_builder(subcorpora, {  # that model cannot be recognised as the builder
-      name: json.loads(path.read_text())["fingerprint"] for name, path in manifests.items()
-      if path.is_file()})
+  builder = hard_builder(subcorpora, {name: dump_fingerprint(pathlib.Path(r["workdir"]), r["step"])
+                                      for name, r in models.items()})
   others = {name: r for name, r in models.items() if name != builder}
   tau_without = tau_table(others, kinds) if builder and len(others) >= 3 else None
   results = {"config": args.config, "overrides": args.set, "questions": len(questions),
