@@ -224,7 +224,8 @@ def equal_size_table(tau: dict, tokens: dict[str, int]) -> list[str]:
            "closer to the full ranking (EM@1) |", "|---|---|---|---|---|---|---|---|---|"]
   for r, h in equal_size_pairs(tokens):
     tr, th = tau[r], tau[h]
-    verdict = ("tie" if np.isclose(tr["em@1"], th["em@1"]) else
+    verdict = ("n/a (no ranking: fewer than 2 models)" if np.isnan([tr["em@1"], th["em@1"]]).any()
+               else "tie" if np.isclose(tr["em@1"], th["em@1"]) else
                h if th["em@1"] > tr["em@1"] else r)
     lines.append(f"| {r} | {tokens[r]:,} | {tr['em@1']:.3f} | {tr['top20']:.3f} | {h} | "
                  f"{tokens[h]:,} | {th['em@1']:.3f} | {th['top20']:.3f} | {verdict} |")

@@ -30,6 +30,17 @@ def test_mcnemar_and_equal_size_pairs():
       ["C0", "R0.1", "R0.333", "H1", "H2", "H16", "full"]
 
 
+def test_equal_size_table_verdicts():
+  tokens = {"R0.1": 30, "H1": 28, "R0.333": 100, "H32": 90}
+  tau = {"R0.1": {"em@1": 0.5, "top20": 1.0}, "H1": {"em@1": 1.0, "top20": 1.0},
+         "R0.333": {"em@1": 1.0, "top20": 1.0}, "H32": {"em@1": 1.0, "top20": 1.0}}
+  rows = experiment.equal_size_table(tau, tokens)[2:]
+  assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["H1", "tie"]
+  one_model = {k: {"em@1": float("nan"), "top20": float("nan")} for k in tokens}
+  rows = experiment.equal_size_table(one_model, tokens)[2:]
+  assert all("n/a" in row.rsplit("|", 2)[1] for row in rows)
+
+
 def test_hard_builder():
   subcorpora = {"C0": {"meta": {"kind": "C0"}}, "R0.1": {"meta": {"fingerprint": "a"}},
                 "H1": {"meta": {"fingerprint": "b"}}, "H2": {"meta": {"fingerprint": "b"}}}
