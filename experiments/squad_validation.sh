@@ -32,5 +32,6 @@ $PY experiments/validation_experiment.py $CPU --subcorpora $U/subcorpora \
     --model original-800=$O@800 --model original-900=$O@900 \
     --model unified-800=$U@800 --model unified-900=$U@900 \
     --model unified+hn-400=$H@400 --model unified+hn-900=$H@900 \
-    --compare unified-900:original-900 --compare unified+hn-900:unified-900 \
+    --compare unified-900:original-900 --compare unified-800:original-800 \
+    --compare unified+hn-900:unified-900 \
     --compare unified+hn-900:original-900 --out results/validation.json "$@"
