@@ -14,8 +14,10 @@ the full index is measured before training and after every epoch; the best check
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
 import shutil
 import time
@@ -99,8 +101,59 @@ def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) ->
                                     [q["answers"] for q in questions])
 
 
+@contextlib.contextmanager
+def workdir_lock(path: pathlib.Path):
+  """Holds `path` (e.g. `<workdir>/qsft.lock`) for one run: a second QSFT run in the same workdir
+  would delete the first one's `checkpoints_qsft` and interleave its metrics. A lock whose process
+  is gone (a killed run) is taken over."""
+  from dpjax.data import DataError
+  for attempt in range(2):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+      break
+    except FileExistsError:
+      try:
+        pid = int(path.read_text().strip() or 0)
+      except (OSError, ValueError):
+        pid = 0
+      if attempt == 0 and pid and pid != os.getpid() and _process_alive(pid):
+        raise DataError(f"{path}: another QSFT run (pid {pid}) is using this workdir; wait for it, "
+                        "or run in a second workdir") from None
+      if attempt:
+        raise DataError(f"{path}: could not take the lock") from None
+      log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
+      path.unlink(missing_ok=True)
+  with os.fdopen(fd, "w") as f:
+    f.write(str(os.getpid()))
+  try:
+    yield
+  finally:
+    path.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's live process
+    return True
+  return True
+
+
 def run_qsft(config, workdir: str) -> dict:
-  """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index."""
+  """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
+  per workdir at a time: `<workdir>/qsft.lock`)."""
+  import jax
+  workdir = pathlib.Path(workdir)
+  if jax.process_index() != 0:
+    return _run_qsft(config, workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  with workdir_lock(workdir / "qsft.lock"):
+    return _run_qsft(config, workdir)
+
+
+def _run_qsft(config, workdir: pathlib.Path) -> dict:
   import jax
   from flax import nnx
 

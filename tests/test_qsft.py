@@ -91,3 +91,30 @@ def test_sample_questions_is_seeded_and_keeps_file_order():
   assert len(set(ids)) == 10 and ids == sorted(ids) and ids != list(range(10))
   assert sample_questions(questions, 0, seed=0) is questions
   assert sample_questions(questions, 500, seed=0) is questions
+
+
+def test_one_qsft_run_per_workdir(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  import pytest
+
+  from dpjax.data import DataError
+  from dpjax.qsft import workdir_lock
+  lock = tmp_path / "qsft.lock"
+  lock.write_text(str(os.getppid()))  # a live process holds it
+  with pytest.raises(DataError, match="another QSFT run"):
+    with workdir_lock(lock):
+      pass
+  assert lock.read_text() == str(os.getppid())
+  gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  lock.write_text(gone)  # left by a killed run: taken over
+  with workdir_lock(lock):
+    assert lock.read_text() == str(os.getpid())
+    with pytest.raises(DataError, match="another QSFT run|could not take"):
+      lock.write_text(str(os.getppid()))
+      with workdir_lock(lock):
+        pass
+  assert not lock.exists()
