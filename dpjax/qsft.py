@@ -107,22 +107,23 @@ def workdir_lock(path: pathlib.Path):
   would delete the first one's `checkpoints_qsft` and interleave its metrics. A lock whose process
   is gone (a killed run) is taken over."""
   from dpjax.data import DataError
-  for attempt in range(2):
+  create = lambda: os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+  try:
+    fd = create()
+  except FileExistsError:
     try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-      break
+      pid = int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+      pid = 0
+    if pid and pid != os.getpid() and _process_alive(pid):
+      raise DataError(f"{path}: another QSFT run (pid {pid}) is using this workdir; wait for it, "
+                      "or run in a second workdir") from None
+    log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
+    path.unlink(missing_ok=True)
+    try:
+      fd = create()
     except FileExistsError:
-      try:
-        pid = int(path.read_text().strip() or 0)
-      except (OSError, ValueError):
-        pid = 0
-      if attempt == 0 and pid and pid != os.getpid() and _process_alive(pid):
-        raise DataError(f"{path}: another QSFT run (pid {pid}) is using this workdir; wait for it, "
-                        "or run in a second workdir") from None
-      if attempt:
-        raise DataError(f"{path}: could not take the lock") from None
-      log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
-      path.unlink(missing_ok=True)
+      raise DataError(f"{path}: could not take the lock (another run took it)") from None
   with os.fdopen(fd, "w") as f:
     f.write(str(os.getpid()))
   try:
