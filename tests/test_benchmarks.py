@@ -29,6 +29,27 @@ def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):
   # The synthetic questions name their entity: BM25 finds the passage.
   assert results["systems"]["bm25"]["scores"]["top5"] >= 50
   assert "| bm25 |" in out.with_suffix(".md").read_text()
+  # A later run (e.g. a newer model) measures dpjax-Flat again and keeps the earlier peers.
+  again = tmp_path / "again.json"
+  assert _load("passage_retrieval").main(base + ["--systems", "dpjax", "--indexes", "Flat",
+                                                 "--merge", str(out), "--out", str(again)]) == 0
+  merged = json.loads(again.read_text())
+  assert list(merged["systems"]) == ["dpjax-Flat", "dpjax-IVFauto_SQ8", "bm25", "dense-minilm"]
+  first, second = merged["commands"]
+  assert "--merge" not in first and "--merge" in second
+  assert [s["command"] for s in merged["systems"].values()] == [second, first, first, first]
+  assert merged["systems"]["bm25"] == {**results["systems"]["bm25"], "command": first}
+  assert "command 2, `" in again.with_suffix(".md").read_text()
+  # Merging only (no systems measured): a system in several tables comes from the last one.
+  only = tmp_path / "only.json"
+  assert _load("passage_retrieval").main(base + ["--systems", "--merge", str(again), str(out),
+                                                 "--out", str(only)]) == 0
+  combined = json.loads(only.read_text())
+  assert combined["systems"]["dpjax-Flat"]["command"] == first and "merged_by" in combined
+  # A table of other questions is refused, naming it.
+  with pytest.raises(SystemExit, match="again.json has .* questions.*mix two setups"):
+    _load("passage_retrieval").main(base + ["--systems", "bm25", "--set", "eval.limit=3",
+                                            "--merge", str(again), "--out", str(only)])
 
 
 def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
@@ -70,6 +91,25 @@ def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):
   merged = json.loads((tmp_path / "slow.json").read_text())
   assert [(r["size"], "skipped" in r) for r in merged["rows"]] == [(3000, False), (9000, False)]
   assert merged["rows"][0] == small and len(merged["commands"]) == 2
+  # Tables of two runs (e.g. one per core) are combined into a third: a measured row replaces
+  # another table's skipped one, and nothing is measured again.
+  combined = tmp_path / "combined.json"
+  assert _load("search_scale").main(base + [
+      "--sizes", "3000", "9000", "--specs", "Flat", "--questions", "8", "--recall-queries", "4",
+      "--merge", str(tmp_path / "skip.json"), str(tmp_path / "slow.json"),
+      "--out", str(combined)]) == 0
+  together = json.loads(combined.read_text())
+  assert together["rows"] == merged["rows"]
+  assert together["commands"][:-1] == (json.loads((tmp_path / "skip.json").read_text())["commands"]
+                                       + merged["commands"]) and len(together["commands"]) == 4
+  # The same row measured in two tables is refused; so is a table that does not exist.
+  with pytest.raises(SystemExit, match="measured in both"):
+    _load("search_scale").main(base + ["--sizes", "3000", "--specs", "Flat", "--merge",
+                                       str(tmp_path / "slow.json"), str(combined),
+                                       "--out", str(tmp_path / "twice.json")])
+  with pytest.raises(SystemExit, match="no such table.*absent.json"):
+    _load("search_scale").main(base + ["--sizes", "3000", "--specs", "Flat", "--merge",
+                                       str(tmp_path / "absent.json"), "--out", str(combined)])
   # Merging a table of another setup (here: other noise) is refused, naming the file.
   with pytest.raises(SystemExit, match="slow.json.*mix two setups"):
     _load("search_scale").main(base + ["--sizes", "3000", "--specs", "Flat", "--noise", "0.1",

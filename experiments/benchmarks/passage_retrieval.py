@@ -15,7 +15,11 @@ match):
   dense-minilm   all-MiniLM-L6-v2 as sentence-transformers uses it: mean of the last hidden
                  states over the tokens, L2-normalised, passages cut at 256 tokens, through
                  dpjax's own BERT; faiss IndexFlatIP.
-Writes the JSON and a Markdown table (`--out` with .md) with the command.
+Writes the JSON and a Markdown table (`--out` with .md) with the command. `--merge A.json ...`
+keeps the systems of earlier runs on the same passages and questions that this run does not
+measure (e.g. BM25 and the dense peer, which do not depend on the phrase model, beside a newer
+model's dpjax rows, or runs made side by side on two cores; a system in several tables is taken
+from the last one); each row names the command and, for dpjax, the workdir that produced it.
 """
 from __future__ import annotations
 
@@ -102,19 +106,28 @@ def dense_retrieve(passages, questions, k: int, mesh, batch_size: int):
 
 
 def table(results: dict, command: str) -> str:
-  lines = ["# Passage retrieval side by side: SQuAD-open small", "", f"Command: `{command}`", "",
+  commands = results.get("commands") or [command]
+  lines = ["# Passage retrieval side by side: SQuAD-open small", "",
+           "Command" + ("s (rows: see `measured by`): " if len(commands) > 1 else ": ")
+           + "; ".join(f"`{c}`" for c in commands)
+           + (f"; one table by `{results['merged_by']}`" if "merged_by" in results else ""), "",
            f"{results['questions']} SQuAD dev questions, {results['passages']} passages (the unique "
            "SQuAD train + dev paragraphs), one answer-matching function for all systems "
            "(normalised token-sequence match, `dpjax.metrics.passage_scores`).", "",
            "| system | " + " | ".join(f"Top-{k}" for k in KS) + " | MRR@20 | P@20 | phrase EM@1 | "
-           "questions/s |", "|---|" + "---|" * (len(KS) + 4)]
+           "questions/s |" + (" measured by |" if len(commands) > 1 else ""),
+           "|---|" + "---|" * (len(KS) + 4 + (len(commands) > 1))]
   for name, r in results["systems"].items():
     s = r["scores"]
     lines.append(f"| {name} | " + " | ".join(f"{s[f'top{k}']:.2f}" for k in KS)
                  + f" | {s['mrr@20']:.2f} | {s['p@20']:.2f} | "
                  + (f"{r['em@1']:.2f}" if "em@1" in r else "-")
-                 + f" | {r['questions_per_sec']:.1f} |")
-  return "\n".join(lines) + "\n"
+                 + f" | {r['questions_per_sec']:.1f} |"
+                 + (f" command {commands.index(r['command']) + 1}"
+                    + (f", `{r['workdir']}`" if "workdir" in r else "") + " |"
+                    if len(commands) > 1 else ""))
+  from dpjax.config import with_notes
+  return with_notes(lines, results.get("notes", []))
 
 
 def main(argv=None) -> int:
@@ -123,10 +136,23 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--workdir", required=True, help="a workdir with a dump and its indexes")
   parser.add_argument("--indexes", nargs="+", default=["Flat", "IVFauto_SQ4"])
-  parser.add_argument("--systems", nargs="+", default=["dpjax", "bm25", "dense-minilm"])
+  parser.add_argument("--systems", nargs="*", default=["dpjax", "bm25", "dense-minilm"],
+                      choices=["dpjax", "bm25", "dense-minilm"],
+                      help="the systems this run measures (none: only --merge tables)")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--merge", nargs="*", metavar="TABLE", default=None,
+                      help="keep the systems of earlier runs (those in --out, or in the TABLEs "
+                      "given) on the same passages and questions that this run does not measure; "
+                      "a system in several TABLEs is taken from the last one")
   parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph under the table (kept by --merge unless given again)")
   args = parser.parse_args(argv)
+  if not args.systems and args.merge is None:
+    parser.error("nothing to do: no --systems to measure and no --merge tables")
+  from dpjax.config import elide_notes
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
+  command = "python experiments/benchmarks/passage_retrieval.py " + " ".join(argv)
   from dpjax.config import setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
@@ -143,6 +169,7 @@ def main(argv=None) -> int:
   answers = [q["answers"] for q in questions]
   mesh = make_mesh()
   batch = round_to_devices(config.index.batch_size, mesh)
+  earlier = _earlier_tables(args, len(questions), len(passages))
   k = min(max(KS), len(passages))
   score = lambda rows: metrics.passage_scores([[passages[i].text for i in r if i >= 0]
                                                for r in rows], answers, ks=KS)
@@ -161,7 +188,8 @@ def main(argv=None) -> int:
       systems[f"dpjax-{name}"] = {
           "scores": score([[r["passage_row"] for r in res] for res in found]),
           **metrics.open_domain_scores([[r["answer"] for r in res] for res in phrases], answers),
-          "questions_per_sec": len(texts) / seconds, "model_step": step}
+          "questions_per_sec": len(texts) / seconds, "model_step": step,
+          "workdir": str(workdir)}
       logging.info("dpjax-%s: %s", name, systems[f"dpjax-{name}"]["scores"])
   if "bm25" in args.systems:
     rows, info = bm25_retrieve(passages, texts, k)
@@ -171,10 +199,64 @@ def main(argv=None) -> int:
     rows, info = dense_retrieve(passages, texts, k, mesh, batch)
     systems["dense-minilm"] = {"scores": score(rows), **info}
     logging.info("dense-minilm: %s", systems["dense-minilm"]["scores"])
-  results = {"questions": len(questions), "passages": len(passages), "systems": systems}
+  for info in systems.values():
+    info["command"] = command
+  kept = {name: info for name, info in earlier["systems"].items() if name not in systems}
+  order = ["dpjax", "bm25", "dense-minilm"]  # dpjax rows first, then the peers
+  systems = dict(sorted({**systems, **kept}.items(),
+                        key=lambda item: next(i for i, s in enumerate(order)
+                                              if item[0].startswith(s))))
+  commands = list(dict.fromkeys([*earlier["commands"], command]))  # in the order they ran
+  results = {"questions": len(questions), "passages": len(passages), "systems": systems,
+             "commands": [c for c in commands if any(i["command"] == c for i in systems.values())],
+             "notes": args.note or earlier["notes"]}
+  if not args.systems:
+    results["merged_by"] = command
   from dpjax.config import save_results
   save_results(args.out, results, table, "experiments/benchmarks/passage_retrieval.py", argv)
   return 0
+
+
+def _earlier_tables(args, questions: int, passages: int) -> dict:
+  """The systems (each with the command that measured it) and notes of the earlier tables for
+  --merge, a system in several tables taken from the last one; refuses a table of other
+  passages/questions."""
+  import json
+  if args.merge is None:
+    return {"systems": {}, "notes": [], "commands": []}
+  paths = [pathlib.Path(t) for t in args.merge]
+  missing = [str(p) for p in paths if not p.is_file()]
+  if missing:
+    raise SystemExit(f"--merge: no such table: {', '.join(missing)}")
+  paths = paths or [p for p in [pathlib.Path(args.out)] if p.is_file()]
+  systems, notes, commands = {}, [], []
+  for path in paths:
+    try:
+      table = json.loads(path.read_text())
+      found = table["systems"]
+      same = (table["questions"], table["passages"]) == (questions, passages)
+      fallback = (table.get("commands") or [_md_command(path)])[0]
+    except (ValueError, KeyError, TypeError) as e:
+      raise SystemExit(f"{path}: not a passage_retrieval table that --merge can extend "
+                       f"({type(e).__name__}: {e})")
+    if not same:
+      raise SystemExit(f"{path} has {table['questions']} questions / {table['passages']} "
+                       f"passages, this run {questions} / {passages}: --merge would mix two "
+                       "setups in one table")
+    for name, info in found.items():
+      systems.pop(name, None)  # the later table's row, in the later table's place
+      systems[name] = {"command": fallback, **info}
+    commands += table.get("commands") or [fallback]  # in the order its rows were measured
+    notes = notes or table.get("notes", [])
+  return {"systems": systems, "notes": notes, "commands": commands}
+
+
+def _md_command(path: pathlib.Path) -> str:
+  """The command in the Markdown report beside a table written before tables recorded theirs."""
+  import re
+  md = path.with_suffix(".md")
+  match = re.search(r"^Command: `([^`]+)`", md.read_text(), re.M) if md.is_file() else None
+  return match.group(1) if match else f"(not recorded in {path})"
 
 
 if __name__ == "__main__":

@@ -167,9 +167,10 @@ def main(argv=None) -> int:
                       help="skip builds estimated (from the previous size) to take longer "
                       "(default: no limit)")
   parser.add_argument("--out", required=True)
-  parser.add_argument("--merge", action="store_true",
-                      help="keep the rows of an earlier run in --out that this run does not "
-                      "measure (e.g. add one size or index to a finished table)")
+  parser.add_argument("--merge", nargs="*", metavar="TABLE", default=None,
+                      help="keep the rows of earlier runs that this run does not measure (e.g. "
+                      "add one size or index to a finished table): those in --out, or in the "
+                      "TABLEs given (e.g. the tables of two runs on two cores, combined)")
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph under the tables (kept by --merge unless given again)")
@@ -177,8 +178,12 @@ def main(argv=None) -> int:
   from dpjax.config import elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   earlier = {"rows": [], "commands": []}
-  if args.merge and pathlib.Path(args.out).is_file():
-    earlier = _earlier_table(pathlib.Path(args.out), args)
+  if args.merge is not None:
+    tables = [pathlib.Path(t) for t in args.merge] or [pathlib.Path(args.out)]
+    missing = [str(t) for t in args.merge if not pathlib.Path(t).is_file()]
+    if missing:
+      raise SystemExit(f"--merge: no such table: {', '.join(missing)}")
+    earlier = _earlier_tables([t for t in tables if t.is_file()], args)
   from dpjax.config import setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
@@ -280,6 +285,32 @@ def main(argv=None) -> int:
       del index, phrase_index, searcher
   save(rows)
   return 0
+
+
+def _earlier_tables(paths: list[pathlib.Path], args) -> dict:
+  """The rows, commands and notes of the earlier tables at `paths`, combined for --merge. A row
+  measured in one table replaces a skipped one of another; the same row measured in two tables is
+  refused (which one to keep would be a guess). Notes: those of the first table that has any."""
+  combined = {"rows": [], "commands": []}
+  where = {}
+  for path in paths:
+    table = _earlier_table(path, args)
+    for row in table["rows"]:
+      key = (row["size"], row["spec"])
+      if key in where:
+        first, earlier_row = where[key]
+        if "skipped" not in row and "skipped" not in earlier_row:
+          raise SystemExit(f"--merge: {row['spec']} at {row['size']:,} tokens is measured in "
+                           f"both {first} and {path}; merge one of them")
+        if "skipped" in row:
+          continue
+        combined["rows"].remove(earlier_row)
+      where[key] = (path, row)
+      combined["rows"].append(row)
+    combined["commands"] = list(dict.fromkeys(combined["commands"] + table["commands"]))
+    if table.get("notes") and not combined.get("notes"):
+      combined["notes"] = table["notes"]
+  return combined
 
 
 def _earlier_table(path: pathlib.Path, args) -> dict:
