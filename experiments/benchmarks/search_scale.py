@@ -410,10 +410,10 @@ def figure(results: dict, path: pathlib.Path) -> None:
   for spec in dict.fromkeys(r["spec"] for r in results["rows"]):
     done = [r for r in results["rows"] if r["spec"] == spec and "skipped" not in r]
     if done:
-      ax.plot([r["size"] for r in done], [r["batch64"]["questions_per_sec"] for r in done],
-              marker="o", label=f"{spec} (batch 64)")
+      line, = ax.plot([r["size"] for r in done], [r["batch64"]["questions_per_sec"] for r in done],
+                      marker="o", label=f"{spec} (batch 64)")
       ax.plot([r["size"] for r in done], [r["batch1"]["questions_per_sec"] for r in done],
-              marker="x", linestyle="--", label=f"{spec} (batch 1)")
+              marker="x", linestyle="--", color=line.get_color(), label=f"{spec} (batch 1)")
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("index size (token vectors)")
