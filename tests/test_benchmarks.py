@@ -50,6 +50,13 @@ def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="again.json has .* questions.*mix two setups"):
     _load("passage_retrieval").main(base + ["--systems", "bm25", "--set", "eval.limit=3",
                                             "--merge", str(again), "--out", str(only)])
+  # So is one of as many, but other, questions (its fingerprint differs).
+  other = json.loads(again.read_text())
+  other["fingerprint"] = "0" * 16
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  with pytest.raises(SystemExit, match="other.json has .*fingerprint 0+\\).*mix two setups"):
+    _load("passage_retrieval").main(base + ["--systems", "--merge", str(tmp_path / "other.json"),
+                                            "--out", str(only)])
 
 
 def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):

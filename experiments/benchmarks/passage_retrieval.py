@@ -169,7 +169,8 @@ def main(argv=None) -> int:
   answers = [q["answers"] for q in questions]
   mesh = make_mesh()
   batch = round_to_devices(config.index.batch_size, mesh)
-  earlier = _earlier_tables(args, len(questions), len(passages))
+  fingerprint = _fingerprint(texts, passages)
+  earlier = _earlier_tables(args, len(questions), len(passages), fingerprint)
   k = min(max(KS), len(passages))
   score = lambda rows: metrics.passage_scores([[passages[i].text for i in r if i >= 0]
                                                for r in rows], answers, ks=KS)
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
                         key=lambda item: next(i for i, s in enumerate(order)
                                               if item[0].startswith(s))))
   commands = list(dict.fromkeys([*earlier["commands"], command]))  # in the order they ran
-  results = {"questions": len(questions), "passages": len(passages), "systems": systems,
+  results = {"questions": len(questions), "passages": len(passages),
+             "fingerprint": fingerprint, "systems": systems,
              "commands": [c for c in commands if any(i["command"] == c for i in systems.values())],
              "notes": args.note or earlier["notes"]}
   if not args.systems:
@@ -217,10 +219,19 @@ def main(argv=None) -> int:
   return 0
 
 
-def _earlier_tables(args, questions: int, passages: int) -> dict:
+def _fingerprint(questions: list[str], passages) -> str:
+  """Identifies the questions and passages a table was measured on (for --merge)."""
+  import hashlib
+  digest = hashlib.sha256()
+  for text in [*questions, "", *(f"{p.title}\t{p.text}" for p in passages)]:
+    digest.update(text.encode() + b"\n")
+  return digest.hexdigest()[:16]
+
+
+def _earlier_tables(args, questions: int, passages: int, fingerprint: str) -> dict:
   """The systems (each with the command that measured it) and notes of the earlier tables for
   --merge, a system in several tables taken from the last one; refuses a table of other
-  passages/questions."""
+  passages/questions (by fingerprint; by their numbers for tables written before fingerprints)."""
   import json
   if args.merge is None:
     return {"systems": {}, "notes": [], "commands": []}
@@ -234,15 +245,17 @@ def _earlier_tables(args, questions: int, passages: int) -> dict:
     try:
       table = json.loads(path.read_text())
       found = table["systems"]
-      same = (table["questions"], table["passages"]) == (questions, passages)
+      same = ((table["questions"], table["passages"]) == (questions, passages)
+              and table.get("fingerprint", fingerprint) == fingerprint)
       fallback = (table.get("commands") or [_md_command(path)])[0]
     except (ValueError, KeyError, TypeError) as e:
       raise SystemExit(f"{path}: not a passage_retrieval table that --merge can extend "
                        f"({type(e).__name__}: {e})")
     if not same:
       raise SystemExit(f"{path} has {table['questions']} questions / {table['passages']} "
-                       f"passages, this run {questions} / {passages}: --merge would mix two "
-                       "setups in one table")
+                       f"passages (fingerprint {table.get('fingerprint')}), this run "
+                       f"{questions} / {passages} ({fingerprint}): --merge would mix two setups "
+                       "in one table")
     for name, info in found.items():
       systems.pop(name, None)  # the later table's row, in the later table's place
       systems[name] = {"command": fallback, **info}
