@@ -134,11 +134,11 @@ def workdir_lock(path: pathlib.Path):
 
 def _process_alive(pid: int) -> bool:
   try:
-    os.kill(pid, 0)
+    os.kill(pid, 0)  # PermissionError (someone else's live process) counts as alive
   except ProcessLookupError:
     return False
-  except PermissionError:  # someone else's live process
-    return True
+  except PermissionError:
+    pass
   return True
 
 
