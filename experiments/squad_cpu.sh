@@ -2,6 +2,9 @@
 # The CPU-budget SQuAD runs of results/squad_rc.md (squad.py:cpu, 1,500 steps): both recipes,
 # one after the other; a rerun resumes each from its last checkpoint.
 # Usage: nohup bash experiments/squad_cpu.sh > logs/squad_cpu.log 2>&1 &
+#    or side by side, one core each (how results/squad_rc.md ran them):
+#        RECIPES=unified nohup taskset -c 0 bash experiments/squad_cpu.sh > logs/squad_cpu_unified.log 2>&1 &
+#        RECIPES=original nohup taskset -c 1 bash experiments/squad_cpu.sh > logs/squad_cpu_original.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
