@@ -36,7 +36,7 @@ def get_config(arg=None):
                                            "limit": 0, "every_steps": 0,
                                            "checkpoint": "latest"})
   if arg == "cpu":  # ~75 min on 2 CPU cores, training + full-dev evaluation (results/squad_rc.md)
-    # No dropout: ~20% more steps in the same time, and 1/6 of an epoch does not overfit.
+    # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)
     config.train.update(batch_size=12, num_steps=1500, learning_rate=1e-4, dropout=False,
                         checkpoint_every=250, log_every=25)
