@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpjax import losses
-from dpjax.config import write_json, write_text_atomic
+from dpjax.config import ConfigError, write_json, write_text_atomic
 from dpjax.data.squad import RCFeatures
 from dpjax.parallel import global_array
 
@@ -351,6 +351,32 @@ def _to_python(tree: dict) -> dict:
   return {k: float(v) for k, v in jax.device_get(tree).items()}
 
 
+# Settings a resumed run may change: they do not alter the training trajectory.
+RESUME_FREE = ("train.stop_at_step", "train.log_every", "train.checkpoint_every",
+               "train.keep_checkpoints", "train.progress_bar", "data.dir", "model.name",
+               "model.tokenizer", "model.init")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def resume_conflicts(stored: dict, config: dict) -> list[str]:
+  """The `model`, `data` and `train` settings of `config` that differ from those a checkpoint
+  was trained with (`stored`), as 'key: stored -> now', except the `RESUME_FREE` ones."""
+  old, new = ({k: v for k, v in _flatten({s: c.get(s, {}) for s in ("model", "data", "train")}
+                                         ).items() if k not in RESUME_FREE}
+              for c in (stored, config))
+  return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+          for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`."""
   from tqdm import tqdm
@@ -403,7 +429,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   checkpointer = Checkpointer(workdir / "checkpoints", keep=tc.keep_checkpoints)
   restored = checkpointer.restore(abstract_like(state))
   if restored:
-    state = restored[0]
+    state, meta = restored
+    if "config" in meta:  # a resumed run must continue the same training, not another one
+      conflicts = resume_conflicts(json.loads(meta["config"]), json.loads(config.to_json()))
+      if conflicts:
+        raise ConfigError(
+            f"{workdir / 'checkpoints'} holds a run trained with other settings; resuming it "
+            f"with these would silently mix two runs ({'; '.join(conflicts)}). Train into a "
+            "new --workdir, or resume with the checkpoint's settings.")
   first = int(state.step)
   writer = MetricsWriter(workdir / "metrics.jsonl", first)
   step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)

@@ -49,6 +49,8 @@ def test_train_resume_gives_the_same_losses(tmp_path):
   broken = tmp_path / "broken"
   assert run.main(base + ["--workdir", str(broken), "--set", "train.stop_at_step=4"]) == 0
   assert not (broken / "results.json").exists()
+  # Resuming with settings that change the training is refused (exit 2), before any step.
+  assert run.main(base + ["--workdir", str(broken), "--set", "train.loss.lambda_inb=1.0"]) == 2
   # Step 4 was saved at the stop; a save of step 5 that died half-way must not be used, and
   # metrics logged after the last checkpoint by the dead run must not be duplicated.
   (broken / "checkpoints" / "5.orbax-checkpoint-tmp" / "state").mkdir(parents=True)

@@ -76,3 +76,15 @@ def test_schedule_warms_up_and_decays():
   assert float(schedule(10)) == pytest.approx(1e-4)
   assert float(schedule(60)) == pytest.approx(5e-5)
   assert float(schedule(110)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_resume_conflicts_name_what_changed():
+  import json
+  stored = json.loads(load_config("experiments/squad.py:cpu").to_json())
+  same = load_config("experiments/squad.py:cpu", ["train.progress_bar=False", "data.dir=/x",
+                                                   "train.stop_at_step=10", "eval.limit=5"])
+  assert train.resume_conflicts(stored, json.loads(same.to_json())) == []
+  other = load_config("experiments/squad.py:cpu", ["train.loss.lambda_inb=256",
+                                                    "train.learning_rate=2e-4"])
+  assert train.resume_conflicts(stored, json.loads(other.to_json())) == [
+      "train.learning_rate: 0.0001 -> 0.0002", "train.loss.lambda_inb: 1.0 -> 256.0"]

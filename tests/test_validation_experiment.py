@@ -41,6 +41,19 @@ def test_equal_size_table_verdicts():
   assert all("n/a" in row.rsplit("|", 2)[1] for row in rows)
 
 
+def test_findings_without_hard_subcorpora():
+  """Subcorpora without H_k (a model comparison): no empty hard-vs-random table, the paired
+  comparison on the full corpus is still reported."""
+  def model(em, hits):
+    full = {"em@1": em, "top20": 90.0, "tokens": 300, "hits": {"em@1": hits, "top20": "11"}}
+    return {"subcorpora": {"C0": {"em@1": em, "top20": 95.0, "tokens": 10}, "full": full}}
+  results = {"models": {"a": model(50.0, "10"), "b": model(0.0, "00")}, "tau": {},
+             "hard_builder": None, "compare": [("a", "b")]}
+  lines = experiment.findings(results)
+  assert not any("Hard vs random" in line or line.startswith("| random") for line in lines)
+  assert lines[-1].startswith("| a vs b | 50.00 | 0.00 | +50.00 | 1 / 0 | 1.000 |")
+
+
 def test_hard_builder():
   subcorpora = {"C0": {"meta": {"kind": "C0"}}, "R0.1": {"meta": {"fingerprint": "a"}},
                 "H1": {"meta": {"fingerprint": "b"}}, "H2": {"meta": {"fingerprint": "b"}}}
