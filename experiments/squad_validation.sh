@@ -20,7 +20,7 @@ U=${U:-workdirs/squad-cpu-unified}
 O=${O:-workdirs/squad-cpu-original}
 H=${H:-workdirs/squad-cpu-unified-hn}
 CPU="--config experiments/squad.py:cpu"
-OLD="--set train.num_steps=900 --set train.dropout=True --set train.checkpoint_every=200 --set train.log_every=20"
+OLD="--set train.num_steps=900 --set train.dropout=True --set train.checkpoint_every=200 --set train.log_every=20 --set train.loss.lambda_inb=256"
 
 [ -f $U/hard_negatives.jsonl ] || $PY run.py mine $CPU --workdir $U \
     --set index.search_index=IVFauto_SQ4 --set index.nprobe=64
