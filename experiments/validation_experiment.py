@@ -239,8 +239,9 @@ def findings(results: dict) -> list[str]:
   tokens = {k: v["tokens"] for k, v in first.items()}
   lines = ["## Findings"]
   if equal_size_pairs(tokens):  # subcorpora without a hard/random pair: model comparisons only
-    lines += ["", "Hard vs random subcorpora of (about) equal size: Kendall tau with the full-corpus "
-              "ranking of the models (higher = ranks the models more like the full corpus).", ""]
+    lines += ["", "Hard vs random subcorpora of (about) equal size: Kendall tau with the "
+              "full-corpus ranking of the models (higher = ranks the models more like the full "
+              "corpus).", ""]
     lines += equal_size_table(results["tau"], tokens)
   builder = results.get("hard_builder")
   if builder:
