@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpjax import losses
@@ -357,22 +357,15 @@ RESUME_FREE = ("train.stop_at_step", "train.log_every", "train.checkpoint_every"
                "model.tokenizer", "model.init")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 def resume_conflicts(stored: dict, config: dict) -> list[str]:
   """The `model`, `data` and `train` settings of `config` that differ from those a checkpoint
   was trained with (`stored`), as 'key: stored -> now', except the `RESUME_FREE` ones."""
-  old, new = ({k: v for k, v in _flatten({s: c.get(s, {}) for s in ("model", "data", "train")}
-                                         ).items() if k not in RESUME_FREE}
-              for c in (stored, config))
+  def settings(tree: dict) -> dict:
+    flat = traverse_util.flatten_dict(
+        {s: tree.get(s, {}) for s in ("model", "data", "train")}, sep=".")
+    return {k: v for k, v in flat.items() if k not in RESUME_FREE}
+
+  old, new = settings(stored), settings(config)
   return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
           for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 

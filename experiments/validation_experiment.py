@@ -220,6 +220,9 @@ def tau_table(models: dict, subcorpora: list[str]) -> dict:
 
 
 def equal_size_table(tau: dict, tokens: dict[str, int]) -> list[str]:
+  """The R_r vs H_k table; no lines when the subcorpora hold no such pair."""
+  if not equal_size_pairs(tokens):
+    return []
   lines = ["| random | tokens | tau EM@1 | tau Top-20 | hard | tokens | tau EM@1 | tau Top-20 | "
            "closer to the full ranking (EM@1) |", "|---|---|---|---|---|---|---|---|---|"]
   for r, h in equal_size_pairs(tokens):
@@ -238,11 +241,11 @@ def findings(results: dict) -> list[str]:
   first = next(iter(models.values()))["subcorpora"]
   tokens = {k: v["tokens"] for k, v in first.items()}
   lines = ["## Findings"]
-  if equal_size_pairs(tokens):  # subcorpora without a hard/random pair: model comparisons only
+  table = equal_size_table(results["tau"], tokens)
+  if table:  # subcorpora without a hard/random pair: model comparisons only
     lines += ["", "Hard vs random subcorpora of (about) equal size: Kendall tau with the "
               "full-corpus ranking of the models (higher = ranks the models more like the full "
-              "corpus).", ""]
-    lines += equal_size_table(results["tau"], tokens)
+              "corpus).", ""] + table
   builder = results.get("hard_builder")
   if builder:
     own = models[builder]["subcorpora"]
