@@ -1,29 +1,33 @@
-"""dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`.
-
-Modes:
-  train    train the phrase and question encoders, evaluating RC EM/F1 on dev; resumes
-  eval_rc  reading-comprehension EM/F1 of the configured model on the dev split
-  dump     encode every passage of the corpus with the trained phrase encoder
-  index    build the configured faiss indexes over the dump
-  search   answer --query questions open-domain
-  eval     open-domain evaluation: EM@k, F1@k, passage Top-k / MRR@20 / P@20
-  data     write the configured data set (the synthetic one is generated) and print its counts
-  subcorpus  write the validation subcorpora C0, R_r, H_k (validation.kinds) of the corpus
-  mine     mine hard negatives for the training questions from the model's full index
-  qsft     query-side fine-tuning of the question encoders on the workdir's index
-  filter   train the token filter on frozen phrase vectors; threshold sweep
-"""
+"""dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`."""
 import argparse
+import functools
+import importlib
 import logging
-import os
 import sys
 import traceback
 
+# mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
+MODES = {
+    "train": ("dpjax.train:train_and_evaluate", "train the phrase and question encoders, "
+              "evaluating RC EM/F1 on dev; resumes"),
+    "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
+    "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
+    "dump": ("dpjax.open_domain:run_dump", "encode every passage of the corpus"),
+    "index": ("dpjax.open_domain:run_index", "build the configured faiss indexes over the dump"),
+    "search": ("dpjax.open_domain:run_search", "answer --query questions open-domain"),
+    "eval": ("dpjax.open_domain:run_eval_open", "open-domain EM@k, F1@k, passage Top-k/MRR/P@k"),
+    "subcorpus": ("dpjax.validation:run_subcorpus", "write validation subcorpora C0, R_r, H_k"),
+    "mine": ("dpjax.mining:run_mine", "mine hard negatives for the training questions"),
+    "qsft": ("dpjax.qsft:run_qsft", "query-side fine-tuning of the question encoders"),
+    "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
+}
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument("mode", choices=["train", "eval_rc", "data", "dump", "index", "search", "eval",
-                                           "subcorpus", "mine", "qsft", "filter"])
+
+def parse(argv=None) -> argparse.Namespace:
+  modes = "\n".join(f"  {name:<10} {text}" for name, (_, text) in MODES.items())
+  parser = argparse.ArgumentParser(description=f"{__doc__}\nModes:\n{modes}",
+                                   formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument("mode", choices=list(MODES))
   parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -36,67 +40,38 @@ def main(argv=None) -> int:
   hosts.add_argument("--distributed", action="store_true",
                      help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
   args = parser.parse_args(argv)
-  from dpjax.config import setup_logging
-  setup_logging()
-  from dpjax.distributed import initialize
-  try:
-    initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
-  except ValueError as e:
-    parser.error(str(e))
+  args.error = parser.error
+  return args
 
-  from dpjax.config import ConfigError, load_config
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  from dpjax import distributed
+  from dpjax.config import ConfigError, load_config, setup_logging
   from dpjax.data import DataError
   from dpjax.index.dump import DumpError
+  setup_logging()
+  try:
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           auto=args.distributed)
+  except ValueError as e:
+    args.error(str(e))
+  module, _, name = MODES[args.mode][0].partition(":")
+  mode = getattr(importlib.import_module(module), name)
+  if args.mode == "search":
+    mode = functools.partial(mode, queries=args.query)
   config = load_config(args.config, args.set)
   try:
-    if args.mode == "train":
-      from dpjax.train import train_and_evaluate
-      train_and_evaluate(config, args.workdir)
-    elif args.mode == "eval_rc":
-      from dpjax.rc import run_eval_rc
-      run_eval_rc(config, args.workdir)
-    elif args.mode == "qsft":
-      from dpjax.qsft import run_qsft
-      run_qsft(config, args.workdir)
-    elif args.mode == "filter":
-      from dpjax.token_filter import run_filter
-      run_filter(config, args.workdir)
-    elif args.mode == "data":
-      from dpjax.data import run_data
-      run_data(config, args.workdir)
-    else:
-      from dpjax import open_domain
-      if args.mode == "search":
-        open_domain.run_search(config, args.workdir, args.query)
-      else:
-        {"dump": open_domain.run_dump, "index": open_domain.run_index,
-         "eval": open_domain.run_eval_open, "subcorpus": open_domain.run_subcorpus,
-         "mine": open_domain.run_mine}[args.mode](config, args.workdir)
+    mode(config, args.workdir)
   except (ConfigError, DataError, DumpError) as e:
     logging.error("%s", e)
-    return _exit(2)
+    return distributed.exit_now(2)
   except BaseException:
-    if _many_processes():  # the others would wait for this one at the next barrier: end the job
+    if distributed.many_processes():  # the others would wait for it at the next barrier
       traceback.print_exc()
-      return _exit(1)
+      return distributed.exit_now(1)
     raise
   return 0
-
-
-def _many_processes() -> bool:
-  import jax
-  return jax.process_count() > 1
-
-
-def _exit(code: int) -> int:
-  """In a multi-process job, exits at once (no shutdown barrier the other processes would never
-  reach): the coordination service then ends the whole job instead of letting it hang."""
-  if _many_processes():
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-  return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy, so `import dpjax` does not start JAX
   if name in ("DensePhrases", "PhraseIndex"):
-    from dpjax import search
+    from dpjax.index import search  # the package's one lazy import (tests/test_layers.py)
     return getattr(search, name)
   raise AttributeError(f"module 'dpjax' has no attribute {name!r}")

@@ -12,7 +12,9 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +72,40 @@ def abstract_like(state: Any) -> Any:
   """Shape/dtype/sharding structs of a state, the restore target."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       state)
+
+
+def checkpoint_steps(directory: str | pathlib.Path) -> list[int]:
+  """The steps of the complete checkpoints under `directory` (empty when there is none)."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and (p / "state").is_dir())
+
+
+def restore_params(directory: str | pathlib.Path, model, step: int | None = None) -> int | None:
+  """Puts the parameters of checkpoint `step` (default: the latest) under `directory` into
+  `model`, reading nothing else of the train state (no optimizer or queue is built or read).
+
+  Returns the step restored, or None when the directory holds no complete checkpoint.
+  """
+  directory = pathlib.Path(directory).absolute()
+  steps = checkpoint_steps(directory)
+  if not steps:
+    return None
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise KeyError(f"{directory}: no checkpoint of step {step} (there are {steps})")
+  params = nnx.state(model, nnx.Param)
+  # A checkpoint holds each parameter as {"value": array} (the NNX variable's state).
+  target = {"params": jax.tree.map(lambda x: {"value": np.asarray(x)}, nnx.to_pure_dict(params))}
+  restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(directory / str(step) / "state", args=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=True))
+  values = jax.tree.map(lambda leaf: leaf["value"], restored["params"],
+                        is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
+  nnx.replace_by_pure_dict(params, values)
+  nnx.update(model, params)
+  log.info("restored the parameters of checkpoint %d from %s", step, directory)
+  return step

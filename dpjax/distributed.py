@@ -15,6 +15,8 @@ disjoint, deterministic shares by `process_share`.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import jax
 from jax.experimental import multihost_utils
@@ -65,3 +67,19 @@ def barrier(name: str) -> None:
 def process_share(item: int) -> bool:
   """Whether work item `item` (a shard number) belongs to this process (round-robin)."""
   return item % jax.process_count() == jax.process_index()
+
+
+def many_processes() -> bool:
+  return jax.process_count() > 1
+
+
+def exit_now(code: int) -> int:
+  """In a multi-process job, exits at once (no shutdown barrier the other processes would never
+  reach): the coordination service then ends the whole job instead of letting it hang. In a
+  single process, returns `code`."""
+  if many_processes():
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code

@@ -7,7 +7,7 @@ no valid candidate give finite values and finite (zero) gradients rather than Na
 
 Notation: B questions, L tokens per passage, D vector size, M extra negative vectors.
 Phrase score = q_start . h_i + q_end . h_j, so start and end are separate softmax problems over
-token vectors; each loss handles one side and the `*_start_end` helpers average the two.
+token vectors; each loss handles one side (`dpjax.objectives` averages the two).
 """
 from __future__ import annotations
 

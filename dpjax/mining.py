@@ -22,7 +22,10 @@ from typing import Sequence
 import numpy as np
 
 from dpjax import metrics
-from dpjax.data.squad import DataError, PassageWindows, Question
+from dpjax.data import data_files
+from dpjax.data.squad import DataError, PassageWindows, Question, read_squad
+from dpjax.io import write_lines_atomic
+from dpjax.workdir import load_searcher
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +60,17 @@ def mine_hard_negatives(searcher, questions: Sequence[Question], train_passages:
     questions, train_passages: the training split (`read_squad`).
   """
   dump_passages = searcher.index.dump.passages
-  key_to_train = {(p.title, p.context): i for i, p in enumerate(train_passages)}
+  key_to_train = {(p.title, p.text): i for i, p in enumerate(train_passages)}
   dump_to_train = np.array([key_to_train.get((p.title, p.text), -1) for p in dump_passages])
   if (dump_to_train >= 0).sum() == 0:
     raise DataError("no passage of the index is a training passage: mine with an index of a "
                     "corpus that contains the training passages")
-  texts = [p.context for p in train_passages]
+  texts = [p.text for p in train_passages]
   out_path = pathlib.Path(out_path)
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out_path.with_name(out_path.name + ".tmp")
   counts = {"questions": 0, "with_negatives": 0, "negatives": 0, "dropped_with_answer": 0}
-  with tmp.open("w") as f:
+
+  def lines():
     for lo in range(0, len(questions), batch_size):
       chunk = questions[lo:lo + batch_size]
       found = searcher.search([q.question for q in chunk], k=top_k, unit="phrase",
@@ -81,9 +84,10 @@ def mine_hard_negatives(searcher, questions: Sequence[Question], train_passages:
         counts["with_negatives"] += bool(passages)
         counts["negatives"] += len(passages)
         counts["dropped_with_answer"] += candidates - len(passages)
-        f.write(json.dumps({"id": q.id, "passages": passages, "start_chars": starts}) + "\n")
+        yield json.dumps({"id": q.id, "passages": passages, "start_chars": starts}) + "\n"
       log.info("mined %d of %d questions", min(lo + batch_size, len(questions)), len(questions))
-  os.replace(tmp, out_path)
+
+  write_lines_atomic(out_path, lines())
   return counts
 
 
@@ -154,3 +158,22 @@ class HardNegatives:
     return {"hard_input_ids": w.input_ids[windows], "hard_attention_mask": w.attention_mask[windows],
             "hard_context_mask": w.context_mask[windows],
             "hard_passage_ids": w.passage_index[windows].astype(np.int32)}
+
+
+def run_mine(config, workdir: str) -> dict:
+  """Mines hard negatives for the training questions with the model and its full index."""
+  workdir = pathlib.Path(workdir)
+  files = data_files(config.data, workdir)
+  passages, questions, _ = read_squad(files["train"])
+  if config.mine.limit:
+    questions = questions[:config.mine.limit]
+  searcher, _ = load_searcher(config, workdir)
+  out = workdir / config.mine.out
+  counts = mine_hard_negatives(searcher, questions, passages, out, top_k=config.mine.top_k,
+                               max_answer_length=config.eval.max_answer_length)
+  print(f"hard negatives of {counts['questions']} questions -> {out}: "
+        f"{counts['negatives'] / max(counts['questions'], 1):.1f} per question, "
+        f"{counts['with_negatives']} questions with at least one, "
+        f"{counts['dropped_with_answer']} retrieved passages dropped (they contain an answer)")
+  return counts
+

@@ -19,15 +19,25 @@ import dataclasses
 import logging
 import os
 import pathlib
-import shutil
 import time
 from typing import Sequence
 
 import faiss
+import jax
 import numpy as np
 
 from dpjax import metrics
-from dpjax.config import write_json
+from dpjax.checkpoint import Checkpointer
+from dpjax.data import DataError, Tokenizer, data_files
+from dpjax.data.questions import read_questions, sample_questions
+from dpjax.index.evaluate import retrieval_scores
+from dpjax.index.search import PhraseIndex
+from dpjax.io import remove, write_json
+from dpjax.models.encoders import encode_questions
+from dpjax.objectives import make_objective
+from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
+from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
+from dpjax.workdir import data_paths, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +101,13 @@ class CandidateVectors:
 
 
 def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) -> dict:
-  from dpjax.search import encode_questions
-  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+  """EM@k / F1@k of the top phrases of the dev questions over the full index."""
+  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=config.data.max_query_length,
                                     batch_size=batch_size, mesh=mesh)
-  found = index.search_phrases(q_start, q_end, 10,
-                               max_answer_length=config.eval.max_answer_length)
-  return metrics.open_domain_scores([[p.text for p in phrases] for phrases in found],
-                                    [q["answers"] for q in questions])
+  return retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
+                          max_answer_length=config.eval.max_answer_length, top_tokens=10,
+                          passage_k=0)
 
 
 @contextlib.contextmanager
@@ -106,7 +115,6 @@ def workdir_lock(path: pathlib.Path):
   """Holds `path` (e.g. `<workdir>/qsft.lock`) for one run: a second QSFT run in the same workdir
   would delete the first one's `checkpoints_qsft` and interleave its metrics. A lock whose process
   is gone (a killed run) is taken over."""
-  from dpjax.data import DataError
   create = lambda: os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
   try:
     fd = create()
@@ -145,7 +153,6 @@ def _process_alive(pid: int) -> bool:
 def run_qsft(config, workdir: str) -> dict:
   """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
   per workdir at a time: `<workdir>/qsft.lock`)."""
-  import jax
   workdir = pathlib.Path(workdir)
   if jax.process_index() != 0:
     return _run_qsft(config, workdir)
@@ -154,107 +161,130 @@ def run_qsft(config, workdir: str) -> dict:
     return _run_qsft(config, workdir)
 
 
-def _run_qsft(config, workdir: pathlib.Path) -> dict:
-  import jax
-  from flax import nnx
+@dataclasses.dataclass
+class Setup:
+  """What a QSFT run works with."""
+  index: PhraseIndex
+  vectors: CandidateVectors
+  tokenizer: Tokenizer
+  questions: list[dict]  # training questions
+  dev: list[dict]
+  ids: np.ndarray  # tokenised training questions
+  mask: np.ndarray
+  trainer: Trainer
+  mesh: object
+  trained_step: int | None
 
-  from dpjax.checkpoint import Checkpointer
-  from dpjax.data import Tokenizer, data_files
-  from dpjax.open_domain import data_paths, read_questions, restore_model, sample_questions
-  from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
-  from dpjax.search import PhraseIndex, encode_questions
-  from dpjax.train import MetricsWriter, init_state, make_optimizer, make_train_step
 
-  workdir = pathlib.Path(workdir)
+def _setup(config, workdir: pathlib.Path) -> Setup:
   qc = config.qsft
   paths = data_paths(config, workdir)
   model, trained_step = restore_model(config, workdir)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe)
-  vectors = CandidateVectors(index, qc.quantized)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train_file = qc.questions or str(data_files(config.data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)
   dev = sample_questions(read_questions(paths["questions"]), qc.dev_limit, qc.seed)
-  if qc.level == "document" and any("title" not in q for q in questions):
+  if qc.level == "document" and any(not q.title for q in questions):
     raise ValueError(f"{train_file}: document-level QSFT needs gold titles (SQuAD format)")
   mesh = make_mesh()
   if qc.batch_size % mesh.size:
     raise ValueError(f"qsft.batch_size {qc.batch_size} is not a multiple of {mesh.size} devices")
-  eval_batch = round_to_devices(config.eval.batch_size, mesh)
-  ids, mask = tokenizer.encode([q["question"] for q in questions], config.data.max_query_length)
-
+  ids, mask = tokenizer.encode([q.question for q in questions], config.data.max_query_length)
   # The training machinery with the QSFT recipe and its freezing filter.
   tc = config.train.copy_and_resolve_references()
   tc.update(batch_size=qc.batch_size, learning_rate=qc.learning_rate, freeze=list(qc.freeze),
             dropout=qc.dropout)
   tc.loss.recipe = "qsft"
-  steps_per_epoch = max(1, len(questions) // qc.batch_size)
-  total = qc.epochs * steps_per_epoch
-  _, params, _ = nnx.split(model, nnx.Param, ...)
-  tx, schedule, labels = make_optimizer(tc, params, total)
-  graphdef, state, sharding = init_state(model, tx, prebatch_size=0, batch_size=qc.batch_size,
-                                         length=1, seed=tc.seed, mesh=mesh)
-  step_fn = make_train_step(graphdef, tx, schedule, tc.loss, sharding, mesh, tc.dropout, labels)
-  mine = local_rows(batch_sharding(mesh), qc.batch_size)
+  total = qc.epochs * max(1, len(questions) // qc.batch_size)
+  objective = make_objective(tc.loss, batch_size=qc.batch_size, length=1,
+                             dim=model.config.hidden_size)
+  trainer = build_trainer(model, tc, objective, total_steps=total, mesh=mesh)
+  return Setup(index, CandidateVectors(index, qc.quantized), tokenizer, questions, dev, ids, mask,
+               trainer, mesh, trained_step)
+
+
+def _epoch(config, run: Setup, epoch: int, eval_batch: int) -> tuple[list[float], int]:
+  """Retrieves the candidates of every training question with the current question encoders,
+  then one pass over the questions that have a positive. Returns (losses, questions used)."""
+  qc, questions = config.qsft, run.questions
+  q_start, q_end = encode_questions(run.trainer.model(), run.tokenizer,
+                                    [q.question for q in questions],
+                                    max_query_length=config.data.max_query_length,
+                                    batch_size=eval_batch, mesh=run.mesh)
+  candidates = retrieve_candidates(
+      run.index, q_start, q_end, [q.answers for q in questions], k=qc.top_k,
+      max_answer_length=config.eval.max_answer_length, level=qc.level,
+      gold_titles=[[q.title] for q in questions])
+  usable = np.flatnonzero(candidates.positive.any(1))
+  if len(usable) < qc.batch_size:
+    log.warning("QSFT epoch %d: only %d of %d questions have a positive among their top %d: "
+                "fewer than a batch, no update", epoch + 1, len(usable), len(questions),
+                qc.top_k)
+  order = np.random.default_rng([config.train.seed, epoch]).permutation(usable)
+  mine = local_rows(batch_sharding(run.mesh), qc.batch_size)
+
+  def batch(b: int) -> dict:
+    rows = order[b * qc.batch_size:(b + 1) * qc.batch_size][mine]
+    local = {"question_input_ids": run.ids[rows], "question_attention_mask": run.mask[rows],
+             "candidate_start": run.vectors(candidates.start[rows]),
+             "candidate_end": run.vectors(candidates.end[rows]),
+             "candidate_valid": candidates.valid[rows],
+             "candidate_positive": candidates.positive[rows]}
+    return global_batch(local, batch_sharding(run.mesh), qc.batch_size, len(rows))
+
+  losses = []
+  run_steps(run.trainer, range(len(order) // qc.batch_size), batch,
+            [Hook(lambda d: True, lambda d, m: losses.append(float(jax.device_get(m["loss"]))))])
+  return losses, len(usable)
+
+
+def _run_qsft(config, workdir: pathlib.Path) -> dict:
+  qc = config.qsft
+  run = _setup(config, workdir)
+  eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
   writer = MetricsWriter(workdir / "qsft_metrics.jsonl", -1)  # a QSFT run starts afresh
   if jax.process_index() == 0:
-    shutil.rmtree(workdir / "checkpoints_qsft", ignore_errors=True)
+    remove(workdir / "checkpoints_qsft")
   checkpointer = Checkpointer(workdir / "checkpoints_qsft", keep=1, best_metric="em@1")
-  current = lambda: nnx.merge(graphdef, state.params, state.rest)
-
-  before = _dev_scores(index, current(), tokenizer, dev, config, mesh, eval_batch)
+  dev_scores = lambda: _dev_scores(run.index, run.trainer.model(), run.tokenizer, run.dev,
+                                   config, run.mesh, eval_batch)
+  before = dev_scores()
   writer.write({"step": 0, "split": "dev", **before})
   log.info("QSFT on %s (%s%s), %d training questions; dev EM@1 before: %.2f", qc.index,
-           qc.level, ", quantisation-aware" if qc.quantized else "", len(questions),
+           qc.level, ", quantisation-aware" if qc.quantized else "", len(run.questions),
            before["em@1"])
   history, step = [], 0
   for epoch in range(qc.epochs):
     start_time = time.perf_counter()
-    q_start, q_end = encode_questions(current(), tokenizer, [q["question"] for q in questions],
-                                      max_query_length=config.data.max_query_length,
-                                      batch_size=eval_batch, mesh=mesh)
-    candidates = retrieve_candidates(
-        index, q_start, q_end, [q["answers"] for q in questions], k=qc.top_k,
-        max_answer_length=config.eval.max_answer_length, level=qc.level,
-        gold_titles=[[q.get("title", "")] for q in questions])
-    usable = np.flatnonzero(candidates.positive.any(1))
-    if len(usable) < qc.batch_size:
-      log.warning("QSFT epoch %d: only %d of %d questions have a positive among their top %d: "
-                  "fewer than a batch, no update", epoch + 1, len(usable), len(questions),
-                  qc.top_k)
-    order = np.random.default_rng([tc.seed, epoch]).permutation(usable)
-    losses = []
-    for b in range(len(order) // qc.batch_size):
-      rows = order[b * qc.batch_size:(b + 1) * qc.batch_size][mine]
-      batch = {"question_input_ids": ids[rows], "question_attention_mask": mask[rows],
-               "candidate_start": vectors(candidates.start[rows]),
-               "candidate_end": vectors(candidates.end[rows]),
-               "candidate_valid": candidates.valid[rows],
-               "candidate_positive": candidates.positive[rows]}
-      state, step_metrics = step_fn(state, global_batch(batch, batch_sharding(mesh),
-                                                        qc.batch_size, len(rows)))
-      losses.append(float(jax.device_get(step_metrics["loss"])))
-      step += 1
-    scores = _dev_scores(index, current(), tokenizer, dev, config, mesh, eval_batch)
+    losses, usable = _epoch(config, run, epoch, eval_batch)
+    step += len(losses)
+    scores = dev_scores()
     record = {"step": step, "epoch": epoch + 1, "split": "dev", **scores,
               "train_loss": float(np.mean(losses)) if losses else None,
-              "questions_with_positive": int(len(usable)),
+              "questions_with_positive": int(usable),
               "seconds": time.perf_counter() - start_time}
     writer.write(record)
     history.append(record)
     if step not in checkpointer.manager.all_steps():  # an epoch without update saves nothing
-      checkpointer.save(step, state, {"step": step, "epoch": epoch + 1, "qsft": qc.to_json(),
-                                      "trained_step": trained_step},
-                        metrics={"em@1": scores["em@1"]})
+      checkpointer.save(step, run.trainer.state,
+                        {"step": step, "epoch": epoch + 1, "qsft": qc.to_json(),
+                         "trained_step": run.trained_step}, metrics={"em@1": scores["em@1"]})
     log.info("QSFT epoch %d: %d of %d questions have a positive; loss %.3f; dev EM@1 %.2f",
-             epoch + 1, len(usable), len(questions), record["train_loss"] or float("nan"),
+             epoch + 1, usable, len(run.questions), record["train_loss"] or float("nan"),
              scores["em@1"])
   best = checkpointer.best_step()
   checkpointer.close()
+  return _report(config, workdir, run, before, history, best)
+
+
+def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: list,
+            best) -> dict:
+  qc = config.qsft
   result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
             "learning_rate": qc.learning_rate, "batch_size": qc.batch_size,
-            "train_questions": len(questions), "dev_questions": len(dev), "before": before,
-            "epochs": history, "best_step": best,
+            "train_questions": len(run.questions), "dev_questions": len(run.dev),
+            "before": before, "epochs": history, "best_step": best,
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}
   if jax.process_index() == 0:
     name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"

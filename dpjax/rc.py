@@ -7,17 +7,20 @@ all windows of the question's passage is the prediction; EM/F1 use the official 
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple
+import logging
+import pathlib
 
-import jax
 import numpy as np
-from flax import nnx
 
 from dpjax import metrics
-from dpjax.config import write_json
+from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.squad import Passage, Question, RCFeatures
-from dpjax.parallel import map_batches
+from dpjax.io import write_json
+from dpjax.models.encoders import bound, phrase_batches, question_vectors
+from dpjax.parallel import make_mesh, round_to_devices
+from dpjax.workdir import restore_model
+
+log = logging.getLogger(__name__)
 
 
 def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.ndarray,
@@ -50,56 +53,17 @@ def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.nd
   return best_start, best_start + best_len, best
 
 
-class Encoders(NamedTuple):
-  """Jitted encoders `fn(state, input_ids, attention_mask)` of one model graph."""
-  phrases: Callable  # -> h [B, L, D]
-  questions: Callable  # -> (q_start, q_end) [B, D] each
-  phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2])
-
-
-@functools.lru_cache(maxsize=8)
-def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
-  """Jitted phrase and question encoders taking the model state as an argument.
-
-  Cached per graph definition, so evaluating every N steps of training compiles once.
-  """
-
-  @jax.jit
-  def phrases(state, input_ids, attention_mask):
-    return nnx.merge(graphdef, state).encode_phrases(input_ids, attention_mask)
-
-  @jax.jit
-  def questions(state, input_ids, attention_mask):
-    return nnx.merge(graphdef, state).encode_questions(input_ids, attention_mask)
-
-  @jax.jit
-  def phrases_and_filter(state, input_ids, attention_mask):
-    model = nnx.merge(graphdef, state)
-    h = model.encode_phrases(input_ids, attention_mask)
-    return h, model.filter_logits(h)
-
-  return Encoders(phrases, questions, phrases_and_filter)
-
-
 def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
                batch_size: int = 32, max_answer_length: int = 10) -> dict[int, str]:
   """Predicts an answer for every question of `features`; returns {question index: text}."""
-  graphdef, state = nnx.split(model)
-  encode_phrases, encode_questions, _ = make_encoders(graphdef)
-  q_start = np.zeros((len(features.question_input_ids), model.config.hidden_size), np.float32)
-  q_end = np.zeros_like(q_start)
-  for rows, (qs, qe) in map_batches(lambda i, m: encode_questions(state, i, m),
-                                    [features.question_input_ids,
-                                     features.question_attention_mask], batch_size, mesh,
-                                    lengths=features.question_attention_mask.sum(1),
-                                    length_multiple=16):
-    q_start[rows], q_end[rows] = qs, qe
+  q_start, q_end = question_vectors(bound(model, "questions"), features.question_input_ids,
+                                    features.question_attention_mask, batch_size=batch_size,
+                                    mesh=mesh)
   windows = features.windows
   in_batch = np.full(len(windows.input_ids), -1)  # window -> its row in the current batch
   best: dict[int, tuple[float, str]] = {}
-  for rows, vectors in map_batches(lambda i, m: encode_phrases(state, i, m),
-                                   [windows.input_ids, windows.attention_mask], batch_size, mesh,
-                                   lengths=windows.attention_mask.sum(1)):
+  for rows, vectors in phrase_batches(bound(model, "phrases"), windows.input_ids,
+                                     windows.attention_mask, batch_size=batch_size, mesh=mesh):
     in_batch[rows] = np.arange(len(rows))
     feats = np.nonzero(in_batch[features.window_index] >= 0)[0]
     w = features.window_index[feats]
@@ -115,7 +79,7 @@ def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
         windows.context_mask[w, :width], max_answer_length)
     for f, qi in enumerate(q.tolist()):
       if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
-        context = passages[windows.passage_index[w[f]]].context
+        context = passages[windows.passage_index[w[f]]].text
         text = context[windows.char_start[w[f], start[f]]:windows.char_end[w[f], end[f]]]
         best[qi] = (float(score[f]), text)
   return {qi: text for qi, (_, text) in best.items()}
@@ -138,13 +102,6 @@ def run_eval_rc(config, workdir: str) -> dict:
 
   Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
   """
-  import logging
-  import pathlib
-
-  from dpjax.data import Tokenizer, data_files, load_rc_split
-  from dpjax.open_domain import restore_model
-  from dpjax.parallel import make_mesh, round_to_devices
-
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
@@ -156,8 +113,8 @@ def run_eval_rc(config, workdir: str) -> dict:
   scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
                                     mesh=mesh, batch_size=batch_size,
                                     max_answer_length=config.eval.max_answer_length)
-  logging.getLogger(__name__).info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path,
-                                   scores["exact_match"], scores["f1"], scores["count"])
+  log.info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path, scores["exact_match"],
+           scores["f1"], scores["count"])
   write_json(workdir / "rc_eval.json", {**scores, "step": step})
   write_json(workdir / "rc_predictions.json", predictions)
   return scores

@@ -17,16 +17,26 @@ head's logits are written into the dump (`filter_logits.npy` of every shard) so 
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
-from dpjax import metrics
-from dpjax.config import write_json
+from dpjax import losses, metrics
+from dpjax.data import Tokenizer, data_files, load_rc_split
+from dpjax.data.questions import read_questions, sample_questions
+from dpjax.index.dump import Dump, read_manifest, write_manifest
+from dpjax.index.evaluate import retrieval_scores
+from dpjax.index.search import PhraseIndex
+from dpjax.io import digest, save_npy_atomic, write_json
+from dpjax.models.encoders import bound, encode_questions, phrase_batches
+from dpjax.parallel import make_mesh, round_to_devices
+from dpjax.workdir import FILTER_HEAD, data_paths, restore_model
 
 log = logging.getLogger(__name__)
-HEAD_FILE = "filter_head.npz"
 
 
 def window_targets(features) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,22 +53,15 @@ def window_targets(features) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def encode_windows(model, windows, rows: np.ndarray, mesh, batch_size: int) -> np.ndarray:
   """Frozen phrase vectors [N, L, D] (float16) of windows `rows`."""
-  from flax import nnx
-
-  from dpjax.parallel import map_batches
-  from dpjax.rc import make_encoders
-  graphdef, state = nnx.split(model)
-  encode = make_encoders(graphdef).phrases
   out = np.zeros((len(rows), windows.input_ids.shape[1], model.config.hidden_size), np.float16)
-  mask = windows.attention_mask[rows]
-  for part, h in map_batches(lambda i, m: encode(state, i, m), [windows.input_ids[rows], mask],
-                             batch_size, mesh, lengths=mask.sum(1)):
+  for part, h in phrase_batches(bound(model, "phrases"), windows.input_ids[rows],
+                                windows.attention_mask[rows], batch_size=batch_size, mesh=mesh):
     out[part, :h.shape[1]] = h  # columns past the batch's width stay 0 (padding)
   return out
 
 
 def filter_scores(vectors: np.ndarray, kernel: np.ndarray, bias: np.ndarray) -> np.ndarray:
-  """[..., 2] start/end filter logits of token vectors."""
+  """[..., 2] start/end filter logits of token vectors (numpy or jax arrays)."""
   return vectors.astype(np.float32) @ kernel + bias
 
 
@@ -75,12 +78,6 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
   Args:
     train, dev: (vectors [N, L, D], mask [N, L], start [N, L], end [N, L]).
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  from dpjax import losses
-
   params = {"kernel": jnp.asarray(kernel, jnp.float32), "bias": jnp.asarray(bias, jnp.float32)}
   tx = optax.adam(learning_rate)
   opt_state = tx.init(params)
@@ -88,7 +85,7 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
   @jax.jit
   def step(params, opt_state, h, mask, start, end):
     def loss_fn(p):
-      logits = h.astype(jnp.float32) @ p["kernel"] + p["bias"]
+      logits = filter_scores(h, p["kernel"], p["bias"])
       return losses.filter_loss(logits, start, end, mask).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -115,24 +112,8 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
   return best[1], best[2], history
 
 
-def apply_saved_head(model, workdir: pathlib.Path) -> bool:
-  """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any."""
-  from flax import nnx
-  path = pathlib.Path(workdir) / HEAD_FILE
-  if not path.is_file():
-    return False
-  saved = np.load(path)
-  head = nnx.state(model.filter_head, nnx.Param)
-  head["kernel"].set_value(saved["kernel"].astype(np.float32))
-  head["bias"].set_value(saved["bias"].astype(np.float32))
-  nnx.update(model.filter_head, head)
-  log.info("token filter head from %s", path)
-  return True
-
-
 def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
   """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file)."""
-  from dpjax.index.dump import read_manifest, write_manifest
   manifest = read_manifest(dump_dir)
   # Marked first: a rewrite killed half-way leaves shards of two heads, which read_manifest
   # then refuses until `run.py filter` is run again.
@@ -142,84 +123,37 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
     vectors = np.load(path / "vectors.npy", mmap_mode="r")
     logits = np.concatenate([filter_scores(vectors[lo:lo + 65536], kernel, bias)
                              for lo in range(0, len(vectors), 65536)]).astype(np.float16)
-    tmp = path / "filter_logits.tmp.npy"
-    np.save(tmp, logits)
-    os.replace(tmp, path / "filter_logits.npy")
-  manifest["filter_head"] = {"file": HEAD_FILE, "sha": _digest(kernel, bias)}
+    save_npy_atomic(path / "filter_logits.npy", logits)
+  manifest["filter_head"] = {"file": FILTER_HEAD, "sha": digest(np.asarray(kernel, np.float32),
+                                                                np.asarray(bias, np.float32))}
   write_manifest(dump_dir, manifest)
-
-
-def _digest(kernel, bias) -> str:
-  import hashlib
-  return hashlib.sha256(np.asarray(kernel, np.float32).tobytes() +
-                        np.asarray(bias, np.float32).tobytes()).hexdigest()[:16]
 
 
 def run_filter(config, workdir: str) -> dict:
   """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
-  from flax import nnx
-
-  from dpjax.data import Tokenizer, data_files, load_rc_split
-  from dpjax.index.dump import Dump
-  from dpjax.open_domain import data_paths, read_questions, restore_model, sample_questions
-  from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.search import PhraseIndex, encode_questions
-  from dpjax.validation import open_domain_eval
-
   workdir = pathlib.Path(workdir)
   fc = config.filter
   model, step = restore_model(config, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  files = data_files(config.data, workdir)
   mesh = make_mesh()
   batch = round_to_devices(config.eval.batch_size, mesh)
-  splits, rates = {}, {}
-  for name, path, limit in (("train", files["train"], fc.train_windows),
-                            ("dev", files["dev"], fc.dev_windows)):
-    split = load_rc_split(path, tokenizer, config.data)
-    windows, start, end = window_targets(split.features)
-    keep = np.random.default_rng([fc.seed, len(name)]).permutation(len(windows))[:limit]
-    keep.sort()
-    w = split.features.windows
-    rows = windows[keep]
-    vectors = encode_windows(model, w, rows, mesh, batch)
-    splits[name] = (vectors, w.context_mask[rows] & w.is_max_context[rows], start[keep],
-                    end[keep])
-    rates[name] = float((start[keep] | end[keep])[splits[name][1]].mean())
-    log.info("filter %s: %d windows, %.2f%% of context tokens are answer starts/ends", name,
-             len(rows), 100 * rates[name])
+  splits, rates = _window_splits(config, workdir, model, tokenizer, mesh, batch)
   head = nnx.state(model.filter_head, nnx.Param)
   kernel, bias, history = train_head(
       splits["train"], splits["dev"], np.asarray(head["kernel"][...]),
       np.asarray(head["bias"][...]), epochs=fc.epochs, learning_rate=fc.learning_rate,
       batch_size=fc.batch_size, seed=fc.seed)
   best_auc = max(h["dev_auc_pr"] for h in history)
-  np.savez(workdir / HEAD_FILE, kernel=kernel, bias=bias)
-
-  # The size / accuracy sweep on the dump, with the trained head's logits.
+  np.savez(workdir / FILTER_HEAD, kernel=kernel, bias=bias)
   paths = data_paths(config, workdir)
   rewrite_dump_logits(paths["dump"], kernel, bias)
-  dump = Dump.load(paths["dump"])
-  keep_score = dump.filter_logits.astype(np.float32).max(1)
-  questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions,
-                               fc.seed)
-  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+  questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)
+  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=config.data.max_query_length,
                                     batch_size=batch, mesh=mesh)
-  answers = [q["answers"] for q in questions]
-  sweep = []
-  for fraction in fc.keep_fractions:
-    threshold = (None if fraction >= 1 else
-                 float(np.quantile(keep_score, 1 - fraction, method="higher")))
-    kept = (np.arange(len(keep_score)) if threshold is None
-            else np.flatnonzero(keep_score >= threshold))
-    index = PhraseIndex.over_tokens(dump, kept)
-    report = open_domain_eval(index, q_start, q_end, answers,
-                              max_answer_length=config.eval.max_answer_length, passages=False)
-    sweep.append({"threshold": threshold, "tokens": int(len(kept)),
-                  "kept_fraction": len(kept) / len(keep_score), **report})
-    log.info("filter threshold %s keeps %d tokens (%.1f%%): EM@1 %.2f EM@10 %.2f", threshold,
-             len(kept), 100 * sweep[-1]["kept_fraction"], report["em@1"], report["em@10"])
+  sweep = threshold_sweep(Dump.load(paths["dump"]), q_start, q_end,
+                          [q.answers for q in questions], fc.keep_fractions,
+                          config.eval.max_answer_length)
   full = next(s for s in sweep if s["threshold"] is None)["em@1"] if any(
       s["threshold"] is None for s in sweep) else max(s["em@1"] for s in sweep)
   good = [s for s in sweep if s["em@1"] >= full - fc.max_em_drop]
@@ -236,3 +170,47 @@ def run_filter(config, workdir: str) -> dict:
         f"{full:.2f} unfiltered); build it with `run.py index --set "
         f"index.filter_threshold={chosen['threshold']}`")
   return result
+
+
+def _window_splits(config, workdir, model, tokenizer, mesh, batch: int):
+  """Frozen vectors and targets of a seeded sample of train and dev windows holding answers:
+  ({split: (vectors, mask, start, end)}, {split: rate of answer starts/ends among tokens})."""
+  fc = config.filter
+  files = data_files(config.data, workdir)
+  splits, rates = {}, {}
+  for name, path, limit in (("train", files["train"], fc.train_windows),
+                            ("dev", files["dev"], fc.dev_windows)):
+    split = load_rc_split(path, tokenizer, config.data)
+    windows, start, end = window_targets(split.features)
+    keep = np.random.default_rng([fc.seed, len(name)]).permutation(len(windows))[:limit]
+    keep.sort()
+    w = split.features.windows
+    rows = windows[keep]
+    vectors = encode_windows(model, w, rows, mesh, batch)
+    splits[name] = (vectors, w.context_mask[rows] & w.is_max_context[rows], start[keep],
+                    end[keep])
+    rates[name] = float((start[keep] | end[keep])[splits[name][1]].mean())
+    log.info("filter %s: %d windows, %.2f%% of context tokens are answer starts/ends", name,
+             len(rows), 100 * rates[name])
+  return splits, rates
+
+
+def threshold_sweep(dump: Dump, q_start, q_end, answers, keep_fractions,
+                    max_answer_length: int) -> list[dict]:
+  """EM@1/EM@10 of an exact index over the tokens a threshold keeps, for thresholds keeping each
+  fraction of the dump's tokens (by the dump's filter logits; fraction 1: no threshold)."""
+  keep_score = dump.filter_logits.astype(np.float32).max(1)
+  sweep = []
+  for fraction in keep_fractions:
+    threshold = (None if fraction >= 1 else
+                 float(np.quantile(keep_score, 1 - fraction, method="higher")))
+    kept = (np.arange(len(keep_score)) if threshold is None
+            else np.flatnonzero(keep_score >= threshold))
+    index = PhraseIndex.over_tokens(dump, kept)
+    report = retrieval_scores(index, q_start, q_end, answers,
+                              max_answer_length=max_answer_length, passage_k=0)
+    sweep.append({"threshold": threshold, "tokens": int(len(kept)),
+                  "kept_fraction": len(kept) / len(keep_score), **report})
+    log.info("filter threshold %s keeps %d tokens (%.1f%%): EM@1 %.2f EM@10 %.2f", threshold,
+             len(kept), 100 * sweep[-1]["kept_fraction"], report["em@1"], report["em@10"])
+  return sweep

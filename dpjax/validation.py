@@ -15,7 +15,6 @@ the current parameters, in memory, and answers the dev questions over it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pathlib
@@ -23,18 +22,25 @@ from typing import Sequence
 
 import numpy as np
 
-from dpjax import metrics
+from dpjax.checkpoint import Checkpointer
 from dpjax.config import ConfigError
-from dpjax.corpus import CorpusPassage, read_corpus
-from dpjax.data.squad import DataError, SkipSummary, read_squad
+from dpjax.data.corpus import read_corpus
+from dpjax.data.questions import read_questions, sample_questions
+from dpjax.data.squad import DataError, Passage, SkipSummary, read_squad, write_squad_subset
+from dpjax.index.dump import MANIFEST, Dump, DumpConfig, encode_shard, encoder_fingerprint
+from dpjax.index.evaluate import METRICS, retrieval_scores
+from dpjax.index.search import PhraseIndex
+from dpjax.io import write_json, write_jsonl
+from dpjax.models.encoders import bound, encode_questions
+from dpjax.workdir import data_paths, load_searcher
 
 log = logging.getLogger(__name__)
 
 
-def gold_rows(corpus: Sequence[CorpusPassage], questions_file: str | os.PathLike) -> np.ndarray:
+def gold_rows(corpus: Sequence[Passage], questions_file: str | os.PathLike) -> np.ndarray:
   """Rows of `corpus` that are the gold passage (same title and text) of a dev question."""
   passages, questions, _ = read_squad(questions_file)
-  wanted = {(passages[q.passage_index].title, passages[q.passage_index].context)
+  wanted = {(passages[q.passage_index].title, passages[q.passage_index].text)
             for q in questions}
   rows = np.array([i for i, p in enumerate(corpus) if (p.title, p.text) in wanted], np.int64)
   missing = len(wanted) - len(rows)
@@ -65,21 +71,14 @@ def hard_subcorpus(c0: np.ndarray, retrieved: Sequence[Sequence[int]], k: int) -
   return np.union1d(c0, np.asarray(hard, np.int64))
 
 
-def write_subcorpus(path: str | os.PathLike, corpus: Sequence[CorpusPassage], rows: np.ndarray,
+def write_subcorpus(path: str | os.PathLike, corpus: Sequence[Passage], rows: np.ndarray,
                     provenance: dict) -> dict:
   """Writes `corpus[rows]` as JSONL and `<path stem>.meta.json`; returns the metadata."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
-  with tmp.open("w", encoding="utf-8") as f:
-    for row in rows.tolist():
-      f.write(json.dumps(dataclasses.asdict(corpus[row]), ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  write_jsonl(path, (dataclasses.asdict(corpus[row]) for row in rows.tolist()))
   meta = {"passages": int(len(rows)), "corpus_passages": len(corpus), **provenance}
-  meta_path = path.with_suffix(".meta.json")
-  meta_tmp = meta_path.with_name(meta_path.name + ".tmp")
-  meta_tmp.write_text(json.dumps(meta, indent=1))
-  os.replace(meta_tmp, meta_path)
+  write_json(path.with_suffix(".meta.json"), meta)
   return meta
 
 
@@ -118,70 +117,133 @@ def select(kind: str, num_passages: int, c0: np.ndarray, retrieved=None,
   return hard_subcorpus(c0, retrieved, int(value))
 
 
-# What `open_domain_eval` reports (validation.metric must be one of these).
-METRICS = ("em@1", "f1@1", "em@10", "f1@10", "top1", "top5", "top20", "mrr@20", "p@20")
-
-
-def open_domain_eval(index, q_start: np.ndarray, q_end: np.ndarray, answers, *,
-                     max_answer_length: int = 10, passages: bool = True,
-                     per_question: bool = False) -> dict:
-  """EM@1/EM@10 (phrases) and, optionally, passage Top-k/MRR@20/P@20 over a PhraseIndex.
-
-  `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
-  and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests)."""
-  found = index.search(q_start, q_end, 10, "phrase", max_answer_length=max_answer_length)
-  texts = [[p.text for p, _ in units] for units in found]
-  report = metrics.open_domain_scores(texts, answers)
-  if per_question:
-    report["hits"] = {"em@1": "".join(
-        str(int(bool(t) and metrics.max_over_gold(metrics.exact_match, t[0], golds) > 0))
-        for t, golds in zip(texts, answers))}
-  if passages:
-    ranked = index.search(q_start, q_end, 20, "passage", max_answer_length=max_answer_length)
-    ranked_texts = [[index.dump.passages[p.passage].text for p, _ in units] for units in ranked]
-    report.update(metrics.passage_scores(ranked_texts, answers, ks=(1, 5, 20)))
-    if per_question:
-      report["hits"]["top20"] = "".join(
-          str(int(any(metrics.has_answer(d, golds) for d in docs[:20])))
-          for docs, golds in zip(ranked_texts, answers))
-  return report
-
-
-def evaluate_subcorpus(model, tokenizer, passages: Sequence[CorpusPassage],
+def evaluate_subcorpus(model, tokenizer, passages: Sequence[Passage],
                        questions: Sequence[dict], *, data_config, mesh, batch_size: int,
                        max_answer_length: int = 10) -> dict:
   """Encodes `passages` with the model's current parameters (in memory), indexes them exactly
   and answers `questions` ([{question, answers}]); returns EM@1/EM@10 and passage Top-k."""
-  from flax import nnx
-
-  from dpjax.index.dump import Dump, DumpConfig, encode_shard, encoder_fingerprint
-  from dpjax.rc import make_encoders
-  from dpjax.search import PhraseIndex, encode_questions
-
   config = DumpConfig(max_seq_length=data_config.max_seq_length,
                       doc_stride=data_config.doc_stride,
                       include_title=data_config.include_title, batch_size=batch_size)
-  graphdef, state = nnx.split(model)
-  encoders = make_encoders(graphdef)
   arrays = encode_shard(tokenizer, list(passages), config, mesh,
-                        lambda i, m: encoders.phrases_and_filter(state, i, m))
+                        bound(model, "phrases_and_filter"))
   dump = Dump(directory=None, passages=list(passages),
               manifest={"fingerprint": encoder_fingerprint(model), "complete": True,
                         "num_passages": len(passages), "num_tokens": len(arrays["vectors"])},
               **arrays)
   index = PhraseIndex.over_passages(dump)
-  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=data_config.max_query_length,
                                     batch_size=batch_size, mesh=mesh)
-  report = open_domain_eval(index, q_start, q_end, [q["answers"] for q in questions],
+  report = retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
                             max_answer_length=max_answer_length)
   report.update(passages=len(passages), tokens=int(len(arrays["vectors"])))
   return report
 
 
-def read_subcorpus(path: str | os.PathLike) -> list[CorpusPassage]:
+def read_subcorpus(path: str | os.PathLike) -> list[Passage]:
   summary = SkipSummary()
   passages = list(read_corpus(path, summary))
   if summary.total:
     log.warning("%s", summary)
   return passages
+
+
+def run_subcorpus(config, workdir: str) -> dict:
+  """Writes the validation subcorpora `validation.kinds` (C0, R<r>, H<k>, full) of the corpus to
+  workdir/subcorpora/<kind>.jsonl with their metadata; H_k uses the model and the full index."""
+  kinds = list(config.validation.kinds)
+  hard_ks = [int(v) for n, v in map(parse_kind, kinds) if n == "H"]
+  workdir = pathlib.Path(workdir)
+  paths = data_paths(config, workdir)
+  out = workdir / "subcorpora"
+  questions_file = paths["questions"]
+  if config.validation.sample_questions:
+    # A seeded random sample of the dev questions (the first N come from a few articles only).
+    sample = sample_questions(read_questions(questions_file), config.validation.sample_questions,
+                              config.validation.seed)
+    questions_file = str(out / "questions.json")
+    write_squad_subset(paths["questions"], questions_file, [q.id for q in sample])
+  summary = SkipSummary()
+  corpus = list(read_corpus(paths["corpus"], summary))
+  c0 = gold_rows(corpus, questions_file)
+  dump = Dump.load(paths["dump"]) if (paths["dump"] / MANIFEST).is_file() else None
+  if dump is not None and [p.id for p in dump.passages] != [p.id for p in corpus]:
+    raise DataError(f"{paths['dump']} is not a dump of the configured corpus "
+                    f"({len(dump.passages)} vs {len(corpus)} passages, or another order)")
+  retrieved, provenance = None, {"corpus": paths["corpus"], "questions": questions_file,
+                                 "sample_questions": config.validation.sample_questions,
+                                 "seed": config.validation.seed}
+  if hard_ks:
+    if dump is None:
+      raise DataError(f"H_k needs the full dump and index of the corpus in {paths['dump']} "
+                      "(run `run.py dump` and `run.py index` first)")
+    searcher, _ = load_searcher(config, workdir)
+    texts = [q.question for q in read_questions(questions_file)]
+    found = searcher.search(texts, k=max(hard_ks), unit="phrase",
+                            max_answer_length=config.eval.max_answer_length)
+    retrieved = [[r["passage_row"] for r in results] for results in found]
+    provenance.update(index=config.index.search_index,
+                      model_step=searcher.index.dump.manifest["model"].get("step"),
+                      fingerprint=searcher.index.fingerprint)
+  written = {}
+  for kind in kinds:
+    rows = select(kind, len(corpus), c0, retrieved, config.validation.seed)
+    meta = {"kind": kind, **provenance}
+    if dump is not None:
+      meta["tokens"] = subcorpus_tokens(dump.token_passage, rows)
+    written[kind] = write_subcorpus(out / f"{kind}.jsonl", corpus, rows, meta)
+    print(f"{kind}: {written[kind]['passages']} passages"
+          + (f", {meta['tokens']} tokens" if "tokens" in meta else "") + f" -> {out / kind}.jsonl")
+  return written
+
+
+class Validator:
+  """Validation on a subcorpus during training (`config.validation`, Kim et al. 2022): every
+  `every_steps` the subcorpus is encoded with the current parameters and indexed (exact, in
+  memory), the dev questions are answered over it, and the checkpoint manager of
+  `workdir/checkpoints_best` keeps the checkpoint with the best `metric` (e.g. em@1)."""
+
+  def __init__(self, vc, config, workdir: pathlib.Path, dev_file, tokenizer, mesh, batch_size,
+               writer):
+    self.check(vc)
+    self.every_steps, self.metric = vc.every_steps, vc.metric
+    self.passages = read_subcorpus(vc.corpus)
+    self.questions = read_questions(vc.questions or dev_file)[:vc.limit or None]
+    self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
+    self.batch_size, self.writer = batch_size, writer
+    self.checkpointer = Checkpointer(workdir / "checkpoints_best", keep=1,
+                                     best_metric=self.metric)
+    self.history: dict[int, dict] = {}
+    log.info("validation every %d steps on %s (%d passages, %d questions), best by %s",
+             self.every_steps, vc.corpus, len(self.passages), len(self.questions), self.metric)
+
+  @staticmethod
+  def check(vc) -> None:
+    """Config errors surface before any work, not after the first `every_steps` of training."""
+    if vc.metric not in METRICS:
+      raise ConfigError(f"validation.metric {vc.metric!r} is not one of {', '.join(METRICS)}")
+    if not pathlib.Path(vc.corpus).is_file():
+      raise ConfigError(f"validation.corpus {vc.corpus}: no such file")
+
+  def __call__(self, step: int, model, state, meta: dict) -> dict:
+    report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,
+                                data_config=self.config.data, mesh=self.mesh,
+                                batch_size=self.batch_size,
+                                max_answer_length=self.config.eval.max_answer_length)
+    self.history[step] = report
+    self.writer.write({"step": step, "split": "validation", **report})
+    log.info("step %d: validation EM@1 %.2f EM@10 %.2f on %d passages", step, report["em@1"],
+             report["em@10"], report["passages"])
+    self.checkpointer.save(step, state, meta, metrics={self.metric: report[self.metric]})
+    return report
+
+  def best(self) -> dict:
+    step = self.checkpointer.best_step()
+    if step is None:
+      return {}
+    return {"best_step": step, f"best_validation_{self.metric}":
+            self.history.get(step, {}).get(self.metric)}
+
+  def close(self) -> None:
+    self.checkpointer.close()

@@ -21,7 +21,7 @@ FILTER_COMMAND = "python run.py filter --config experiments/squad.py:cpu --workd
 
 
 def _with_notes(lines: list[str], results: dict) -> str:
-  from dpjax.config import with_notes
+  from experiments.report import with_notes
   return with_notes(lines, results.get("notes", []))
 
 
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
                       help="a line added under the tables (what the figures mean, caveats)")
   parser.add_argument("--filter-note", action="append", default=[])
   args = parser.parse_args(argv)
-  from dpjax.config import elide_notes, qsft_config, save_results
+  from dpjax.config import qsft_config
+  from experiments.report import elide_notes, save_results
   from dpjax.data.squad import load_json
   argv = elide_notes(sys.argv[1:] if argv is None else argv, ("--note", "--filter-note"))
   workdir = pathlib.Path(args.workdir)

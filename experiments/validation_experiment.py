@@ -98,12 +98,12 @@ def questions_file(subcorpora: dict, default: str) -> str:
   return next(iter(subcorpora.values()))["meta"].get("questions") or default
 
 
-def cache_key(subcorpora: dict, questions: list[dict], config) -> str:
+def cache_key(subcorpora: dict, questions: list, config) -> str:
   """What a model's cached figures depend on besides the model: subcorpora, questions, settings."""
   import hashlib
   payload = {"format": 2,  # 2: per-question hits on the full corpus
              "rows": {k: v["rows"].tolist() for k, v in sorted(subcorpora.items())},
-             "questions": [q["id"] for q in questions],
+             "questions": [q.id for q in questions],
              "max_answer_length": config.eval.max_answer_length,
              "data": {k: config.data[k] for k in ("max_seq_length", "doc_stride",
                                                   "max_query_length", "include_title")}}
@@ -135,14 +135,15 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
                    tokenizer, mesh, batch_size, key) -> dict:
   """The model's figures; cached in `<workdir>/validation_step<N>.json` under `key` (a rerun
   with more models evaluates only the new ones)."""
-  from dpjax.config import write_json
+  from dpjax.io import write_json
   from dpjax.data.squad import load_json
   from dpjax.index.dump import Dump, DumpConfig, dump_phrases, params_fingerprint
-  from dpjax.open_domain import restore_model
+  from dpjax.workdir import restore_model
   from dpjax.parallel import make_mesh
   from dpjax.rc import evaluate_rc
-  from dpjax.search import PhraseIndex, encode_questions
-  from dpjax.validation import open_domain_eval
+  from dpjax.index.search import PhraseIndex
+  from dpjax.models.encoders import encode_questions
+  from dpjax.index.evaluate import retrieval_scores
 
   model, step = restore_model(config, workdir, step)
   cache = workdir / f"validation_step{step}.json"
@@ -166,17 +167,17 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
                      f"vs {len(corpus)} passages, or another order)")
   logging.info("%s: dump of %d tokens in %.0f s", name, len(dump.vectors),
                time.perf_counter() - start)
-  q_start, q_end = encode_questions(model, tokenizer, [q["question"] for q in questions],
+  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=config.data.max_query_length,
                                     batch_size=batch_size, mesh=mesh)
-  answers = [q["answers"] for q in questions]
+  answers = [q.answers for q in questions]
   rc, _ = evaluate_rc(model, rc_split.features, rc_split.passages, rc_split.questions, mesh=mesh,
                       batch_size=batch_size, max_answer_length=config.eval.max_answer_length)
   result = {"workdir": str(workdir), "step": step, "rc_em": rc["exact_match"],
             "rc_f1": rc["f1"], "subcorpora": {}}
   for kind, sub in {**subcorpora, "full": {"rows": None}}.items():
     index = PhraseIndex.over_passages(dump, sub["rows"])
-    report = open_domain_eval(index, q_start, q_end, answers,
+    report = retrieval_scores(index, q_start, q_end, answers,
                               max_answer_length=config.eval.max_answer_length,
                               per_question=sub["rows"] is None)  # paired tests on the full C
     report.update(passages=index.manifest["num_passages"], tokens=index.manifest["num_tokens"])
@@ -309,7 +310,7 @@ def markdown(results: dict, command: str) -> str:
     cells = [results["tau"][kind][m] for m in METRICS]
     cells += [without[kind][m] for m in ("em@1", "top20")] if without else []
     lines.append(f"| {kind} | {tokens:,} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
-  from dpjax.config import with_notes
+  from experiments.report import with_notes
   return with_notes(lines + [""] + findings(results), results.get("notes", []))
 
 
@@ -330,9 +331,10 @@ def main(argv=None) -> int:
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 
   from dpjax.config import load_config
-  from dpjax.corpus import read_corpus
+  from dpjax.data.corpus import read_corpus
   from dpjax.data import Tokenizer, load_rc_split
-  from dpjax.open_domain import data_paths, read_questions
+  from dpjax.data.questions import read_questions
+  from dpjax.workdir import data_paths
   from dpjax.parallel import make_mesh, round_to_devices
 
   config = load_config(args.config, args.set)
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
              "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
              "models": models, "tau": tau, "hard_builder": builder,
              "tau_without_builder": tau_without, "compare": compare, "notes": args.note}
-  from dpjax.config import elide_notes, save_results
+  from experiments.report import elide_notes, save_results
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   save_results(args.out, results, markdown, "experiments/validation_experiment.py", argv)
   return 0

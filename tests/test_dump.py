@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from conftest import SHARED_DATA
-from dpjax.corpus import CorpusPassage, read_corpus, squad_to_jsonl
+from dpjax.data.corpus import read_corpus, squad_to_jsonl
 from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
 from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases
 from dpjax.index.faiss_index import build_index
-from dpjax.search import DensePhrases as SearchAPI, PhraseIndex
+from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.parallel import make_mesh
 
@@ -22,7 +22,7 @@ CONFIG = DumpConfig(max_seq_length=29, doc_stride=7, batch_size=8, shard_passage
 
 def _passages(n=8):
   words = "the quick brown fox jumps over a lazy dog near river banks at dawn".split()
-  return [CorpusPassage(f"p{i}", f"Title {i % 3}", " ".join(words[: 3 + (7 * i) % 40] * 2))
+  return [Passage(f"p{i}", f"Title {i % 3}", " ".join(words[: 3 + (7 * i) % 40] * 2))
           for i in range(n)]
 
 
@@ -54,7 +54,7 @@ def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_p
   passages = _passages(12)
   dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
   dump = Dump.load(tmp_path)
-  windows, _ = build_windows(tokenizer, [Passage(p.title, p.text) for p in passages],
+  windows, _ = build_windows(tokenizer, passages,
                              max_seq_length=64, doc_stride=16, include_title=True)
   lengths = np.sort(windows.attention_mask.sum(1))
   assert lengths[:len(lengths) % 8 or 8].max() <= 32 < lengths.max()  # the last batch is cut

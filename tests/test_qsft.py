@@ -8,8 +8,8 @@ from flax import nnx
 
 from dpjax.config import load_config
 from dpjax.models import create_model
-from dpjax.open_domain import restore_model
-from dpjax.train import _qsft_loss
+from dpjax.workdir import restore_model
+from dpjax.objectives import qsft_loss
 
 import run
 
@@ -33,7 +33,7 @@ def test_qsft_loss_without_positives_is_finite():
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p):
-    return _qsft_loss(nnx.merge(graphdef, p, rest), batch)[0]
+    return qsft_loss(nnx.merge(graphdef, p, rest), batch)[0]
 
   loss, grads = jax.value_and_grad(loss_fn)(params)
   assert np.isfinite(loss) and loss > 0
@@ -82,7 +82,7 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
 
 
 def test_sample_questions_is_seeded_and_keeps_file_order():
-  from dpjax.open_domain import sample_questions
+  from dpjax.data.questions import sample_questions
   questions = [{"id": i} for i in range(100)]
   sample = sample_questions(questions, 10, seed=0)
   assert sample == sample_questions(questions, 10, seed=0)

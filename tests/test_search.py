@@ -4,20 +4,20 @@ import re
 import numpy as np
 import pytest
 
-from dpjax.corpus import CorpusPassage
+from dpjax.data.squad import Passage
 from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
 from dpjax.index.faiss_index import build_index, resolve_spec
-from dpjax.search import UNITS, PhraseIndex
+from dpjax.index.search import UNITS, PhraseIndex
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.
 PASSAGES = [
-    CorpusPassage("a1", "Alpha", "Alpha is a red planet. It has two moons called Ares and Bia."),
-    CorpusPassage("a2", "Alpha", "Alpha was found in 1911 by Lena Ortiz. Its year is long."),
-    CorpusPassage("b1", "Beta", "Beta is a cold star. It burns blue gas near the core."),
-    CorpusPassage("b2", "Beta", "Beta has no planets. Astronomers named it in 1802."),
-    CorpusPassage("c1", "Gamma", "Gamma is a comet. Its tail is made of green dust."),
-    CorpusPassage("c2", "Gamma", "Gamma returns every 76 years. Halley saw it first."),
+    Passage("a1", "Alpha", "Alpha is a red planet. It has two moons called Ares and Bia."),
+    Passage("a2", "Alpha", "Alpha was found in 1911 by Lena Ortiz. Its year is long."),
+    Passage("b1", "Beta", "Beta is a cold star. It burns blue gas near the core."),
+    Passage("b2", "Beta", "Beta has no planets. Astronomers named it in 1802."),
+    Passage("c1", "Gamma", "Gamma is a comet. Its tail is made of green dust."),
+    Passage("c2", "Gamma", "Gamma returns every 76 years. Halley saw it first."),
 ]
 # Question -> (passage row, answer text). Each answer gets its own start/end directions.
 ANSWERS = [(1, "Lena Ortiz"), (2, "blue gas"), (3, "1802"), (4, "green dust"), (0, "Ares and Bia")]
@@ -123,7 +123,7 @@ def test_rescoring_in_chunks_gives_the_same_results(toy, monkeypatch):
   directory, q_start, q_end = toy
   index = PhraseIndex(directory, "Flat")
   whole = index.search(q_start, q_end, k=4, unit="passage")
-  monkeypatch.setattr("dpjax.search._RESCORE_FLOATS", 1)  # one question per chunk
+  monkeypatch.setattr("dpjax.index.search._RESCORE_FLOATS", 1)  # one question per chunk
   chunked = index.search(q_start, q_end, k=4, unit="passage")
   assert [[(p.start_token, p.end_token) for p, _ in u] for u in whole] == \
       [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]

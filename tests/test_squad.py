@@ -84,7 +84,7 @@ def test_command_line_reports_errors_without_traceback(tmp_path, capsys):
 
 def test_windows_cover_every_token_once(tokenizer):
   context = " ".join(f"token{i}" for i in range(97))  # several word pieces each
-  passages = [squad.Passage("A title", context), squad.Passage("", "short one")]
+  passages = [squad.Passage("p0", "A title", context), squad.Passage("p1", "", "short one")]
   windows, offsets = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=11)
   n_tokens = len(offsets[0])
   first = windows.passage_index == 0
@@ -109,7 +109,7 @@ def test_windows_cover_every_token_once(tokenizer):
 def test_answer_spans_and_cls_targets(tokenizer):
   context = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris indeed"
   start = context.index("Paris")
-  passages = [squad.Passage("Title", context)]
+  passages = [squad.Passage("p0", "Title", context)]
   questions = [squad.Question("q", "Where?", ["Paris"], start, 0)]
   features = build_features(tokenizer, passages, questions, max_seq_length=32, doc_stride=8,
                             max_query_length=8)

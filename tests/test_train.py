@@ -7,8 +7,10 @@ from flax import nnx
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.models import create_model
+from dpjax.data.batches import TrainBatches
+from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, make_mesh
-from dpjax import train
+from dpjax import train, trainer
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +19,16 @@ def tiny(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("tiny")
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   split = load_rc_split(data_files(config.data, workdir)["train"], tokenizer, config.data)
-  return config, train.TrainBatches(split.features, config.train.batch_size, 0)
+  return config, TrainBatches(split.features, config.train.batch_size, 0)
 
 
 def _run_steps(config, batches, num_devices, steps=3):
   mesh = make_mesh(num_devices)
   model = create_model(config.model)
-  _, params, _ = nnx.split(model, nnx.Param, ...)
-  tx, schedule, labels = train.make_optimizer(config.train, params, 10)
-  graphdef, state, sharding = train.init_state(
-      model, tx, prebatch_size=config.train.loss.prebatch_size,
-      batch_size=config.train.batch_size, length=config.data.max_seq_length, seed=0, mesh=mesh)
-  step_fn = train.make_train_step(graphdef, tx, schedule, config.train.loss, sharding, mesh,
-                                  labels=labels)
+  objective = make_objective(config.train.loss, batch_size=config.train.batch_size,
+                             length=config.data.max_seq_length, dim=model.config.hidden_size)
+  built = trainer.build_trainer(model, config.train, objective, total_steps=10, mesh=mesh)
+  state, step_fn = built.state, built.step
   losses = []
   for step in range(steps):
     state, metrics = step_fn(state, jax.device_put(batches(step), batch_sharding(mesh)))
@@ -62,7 +61,7 @@ def test_frozen_parameters_do_not_move(tiny):
   before = jax.device_get(before)
   _, after, _ = _run_steps(config, batches, 8, steps=2)
   flat_before = dict(jax.tree_util.tree_leaves_with_path(before))
-  moved = {train.param_path(p): not np.array_equal(flat_before[p], v)
+  moved = {trainer.param_path(p): not np.array_equal(flat_before[p], v)
            for p, v in jax.tree_util.tree_leaves_with_path(after)}
   frozen = [p for p in moved if "word_embeddings" in p or "query_end_encoder/layers/0/" in p]
   assert frozen and not any(moved[p] for p in frozen)
@@ -71,7 +70,7 @@ def test_frozen_parameters_do_not_move(tiny):
 
 
 def test_schedule_warms_up_and_decays():
-  schedule = train.learning_rate_schedule(1e-4, 10, 110)
+  schedule = trainer.learning_rate_schedule(1e-4, 10, 110)
   assert float(schedule(0)) == 0.0
   assert float(schedule(10)) == pytest.approx(1e-4)
   assert float(schedule(60)) == pytest.approx(5e-5)

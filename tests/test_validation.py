@@ -106,11 +106,12 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
 
 def test_hard_negative_windows(tokenizer):
   from dpjax.data.squad import Passage, build_windows
-  passages = [Passage("A", "alpha " * 60), Passage("B", "beta " * 10 + "gamma delta " * 40),
-              Passage("C", "gamma " * 5)]
+  passages = [Passage("a", "A", "alpha " * 60),
+              Passage("b", "B", "beta " * 10 + "gamma delta " * 40),
+              Passage("c", "C", "gamma " * 5)]
   windows, _ = build_windows(tokenizer, passages, max_seq_length=32, doc_stride=16,
                              include_title=True)
-  start = passages[1].context.index("gamma delta gamma", 200)
+  start = passages[1].text.index("gamma delta gamma", 200)
   mined = [[(1, start)], [], [(0, 0), (2, 0)]]
   sampler = HardNegatives(mined, windows, np.array([0, 1, 2]), per_example=2, seed=0)
   batch = sampler(3, np.array([0, 1, 2]))

@@ -7,6 +7,7 @@ import pathlib
 
 from dpjax.data.squad import (DataError, Passage, PassageWindows, Question, RCFeatures,
                               SkipSummary, build_features, build_windows, read_squad)
+from dpjax.data.synthetic import write_synthetic
 from dpjax.data.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,6 @@ class RCSplit:
 def data_files(data_config, workdir: str | pathlib.Path) -> dict[str, pathlib.Path]:
   """The train/dev files a config names; the synthetic set is (re)generated into the workdir."""
   if data_config.source == "synthetic":
-    from dpjax.data.synthetic import write_synthetic
     return write_synthetic(pathlib.Path(workdir) / "data", seed=data_config.seed,
                            num_train_entities=data_config.train_entities,
                            num_dev_entities=data_config.dev_entities,

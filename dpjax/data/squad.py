@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from dpjax.data.tokenization import Tokenizer
+from dpjax.io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,28 @@ class DataError(ValueError):
 
 @dataclasses.dataclass
 class Passage:
+  """A passage of a corpus or of a reading-comprehension file (one type for both)."""
+  id: str
   title: str
-  context: str
+  text: str
+
+  @property
+  def context(self) -> str:
+    """SQuAD's name for the text."""
+    return self.text
 
 
 @dataclasses.dataclass
 class Question:
+  """A question with its gold answers: of a reading-comprehension file (with the passage and
+  answer offset) or an open-domain one (`dpjax.data.questions`; title: the gold document's, if
+  known)."""
   id: str
   question: str
   answers: list[str]  # all gold answer texts (for evaluation), first usable one first
-  answer_start: int  # character offset of answers[0] in the passage, -1 for open questions
-  passage_index: int
+  answer_start: int = -1  # character offset of answers[0] in the passage, -1 for open questions
+  passage_index: int = -1  # row of its passage in the file's passages, -1 for open questions
+  title: str = ""
 
 
 @dataclasses.dataclass
@@ -123,9 +135,7 @@ def write_squad_subset(src: str | os.PathLike, dst: str | os.PathLike,
     raise DataError(f"{src}: {len(wanted) - found} of {len(wanted)} question ids not found")
   dst = pathlib.Path(dst)
   dst.parent.mkdir(parents=True, exist_ok=True)
-  tmp = dst.with_name(dst.name + ".tmp")
-  tmp.write_text(json.dumps({**root, "data": articles}, ensure_ascii=False), encoding="utf-8")
-  os.replace(tmp, dst)
+  write_json(dst, {**root, "data": articles}, indent=None, ensure_ascii=False)
   return found
 
 
@@ -167,7 +177,8 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
           summary.skip(f"question in a paragraph with {reason}", pwhere, len(qas))
         continue
       passage_index = len(passages)
-      passages.append(Passage(title=title, context=context))
+      pid = paragraph.get("id") or f"{pathlib.Path(path).stem}-{a}-{p}"
+      passages.append(Passage(str(pid), title, context))
       for q, qa in enumerate(qas):
         question = _read_question(qa, context, passage_index, f"{pwhere}.qas[{q}]",
                                   require_answers, summary)
@@ -256,7 +267,7 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
     The windows, and for each passage the [T, 2] character offsets of all its context tokens
     (used to map answers to token positions).
   """
-  contexts = tokenizer.tokenize([p.context for p in passages])
+  contexts = tokenizer.tokenize([p.text for p in passages])
   titles = (tokenizer.tokenize([p.title for p in passages]) if include_title
             else [(np.zeros(0, np.int32), None)] * len(passages))
   rows = []

@@ -17,11 +17,12 @@ corpus.json (all paragraphs, no questions).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import random
 from typing import Any
+
+from dpjax.io import write_json
 
 _ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n", "p", "r",
            "s", "st", "t", "tr", "v", "w", "z", "th", "ch", "sh"]
@@ -216,9 +217,7 @@ def write_synthetic(out_dir: str | os.PathLike, **kwargs) -> dict[str, pathlib.P
   paths = {}
   for name, content in [("train", splits["train"]), ("dev", splits["dev"]), ("corpus", corpus)]:
     path = out_dir / f"{name}.json"
-    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, content, ensure_ascii=False)
     paths[name] = path
   return paths
 

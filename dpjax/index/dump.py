@@ -22,13 +22,11 @@ questions are encoded by the model that produced the vectors.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
 import os
 import pathlib
-import shutil
 import time
 from typing import Iterable, Iterator
 
@@ -37,11 +35,10 @@ import numpy as np
 from flax import nnx
 
 from dpjax import distributed
-from dpjax.corpus import CorpusPassage
 from dpjax.data.squad import Passage, build_windows
 from dpjax.data.tokenization import Tokenizer
-from dpjax.parallel import map_batches
-from dpjax.rc import make_encoders
+from dpjax.io import atomic_directory, digest, remove, write_json, write_jsonl
+from dpjax.models.encoders import bound, phrase_batches
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -54,10 +51,7 @@ class DumpError(RuntimeError):
 
 def params_fingerprint(module) -> str:
   """A short hash of a module's parameters."""
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)):
-    digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()[:16]
+  return digest(*(np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(module, nnx.Param))))
 
 
 def encoder_fingerprint(model) -> str:
@@ -81,9 +75,7 @@ def _batches(iterable: Iterable, size: int) -> Iterator[list]:
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
-  tmp = directory / (MANIFEST + ".tmp")
-  tmp.write_text(json.dumps(manifest, indent=1))
-  os.replace(tmp, directory / MANIFEST)
+  write_json(directory / MANIFEST, manifest)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -102,37 +94,31 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
-                passages: list[CorpusPassage]) -> dict:
-  """Writes one shard atomically (temporary directory, then rename); returns its manifest entry."""
-  tmp = directory / f"{name}.tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir()
-  for key, value in arrays.items():
-    np.save(tmp / f"{key}.npy", value)
-  with (tmp / "passages.jsonl").open("w", encoding="utf-8") as f:
-    for p in passages:
-      f.write(json.dumps(dataclasses.asdict(p), ensure_ascii=False) + "\n")
+                passages: list[Passage]) -> dict:
+  """Writes one shard atomically (temporary directory, then rename); returns its manifest entry.
+  An unfinished shard of an older layout in its place is replaced."""
   entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
-  (tmp / SHARD_INFO).write_text(json.dumps(entry))
-  if (directory / name).exists():  # an unfinished shard of an older layout: replace it
-    shutil.rmtree(directory / name)
-  os.replace(tmp, directory / name)
+  with atomic_directory(directory / name) as tmp:
+    for key, value in arrays.items():
+      np.save(tmp / f"{key}.npy", value)
+    write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
+    write_json(tmp / SHARD_INFO, entry, indent=None)
   return entry
 
 
-def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: DumpConfig,
+def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode) -> dict[str, np.ndarray]:
   """Encodes passages; returns the shard arrays (token rows in passage order, local passage rows)."""
-  windows, _ = build_windows(tokenizer, [Passage(p.title, p.text) for p in passages],
+  windows, _ = build_windows(tokenizer, passages,
                              max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
                              include_title=config.include_title)
   keep = windows.context_mask & windows.is_max_context  # [W, L]
   # Batches of similar length (no compute on padding) come back out of order: every kept token's
   # flat position window * L + column puts them back in passage order.
   parts = {"vectors": [], "filter_logits": [], "position": []}
-  for rows, (vectors, logits) in map_batches(encode, [windows.input_ids, windows.attention_mask],
-                                             config.batch_size, mesh,
-                                             lengths=windows.attention_mask.sum(1)):
+  for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
+                                                windows.attention_mask,
+                                                batch_size=config.batch_size, mesh=mesh):
     kept = keep[rows, :vectors.shape[1]]
     window, column = np.nonzero(kept)
     parts["vectors"].append(vectors[kept].astype(np.float16))
@@ -148,7 +134,7 @@ def encode_shard(tokenizer: Tokenizer, passages: list[CorpusPassage], config: Du
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 
 
-def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
+def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
                  model_info: dict | None = None) -> dict:
   """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
@@ -160,27 +146,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
   """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  fingerprint = encoder_fingerprint(model)
-  settings = dataclasses.asdict(config)
-  manifest = {"complete": False, "fingerprint": fingerprint, "model": model_info or {},
-              "settings": settings, "dim": model.config.hidden_size, "shards": []}
-  if (out_dir / MANIFEST).exists():
-    old = json.loads((out_dir / MANIFEST).read_text())
-    if old["fingerprint"] != fingerprint or old["settings"] != settings:
-      raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
-                      "use a new directory (or delete it)")
-    if old["complete"]:
-      log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
-               old["num_passages"], old["num_tokens"])
-      return old
-  if distributed.is_main():
-    for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
-      shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    write_manifest(out_dir, manifest)
-  distributed.barrier("dump-start")
-  graphdef, state = nnx.split(model)
-  jitted = make_encoders(graphdef).phrases_and_filter
-  encode = lambda ids, mask: jitted(state, ids, mask)
+  manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
+              "model": model_info or {}, "settings": dataclasses.asdict(config),
+              "dim": model.config.hidden_size, "shards": []}
+  done = _resume(out_dir, manifest)
+  if done is not None:
+    return done
+  encode = bound(model, "phrases_and_filter")
   start = time.perf_counter()
   num_shards = resumed = 0
   for number, chunk in enumerate(_batches(passages, config.shard_passages)):
@@ -198,6 +170,31 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
     log.info("%s: %d shards were already done (resumed)", out_dir, resumed)
   if not num_shards:
     raise DumpError(f"{out_dir}: the corpus is empty")
+  return _finish(out_dir, manifest, num_shards, time.perf_counter() - start)
+
+
+def _resume(out_dir: pathlib.Path, manifest: dict) -> dict | None:
+  """The manifest of a complete dump already in `out_dir`, or None after preparing the directory
+  for (resuming) this one; a dump of another model or settings there is refused."""
+  if (out_dir / MANIFEST).exists():
+    old = json.loads((out_dir / MANIFEST).read_text())
+    if old["fingerprint"] != manifest["fingerprint"] or old["settings"] != manifest["settings"]:
+      raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
+                      "use a new directory (or delete it)")
+    if old["complete"]:
+      log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
+               old["num_passages"], old["num_tokens"])
+      return old
+  if distributed.is_main():
+    for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
+      remove(leftover)
+    write_manifest(out_dir, manifest)
+  distributed.barrier("dump-start")
+  return None
+
+
+def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: float) -> dict:
+  """Once every process's shards exist, process 0 marks the dump complete."""
   distributed.barrier("dump-shards")
   if distributed.is_main():
     manifest["shards"] = [json.loads((out_dir / shard_name(n) / SHARD_INFO).read_text())
@@ -205,7 +202,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[CorpusPassage],
     manifest.update(complete=True,
                     num_passages=sum(s["passages"] for s in manifest["shards"]),
                     num_tokens=sum(s["tokens"] for s in manifest["shards"]),
-                    seconds=time.perf_counter() - start, processes=jax.process_count())
+                    seconds=seconds, processes=jax.process_count())
     write_manifest(out_dir, manifest)
   distributed.barrier("dump-manifest")
   return read_manifest(out_dir)
@@ -231,7 +228,7 @@ class Dump:
   filter_logits: np.ndarray  # [T, 2] float16
   token_passage: np.ndarray  # [T] int32, global passage row
   char_spans: np.ndarray  # [T, 2] int32
-  passages: list[CorpusPassage]
+  passages: list[Passage]
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> "Dump":
@@ -246,7 +243,7 @@ class Dump:
           value = np.load(path / f"{key}.npy")
           arrays[key].append(value + offset if key == "token_passage" else value)
         with (path / "passages.jsonl").open(encoding="utf-8") as f:
-          passages.extend(CorpusPassage(**json.loads(line)) for line in f)
+          passages.extend(Passage(**json.loads(line)) for line in f)
       except (OSError, ValueError, TypeError) as e:
         raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); "
                         "delete the dump and run it again") from None

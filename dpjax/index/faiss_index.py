@@ -10,13 +10,11 @@ fingerprint) into `<dump>/indexes/<name>/`, via a temporary directory renamed wh
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import pathlib
 import re
-import shutil
 import time
 
 import faiss
@@ -25,6 +23,7 @@ import numpy as np
 
 from dpjax import distributed
 from dpjax.index.dump import DumpError, read_manifest, shard_token_offsets
+from dpjax.io import commit_directory, remove, write_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "index_manifest.json"
@@ -100,13 +99,36 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   mapped), so memory holds the index and one shard. With several processes
   (`dpjax.distributed`): process 0 trains the (empty) index on a sample of all shards, every
   process adds the vectors of its own shards (shard n: process n mod P) to a copy, and process 0
-  merges the parts (faiss `merge_from`) into one index.
+  merges the parts (faiss `merge_from`) into one index. The index is built in `<name>.tmp` and
+  renamed into place complete; a failed build removes its temporary directory.
   """
   dump_dir = pathlib.Path(dump_dir)
+  plan = _plan(dump_dir, spec, filter_threshold, train_size)
+  name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + (
+      f"_filter{filter_threshold:g}" if filter_threshold is not None else "")
+  final = dump_dir / "indexes" / name
+  tmp = final.with_name(final.name + ".tmp")
+  start = time.perf_counter()
+  try:
+    index = _trained(plan, tmp, name, min(train_size, plan["total_kept"]), seed)
+    index = _add_shards(index, plan, _use_gpu() and plan["resolved"] != "Flat")
+    index = _merge_parts(index, tmp, name, plan["resolved"])
+    if distributed.is_main():
+      _write(index, plan, tmp, final, spec=spec, nprobe=nprobe,
+             seconds=time.perf_counter() - start)
+  except BaseException:
+    if distributed.is_main():
+      remove(tmp)
+    raise
+  distributed.barrier(f"index-{name}-done")
+  return final
+
+
+def _plan(dump_dir: pathlib.Path, spec: str, filter_threshold, train_size: int) -> dict:
+  """What an index over the dump holds: the kept tokens of each shard and the resolved spec."""
   dump = read_manifest(dump_dir)
-  shards = dump["shards"]
   offsets = shard_token_offsets(dump)
-  kept_counts = [len(_kept(dump_dir, s, filter_threshold)) for s in shards]
+  kept_counts = [len(_kept(dump_dir, s, filter_threshold)) for s in dump["shards"]]
   total_kept = sum(kept_counts)
   if filter_threshold is not None:
     log.info("filter threshold %.3f keeps %d of %d tokens (%.1f%%)", filter_threshold,
@@ -116,66 +138,81 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   resolved, notes = resolve_spec(spec, total_kept, train_size)
   for note in notes:
     log.warning("%s", note)
-  dim = dump["dim"]
-  name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + (
-      f"_filter{filter_threshold:g}" if filter_threshold is not None else "")
-  final = dump_dir / "indexes" / name
-  tmp = final.with_name(final.name + ".tmp")
-  main, rank = distributed.is_main(), jax.process_index()
-  start = time.perf_counter()
-  if main:
-    shutil.rmtree(tmp, ignore_errors=True)
+  return {"dump_dir": dump_dir, "dump": dump, "shards": dump["shards"], "offsets": offsets,
+          "kept_counts": kept_counts, "total_kept": total_kept, "resolved": resolved,
+          "notes": notes, "filter_threshold": filter_threshold}
+
+
+def _trained(plan: dict, tmp: pathlib.Path, name: str, size: int, seed: int):
+  """The empty index, trained by process 0 and read back from a file by every process."""
+  index = None
+  if distributed.is_main():
+    remove(tmp)
     tmp.mkdir(parents=True)
-    index = faiss.index_factory(dim, "IDMap," + resolved if resolved == "Flat" else resolved,
+    resolved = plan["resolved"]
+    index = faiss.index_factory(plan["dump"]["dim"],
+                                "IDMap," + resolved if resolved == "Flat" else resolved,
                                 faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
-      index = _train(index, dump_dir, shards, offsets, kept_counts, filter_threshold,
-                     min(train_size, total_kept), seed)
+      index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
+                     plan["kept_counts"], plan["filter_threshold"], size, seed)
     if jax.process_count() > 1:
       faiss.write_index(index, str(tmp / "trained.faiss"))
   distributed.barrier(f"index-{name}-trained")
   if jax.process_count() > 1:  # every part read back from the file: types match for merging
     index = faiss.read_index(str(tmp / "trained.faiss"))
-  adder = faiss.index_cpu_to_all_gpus(index) if _use_gpu() and resolved != "Flat" else index
-  for number, shard in enumerate(shards):
+  return index
+
+
+def _add_shards(index, plan: dict, gpu: bool):
+  """Adds the kept vectors of this process's shards, labelled by global token id."""
+  adder = faiss.index_cpu_to_all_gpus(index) if gpu else index
+  for number, shard in enumerate(plan["shards"]):
     if not distributed.process_share(number):
       continue
-    rows = _kept(dump_dir, shard, filter_threshold)
-    vectors = _shard_arrays(dump_dir, shard, "vectors")
+    rows = _kept(plan["dump_dir"], shard, plan["filter_threshold"])
+    vectors = _shard_arrays(plan["dump_dir"], shard, "vectors")
     for lo in range(0, len(rows), 1 << 18):  # bounded float32 copies
       part = rows[lo:lo + (1 << 18)]
-      adder.add_with_ids(np.asarray(vectors[part], np.float32), part + offsets[number])
-  index = faiss.index_gpu_to_cpu(adder) if adder is not index else index
-  if jax.process_count() > 1:
-    if not main:
-      faiss.write_index(index, str(tmp / f"part_{rank}.faiss"))
-    distributed.barrier(f"index-{name}-parts")
-    if main:
-      for other in range(1, jax.process_count()):
-        part_path = tmp / f"part_{other}.faiss"
-        part = faiss.read_index(str(part_path))
-        index.merge_from(part, 0) if "IVF" in resolved else index.merge_from(part)
-        part_path.unlink()
-      (tmp / "trained.faiss").unlink()
-  if main:
-    if index.ntotal != total_kept:
-      raise DumpError(f"{final}: the index holds {index.ntotal} vectors, expected {total_kept}")
-    seconds = time.perf_counter() - start
-    faiss.write_index(index, str(tmp / "index.faiss"))
-    manifest = {"spec": spec, "resolved_spec": resolved, "notes": notes,
-                "labels": "token_id", "num_tokens": int(total_kept),
-                "dump_tokens": int(offsets[-1]), "filter_threshold": filter_threshold,
-                "nprobe": nprobe, "fingerprint": dump["fingerprint"], "build_seconds": seconds,
-                "processes": jax.process_count(),
-                "index_bytes": (tmp / "index.faiss").stat().st_size}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    if final.exists():
-      shutil.rmtree(final)
-    os.replace(tmp, final)
-    log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, total_kept, resolved,
-             seconds, manifest["index_bytes"] / total_kept)
-  distributed.barrier(f"index-{name}-done")
-  return final
+      adder.add_with_ids(np.asarray(vectors[part], np.float32), part + plan["offsets"][number])
+  return faiss.index_gpu_to_cpu(adder) if adder is not index else index
+
+
+def _merge_parts(index, tmp: pathlib.Path, name: str, resolved: str):
+  """With several processes, process 0 merges the others' parts into its index."""
+  if jax.process_count() == 1:
+    return index
+  if not distributed.is_main():
+    faiss.write_index(index, str(tmp / f"part_{jax.process_index()}.faiss"))
+  distributed.barrier(f"index-{name}-parts")
+  if distributed.is_main():
+    for other in range(1, jax.process_count()):
+      part_path = tmp / f"part_{other}.faiss"
+      part = faiss.read_index(str(part_path))
+      index.merge_from(part, 0) if "IVF" in resolved else index.merge_from(part)
+      part_path.unlink()
+    (tmp / "trained.faiss").unlink()
+  return index
+
+
+def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: str,
+           nprobe: int, seconds: float) -> None:
+  """Writes the index and its manifest into `tmp` and renames it to `final`."""
+  if index.ntotal != plan["total_kept"]:
+    raise DumpError(f"{final}: the index holds {index.ntotal} vectors, expected "
+                    f"{plan['total_kept']}")
+  faiss.write_index(index, str(tmp / "index.faiss"))
+  manifest = {"spec": spec, "resolved_spec": plan["resolved"], "notes": plan["notes"],
+              "labels": "token_id", "num_tokens": int(plan["total_kept"]),
+              "dump_tokens": int(plan["offsets"][-1]),
+              "filter_threshold": plan["filter_threshold"], "nprobe": nprobe,
+              "fingerprint": plan["dump"]["fingerprint"], "build_seconds": seconds,
+              "processes": jax.process_count(),
+              "index_bytes": (tmp / "index.faiss").stat().st_size}
+  write_json(tmp / MANIFEST, manifest)
+  commit_directory(tmp, final)
+  log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, plan["total_kept"],
+           plan["resolved"], seconds, manifest["index_bytes"] / plan["total_kept"])
 
 
 def _train(index, dump_dir, shards, offsets, kept_counts, filter_threshold, size: int, seed: int):

@@ -19,8 +19,10 @@ import pathlib
 import re
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file
 
 from dpjax.models.bert import BertConfig, BertModel
 
@@ -82,7 +84,6 @@ def load_config(model_dir: str | os.PathLike) -> BertConfig:
 def load_tensors(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
   """Reads all weight tensors of a checkpoint directory as numpy arrays."""
   model_dir = pathlib.Path(model_dir)
-  from safetensors.numpy import load_file
   if (model_dir / "model.safetensors").is_file():
     return load_file(model_dir / "model.safetensors")
   index = model_dir / "model.safetensors.index.json"
@@ -194,7 +195,6 @@ def load_bert_weights(model: BertModel, tensors: Mapping[str, np.ndarray],
 def load_pretrained_bert(name: str = DEFAULT_MODEL, *, dtype=None,
                          rngs: nnx.Rngs | None = None) -> BertModel:
   """Builds a `BertModel` and loads a pretrained checkpoint into it."""
-  import jax.numpy as jnp
   model_dir = resolve_model_dir(name)
   config = load_config(model_dir)
   model = BertModel(config, dtype=dtype or jnp.float32, rngs=rngs or nnx.Rngs(0))

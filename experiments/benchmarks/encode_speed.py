@@ -39,7 +39,7 @@ def padded_batches(map_batches):
 
 
 def markdown(results: dict, command: str) -> str:
-  from dpjax.config import with_notes
+  from experiments.report import with_notes
   q, d = results["question"], results["dump"]
   return with_notes([
       "# Encoding speed: length-bucketed batches vs padded ones", "",
@@ -77,16 +77,16 @@ def main(argv=None) -> int:
   from flax import nnx
 
   from dpjax import parallel
-  from dpjax.config import load_config, save_results
-  from dpjax.corpus import read_corpus
+  from dpjax.config import load_config
+  from experiments.report import save_results
   from dpjax.data import Tokenizer
-  from dpjax.data.squad import Passage, build_windows
-  from dpjax.index import dump as dump_module
+  from dpjax.data.corpus import read_corpus
+  from dpjax.data.questions import read_questions
+  from dpjax.data.squad import build_windows
   from dpjax.index.dump import DumpConfig, encode_shard
-  from dpjax.open_domain import data_paths, read_questions, restore_model
+  from dpjax.models import encoders as encoders_module
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.rc import make_encoders
-  from dpjax.search import _encode_questions
+  from dpjax.workdir import data_paths, restore_model
 
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
@@ -94,15 +94,15 @@ def main(argv=None) -> int:
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   model, step = restore_model(config, workdir)
   graphdef, state = nnx.split(model)
-  encoders = make_encoders(graphdef)
+  encoders = encoders_module.make_encoders(graphdef)
   mesh = make_mesh()
   batch_size = round_to_devices(config.index.batch_size, mesh)
   bucketed, padded = parallel.map_batches, padded_batches(parallel.map_batches)
 
   def use(map_batches):  # the one function both encoders go through
-    parallel.map_batches = dump_module.map_batches = map_batches
+    parallel.map_batches = encoders_module.map_batches = map_batches
 
-  questions = [q["question"] for q in read_questions(paths["questions"])][:args.questions]
+  questions = [q.question for q in read_questions(paths["questions"])][:args.questions]
   corpus = list(read_corpus(paths["corpus"]))
   rng = np.random.default_rng(0)
   sample = [corpus[i] for i in np.sort(rng.choice(len(corpus), min(args.passages, len(corpus)),
@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     times = []
     for q in questions:
       start = time.perf_counter()
-      _encode_questions(encoders.questions, state, tokenizer, [q], config.data.max_query_length,
-                        batch_size, mesh)
+      ids, mask = tokenizer.encode([q], config.data.max_query_length)
+      encoders_module.question_vectors(lambda i, m: encoders.questions(state, i, m), ids, mask,
+                                       batch_size=batch_size, mesh=mesh)
       times.append(time.perf_counter() - start)
     return times
 
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
   finally:
     use(bucketed)
   windows, _ = build_windows(
-      tokenizer, [Passage(p.title, p.text) for p in sample],
+      tokenizer, sample,
       max_seq_length=dump_config.max_seq_length, doc_stride=dump_config.doc_stride,
       include_title=dump_config.include_title)
   results["question"] = {"questions": len(questions), "batch_size": batch_size,
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
                      "max_abs_diff": float(np.abs(vectors["bucketed"] - vectors["padded"]).max()),
                      **{f"{k}_tokens_per_s": tokens / statistics.median(v)
                         for k, v in dump_seconds.items()}}
-  from dpjax.config import elide_notes
+  from experiments.report import elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   save_results(args.out, results, markdown, "experiments/benchmarks/encode_speed.py", argv)
   return 0

@@ -126,7 +126,7 @@ def table(results: dict, command: str) -> str:
                  + (f" command {commands.index(r['command']) + 1}"
                     + (f", `{r['workdir']}`" if "workdir" in r else "") + " |"
                     if len(commands) > 1 else ""))
-  from dpjax.config import with_notes
+  from experiments.report import with_notes
   return with_notes(lines, results.get("notes", []))
 
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if not args.systems and args.merge is None:
     parser.error("nothing to do: no --systems to measure and no --merge tables")
-  from dpjax.config import elide_notes
+  from experiments.report import elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   command = "python experiments/benchmarks/passage_retrieval.py " + " ".join(argv)
   from dpjax.config import setup_logging
@@ -158,15 +158,15 @@ def main(argv=None) -> int:
 
   from dpjax import metrics
   from dpjax.data import Tokenizer
-  from dpjax.open_domain import open_workdir, restore_model
+  from dpjax.workdir import open_workdir, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.search import DensePhrases, PhraseIndex
+  from dpjax.index.search import DensePhrases, PhraseIndex
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   passages = dump.passages
   questions = questions[:config.eval.limit or None]
-  texts = [q["question"] for q in questions]
-  answers = [q["answers"] for q in questions]
+  texts = [q.question for q in questions]
+  answers = [q.answers for q in questions]
   mesh = make_mesh()
   batch = round_to_devices(config.index.batch_size, mesh)
   fingerprint = _fingerprint(texts, passages)
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
              "notes": args.note or earlier["notes"]}
   if not args.systems:
     results["merged_by"] = command
-  from dpjax.config import save_results
+  from experiments.report import save_results
   save_results(args.out, results, table, "experiments/benchmarks/passage_retrieval.py", argv)
   return 0
 

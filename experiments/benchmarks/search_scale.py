@@ -175,7 +175,7 @@ def main(argv=None) -> int:
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph under the tables (kept by --merge unless given again)")
   args = parser.parse_args(argv)
-  from dpjax.config import elide_notes
+  from experiments.report import elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   earlier = {"rows": [], "commands": []}
   if args.merge is not None:
@@ -189,15 +189,15 @@ def main(argv=None) -> int:
 
   import faiss
 
-  from dpjax.config import save_results
+  from experiments.report import save_results
   from dpjax.data import Tokenizer
-  from dpjax.open_domain import open_workdir, restore_model
-  from dpjax.search import DensePhrases, PhraseIndex
+  from dpjax.workdir import open_workdir, restore_model
+  from dpjax.index.search import DensePhrases, PhraseIndex
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   model, step = restore_model(config, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  questions = [q["question"] for q in questions][:args.questions]
+  questions = [q.question for q in questions][:args.questions]
   dim = dump.vectors.shape[1]
 
   def save(rows: list[dict]) -> None:
@@ -398,7 +398,7 @@ def report(results: dict, command: str) -> str:
     for name in WIKIPEDIA_TOKENS:
       lines.append(f"| {spec} | {e[name]['tokens']:.1e} ({name}) | {e[name]['memory_gb']:,.0f} | "
                    f"{_g(e[name]['questions_per_sec'])} | {_g(e['fitted_exponent'], '.2f')} |")
-  from dpjax.config import with_notes
+  from experiments.report import with_notes
   return with_notes(lines, results.get("notes", []))
 
 

@@ -56,23 +56,21 @@ def summarize(name: str, times: list[float]) -> dict:
 
 def bench_jax(steps: int, warmup: int) -> dict:
   import jax
-  from flax import nnx
 
   from dpjax.config import train_config
   from dpjax.models import load_dense_phrases
+  from dpjax.objectives import make_objective
   from dpjax.parallel import batch_sharding, make_mesh
-  from dpjax import train
+  from dpjax.trainer import build_trainer
 
   config = train_config(batch_size=BATCH, learning_rate=3e-5)
   config.loss.prebatch_size = 0
   mesh = make_mesh()
   model = load_dense_phrases("minilm-l6")
-  _, params, _ = nnx.split(model, nnx.Param, ...)
-  tx, schedule, labels = train.make_optimizer(config, params, 1000)
-  graphdef, state, sharding = train.init_state(model, tx, prebatch_size=0, batch_size=BATCH,
-                                               length=LENGTH, seed=0, mesh=mesh)
-  step_fn = train.make_train_step(graphdef, tx, schedule, config.loss, sharding, mesh,
-                                  labels=labels)
+  objective = make_objective(config.loss, batch_size=BATCH, length=LENGTH,
+                             dim=model.config.hidden_size)
+  trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh)
+  state, step_fn = trainer.state, trainer.step
   batch = jax.device_put(make_batch(), batch_sharding(mesh))
   times = []
   for i in range(warmup + steps):

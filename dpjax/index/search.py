@@ -21,8 +21,12 @@ from typing import Sequence
 import faiss
 import numpy as np
 
+from dpjax.data.tokenization import Tokenizer
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
+from dpjax.index.evaluate import retrieve
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
+from dpjax.models.encoders import bound, question_vectors
+from dpjax.parallel import make_mesh, round_to_devices
 
 UNITS = ("phrase", "sentence", "passage", "document")
 _RESCORE_FLOATS = 1 << 25  # ~128 MiB of float32 partner vectors per rescoring chunk
@@ -280,10 +284,6 @@ class DensePhrases:
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
                batch_size: int = 64, mesh=None, check_model: bool = True):
-    from dpjax.data.tokenization import Tokenizer
-    from dpjax.parallel import make_mesh, round_to_devices
-    from dpjax.rc import make_encoders
-    from flax import nnx
     if check_model and encoder_fingerprint(model) != index.fingerprint:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
@@ -292,12 +292,11 @@ class DensePhrases:
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
     self.batch_size = round_to_devices(batch_size, self.mesh)
-    graphdef, self.state = nnx.split(model)
-    self._encode = make_encoders(graphdef).questions
+    self._encode = bound(model, "questions")
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode_questions(self._encode, self.state, self.tokenizer, questions,
-                             self.max_query_length, self.batch_size, self.mesh)
+    ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
+    return question_vectors(self._encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
 
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
              **kwargs) -> list[list[dict]] | list[dict]:
@@ -312,40 +311,6 @@ class DensePhrases:
     """Several searches of the same questions, e.g. `[(10, "phrase"), (20, "passage")]`: the
     questions are encoded once and the index is searched once, as wide as the widest needs."""
     q_start, q_end = self.encode(list(questions))
-    # A phrase search grows past its first round only when fewer than k phrases exist at all.
-    width = max(self.index.fetch_bounds(k, top_tokens=kwargs.get("top_tokens"),
-                                        max_fetch=kwargs.get("max_fetch"))[unit != "phrase"]
-                for k, unit in requests)
-    hits = self.index.hits(q_start, q_end, width)
-    return [[[self.index.result(p, unit) for p, _ in units]
-             for units in self.index.search(q_start, q_end, k, unit, hits=hits, **kwargs)]
-            for k, unit in requests]
-
-
-def _encode_questions(encode, state, tokenizer, questions, max_query_length, batch_size, mesh):
-  from dpjax.parallel import map_batches
-  ids, mask = tokenizer.encode(list(questions), max_query_length)
-  q_start = q_end = None
-  for rows, (qs, qe) in map_batches(lambda i, m: encode(state, i, m), [ids, mask], batch_size,
-                                    mesh, lengths=mask.sum(1), length_multiple=16):
-    if q_start is None:
-      q_start = np.zeros((len(ids), qs.shape[1]), qs.dtype)
-      q_end = np.zeros_like(q_start)
-    q_start[rows], q_end[rows] = qs, qe
-  if q_start is None:
-    raise ValueError("no questions to encode")
-  return q_start, q_end
-
-
-def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,
-                     batch_size: int = 64, mesh=None) -> tuple[np.ndarray, np.ndarray]:
-  """(q_start, q_end) [Q, D] of `questions` by the model's question encoders."""
-  from flax import nnx
-
-  from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.rc import make_encoders
-  mesh = mesh or make_mesh()
-  graphdef, state = nnx.split(model)
-  return _encode_questions(make_encoders(graphdef).questions, state, tokenizer, questions,
-                           max_query_length, round_to_devices(batch_size, mesh), mesh)
-
+    found = retrieve(self.index, q_start, q_end, requests, shared_hits=True, **kwargs)
+    return [[[self.index.result(p, unit) for p, _ in units] for units in per_request]
+            for (_, unit), per_request in zip(requests, found)]

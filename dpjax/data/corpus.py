@@ -8,8 +8,8 @@ Accepted inputs:
 Bad records (invalid JSON line, no text, empty text, duplicate id) are skipped and counted, and so
 are exact repeats of a passage (same title and text), which would only duplicate index entries.
 
-`python -m dpjax.corpus squad FILE [FILE ...] --out corpus.jsonl` writes the unique paragraphs of
-SQuAD files as a JSONL corpus (train + dev v1.1: 20,963 paragraphs, 5 of them verbatim
+`python -m dpjax.data.corpus squad FILE [FILE ...] --out corpus.jsonl` writes the unique
+paragraphs of SQuAD files as a JSONL corpus (train + dev v1.1: 20,963 paragraphs, 5 of them verbatim
 repeats of another paragraph of the same article, so 20,958 passages).
 """
 from __future__ import annotations
@@ -22,14 +22,8 @@ import pathlib
 import sys
 from typing import Iterable, Iterator
 
-from dpjax.data.squad import DataError, SkipSummary, load_json
-
-
-@dataclasses.dataclass
-class CorpusPassage:
-  id: str
-  title: str
-  text: str
+from dpjax.data.squad import DataError, Passage, SkipSummary, load_json
+from dpjax.io import write_jsonl
 
 
 def _is_jsonl(path: pathlib.Path) -> bool:
@@ -46,7 +40,7 @@ def _is_jsonl(path: pathlib.Path) -> bool:
 
 
 def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
-                summary: SkipSummary | None = None) -> Iterator[CorpusPassage]:
+                summary: SkipSummary | None = None) -> Iterator[Passage]:
   """Streams passages from one or more corpus files; skips and counts bad records in `summary`."""
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
   summary = summary if summary is not None else SkipSummary()
@@ -92,7 +86,7 @@ def _read_jsonl(path: pathlib.Path, summary: SkipSummary):
         continue
       pid = record.get("id", record.get("_id"))
       pid = str(pid) if pid is not None else f"{path.stem}-{number}"
-      yield CorpusPassage(pid, str(record.get("title") or ""), text), where
+      yield Passage(pid, str(record.get("title") or ""), text), where
 
 
 def _read_squad(path: pathlib.Path, summary: SkipSummary):
@@ -112,20 +106,14 @@ def _read_squad(path: pathlib.Path, summary: SkipSummary):
         summary.skip("paragraph without context", where)
         continue
       pid = paragraph.get("id") or f"{path.stem}-{a}-{p}"
-      yield CorpusPassage(str(pid), title, text), where
+      yield Passage(str(pid), title, text), where
 
 
 def squad_to_jsonl(paths: Iterable[str | os.PathLike], out: str | os.PathLike) -> int:
   """Writes the unique (title, context) paragraphs of SQuAD files as JSONL; returns the count."""
-  out = pathlib.Path(out)
-  tmp = out.with_name(out.name + ".tmp")
-  count = 0
-  with tmp.open("w", encoding="utf-8") as f:
-    for passage in read_corpus(paths):
-      f.write(json.dumps(dataclasses.asdict(passage), ensure_ascii=False) + "\n")
-      count += 1
-  os.replace(tmp, out)
-  return count
+  passages = list(read_corpus(paths))
+  write_jsonl(out, map(dataclasses.asdict, passages))
+  return len(passages)
 
 
 def main(argv=None) -> int:

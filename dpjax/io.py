@@ -1,0 +1,101 @@
+"""Atomic file and directory writes, and content digests (layer 0: numpy and the standard library).
+
+Every file dpjax writes that a later run reads (reports, manifests, corpora, shards, indexes)
+goes through these helpers: a crash or kill leaves the old file or the new one, never half of one,
+and a temporary left by a killed run has a name no reader takes for the real thing.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Iterable, Iterator
+
+import numpy as np
+
+
+def _temporary(path: pathlib.Path) -> pathlib.Path:
+  return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def write_lines_atomic(path: str | os.PathLike, lines: Iterable[str]) -> None:
+  """Streams `lines` (each ending in a newline, or not: written as given) into `path` atomically."""
+  path = pathlib.Path(path)
+  tmp = _temporary(path)
+  try:
+    with tmp.open("w", encoding="utf-8") as f:
+      for line in lines:
+        f.write(line)
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+  """Writes a file so that a crash leaves the old file or the new one, never half of one."""
+  write_lines_atomic(path, [text])
+
+
+def write_json(path: str | os.PathLike, obj, *, indent: int | None = 1, **kwargs) -> None:
+  """`obj` as (indented) JSON, written atomically (reports, manifests, predictions)."""
+  write_text_atomic(path, json.dumps(obj, indent=indent, **kwargs))
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
+  """One JSON object per line (UTF-8, non-ASCII kept), written atomically."""
+  write_lines_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+  try:
+    np.save(tmp, array)
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def remove(path: pathlib.Path) -> None:
+  """Removes a file or a directory tree, if it exists."""
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  else:
+    path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike, *, cleanup: bool = True) -> Iterator[pathlib.Path]:
+  """Yields an empty `<final>.tmp` directory to fill; on success it replaces `final` whole.
+
+  On an exception the temporary directory is removed (`cleanup=False` keeps it, for callers that
+  resume from it) and `final` is left as it was.
+  """
+  final = pathlib.Path(final)
+  tmp = final.with_name(final.name + ".tmp")
+  remove(tmp)
+  tmp.mkdir(parents=True)
+  try:
+    yield tmp
+  except BaseException:
+    if cleanup:
+      remove(tmp)
+    raise
+  commit_directory(tmp, final)
+
+
+def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+  """Puts a complete directory `tmp` in the place of `final` (replacing an older one)."""
+  remove(pathlib.Path(final))
+  os.replace(tmp, final)
+
+
+def digest(*arrays, length: int = 16) -> str:
+  """A short sha256 of arrays' bytes (parameter and data fingerprints)."""
+  h = hashlib.sha256()
+  for array in arrays:
+    h.update(np.ascontiguousarray(array).tobytes())
+  return h.hexdigest()[:length]

@@ -1,0 +1,86 @@
+"""The jitted encoders of a DensePhrases model and the one batched-encoding helper.
+
+Everything that encodes many passages or questions (RC evaluation, search, the dump, the token
+filter, validation) goes through `phrase_batches` / `question_vectors`: length-bucketed batches
+sharded over the mesh, padding dropped, each result put back at its rows.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dpjax.parallel import make_mesh, map_batches, round_to_devices
+
+
+class Encoders(NamedTuple):
+  """Jitted encoders `fn(state, input_ids, attention_mask)` of one model graph."""
+  phrases: Callable  # -> h [B, L, D]
+  questions: Callable  # -> (q_start, q_end) [B, D] each
+  phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2])
+
+
+@functools.lru_cache(maxsize=8)
+def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
+  """Jitted phrase and question encoders taking the model state as an argument.
+
+  Cached per graph definition, so evaluating every N steps of training compiles once.
+  """
+
+  @jax.jit
+  def phrases(state, input_ids, attention_mask):
+    return nnx.merge(graphdef, state).encode_phrases(input_ids, attention_mask)
+
+  @jax.jit
+  def questions(state, input_ids, attention_mask):
+    return nnx.merge(graphdef, state).encode_questions(input_ids, attention_mask)
+
+  @jax.jit
+  def phrases_and_filter(state, input_ids, attention_mask):
+    model = nnx.merge(graphdef, state)
+    h = model.encode_phrases(input_ids, attention_mask)
+    return h, model.filter_logits(h)
+
+  return Encoders(phrases, questions, phrases_and_filter)
+
+
+def bound(model, encoder: str) -> Callable:
+  """`fn(input_ids, attention_mask)` of one of the model's jitted `Encoders` (by field name)."""
+  graphdef, state = nnx.split(model)
+  jitted = getattr(make_encoders(graphdef), encoder)
+  return lambda input_ids, attention_mask: jitted(state, input_ids, attention_mask)
+
+
+def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
+                   batch_size: int, mesh) -> Iterator[tuple[np.ndarray, object]]:
+  """(rows, outputs) of `encode` over windows [W, L] in length-bucketed batches; outputs are cut
+  to the batch's longest row (columns past it are padding)."""
+  return map_batches(encode, [input_ids, attention_mask], batch_size, mesh,
+                     lengths=attention_mask.sum(1))
+
+
+def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
+                     batch_size: int, mesh) -> tuple[np.ndarray, np.ndarray]:
+  """(q_start, q_end) [Q, D] of tokenised questions by `encode` (a bound question encoder)."""
+  q_start = q_end = None
+  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask], batch_size, mesh,
+                                    lengths=attention_mask.sum(1), length_multiple=16):
+    if q_start is None:
+      q_start = np.zeros((len(input_ids), qs.shape[1]), qs.dtype)
+      q_end = np.zeros_like(q_start)
+    q_start[rows], q_end[rows] = qs, qe
+  if q_start is None:
+    raise ValueError("no questions to encode")
+  return q_start, q_end
+
+
+def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,
+                     batch_size: int = 64, mesh=None) -> tuple[np.ndarray, np.ndarray]:
+  """(q_start, q_end) [Q, D] of question texts by the model's question encoders."""
+  mesh = mesh or make_mesh()
+  ids, mask = tokenizer.encode(list(questions), max_query_length)
+  return question_vectors(bound(model, "questions"), ids, mask,
+                          batch_size=round_to_devices(batch_size, mesh), mesh=mesh)

@@ -1,0 +1,190 @@
+"""Training objectives of the phrase and question encoders, on one (global) batch.
+
+Recipes (`train.loss.recipe`):
+  unified   Kim et al. 2022, Eq. 2: one softmax per question over its gold token and all
+            negatives, each type weighted by lambda: in-passage, in-batch (every token of the
+            other passages in the batch), pre-batch (every token of the C previous batches) and
+            mined hard-negative passages.
+  original  DensePhrases: L = w_single L_single + w_neg L_neg (+ w_distill L_distill with teacher
+            logits), L_neg over the gold tokens of the batch and of the pre-batch queue.
+  qsft      query-side fine-tuning: marginal likelihood of the retrieved phrases that match a gold
+            answer (Eq. 11), plus the same on start-only and end-only scores (as the reference).
+The pre-batch queue (token vectors and gold positions of the C previous batches, no gradient) is
+the state an objective carries from step to step; it is part of the train state.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dpjax import losses
+from dpjax.trainer import Objective
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-batch queue
+
+
+def init_queue(size: int, batch_size: int, length: int, dim: int) -> dict:
+  """An empty queue of `size` previous batches: all their token vectors and gold positions."""
+  return {"vectors": jnp.zeros((size, batch_size, length, dim), jnp.float32),
+          "mask": jnp.zeros((size, batch_size, length), bool),
+          "passage_ids": jnp.full((size, batch_size), -1, jnp.int32),
+          "start": jnp.zeros((size, batch_size), jnp.int32),
+          "end": jnp.zeros((size, batch_size), jnp.int32),
+          "valid": jnp.zeros((size,), bool)}
+
+
+def push_queue(queue: dict, entry: dict) -> dict:
+  """Drops the oldest batch and puts `entry` (one batch, no gradient) first."""
+  if not queue:  # no pre-batch negatives
+    return queue
+  entry = {**jax.lax.stop_gradient(entry), "valid": jnp.ones((), bool)}
+  return {k: jnp.concatenate([entry[k][None].astype(v.dtype), v[:-1]]) for k, v in queue.items()}
+
+
+def queue_sharding(mesh, queue: dict) -> dict:
+  if not queue:
+    return {}
+  batch_axis = NamedSharding(mesh, P(None, "data"))
+  return {"vectors": batch_axis, "mask": batch_axis, "passage_ids": batch_axis,
+          "start": batch_axis, "end": batch_axis, "valid": NamedSharding(mesh, P())}
+
+
+def make_objective(loss_config, *, batch_size: int, length: int, dim: int) -> Objective:
+  """The configured recipe with its pre-batch queue (`loss.prebatch_size` batches; QSFT: none)."""
+  size = loss_config.prebatch_size if loss_config.recipe != "qsft" else 0
+  queue = init_queue(size, batch_size, length, dim) if size else {}
+  return Objective(
+      loss_fn=lambda model, batch, queue, step, rngs: compute_loss(model, batch, queue, step,
+                                                                   loss_config, rngs),
+      queue=queue, queue_sharding=lambda mesh: queue_sharding(mesh, queue))
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes
+
+
+def _log_weight(weight: float) -> float:
+  return math.log(weight) if weight > 0 else losses.NEG_INF
+
+
+def qsft_loss(model, batch: dict, queue: dict | None = None, rngs=None):
+  """Query-side fine-tuning: marginal likelihood of the positive retrieved phrases (Eq. 11), on
+  phrase scores plus start-only and end-only scores (as the reference).
+
+  Returns (loss, (metrics, queue unchanged))."""
+  q_start, q_end = model.encode_questions(batch["question_input_ids"],
+                                          batch["question_attention_mask"], rngs=rngs)
+  start = jnp.einsum("bkd,bd->bk", batch["candidate_start"], q_start)
+  end = jnp.einsum("bkd,bd->bk", batch["candidate_end"], q_end)
+  positive, valid = batch["candidate_positive"], batch["candidate_valid"]
+  per_example = (losses.marginal_likelihood_loss(start + end, positive, valid)
+                 + losses.marginal_likelihood_loss(start, positive, valid)
+                 + losses.marginal_likelihood_loss(end, positive, valid))
+  loss = per_example.mean()
+  top1 = jnp.take_along_axis(positive, jnp.argmax(jnp.where(valid, start + end, losses.NEG_INF),
+                                                  axis=1)[:, None], 1)[:, 0]
+  return loss, ({"loss": loss, "top1_positive": top1.mean()}, queue or {})
+
+
+def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
+  """Per-example unified loss (Kim et al. Eq. 2), start and end averaged."""
+  h, q_start, q_end = encoded["h"], encoded["q_start"], encoded["q_end"]
+  b, length, dim = h.shape
+  lw_prb = _log_weight(loss_config.lambda_prb or loss_config.lambda_inb)
+  extra = [(queue["vectors"].reshape(-1, dim),
+            (queue["mask"] & queue_on[:, None, None]).reshape(-1),
+            jnp.repeat(queue["passage_ids"].reshape(-1), length),
+            jnp.full(queue["mask"].size, lw_prb))]
+  if "hard_input_ids" in batch:  # mined hard-negative passages, encoded with gradient
+    hard = model.encode_phrases(batch["hard_input_ids"], batch["hard_attention_mask"], rngs=rngs)
+    extra.append((hard.reshape(-1, dim), batch["hard_context_mask"].reshape(-1),
+                  jnp.repeat(batch["hard_passage_ids"], length),
+                  jnp.full(batch["hard_context_mask"].size,
+                           _log_weight(loss_config.lambda_hard))))
+  vectors, extra_mask, extra_pids, extra_lw = (jnp.concatenate(x) for x in zip(*extra))
+  kwargs = dict(log_weight_in_passage=_log_weight(loss_config.lambda_inp),
+                log_weight_in_batch=_log_weight(loss_config.lambda_inb))
+  mask, pids = batch["context_mask"], batch["passage_ids"]
+  per_example = 0.5 * (
+      losses.unified_loss(q_start, h, mask, batch["start_positions"], pids, vectors, extra_mask,
+                          extra_pids, extra_lw, **kwargs)
+      + losses.unified_loss(q_end, h, mask, batch["end_positions"], pids, vectors, extra_mask,
+                            extra_pids, extra_lw, **kwargs))
+  return per_example, {}
+
+
+def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
+  """Per-example DensePhrases loss: single passage + in-batch/pre-batch (+ distillation)."""
+  h, q_start, q_end = encoded["h"], encoded["q_start"], encoded["q_end"]
+  b, length, dim = h.shape
+  mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
+  pids = batch["passage_ids"]
+  single = losses.single_passage_loss(encoded["start_logits"], encoded["end_logits"], mask, start,
+                                      end)
+  rows = jnp.arange(b)
+  qv = queue["vectors"]
+  c_rows = jnp.arange(qv.shape[0])[:, None]
+  b_rows = jnp.arange(qv.shape[1])[None, :]
+  queue_valid = jnp.broadcast_to(queue_on[:, None], queue["passage_ids"].shape).reshape(-1)
+
+  def side(queries, gold, queue_gold):
+    queue_vectors = qv[c_rows, b_rows, queue_gold].reshape(-1, dim)
+    queue_ids = (queue["passage_ids"] * length + queue_gold).reshape(-1)
+    return losses.in_batch_loss(queries, h[rows, gold], pids * length + gold, queue_vectors,
+                                queue_ids, queue_valid)
+
+  negatives = 0.5 * (side(q_start, start, queue["start"]) + side(q_end, end, queue["end"]))
+  per_example = loss_config.weight_single * single + loss_config.weight_negatives * negatives
+  metrics = {"single": single.mean(), "negatives": negatives.mean()}
+  if "teacher_start_logits" in batch:
+    distill = losses.distillation_loss(encoded["start_logits"], encoded["end_logits"],
+                                       batch["teacher_start_logits"],
+                                       batch["teacher_end_logits"], mask)
+    per_example = per_example + loss_config.weight_distill * distill
+    metrics["distill"] = distill.mean()
+  return per_example, metrics
+
+
+RECIPES = {"unified": _unified, "original": _original}
+
+
+def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
+  """The configured recipe's loss on one (global) batch.
+
+  Returns:
+    (loss scalar, (metrics dict, the queue with this batch pushed)).
+  """
+  if loss_config.recipe == "qsft":
+    return qsft_loss(model, batch, queue, rngs)
+  h = model.encode_phrases(batch["input_ids"], batch["attention_mask"], rngs=rngs)  # [B, L, D]
+  q_start, q_end = model.encode_questions(batch["question_input_ids"],
+                                          batch["question_attention_mask"], rngs=rngs)
+  mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
+  b, length, dim = h.shape
+  encoded = {"h": h, "q_start": q_start, "q_end": q_end,
+             "start_logits": jnp.einsum("bld,bd->bl", h, q_start),
+             "end_logits": jnp.einsum("bld,bd->bl", h, q_end)}
+  # No pre-batch negatives (prebatch_size 0): an empty queue of this shape.
+  active = queue or init_queue(0, b, length, dim)
+  queue_on = active["valid"] & (step >= loss_config.prebatch_warmup_steps)  # [C]
+  if loss_config.recipe not in RECIPES:
+    raise ValueError(f"unknown loss recipe {loss_config.recipe!r} (unified or original)")
+  per_example, metrics = RECIPES[loss_config.recipe](model, batch, encoded, active, queue_on,
+                                                     loss_config, rngs)
+  if loss_config.weight_filter:
+    targets = jnp.arange(length)[None, :]
+    filt = losses.filter_loss(model.filter_logits(h), targets == start[:, None],
+                              targets == end[:, None], mask)
+    per_example = per_example + loss_config.weight_filter * filt
+    metrics["filter"] = filt.mean()
+  loss = per_example.mean()
+  predicted = jnp.argmax(jnp.where(mask, encoded["start_logits"], losses.NEG_INF), axis=1)
+  metrics.update(loss=loss, start_accuracy=(predicted == start).mean())
+  entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"], "start": start,
+           "end": end}
+  return loss, (metrics, push_queue(queue, entry))

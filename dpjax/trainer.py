@@ -1,0 +1,220 @@
+"""The training machinery every trainer shares: state, optimizer, the one jitted data-parallel
+step, and `build_trainer` (used by `run.py train`, query-side fine-tuning, tests, benchmarks).
+
+One `train_step(state, batch) -> (state, metrics)` is built once: `jax.jit` over a 1-D `data`
+mesh, the batch sharded on its first axis, parameters and optimizer state replicated, the state
+donated, the dropout rng folded with the step inside the step. What is optimised is an
+`Objective` (`dpjax.objectives`): a loss function of the model and the global batch, plus the
+state it carries from step to step (the pre-batch queue), which is part of the train state, so it
+is checkpointed and restored with it. Freezing is configuration: parameter-path regexes
+(`train.freeze`) whose parameters get neither gradients nor updates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dpjax.io import write_text_atomic
+from dpjax.parallel import global_array
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # [] int32
+  params: Any  # nnx.State of nnx.Param
+  rest: Any  # nnx.State of every other variable
+  opt_state: Any
+  queue: dict  # what the objective carries between steps (the pre-batch queue), {} for none
+  rng: jax.Array  # [2] uint32 base key; the step's key is fold_in(rng, step)
+
+
+@dataclasses.dataclass
+class Objective:
+  """What a trainer optimises.
+
+  loss_fn(model, batch, queue, step, rngs) -> (loss, (metrics, next queue)), on the global batch.
+  """
+  loss_fn: Callable
+  queue: dict  # the initial carried state ({}: none)
+  queue_sharding: Callable[[Any], dict]  # mesh -> shardings of the queue's leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 to `peak`, then linear decay to 0 at `total_steps`."""
+  warmup_steps = max(int(warmup_steps), 1)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, warmup_steps),
+       optax.linear_schedule(peak, 0.0, max(total_steps - warmup_steps, 1))], [warmup_steps])
+
+
+def param_path(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def param_labels(params, freeze_patterns) -> Any:
+  """'frozen' for parameters whose path matches any regex of `freeze_patterns`, else 'train'."""
+  compiled = [re.compile(p) for p in freeze_patterns]
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if any(c.search(param_path(path)) for c in compiled)
+      else "train", params)
+
+
+def make_optimizer(train_config, params, total_steps: int):
+  """AdamW with grad-norm clipping and warm-up + linear decay; frozen parameters get no update."""
+  warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
+  schedule = learning_rate_schedule(train_config.learning_rate, warmup, total_steps)
+  trainable = optax.chain(optax.clip_by_global_norm(train_config.grad_clip),
+                          optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8,
+                                      weight_decay=train_config.weight_decay))
+  labels = param_labels(params, list(train_config.freeze))
+  tx = optax.multi_transform({"train": trainable, "frozen": optax.set_to_zero()}, labels)
+  return tx, schedule, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+def make_train_step(graphdef, tx, schedule, loss_fn: Callable, sharding: TrainState, mesh,
+                    dropout: bool = True, labels: Any = None) -> Callable:
+  """Builds the jitted `train_step(state, batch) -> (state, metrics)`.
+
+  `labels` ('train'/'frozen' per parameter, from `make_optimizer`) lets the step skip the
+  gradients of frozen parameters (the optimizer ignores them anyway).
+  """
+
+  def train_step(state: TrainState, batch: dict):
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def compute(params):
+      if labels is not None:
+        params = jax.tree.map(lambda p, l: jax.lax.stop_gradient(p) if l == "frozen" else p,
+                              params, labels)
+      model = nnx.merge(graphdef, params, state.rest)
+      rngs = nnx.Rngs(dropout=rng) if dropout else None
+      return loss_fn(model, batch, state.queue, state.step, rngs)
+
+    (loss, (metrics, queue)), grads = jax.value_and_grad(compute, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "grad_norm": optax.tree.norm(grads),
+               "learning_rate": schedule(state.step)}
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              queue=queue)
+    return new_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0,),
+                 out_shardings=(sharding, NamedSharding(mesh, P())))
+
+
+def init_state(model, tx, objective: Objective, *, seed: int, mesh):
+  """(graphdef, state placed on the mesh, its sharding)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                     opt_state=tx.init(params), queue=objective.queue,
+                     rng=jax.random.PRNGKey(seed))
+  replicated = NamedSharding(mesh, P())
+  sharding = TrainState(step=replicated, params=jax.tree.map(lambda _: replicated, params),
+                        rest=jax.tree.map(lambda _: replicated, rest),
+                        opt_state=jax.tree.map(lambda _: replicated, state.opt_state),
+                        queue=objective.queue_sharding(mesh), rng=replicated)
+  return graphdef, global_array(state, sharding), sharding
+
+
+@dataclasses.dataclass
+class Trainer:
+  """A model's train state and its jitted step, ready to run (`build_trainer`)."""
+  graphdef: Any
+  state: TrainState
+  sharding: TrainState
+  step: Callable  # (state, batch) -> (state, metrics)
+  schedule: optax.Schedule
+  labels: Any
+  frozen: int  # parameters not trained
+  total: int  # parameters
+
+  def model(self, state: TrainState | None = None):
+    """The NNX model of the current (or a given) state's parameters."""
+    state = self.state if state is None else state
+    return nnx.merge(self.graphdef, state.params, state.rest)
+
+
+def build_trainer(model, train_config, objective: Objective, *, total_steps: int,
+                  mesh) -> Trainer:
+  """The optimizer (`train.learning_rate`, `warmup_*`, `grad_clip`, `weight_decay`, `freeze`),
+  the train state on the mesh and the jitted step of `objective` for `total_steps` steps."""
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  tx, schedule, labels = make_optimizer(train_config, params, total_steps)
+  frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
+               if l == "frozen")
+  total = sum(x.size for x in jax.tree.leaves(params))
+  graphdef, state, sharding = init_state(model, tx, objective, seed=train_config.seed, mesh=mesh)
+  step = make_train_step(graphdef, tx, schedule, objective.loss_fn, sharding, mesh,
+                         train_config.dropout, labels)
+  return Trainer(graphdef, state, sharding, step, schedule, labels, frozen, total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+class MetricsWriter:
+  """Appends JSON lines to a metrics file; on resume drops lines past the restored step.
+
+  Only the main process (process 0) writes; the others' writers do nothing.
+  """
+
+  def __init__(self, path: pathlib.Path, resume_step: int):
+    self.path = path
+    self.enabled = jax.process_index() == 0
+    if self.enabled and path.exists():
+      kept = [line for line in path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= resume_step]
+      write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def every(step: int, n: int) -> bool:
+  return n > 0 and step % n == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclasses.dataclass
+class Hook:
+  """`fn(done, metrics)` after every step `done` (1-based) for which `due(done)` holds."""
+  due: Callable[[int], bool]
+  fn: Callable[[int, dict], None]
+
+
+def run_steps(trainer: Trainer, steps: Iterable[int], batch: Callable[[int], dict],
+              hooks: Sequence[Hook] = (), before: Callable | None = None) -> None:
+  """The one training loop: for each step, `before(step, state) -> state` (optional), the jitted
+  step on `batch(step)`, then the hooks that are due, in order (log, evaluate, checkpoint...)."""
+  for step in steps:
+    state = trainer.state if before is None else before(step, trainer.state)
+    trainer.state, metrics = trainer.step(state, batch(step))
+    for hook in hooks:
+      if hook.due(step + 1):
+        hook.fn(step + 1, metrics)

@@ -1,0 +1,100 @@
+"""A workdir's services for every program: where its data, corpus and dump are, and its trained
+model loaded for inference (parameters only), with the token filter head and a searcher.
+
+Layout of a workdir: `checkpoints/` (train), `checkpoints_best/` (validation), `checkpoints_qsft/`
+(query-side fine-tuning), `<index.dump_name>/` (the dump and its `indexes/`), `filter_head.npz`
+(`run.py filter`), reports (`results.json`, `open_eval_*.json`, ...).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Sequence
+
+import numpy as np
+from flax import nnx
+
+from dpjax.checkpoint import checkpoint_steps, restore_params
+from dpjax.config import load_config
+from dpjax.data import Tokenizer, data_files
+from dpjax.data.questions import read_questions
+from dpjax.data.squad import DataError
+from dpjax.index.dump import Dump
+from dpjax.index.search import DensePhrases, PhraseIndex
+from dpjax.models import create_model
+
+log = logging.getLogger(__name__)
+CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
+FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
+
+
+def data_paths(config, workdir: pathlib.Path) -> dict:
+  """The corpus files, evaluation questions and dump directory a config names for `workdir`."""
+  files = data_files(config.data, workdir)
+  # Default corpus: the data set's own (synthetic: corpus.json; SQuAD: train + dev paragraphs).
+  corpus = list(config.index.corpus) or [str(files[k]) for k in ("corpus",) if k in files] or [
+      str(files["train"]), str(files["dev"])]
+  questions = config.index.questions or str(files["dev"])
+  return {"corpus": corpus, "questions": questions,
+          "dump": pathlib.Path(workdir) / config.index.dump_name}
+
+
+def restore_model(config, workdir: pathlib.Path, step: int | None = None):
+  """(model, step): the configured model with the parameters of the latest checkpoint in
+  `workdir` (or of the best one by validation, `eval.checkpoint=best`, of QSFT's, `qsft`, or of
+  checkpoint `step`); step is None for the untrained model of a workdir without checkpoints."""
+  which = config.eval.get("checkpoint", "latest")
+  if which not in CHECKPOINTS:
+    raise ValueError(f"eval.checkpoint must be one of {sorted(CHECKPOINTS)}, not {which!r}")
+  checkpoints = pathlib.Path(workdir) / CHECKPOINTS[which]
+  if which != "latest" and not checkpoints.is_dir():
+    raise DataError(f"{checkpoints}: no {which} checkpoint (train with validation.every_steps, "
+                    "or run `run.py qsft`)")
+  model = create_model(config.model)
+  if not checkpoints.is_dir():
+    log.warning("%s has no checkpoints: using the untrained %s weights", workdir,
+                config.model.name if config.model.init == "pretrained" else "random")
+    return model, None
+  steps = checkpoint_steps(checkpoints)
+  if step is not None and step not in steps:
+    raise DataError(f"{checkpoints}: no checkpoint of step {step} (there are {steps})")
+  restored = restore_params(checkpoints, model, step)  # the best dir keeps only the best
+  if restored is None:
+    raise DataError(f"{checkpoints}: no complete checkpoint to load")
+  return model, restored
+
+
+def apply_filter_head(model, workdir: pathlib.Path) -> bool:
+  """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any."""
+  path = pathlib.Path(workdir) / FILTER_HEAD
+  if not path.is_file():
+    return False
+  saved = np.load(path)
+  head = nnx.state(model.filter_head, nnx.Param)
+  head["kernel"].set_value(saved["kernel"].astype(np.float32))
+  head["bias"].set_value(saved["bias"].astype(np.float32))
+  nnx.update(model.filter_head, head)
+  log.info("token filter head from %s", path)
+  return True
+
+
+def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None):
+  """(DensePhrases over the workdir's index `index_name` (default index.search_index), the
+  model's checkpoint step)."""
+  workdir = pathlib.Path(workdir)
+  model, step = restore_model(config, workdir)
+  index = PhraseIndex(workdir / config.index.dump_name, index_name or config.index.search_index,
+                      nprobe=config.index.nprobe)
+  searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
+                          max_query_length=config.data.max_query_length,
+                          batch_size=config.index.batch_size)
+  return searcher, step
+
+
+def open_workdir(config_spec: str, workdir: str | pathlib.Path, overrides: Sequence[str] = ()):
+  """What analysis code starts from: `(config, workdir, dump, questions)` of a workdir that has
+  a complete dump (notebooks, `experiments/benchmarks/*`)."""
+  config = load_config(config_spec, overrides)
+  workdir = pathlib.Path(workdir)
+  paths = data_paths(config, workdir)
+  return config, workdir, Dump.load(paths["dump"]), read_questions(paths["questions"])
