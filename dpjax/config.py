@@ -87,7 +87,10 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   """Training defaults: the unified loss of Kim et al. with DensePhrases' optimiser."""
   config = ml_collections.ConfigDict({
       "seed": 0,
-      "batch_size": 24,
+      "batch_size": 24,  # examples (with questions_per_window > 1: windows) per step
+      # Passage-grouped batches: up to this many questions of each window in a batch, the window
+      # encoded once for all of them (unified loss only). 1: one question per example.
+      "questions_per_window": 1,
       "num_steps": 0,  # 0: `epochs` epochs
       "epochs": 2,
       "stop_at_step": 0,  # stop early (the schedule still assumes num_steps); 0: never

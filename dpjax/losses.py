@@ -116,7 +116,7 @@ def in_batch_loss(queries, gold_vectors, gold_ids, extra_vectors=None, extra_ids
 def unified_loss(queries, passage_vectors, passage_mask, gold_positions, passage_ids,
                  extra_vectors=None, extra_mask=None, extra_passage_ids=None,
                  extra_log_weights=None, *, log_weight_in_passage: float = 0.0,
-                 log_weight_in_batch: float = math.log(256.0)):
+                 log_weight_in_batch: float = math.log(256.0), query_windows=None):
   """The unified loss of Kim et al. (2022, Eq. 2) for one side (start or end).
 
   One softmax per question over its gold token p+ and all negatives p-, each weighted by
@@ -128,30 +128,38 @@ def unified_loss(queries, passage_vectors, passage_mask, gold_positions, passage
   Tokens of a passage with the same id as the question's gold passage are never negatives
   (another example of the same window, or the same passage in the pre-batch queue).
 
+  With `query_windows`, several questions share a window (passage-grouped batches): question n's
+  gold window is row `query_windows[n]` of the W windows, and the other windows of the batch are
+  its in-batch negatives (those of its own passage excepted).
+
   Args:
-    queries: [B, D].
-    passage_vectors: [B, L, D] token vectors of each example's gold passage window.
+    queries: [B, D] (B = N questions with `query_windows`).
+    passage_vectors: [B, L, D] token vectors of each example's gold passage window ([W, L, D]
+      with `query_windows`).
     passage_mask: [B, L] bool, candidate tokens (context tokens, no padding).
     gold_positions: [B] int gold token index within the example's passage.
-    passage_ids: [B] int passage (window) ids.
+    passage_ids: [B] int passage ids of the windows.
     extra_vectors: [M, D] or None.
     extra_mask: [M] bool.
     extra_passage_ids: [M] int.
     extra_log_weights: [M] float, log lambda of each extra vector.
     log_weight_in_passage: log lambda_inp (0.0 means lambda = 1).
     log_weight_in_batch: log lambda_inb; -inf-like values (e.g. NEG_INF) switch in-batch off.
+    query_windows: [N] int window row of each question, or None (question b's window is b).
 
   Returns:
     [B] float32.
   """
   b, length, _ = passage_vectors.shape
+  windows = jnp.arange(b) if query_windows is None else query_windows  # [N]
+  query_passage_ids = passage_ids if query_windows is None else passage_ids[query_windows]
   flat = passage_vectors.reshape(b * length, -1)
   logits = jnp.einsum("bd,nd->bn", queries, flat, preferred_element_type=jnp.float32)
-  column_example = jnp.repeat(jnp.arange(b), length)  # [B*L] example of each column
-  own = column_example[None, :] == jnp.arange(b)[:, None]  # [B, B*L]
-  same_passage = passage_ids[column_example][None, :] == passage_ids[:, None]
+  column_example = jnp.repeat(jnp.arange(b), length)  # [W*L] window of each column
+  own = column_example[None, :] == windows[:, None]  # [N, W*L]
+  same_passage = passage_ids[column_example][None, :] == query_passage_ids[:, None]
   mask = passage_mask.reshape(-1)[None, :] & (own | ~same_passage)
-  gold_column = jnp.arange(b) * length + gold_positions
+  gold_column = windows * length + gold_positions
   is_gold = jnp.arange(b * length)[None, :] == gold_column[:, None]
   log_weights = jnp.where(own, log_weight_in_passage, log_weight_in_batch)
   log_weights = jnp.where(is_gold, 0.0, log_weights)
@@ -159,7 +167,7 @@ def unified_loss(queries, passage_vectors, passage_mask, gold_positions, passage
   if extra_vectors is not None:
     extra_logits = jnp.einsum("bd,md->bm", queries, extra_vectors,
                               preferred_element_type=jnp.float32)
-    extra_ok = extra_mask[None, :] & (extra_passage_ids[None, :] != passage_ids[:, None])
+    extra_ok = extra_mask[None, :] & (extra_passage_ids[None, :] != query_passage_ids[:, None])
     logits = jnp.concatenate([logits, extra_logits + extra_log_weights[None, :]], axis=1)
     mask = jnp.concatenate([mask, extra_ok], axis=1)
   return _cross_entropy(logits, mask, gold_column)

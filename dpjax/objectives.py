@@ -92,7 +92,8 @@ def qsft_loss(model, batch: dict, queue: dict | None = None, rngs=None):
 
 
 def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
-  """Per-example unified loss (Kim et al. Eq. 2), start and end averaged."""
+  """Per-example unified loss (Kim et al. Eq. 2), start and end averaged (per question of a
+  passage-grouped batch)."""
   h, q_start, q_end = encoded["h"], encoded["q_start"], encoded["q_end"]
   b, length, dim = h.shape
   lw_prb = _log_weight(loss_config.lambda_prb or loss_config.lambda_inb)
@@ -108,7 +109,8 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
                            _log_weight(loss_config.lambda_hard))))
   vectors, extra_mask, extra_pids, extra_lw = (jnp.concatenate(x) for x in zip(*extra))
   kwargs = dict(log_weight_in_passage=_log_weight(loss_config.lambda_inp),
-                log_weight_in_batch=_log_weight(loss_config.lambda_inb))
+                log_weight_in_batch=_log_weight(loss_config.lambda_inb),
+                query_windows=encoded["windows"])
   mask, pids = batch["context_mask"], batch["passage_ids"]
   per_example = 0.5 * (
       losses.unified_loss(q_start, h, mask, batch["start_positions"], pids, vectors, extra_mask,
@@ -121,6 +123,9 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
 def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
   """Per-example DensePhrases loss: single passage + in-batch/pre-batch (+ distillation)."""
   h, q_start, q_end = encoded["h"], encoded["q_start"], encoded["q_end"]
+  if encoded["windows"] is not None:
+    raise ValueError("passage-grouped batches (train.questions_per_window > 1) need the unified "
+                     "loss")
   b, length, dim = h.shape
   mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
   pids = batch["passage_ids"]
@@ -166,9 +171,13 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
                                           batch["question_attention_mask"], rngs=rngs)
   mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
   b, length, dim = h.shape
-  encoded = {"h": h, "q_start": q_start, "q_end": q_end,
-             "start_logits": jnp.einsum("bld,bd->bl", h, q_start),
-             "end_logits": jnp.einsum("bld,bd->bl", h, q_end)}
+  # Passage-grouped batches: question n belongs to window windows[n] (slots window by window).
+  windows = (jnp.repeat(jnp.arange(b), start.shape[0] // b) if "question_valid" in batch
+             else None)
+  h_questions = h if windows is None else h[windows]  # [B, L, D]: each question's window
+  encoded = {"h": h, "q_start": q_start, "q_end": q_end, "windows": windows,
+             "start_logits": jnp.einsum("bld,bd->bl", h_questions, q_start),
+             "end_logits": jnp.einsum("bld,bd->bl", h_questions, q_end)}
   # No pre-batch negatives (prebatch_size 0): an empty queue of this shape.
   active = queue or init_queue(0, b, length, dim)
   queue_on = active["valid"] & (step >= loss_config.prebatch_warmup_steps)  # [C]
@@ -177,14 +186,26 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   per_example, metrics = RECIPES[loss_config.recipe](model, batch, encoded, active, queue_on,
                                                      loss_config, rngs)
   if loss_config.weight_filter:
+    if windows is not None:
+      raise ValueError("joint filter training does not take passage-grouped batches")
     targets = jnp.arange(length)[None, :]
     filt = losses.filter_loss(model.filter_logits(h), targets == start[:, None],
                               targets == end[:, None], mask)
     per_example = per_example + loss_config.weight_filter * filt
     metrics["filter"] = filt.mean()
-  loss = per_example.mean()
-  predicted = jnp.argmax(jnp.where(mask, encoded["start_logits"], losses.NEG_INF), axis=1)
-  metrics.update(loss=loss, start_accuracy=(predicted == start).mean())
-  entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"], "start": start,
-           "end": end}
+  question_mask = mask if windows is None else mask[windows]
+  predicted = jnp.argmax(jnp.where(question_mask, encoded["start_logits"], losses.NEG_INF), axis=1)
+  if windows is None:
+    loss = per_example.mean()
+    metrics.update(loss=loss, start_accuracy=(predicted == start).mean())
+    entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"], "start": start,
+             "end": end}
+  else:  # the mean over the filled question slots; the queue keeps windows (no gold tokens)
+    valid = batch["question_valid"].astype(jnp.float32)
+    count = jnp.maximum(valid.sum(), 1.0)
+    loss = (per_example * valid).sum() / count
+    metrics.update(loss=loss, start_accuracy=((predicted == start) * valid).sum() / count,
+                   questions=valid.sum())
+    entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"],
+             "start": jnp.zeros(b, jnp.int32), "end": jnp.zeros(b, jnp.int32)}
   return loss, (metrics, push_queue(queue, entry))

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dpjax.checkpoint import Checkpointer, abstract_like
 from dpjax.config import ConfigError
 from dpjax.data import Tokenizer, data_files, load_rc_split
-from dpjax.data.batches import TrainBatches
+from dpjax.data.batches import GroupedBatches, TrainBatches
 from dpjax.io import write_json
 from dpjax.mining import HardNegatives, read_hard_negatives
 from dpjax.models import create_model
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 RESUME_FREE = ("train.stop_at_step", "train.log_every", "train.checkpoint_every",
                "train.keep_checkpoints", "train.progress_bar", "data.dir", "model.name",
                "model.tokenizer", "model.init")
+# Settings added after checkpoints were written, with the value that trains as before: a
+# checkpoint without one was trained with that value.
+NEW_SETTINGS = {"train.questions_per_window": 1}
 
 
 def resume_conflicts(stored: dict, config: dict) -> list[str]:
@@ -51,7 +54,7 @@ def resume_conflicts(stored: dict, config: dict) -> list[str]:
         {s: tree.get(s, {}) for s in ("model", "data", "train")}, sep=".")
     return {k: v for k, v in flat.items() if k not in RESUME_FREE}
 
-  old, new = settings(stored), settings(config)
+  old, new = {**NEW_SETTINGS, **settings(stored)}, settings(config)
   return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
           for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
@@ -86,7 +89,7 @@ def setup(config, workdir: pathlib.Path) -> Run:
   files = data_files(config.data, workdir)
   train = load_rc_split(files["train"], tokenizer, config.data)
   dev = load_rc_split(files["dev"], tokenizer, config.data, limit=config.eval.limit or None)
-  batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train))
+  batches = _batches(tc, train)
   total = tc.num_steps or tc.epochs * batches.steps_per_epoch
   model = create_model(config.model)
   objective = make_objective(tc.loss, batch_size=tc.batch_size,
@@ -105,6 +108,19 @@ def setup(config, workdir: pathlib.Path) -> Run:
                                        mine.stop - mine.start)
   return Run(config, workdir, trainer, batches, dev, mesh, total, first, checkpointer,
              MetricsWriter(workdir / "metrics.jsonl", first), to_device)
+
+
+def _batches(tc, train) -> TrainBatches | GroupedBatches:
+  """The batch source: one question per example, or passage-grouped (`questions_per_window`)."""
+  if tc.questions_per_window <= 1:
+    return TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train))
+  unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
+                 "train.hard_negatives.file": bool(tc.hard_negatives.file),
+                 "train.loss.weight_filter": bool(tc.loss.weight_filter)}
+  if any(unsupported.values()):
+    raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go with "
+                      + ", ".join(k for k, v in unsupported.items() if v))
+  return GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed)
 
 
 def _hard_negatives(tc, train) -> HardNegatives | None:
