@@ -39,32 +39,28 @@ def parse(argv=None) -> argparse.Namespace:
   hosts.add_argument("--process_id", type=int)
   hosts.add_argument("--distributed", action="store_true",
                      help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
-  args = parser.parse_args(argv)
-  args.error = parser.error
-  return args
+  hosts.add_argument("--init_timeout", type=int, default=300,
+                     help="seconds to wait for the coordinator and the other processes")
+  parser.add_argument("--debug", action="store_true", help="tracebacks of expected errors too")
+  return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse(argv)
   from dpjax import distributed
-  from dpjax.config import ConfigError, load_config, setup_logging
-  from dpjax.data import DataError
-  from dpjax.index.dump import DumpError
-  setup_logging()
+  from dpjax.config import load_config, setup_logging
+  from dpjax.errors import EXPECTED
+  setup_logging(debug=args.debug)
   try:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                           auto=args.distributed)
-  except ValueError as e:
-    args.error(str(e))
-  module, _, name = MODES[args.mode][0].partition(":")
-  mode = getattr(importlib.import_module(module), name)
-  if args.mode == "search":
-    mode = functools.partial(mode, queries=args.query)
-  config = load_config(args.config, args.set)
-  try:
-    mode(config, args.workdir)
-  except (ConfigError, DataError, DumpError) as e:
-    logging.error("%s", e)
+                           auto=args.distributed, timeout=args.init_timeout)
+    module, _, name = MODES[args.mode][0].partition(":")
+    mode = getattr(importlib.import_module(module), name)
+    if args.mode == "search":
+      mode = functools.partial(mode, queries=args.query)
+    mode(load_config(args.config, args.set), args.workdir)
+  except EXPECTED as e:  # bad input or state: one line (the stack only with --debug)
+    logging.error("%s", e, exc_info=args.debug)
     return distributed.exit_now(2)
   except BaseException:
     if distributed.many_processes():  # the others would wait for it at the next barrier

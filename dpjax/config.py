@@ -9,50 +9,105 @@ from typing import Sequence
 
 import ml_collections
 
-
-class ConfigError(ValueError):
-  """A config value that cannot work (reported with the field name, before any work starts)."""
+from dpjax.errors import ConfigError
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """Loads `path/to/config.py[:arg]` and applies `key.sub=value` overrides.
+  """Loads `path/to/config.py[:arg]`, applies `key.sub=value` overrides and checks the values.
 
   Override values are parsed as Python literals when possible (`3`, `1e-4`, `True`, `'x'`),
-  otherwise taken as strings.
+  otherwise taken as strings. Every problem is a `ConfigError` naming the file or field.
   """
   path, _, arg = spec.partition(":")
   file = pathlib.Path(path)
   if not file.is_file():
-    raise FileNotFoundError(f"config file not found: {file}")
+    raise ConfigError(f"config file not found: {file}")
   module_spec = importlib.util.spec_from_file_location(f"dpjax_config_{file.stem}", file)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
-    raise AttributeError(f"{file} defines no get_config(arg)")
-  config = module.get_config(arg or None)
+    raise ConfigError(f"{file} defines no get_config(arg)")
+  try:
+    config = module.get_config(arg or None)
+  except ValueError as e:  # e.g. an unknown config arg
+    raise ConfigError(f"{spec}: {e}") from None
   for override in overrides:
-    key, sep, raw = override.partition("=")
-    if not sep:
-      raise ValueError(f"override {override!r} is not of the form key=value")
-    try:
-      value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      value = raw
-    node = config
-    *parents, leaf = key.split(".")
-    for name in parents:
-      node = node[name]
-    if leaf not in node:
-      raise KeyError(f"override {key!r}: no such config field")
-    node[leaf] = type(node[leaf])(value) if isinstance(node[leaf], float) else value
+    _override(config, override)
+  check_config(config)
   return config
 
 
+def _override(config: ml_collections.ConfigDict, override: str) -> None:
+  key, sep, raw = override.partition("=")
+  if not sep:
+    raise ConfigError(f"--set {override!r} is not of the form key=value")
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw
+  node = config
+  *parents, leaf = key.split(".")
+  for name in parents:
+    if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+      raise ConfigError(f"--set {key}: no such config field")
+    node = node[name]
+  if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+    raise ConfigError(f"--set {key}: no such config field")
+  try:
+    node[leaf] = type(node[leaf])(value) if isinstance(node[leaf], float) else value
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"--set {key}={raw}: wrong type for this field ({e})") from None
+
+
+# (field, test, what it must be): values no run can use, refused before any work starts.
+_POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_checkpoints",
+             "eval.batch_size", "eval.max_answer_length", "index.batch_size", "index.top_k",
+             "index.nprobe", "index.train_size", "index.shard_passages", "qsft.batch_size",
+             "qsft.top_k", "qsft.epochs", "mine.top_k", "filter.batch_size", "filter.epochs",
+             "data.max_seq_length", "data.doc_stride", "data.max_query_length")
+_NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
+                 "train.checkpoint_every", "train.warmup_steps", "eval.limit",
+                 "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
+                 "mine.limit", "validation.every_steps", "validation.sample_questions")
+_CHOICES = {"train.loss.recipe": ("unified", "original"),
+            "eval.checkpoint": ("latest", "best", "qsft"),
+            "index.unit": ("phrase", "sentence", "passage", "document"),
+            "qsft.level": ("phrase", "document")}
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Refuses values that cannot work, with the field's name (a ConfigError)."""
+  def get(key):
+    node = config
+    for name in key.split("."):
+      if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+        return None
+      node = node[name]
+    return node
+
+  for key in _POSITIVE + _NOT_NEGATIVE:
+    value, least = get(key), 1 if key in _POSITIVE else 0
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or value < least):
+      raise ConfigError(f"{key} = {value!r}: must be a number >= {least}")
+  for key, choices in _CHOICES.items():
+    if get(key) is not None and get(key) not in choices:
+      raise ConfigError(f"{key} = {get(key)!r}: must be one of {', '.join(choices)}")
+  lr = get("train.learning_rate")
+  if lr is not None and not lr > 0:
+    raise ConfigError(f"train.learning_rate = {lr!r}: must be > 0")
+  if get("train") is not None and not config.train.num_steps and not config.train.epochs:
+    raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
+
+
 # Pieces shared by the experiment configs in experiments/.
-def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s"):
+def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s",
+                  debug: bool = False):
   """INFO logging for the command line and scripts, without Orbax's per-save chatter and JAX's
-  backend probing (plus the `quiet` loggers)."""
+  backend probing (plus the `quiet` loggers); dpjax's DEBUG messages too with `debug`."""
   logging.basicConfig(level=logging.INFO, format=fmt)
+  if debug:
+    logging.getLogger("dpjax").setLevel(logging.DEBUG)
   for noisy in ("absl", "jax._src.xla_bridge", *quiet):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -140,6 +195,23 @@ def validation_config(**overrides) -> ml_collections.ConfigDict:
       # `run.py subcorpus`: which subcorpora to write, the full index and depth for H_k.
       "kinds": ["C0", "R0.1", "R0.333", "H1", "H2", "H4", "H8", "H16", "H32"],
       "seed": 0,
+  })
+  config.update(overrides)
+  return config
+
+
+def eval_config(**overrides) -> ml_collections.ConfigDict:
+  """Evaluation: RC EM/F1 (train, `run.py eval_rc`) and open-domain (`run.py eval`)."""
+  config = ml_collections.ConfigDict({
+      "batch_size": 64,
+      "max_answer_length": 10,
+      "limit": 0,  # only the first N questions (0: all)
+      "every_steps": 0,  # RC evaluation during training (0: at the end only)
+      "checkpoint": "latest",  # latest, best (validation) or qsft
+      "passage_k": 100,  # passage Top-1/5/20/100 up to k, MRR@k, P@k
+      # dump / index / search / eval refuse a workdir without checkpoints (a mistyped --workdir
+      # would otherwise use the untrained weights) unless this is set.
+      "allow_untrained": False,
   })
   config.update(overrides)
   return config

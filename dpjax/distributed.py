@@ -16,42 +16,76 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+import time
 
 import jax
 from jax.experimental import multihost_utils
+
+from dpjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, auto: bool = False) -> bool:
+               process_id: int | None = None, auto: bool = False, timeout: int = 300) -> bool:
   """Joins the multi-process runtime when asked; returns whether it did.
 
   Args:
     coordinator: "host:port" of process 0's coordination service.
     num_processes, process_id: this job's size and this process's rank.
     auto: let JAX read the cluster environment (SLURM, Open MPI, TPU pod metadata, ...).
+    timeout: seconds to wait for the coordinator and every process (then a ConfigError).
   """
   explicit = [coordinator, num_processes, process_id]
   if not auto and all(x is None for x in explicit):
     return False
   if not auto and any(x is None for x in explicit):
-    raise ValueError("--coordinator, --num_processes and --process_id go together "
-                     "(or use --distributed to read them from the cluster environment)")
+    raise ConfigError("--coordinator, --num_processes and --process_id go together "
+                      "(or use --distributed to read them from the cluster environment)")
+  if not auto and not 0 <= process_id < num_processes:
+    raise ConfigError(f"--process_id {process_id} must be in 0 .. {num_processes - 1}")
   # Cross-process collectives of the CPU backend (for CPU-only hosts and tests); other
   # backends use their own (NCCL, ICI) and ignore this.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if auto:
-    jax.distributed.initialize()
-  else:
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
+  log.info("process %s of %s: waiting up to %d s for the coordinator %s and the other processes",
+           process_id, num_processes, timeout, coordinator or "(from the cluster environment)")
+  if not auto and process_id != 0:
+    # JAX aborts the process (no Python exception) when the coordinator never answers.
+    _wait_for(coordinator, timeout)
+  try:
+    if auto:
+      jax.distributed.initialize(initialization_timeout=timeout)
+    else:
+      jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                 process_id=process_id, initialization_timeout=timeout)
+  except Exception as e:  # JAX raises a bare RuntimeError / XlaRuntimeError on a time-out
+    raise ConfigError(f"could not join the job of coordinator {coordinator or '(cluster)'} "
+                      f"within {timeout} s: {str(e).splitlines()[0][:300]}") from None
   log.info("process %d of %d: %d local devices, %d global", jax.process_index(),
            jax.process_count(), jax.local_device_count(), jax.device_count())
   if jax.process_index() != 0:  # one process speaks for the job
     logging.getLogger().setLevel(logging.WARNING)
   return True
+
+
+def _wait_for(coordinator: str, timeout: float) -> None:
+  """Waits until the coordinator's port accepts connections (a ConfigError after `timeout` s)."""
+  host, _, port = coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise ConfigError(f"--coordinator {coordinator!r} is not host:port")
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+      return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise ConfigError(f"could not join the job of coordinator {coordinator} within "
+                          f"{timeout} s ({e.strerror or e}): is process 0 running there, and "
+                          "is the address right?") from None
+      time.sleep(0.5)
 
 
 def is_main() -> bool:

@@ -9,12 +9,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from dpjax.errors import BusyError
+
+log = logging.getLogger(__name__)
 
 
 def _temporary(path: pathlib.Path) -> pathlib.Path:
@@ -93,9 +98,67 @@ def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
   os.replace(tmp, final)
 
 
+def digest_texts(*texts: str, length: int = 16) -> str:
+  """A short sha256 of strings (each length-prefixed, so the parts cannot run into each other)."""
+  h = hashlib.sha256()
+  for text in texts:
+    data = text.encode("utf-8", "surrogatepass")
+    h.update(len(data).to_bytes(8, "little") + data)
+  return h.hexdigest()[:length]
+
+
 def digest(*arrays, length: int = 16) -> str:
   """A short sha256 of arrays' bytes (parameter and data fingerprints)."""
   h = hashlib.sha256()
   for array in arrays:
     h.update(np.ascontiguousarray(array).tobytes())
   return h.hexdigest()[:length]
+
+
+@contextlib.contextmanager
+def workdir_lock(path: str | os.PathLike, what: str = "training"):
+  """Holds the lock file `path` (e.g. `<workdir>/train.lock`) for one run: a second run of the
+  same kind in the workdir would delete the first one's checkpoints and interleave its metrics
+  (a BusyError). A lock whose process is gone (a killed run) is taken over. The lock file is
+  created with its pid in it at once (hard link of a written file), so no reader sees it empty.
+  """
+  path = pathlib.Path(path)
+  pid = _lock_holder(path)
+  if pid is not None and pid and _process_alive(pid):  # (this process too: a nested run)
+    raise BusyError(f"{path}: another {what} run (pid {pid}) is using this workdir; wait for it, "
+                    "or run in a second workdir")
+  if pid is not None:
+    log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
+    path.unlink(missing_ok=True)
+  tmp = _temporary(path)
+  tmp.write_text(str(os.getpid()))
+  try:
+    os.link(tmp, path)
+  except FileExistsError:
+    raise BusyError(f"{path}: could not take the lock (another {what} run took it)") from None
+  finally:
+    tmp.unlink(missing_ok=True)
+  try:
+    yield
+  finally:
+    path.unlink(missing_ok=True)
+
+
+def _lock_holder(path: pathlib.Path) -> int | None:
+  """The pid in a lock file (0 if unreadable), or None when there is no lock."""
+  try:
+    return int(path.read_text().strip() or 0)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError):
+    return 0
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)  # PermissionError (someone else's live process) counts as alive
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True

@@ -45,12 +45,18 @@ def run_dump(config, workdir: str) -> dict:
   manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
                           read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
                           mesh=mesh, model_info={"workdir": str(workdir), "step": step,
-                                                 "name": config.model.name})
+                                                 "name": config.model.name},
+                          corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
+                                                 for f in paths["corpus"]]})
   if summary.total:
     log.warning("%s", summary)
   log.info("dump %s: %d passages, %d tokens", paths["dump"], manifest["num_passages"],
            manifest["num_tokens"])
   return manifest
+
+
+def _size(path) -> int | None:
+  return pathlib.Path(path).stat().st_size if pathlib.Path(path).is_file() else None
 
 
 def run_index(config, workdir: str) -> list[pathlib.Path]:

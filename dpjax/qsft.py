@@ -14,10 +14,8 @@ the full index is measured before training and after every epoch; the best check
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import pathlib
 import time
 from typing import Sequence
@@ -26,12 +24,13 @@ import faiss
 import jax
 import numpy as np
 
-from dpjax import metrics
 from dpjax.checkpoint import Checkpointer
-from dpjax.data import DataError, Tokenizer, data_files
+from dpjax.data import Tokenizer, data_files
+from dpjax.errors import ConfigError, DataError
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.search import PhraseIndex
+from dpjax import io, metrics
 from dpjax.io import remove, write_json
 from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
@@ -83,7 +82,7 @@ class CandidateVectors:
     if quantized:
       ivf = faiss.try_extract_index_ivf(index.index)
       if ivf is None:
-        raise ValueError(f"quantisation-aware QSFT needs an IVF index, not "
+        raise ConfigError(f"qsft.quantized: quantisation-aware QSFT needs an IVF index, not "
                          f"{index.manifest['resolved_spec']}")
       ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct by label (token id)
 
@@ -110,44 +109,10 @@ def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) ->
                           passage_k=0)
 
 
-@contextlib.contextmanager
 def workdir_lock(path: pathlib.Path):
-  """Holds `path` (e.g. `<workdir>/qsft.lock`) for one run: a second QSFT run in the same workdir
-  would delete the first one's `checkpoints_qsft` and interleave its metrics. A lock whose process
-  is gone (a killed run) is taken over."""
-  create = lambda: os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-  try:
-    fd = create()
-  except FileExistsError:
-    try:
-      pid = int(path.read_text().strip() or 0)
-    except (OSError, ValueError):
-      pid = 0
-    if pid and pid != os.getpid() and _process_alive(pid):
-      raise DataError(f"{path}: another QSFT run (pid {pid}) is using this workdir; wait for it, "
-                      "or run in a second workdir") from None
-    log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
-    path.unlink(missing_ok=True)
-    try:
-      fd = create()
-    except FileExistsError:
-      raise DataError(f"{path}: could not take the lock (another run took it)") from None
-  with os.fdopen(fd, "w") as f:
-    f.write(str(os.getpid()))
-  try:
-    yield
-  finally:
-    path.unlink(missing_ok=True)
-
-
-def _process_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)  # PermissionError (someone else's live process) counts as alive
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass
-  return True
+  """One QSFT run per workdir (`<workdir>/qsft.lock`): a second one would delete the first one's
+  `checkpoints_qsft` and interleave its metrics."""
+  return io.workdir_lock(path, "QSFT")
 
 
 def run_qsft(config, workdir: str) -> dict:
@@ -186,10 +151,10 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)
   dev = sample_questions(read_questions(paths["questions"]), qc.dev_limit, qc.seed)
   if qc.level == "document" and any(not q.title for q in questions):
-    raise ValueError(f"{train_file}: document-level QSFT needs gold titles (SQuAD format)")
+    raise DataError(f"{train_file}: document-level QSFT needs gold titles (SQuAD format)")
   mesh = make_mesh()
   if qc.batch_size % mesh.size:
-    raise ValueError(f"qsft.batch_size {qc.batch_size} is not a multiple of {mesh.size} devices")
+    raise ConfigError(f"qsft.batch_size {qc.batch_size} is not a multiple of {mesh.size} devices")
   ids, mask = tokenizer.encode([q.question for q in questions], config.data.max_query_length)
   # The training machinery with the QSFT recipe and its freezing filter.
   tc = config.train.copy_and_resolve_references()

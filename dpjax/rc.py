@@ -107,7 +107,8 @@ def run_eval_rc(config, workdir: str) -> dict:
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
                       limit=config.eval.limit or None)
-  model, step = restore_model(config, workdir)
+  # The untrained model's RC accuracy is a baseline: a workdir without checkpoints is allowed.
+  model, step = restore_model(config, workdir, allow_untrained=True)
   mesh = make_mesh()
   batch_size = round_to_devices(config.eval.batch_size, mesh)
   scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import pathlib
 import time
 from typing import Any, Callable
@@ -23,7 +22,7 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from dpjax.checkpoint import Checkpointer, abstract_like
-from dpjax.config import ConfigError
+from dpjax.errors import ConfigError
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import GroupedBatches, TrainBatches
 from dpjax.io import write_json
@@ -32,7 +31,9 @@ from dpjax.models import create_model
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.rc import evaluate_rc
-from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, every, run_steps
+from dpjax.io import digest, workdir_lock
+from dpjax.trainer import (Hook, MetricsWriter, Trainer, build_trainer, check_finite, every,
+                           run_steps)
 from dpjax.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Run:
   checkpointer: Checkpointer
   writer: MetricsWriter
   to_device: Callable[[int], dict]  # step -> this process's rows of the global batch, on device
+  data: str = ""  # fingerprint of the training features (checkpoint meta; resume checks it)
   record: dict = dataclasses.field(default_factory=dict)  # the last RC evaluation
   clock: list = dataclasses.field(default_factory=list)  # [time, step] of the last log
   progress: Any = None  # the tqdm bar
@@ -83,7 +85,7 @@ def setup(config, workdir: pathlib.Path) -> Run:
   tc = config.train
   mesh = make_mesh(config.get("num_devices") or None)
   if tc.batch_size % mesh.size:
-    raise ValueError(f"train.batch_size {tc.batch_size} must be a multiple of the "
+    raise ConfigError(f"train.batch_size {tc.batch_size} must be a multiple of the "
                      f"{mesh.size} devices")
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   files = data_files(config.data, workdir)
@@ -100,14 +102,17 @@ def setup(config, workdir: pathlib.Path) -> Run:
            jax.process_count(), trainer.frozen, trainer.total)
   del model
   checkpointer = Checkpointer(workdir / "checkpoints", keep=tc.keep_checkpoints)
-  _restore(trainer, checkpointer, config, workdir)
+  f = train.features
+  data = digest(f.windows.input_ids, f.question_input_ids, f.window_index, f.question_index,
+                f.start_position, f.end_position)
+  _restore(trainer, checkpointer, config, workdir, data)
   first = int(trainer.state.step)
   # Each process builds and transfers only its own rows of every global batch.
   mine = local_rows(batch_sharding(mesh), tc.batch_size)
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
   return Run(config, workdir, trainer, batches, dev, mesh, total, first, checkpointer,
-             MetricsWriter(workdir / "metrics.jsonl", first), to_device)
+             MetricsWriter(workdir / "metrics.jsonl", first), to_device, data)
 
 
 def _batches(tc, train) -> TrainBatches | GroupedBatches:
@@ -131,12 +136,12 @@ def _hard_negatives(tc, train) -> HardNegatives | None:
                        np.array([q.passage_index for q in train.questions]),
                        tc.hard_negatives.per_example, tc.seed)
   if tc.loss.recipe != "unified":
-    raise ValueError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
+    raise ConfigError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
   return hard
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir) -> None:
-  """Resumes from the latest checkpoint, refusing one trained with other settings."""
+def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir, data: str) -> None:
+  """Resumes from the latest checkpoint, refusing one trained with other settings or data."""
   restored = checkpointer.restore(abstract_like(trainer.state))
   if not restored:
     return
@@ -148,6 +153,11 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir) -> N
           f"{workdir / 'checkpoints'} holds a run trained with other settings; resuming it "
           f"with these would silently mix two runs ({'; '.join(conflicts)}). Train into a "
           "new --workdir, or resume with the checkpoint's settings.")
+  if meta.get("data", data) != data:  # (checkpoints before fingerprints: not checked)
+    raise ConfigError(
+        f"{workdir / 'checkpoints'} holds a run trained on other data than the configured data "
+        f"(data.dir {config.data.get('dir', '-')!r}) gives now: the training features differ; "
+        "train into a new --workdir.")
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -171,13 +181,11 @@ def evaluate(run: Run, step: int) -> dict:
 def _meta(run: Run, done: int) -> dict:
   epoch, index = run.batches.position(done)
   return {"step": done, "epoch": epoch, "index_in_epoch": index,
-          "config": run.config.to_json()}
+          "config": run.config.to_json(), "data": run.data}
 
 
 def _log(run: Run, done: int, metrics: dict) -> None:
-  values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not math.isfinite(values["loss"]):
-    raise FloatingPointError(f"non-finite loss {values['loss']} at step {done}")
+  values = check_finite(metrics, done)
   now = time.perf_counter()
   values["examples_per_sec"] = ((done - run.clock[1]) * run.config.train.batch_size /
                                 (now - run.clock[0]))
@@ -189,6 +197,7 @@ def _log(run: Run, done: int, metrics: dict) -> None:
 
 
 def _checkpoint(run: Run, done: int, metrics: dict) -> None:
+  check_finite(metrics, done)  # a diverged state is never saved
   run.checkpointer.save(done, run.trainer.state, _meta(run, done))
   run.clock[0] = time.perf_counter()  # saving time is not training throughput
 
@@ -219,12 +228,21 @@ def _new_epoch_queue(run: Run, step: int, state):
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
-  """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`."""
+  """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`
+  (one training run per workdir at a time: `<workdir>/train.lock`)."""
   vc = config.get("validation")
   if vc and vc.corpus:
     Validator.check(vc)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() != 0:
+    return _train(config, workdir)
+  with workdir_lock(workdir / "train.lock", "training"):
+    return _train(config, workdir)
+
+
+def _train(config, workdir: pathlib.Path) -> dict:
+  vc = config.get("validation")
   main = jax.process_index() == 0
   run = setup(config, workdir)
   eval_batch = round_to_devices(config.eval.batch_size, run.mesh)

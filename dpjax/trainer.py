@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import pathlib
 import re
 from typing import Any, Callable, Iterable, Sequence
@@ -24,8 +26,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dpjax.errors import DataError, DivergenceError
 from dpjax.io import write_text_atomic
 from dpjax.parallel import global_array
+
+log = logging.getLogger(__name__)
+# A loss above this is divergence, not learning (the unified loss starts near log of the number
+# of candidates, ~10-20).
+DIVERGED_LOSS = 1e4
 
 
 @flax.struct.dataclass
@@ -182,9 +190,29 @@ class MetricsWriter:
     self.path = path
     self.enabled = jax.process_index() == 0
     if self.enabled and path.exists():
-      kept = [line for line in path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= resume_step]
+      kept = [line for line, record in self.read(path) if record["step"] <= resume_step]
       write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+  @staticmethod
+  def read(path: pathlib.Path) -> list[tuple[str, dict]]:
+    """(line, record) of a metrics file; a torn last line (a run killed while writing it) is
+    dropped, a bad line elsewhere is a DataError naming it."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+             if line.strip()]
+    out = []
+    for number, line in enumerate(lines, 1):
+      try:
+        record = json.loads(line)
+        ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+      except json.JSONDecodeError:
+        ok = False
+      if ok:
+        out.append((line, record))
+      elif number < len(lines):
+        raise DataError(f"{path}:{number}: not a metrics record: {line[:80]!r}")
+      else:
+        log.warning("%s: dropping a torn last line (%r)", path, line[:80])
+    return out
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -195,6 +223,18 @@ class MetricsWriter:
 
 def every(step: int, n: int) -> bool:
   return n > 0 and step % n == 0
+
+
+def check_finite(metrics: dict, step: int) -> dict:
+  """Host values of a step's metrics; a DivergenceError for a non-finite or exploding loss or a
+  non-finite gradient norm (checked on log steps and before every checkpoint)."""
+  values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  loss, norm = values["loss"], values.get("grad_norm", 0.0)
+  if not (math.isfinite(loss) and math.isfinite(norm)) or abs(loss) > DIVERGED_LOSS:
+    raise DivergenceError(f"training diverged at step {step}: loss {loss:.4g}, gradient norm "
+                          f"{norm:.4g}; nothing was saved from this step on. Lower "
+                          "train.learning_rate (or check the data) and resume or restart.")
+  return values
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dpjax.checkpoint import checkpoint_steps, restore_params
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
-from dpjax.data.squad import DataError
+from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import Dump
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import create_model
@@ -39,22 +39,29 @@ def data_paths(config, workdir: pathlib.Path) -> dict:
           "dump": pathlib.Path(workdir) / config.index.dump_name}
 
 
-def restore_model(config, workdir: pathlib.Path, step: int | None = None):
+def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
+                  allow_untrained: bool | None = None):
   """(model, step): the configured model with the parameters of the latest checkpoint in
   `workdir` (or of the best one by validation, `eval.checkpoint=best`, of QSFT's, `qsft`, or of
-  checkpoint `step`); step is None for the untrained model of a workdir without checkpoints."""
+  checkpoint `step`). A workdir without checkpoints is refused (a DataError) unless
+  `allow_untrained` (default: `eval.allow_untrained`): then the untrained model, step None."""
   which = config.eval.get("checkpoint", "latest")
   if which not in CHECKPOINTS:
-    raise ValueError(f"eval.checkpoint must be one of {sorted(CHECKPOINTS)}, not {which!r}")
+    raise ConfigError(f"eval.checkpoint must be one of {sorted(CHECKPOINTS)}, not {which!r}")
   checkpoints = pathlib.Path(workdir) / CHECKPOINTS[which]
   if which != "latest" and not checkpoints.is_dir():
     raise DataError(f"{checkpoints}: no {which} checkpoint (train with validation.every_steps, "
                     "or run `run.py qsft`)")
-  model = create_model(config.model)
   if not checkpoints.is_dir():
-    log.warning("%s has no checkpoints: using the untrained %s weights", workdir,
-                config.model.name if config.model.init == "pretrained" else "random")
-    return model, None
+    if allow_untrained is None:
+      allow_untrained = config.eval.get("allow_untrained", False)
+    weights = config.model.name if config.model.init == "pretrained" else "random"
+    if not allow_untrained:
+      raise DataError(f"{workdir} has no checkpoints: train into it first (or check --workdir); "
+                      f"--set eval.allow_untrained=True uses the untrained {weights} weights")
+    log.warning("%s has no checkpoints: using the untrained %s weights", workdir, weights)
+    return create_model(config.model), None
+  model = create_model(config.model)
   steps = checkpoint_steps(checkpoints)
   if step is not None and step not in steps:
     raise DataError(f"{checkpoints}: no checkpoint of step {step} (there are {steps})")

@@ -23,9 +23,7 @@ def get_config(arg=None):
   config.mine = common.mine_config()
   config.qsft = common.qsft_config()
   config.filter = common.filter_config()
-  config.eval = ml_collections.ConfigDict({"batch_size": 32, "max_answer_length": 10,
-                                           "limit": 0, "every_steps": 0,
-                                           "checkpoint": "latest"})
+  config.eval = common.eval_config(batch_size=32)
   if arg == "tiny":
     config = common.make_tiny(config)
     config.data.update(train_entities=6, dev_entities=4, questions_per_entity=3)

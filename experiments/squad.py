@@ -32,9 +32,7 @@ def get_config(arg=None):
   config.mine = common.mine_config()
   config.qsft = common.qsft_config()
   config.filter = common.filter_config()
-  config.eval = ml_collections.ConfigDict({"batch_size": 64, "max_answer_length": 10,
-                                           "limit": 0, "every_steps": 0,
-                                           "checkpoint": "latest"})
+  config.eval = common.eval_config(batch_size=64)
   if arg == "cpu":  # ~75 min on 2 CPU cores, training + full-dev evaluation (results/squad_rc.md)
     # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)

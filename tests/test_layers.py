@@ -12,7 +12,7 @@ PACKAGE = REPO / "dpjax"
 # A module may import its own layer and lower ones, never a higher one (and no cycle at all).
 LAYERS = [
     # L0: no dpjax imports but each other's.
-    {"dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
+    {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
      "dpjax.distributed"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",

@@ -8,6 +8,7 @@ import pathlib
 from dpjax.data.squad import (DataError, Passage, PassageWindows, Question, RCFeatures,
                               SkipSummary, build_features, build_windows, read_squad)
 from dpjax.data.synthetic import write_synthetic
+from dpjax.errors import ConfigError
 from dpjax.data.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def data_files(data_config, workdir: str | pathlib.Path) -> dict[str, pathlib.Pa
   if data_config.source == "squad":
     root = pathlib.Path(data_config.dir)
     return {"train": root / data_config.train_file, "dev": root / data_config.dev_file}
-  raise ValueError(f"unknown data.source {data_config.source!r} (synthetic or squad)")
+  raise ConfigError(f"unknown data.source {data_config.source!r} (synthetic or squad)")
 
 
 def load_rc_split(path: str | pathlib.Path, tokenizer: Tokenizer, data_config,

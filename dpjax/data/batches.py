@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from dpjax.data.squad import RCFeatures
+from dpjax.errors import DataError
 
 
 @dataclasses.dataclass
@@ -21,7 +22,7 @@ class TrainBatches:
   def __post_init__(self):
     self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
     if len(self.usable) < self.batch_size:
-      raise ValueError(f"only {len(self.usable)} answerable training features for a batch of "
+      raise DataError(f"only {len(self.usable)} answerable training features for a batch of "
                        f"{self.batch_size}")
     self.steps_per_epoch = len(self.usable) // self.batch_size
 
@@ -72,7 +73,7 @@ class GroupedBatches:
     self.by_window = np.split(usable[order], np.flatnonzero(np.diff(windows[order])) + 1)
     self.num_groups = sum(-(-len(f) // self.group) for f in self.by_window)
     if self.num_groups < self.windows_per_batch:
-      raise ValueError(f"only {self.num_groups} groups of answerable training features for a "
+      raise DataError(f"only {self.num_groups} groups of answerable training features for a "
                        f"batch of {self.windows_per_batch} windows")
     self.steps_per_epoch = -(-self.num_groups // self.windows_per_batch)
 

@@ -22,7 +22,7 @@ import pathlib
 import sys
 from typing import Iterable, Iterator
 
-from dpjax.data.squad import DataError, Passage, SkipSummary, load_json
+from dpjax.data.squad import DataError, Passage, SkipSummary, load_json, valid_unicode
 from dpjax.io import write_jsonl
 
 
@@ -52,6 +52,9 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
       raise DataError(f"{path}: corpus file not found")
     records = _read_jsonl(path, summary) if _is_jsonl(path) else _read_squad(path, summary)
     for passage, where in records:
+      if not valid_unicode(passage.id, passage.title, passage.text):
+        summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
+        continue
       if passage.id in seen:
         summary.skip("duplicate passage id", where)
         continue

@@ -31,13 +31,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from dpjax.data.tokenization import Tokenizer
+from dpjax.errors import ConfigError, DataError
 from dpjax.io import write_json
 
 log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-  """An input file that cannot be used at all (as opposed to a bad record, which is skipped)."""
 
 
 @dataclasses.dataclass
@@ -155,7 +152,7 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
   if not isinstance(root, dict) or not isinstance(root.get("data"), list):
     raise DataError(f"{path}: expected a JSON object with a 'data' list (SQuAD format)")
   summary = SkipSummary(path=str(path))
-  passages, questions = [], []
+  passages, questions, seen_ids = [], [], set()
   for a, article in enumerate(root["data"]):
     where = f"data[{a}]"
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
@@ -170,6 +167,11 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
       qas = qas if isinstance(qas, list) else []
       summary.questions_seen += len(qas)
       context = paragraph.get("context") if isinstance(paragraph, dict) else None
+      if isinstance(context, str) and not valid_unicode(context, title):
+        summary.skip("invalid Unicode (a lone surrogate) in a context or title", pwhere)
+        if qas:
+          summary.skip("question in a paragraph with invalid Unicode", pwhere, len(qas))
+        continue
       if not isinstance(context, str) or not context.strip():
         reason = "paragraph without 'context'" if not isinstance(context, str) else "empty context"
         summary.skip(reason, pwhere)
@@ -182,9 +184,23 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
       for q, qa in enumerate(qas):
         question = _read_question(qa, context, passage_index, f"{pwhere}.qas[{q}]",
                                   require_answers, summary)
-        if question is not None:
+        if question is not None and question.id in seen_ids:
+          summary.skip("duplicate question id (the first one is kept)",
+                       f"{pwhere}.qas[{q}] (id={question.id})")
+        elif question is not None:
+          seen_ids.add(question.id)
           questions.append(question)
   return passages, questions, summary
+
+
+def valid_unicode(*texts: str) -> bool:
+  """False for text a tokenizer cannot take (a lone surrogate, e.g. from a JSON `\\ud800`)."""
+  try:
+    for text in texts:
+      text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
 
 
 def _read_question(qa: Any, context: str, passage_index: int, where: str,
@@ -196,6 +212,9 @@ def _read_question(qa: Any, context: str, passage_index: int, where: str,
   where = f"{where} (id={qid})"
   if qid is None or not isinstance(text, str) or not text.strip():
     summary.skip("question without 'id' or 'question'", where)
+    return None
+  if not valid_unicode(text, str(qid)):
+    summary.skip("invalid Unicode (a lone surrogate) in a question", where)
     return None
   answers = qa.get("answers")
   if not isinstance(answers, list) or (require_answers and not answers):
@@ -277,8 +296,8 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
       prefix += list(title_ids[:max_title_length]) + [tokenizer.sep_id]
     room = max_seq_length - len(prefix) - 1
     if room < 1 or doc_stride < 1:
-      raise ValueError(f"max_seq_length {max_seq_length} leaves no room for context "
-                       f"(prefix {len(prefix)} tokens) or doc_stride {doc_stride} < 1")
+      raise ConfigError(f"data.max_seq_length {max_seq_length} leaves no room for context "
+                        f"(prefix {len(prefix)} tokens) or doc_stride {doc_stride} < 1")
     starts = list(range(0, max(len(ids) - room, 0) + doc_stride, doc_stride))
     starts = [s for s in starts if s < max(len(ids), 1)]  # one (empty) window if no tokens
     for start in starts:

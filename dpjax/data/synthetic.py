@@ -17,12 +17,13 @@ corpus.json (all paragraphs, no questions).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import random
 from typing import Any
 
-from dpjax.io import write_json
+from dpjax.io import write_text_atomic
 
 _ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n", "p", "r",
            "s", "st", "t", "tr", "v", "w", "z", "th", "ch", "sh"]
@@ -217,7 +218,9 @@ def write_synthetic(out_dir: str | os.PathLike, **kwargs) -> dict[str, pathlib.P
   paths = {}
   for name, content in [("train", splits["train"]), ("dev", splits["dev"]), ("corpus", corpus)]:
     path = out_dir / f"{name}.json"
-    write_json(path, content, ensure_ascii=False)
+    text = json.dumps(content, ensure_ascii=False, indent=1)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+      write_text_atomic(path, text)  # unchanged files are not rewritten (read-only workdirs)
     paths[name] = path
   return paths
 

@@ -16,8 +16,10 @@ passage and each token is stored once. A shard holds, for `shard_passages` passa
 Shards are written into `<name>.tmp` and renamed when complete; `manifest.json` says
 `"complete": true` (and lists the shards) only when the whole corpus is done. Running the dump
 again redoes only the missing shards; a dump that is not complete is refused by the indexer.
-Several processes can dump together, each encoding its own shards (see `dump_phrases`). The manifest carries a fingerprint of the phrase encoder so that search can check that
-questions are encoded by the model that produced the vectors.
+Several processes can dump together, each encoding its own shards (see `dump_phrases`). The
+manifest carries a fingerprint of the phrase encoder, so that search can check that questions are
+encoded by the model that produced the vectors, a hash of every shard's passages, so that a dump
+is never resumed or reused with another corpus, and a dump id that its indexes record.
 """
 from __future__ import annotations
 
@@ -37,16 +39,13 @@ from flax import nnx
 from dpjax import distributed
 from dpjax.data.squad import Passage, build_windows
 from dpjax.data.tokenization import Tokenizer
-from dpjax.io import atomic_directory, digest, remove, write_json, write_jsonl
+from dpjax.errors import DumpError
+from dpjax.io import atomic_directory, digest, digest_texts, remove, write_json, write_jsonl
 from dpjax.models.encoders import bound, phrase_batches
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
-
-
-class DumpError(RuntimeError):
-  """A dump that is missing, incomplete, or does not match what it is used with."""
 
 
 def params_fingerprint(module) -> str:
@@ -97,18 +96,25 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
                 passages: list[Passage]) -> dict:
   """Writes one shard atomically (temporary directory, then rename); returns its manifest entry.
   An unfinished shard of an older layout in its place is replaced."""
-  entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"]))}
-  with atomic_directory(directory / name) as tmp:
-    for key, value in arrays.items():
-      np.save(tmp / f"{key}.npy", value)
-    write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
-    write_json(tmp / SHARD_INFO, entry, indent=None)
+  entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"])),
+           "passages_sha": passages_digest(passages)}
+  try:
+    with atomic_directory(directory / name) as tmp:
+      for key, value in arrays.items():
+        np.save(tmp / f"{key}.npy", value)
+      write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
+      write_json(tmp / SHARD_INFO, entry, indent=None)
+  except OSError as e:  # disk full, read-only, quota: name the place and the cause
+    raise DumpError(f"{directory / name}: could not write the shard: "
+                    f"{e.strerror or e} (errno {e.errno}); free space and run the dump again "
+                    "(it resumes)") from None
   return entry
 
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode) -> dict[str, np.ndarray]:
-  """Encodes passages; returns the shard arrays (token rows in passage order, local passage rows)."""
+  """Encodes passages; returns the shard arrays (token rows in passage order, local passage
+  rows)."""
   windows, _ = build_windows(tokenizer, passages,
                              max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
                              include_title=config.include_title)
@@ -136,31 +142,39 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
 
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
-                 model_info: dict | None = None) -> dict:
+                 model_info: dict | None = None, corpus_info: dict | None = None) -> dict:
   """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
 
   With several processes (`dpjax.distributed`) every process runs this with the same corpus:
   shard n is encoded by process n mod P on its own devices (`mesh` should be the process's local
   mesh), and process 0 writes the manifest once all shards exist. A shard is done when its
   directory exists (it is renamed into place complete), so a rerun resumes with the missing ones.
+  Every shard records a hash of its passages (ids, titles, texts): a dump, finished or not, is
+  refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
   """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
               "model": model_info or {}, "settings": dataclasses.asdict(config),
-              "dim": model.config.hidden_size, "shards": []}
-  done = _resume(out_dir, manifest)
-  if done is not None:
-    return done
+              "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
+  old = _existing(out_dir, manifest)
+  chunks = _batches(passages, config.shard_passages)
+  if old is not None and old["complete"]:
+    _check_corpus(out_dir, old["shards"], chunks)
+    log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
+             old["num_passages"], old["num_tokens"])
+    return old
+  _prepare(out_dir, manifest)
   encode = bound(model, "phrases_and_filter")
   start = time.perf_counter()
   num_shards = resumed = 0
-  for number, chunk in enumerate(_batches(passages, config.shard_passages)):
+  for number, chunk in enumerate(chunks):
     num_shards += 1
     name = shard_name(number)
     if not distributed.process_share(number):
       continue
     if (out_dir / name / SHARD_INFO).is_file():
+      _check_shard(out_dir, json.loads((out_dir / name / SHARD_INFO).read_text()), chunk)
       resumed += 1
       continue
     arrays = encode_shard(tokenizer, chunk, config, mesh, encode)
@@ -173,24 +187,47 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   return _finish(out_dir, manifest, num_shards, time.perf_counter() - start)
 
 
-def _resume(out_dir: pathlib.Path, manifest: dict) -> dict | None:
-  """The manifest of a complete dump already in `out_dir`, or None after preparing the directory
-  for (resuming) this one; a dump of another model or settings there is refused."""
-  if (out_dir / MANIFEST).exists():
-    old = json.loads((out_dir / MANIFEST).read_text())
-    if old["fingerprint"] != manifest["fingerprint"] or old["settings"] != manifest["settings"]:
-      raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
-                      "use a new directory (or delete it)")
-    if old["complete"]:
-      log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
-               old["num_passages"], old["num_tokens"])
-      return old
+def passages_digest(passages: Iterable[Passage]) -> str:
+  """A short hash of passages' ids, titles and texts (what a shard holds)."""
+  return digest_texts(*(f"{p.id}\x1f{p.title}\x1f{p.text}" for p in passages))
+
+
+def _check_corpus(out_dir: pathlib.Path, shards: list[dict], chunks: Iterable[list]) -> None:
+  """Refuses a corpus whose shards of passages differ from those the complete dump holds."""
+  for shard, chunk in itertools.zip_longest(shards, chunks):
+    if shard is None or chunk is None:
+      raise DumpError(f"{out_dir} holds a dump of {len(shards)} shards, but the corpus now gives "
+                      f"{'more' if shard is None else 'fewer'} passages: the corpus changed; "
+                      "dump it into a new index.dump_name (or delete the directory)")
+    _check_shard(out_dir, shard, chunk)
+
+
+def _check_shard(out_dir: pathlib.Path, shard: dict, chunk: list) -> None:
+  if "passages_sha" in shard and shard["passages_sha"] != passages_digest(chunk):
+    raise DumpError(f"{out_dir / shard['name']} holds other passages than the corpus gives now: "
+                    "the corpus changed since this dump was made; dump it into a new "
+                    "index.dump_name (or delete the directory)")
+
+
+def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
+  """The manifest of a dump already in `out_dir` (None if none); one of another model or
+  settings is refused."""
+  if not (out_dir / MANIFEST).exists():
+    return None
+  old = json.loads((out_dir / MANIFEST).read_text())
+  if old["fingerprint"] != manifest["fingerprint"] or old["settings"] != manifest["settings"]:
+    raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
+                    "use a new directory (or delete it)")
+  return old
+
+
+def _prepare(out_dir: pathlib.Path, manifest: dict) -> None:
+  """Removes what a killed run left unfinished and marks the dump incomplete."""
   if distributed.is_main():
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
       remove(leftover)
     write_manifest(out_dir, manifest)
   distributed.barrier("dump-start")
-  return None
 
 
 def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: float) -> dict:
@@ -203,6 +240,9 @@ def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: flo
                     num_passages=sum(s["passages"] for s in manifest["shards"]),
                     num_tokens=sum(s["tokens"] for s in manifest["shards"]),
                     seconds=seconds, processes=jax.process_count())
+    # What an index built from this dump records, to be refused against any other dump.
+    manifest["dump_id"] = digest_texts(manifest["fingerprint"], json.dumps(manifest["settings"]),
+                                       *(s.get("passages_sha", "") for s in manifest["shards"]))
     write_manifest(out_dir, manifest)
   distributed.barrier("dump-manifest")
   return read_manifest(out_dir)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from dpjax import distributed
+from dpjax.errors import ConfigError
 from dpjax.index.dump import DumpError, read_manifest, shard_token_offsets
 from dpjax.io import commit_directory, remove, write_json
 
@@ -150,9 +151,14 @@ def _trained(plan: dict, tmp: pathlib.Path, name: str, size: int, seed: int):
     remove(tmp)
     tmp.mkdir(parents=True)
     resolved = plan["resolved"]
-    index = faiss.index_factory(plan["dump"]["dim"],
-                                "IDMap," + resolved if resolved == "Flat" else resolved,
-                                faiss.METRIC_INNER_PRODUCT)
+    try:
+      index = faiss.index_factory(plan["dump"]["dim"],
+                                  "IDMap," + resolved if resolved == "Flat" else resolved,
+                                  faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:  # faiss's error text is a C++ stack: keep its message line
+      message = next((line for line in str(e).splitlines() if "rror" in line), str(e)[:200])
+      raise ConfigError(f"index.specs: {resolved!r} is not a faiss index factory string "
+                        f"for {plan['dump']['dim']}-d vectors ({message.strip()})") from None
     if not index.is_trained:
       index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
                      plan["kept_counts"], plan["filter_threshold"], size, seed)
@@ -206,7 +212,8 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
               "labels": "token_id", "num_tokens": int(plan["total_kept"]),
               "dump_tokens": int(plan["offsets"][-1]),
               "filter_threshold": plan["filter_threshold"], "nprobe": nprobe,
-              "fingerprint": plan["dump"]["fingerprint"], "build_seconds": seconds,
+              "fingerprint": plan["dump"]["fingerprint"],
+              "dump_id": plan["dump"].get("dump_id", ""), "build_seconds": seconds,
               "processes": jax.process_count(),
               "index_bytes": (tmp / "index.faiss").stat().st_size}
   write_json(tmp / MANIFEST, manifest)

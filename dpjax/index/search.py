@@ -57,8 +57,14 @@ class PhraseIndex:
       raise DumpError(f"{directory}: no index named {index_name!r} (available: {available}); "
                       "build it with `run.py index`")
     self.manifest = json.loads((directory / INDEX_MANIFEST).read_text())
-    if self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]:
-      raise DumpError(f"{directory} was built from another dump than {self.dump.directory}")
+    if (self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]
+        or self.manifest.get("dump_tokens") != self.dump.manifest["num_tokens"]
+        or self.manifest.get("dump_id", "") != self.dump.manifest.get("dump_id", "")):
+      raise DumpError(f"{directory} was built from another dump than the one in "
+                      f"{self.dump.directory} (or an older dump of it): rebuild it with "
+                      "`run.py index`")
+    if nprobe is not None and nprobe < 1:
+      raise ValueError(f"nprobe must be >= 1, got {nprobe}")
     self.index = faiss.read_index(str(directory / "index.faiss"))
     if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
       faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
@@ -152,6 +158,8 @@ class PhraseIndex:
     `hits`: the (start, end) token ids of an earlier, wider search of the same questions
     ([Q, >= top_tokens] each); their first `top_tokens` columns are this search's hits.
     """
+    if k < 1:
+      raise ValueError(f"k (the number of phrases) must be >= 1, got {k}")
     top_tokens = min(max(top_tokens or k, k), self.num_vectors)
     # Rescoring gathers [queries, top_tokens, max_answer_length, D] vectors: bound that memory.
     chunk = max(1, _RESCORE_FLOATS // (top_tokens * max_answer_length * q_start.shape[1]))
@@ -238,6 +246,8 @@ class PhraseIndex:
     """
     if unit not in UNITS:
       raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+    if k < 1:
+      raise ValueError(f"k (the number of results) must be >= 1, got {k}")
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)

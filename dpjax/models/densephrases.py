@@ -14,6 +14,7 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
+from dpjax.errors import ConfigError
 from dpjax.models.bert import BertConfig, BertModel
 from dpjax.models import pretrained
 
@@ -95,4 +96,4 @@ def create_model(model_config) -> DensePhrases:
     return DensePhrases(BertConfig(**model_config.random.to_dict()), dtype=dtype,
                         share_query_encoders=model_config.share_query_encoders,
                         rngs=nnx.Rngs(model_config.seed))
-  raise ValueError(f"unknown model.init {model_config.init!r} (pretrained or random)")
+  raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
+from dpjax.errors import CheckpointError
 from dpjax.models.bert import BertConfig, BertModel
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ _HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json",
 # Tensors a BERT checkpoint may carry that the encoder does not use: pooler, pre-training heads,
 # and the position-id buffer that older transformers versions saved.
 _UNUSED = re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be found or does not fit the encoder."""
 
 
 def resolve_model_dir(name: str | os.PathLike) -> pathlib.Path:

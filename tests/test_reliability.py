@@ -1,0 +1,261 @@
+"""Bad input and bad state are named at the boundary: one test per defect of the hostile sweep
+(results/reliability.md). Each case failed (silently wrong, a traceback or a hang) before."""
+import errno
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from dpjax.config import load_config
+from dpjax.data.corpus import read_corpus
+from dpjax.data.squad import Passage, SkipSummary, read_squad
+from dpjax.data.synthetic import write_synthetic
+from dpjax.errors import ConfigError, DataError, DumpError
+from dpjax.index import dump as dump_module
+from dpjax.index.dump import DumpConfig, dump_phrases
+from dpjax.index.faiss_index import build_index
+from dpjax.index.search import PhraseIndex
+from dpjax.io import workdir_lock
+from dpjax.models import BertConfig, DensePhrases
+from dpjax.parallel import make_mesh
+
+import run
+
+TINY = BertConfig(vocab_size=30522, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=13, max_position_embeddings=64)
+CONFIG = DumpConfig(max_seq_length=29, doc_stride=7, batch_size=8, shard_passages=3)
+TRAIN = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
+
+
+def _passages(n=8, salt=""):
+  words = "the quick brown fox jumps over a lazy dog near river banks at dawn".split()
+  return [Passage(f"p{i}", f"Title {i % 3}", " ".join(words[: 3 + (7 * i) % 40] * 2) + salt)
+          for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return DensePhrases(TINY, rngs=nnx.Rngs(0))
+
+
+def _cli(*args, timeout=300):
+  """run.py in a subprocess: (exit code, stderr)."""
+  result = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+  return result.returncode, result.stderr
+
+
+# --- dumps and indexes know their corpus -----------------------------------------------------
+
+
+def test_complete_dump_refuses_another_corpus(model, tokenizer, tmp_path):
+  dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  assert dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())[
+      "complete"]  # the same corpus: reused
+  with pytest.raises(DumpError, match="corpus changed"):
+    dump_phrases(model, tokenizer, _passages(salt=" extra"), tmp_path, CONFIG, mesh=make_mesh())
+  full = tmp_path / "three_full_shards"
+  dump_phrases(model, tokenizer, _passages(9), full, CONFIG, mesh=make_mesh())
+  with pytest.raises(DumpError, match="more passages"):
+    dump_phrases(model, tokenizer, _passages(10), full, CONFIG, mesh=make_mesh())
+  with pytest.raises(DumpError, match="fewer passages"):
+    dump_phrases(model, tokenizer, _passages(6), full, CONFIG, mesh=make_mesh())
+
+
+def test_resumed_dump_refuses_a_changed_corpus(model, tokenizer, tmp_path):
+  dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  manifest = json.loads((tmp_path / "manifest.json").read_text())
+  (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+  shutil.rmtree(tmp_path / "shard_00002")  # as if killed before the last shard
+  changed = _passages()
+  changed[1] = Passage("new", "Other", "another passage in place of p1")
+  with pytest.raises(DumpError, match="shard_00000 holds other passages"):
+    dump_phrases(model, tokenizer, changed, tmp_path, CONFIG, mesh=make_mesh())
+
+
+def test_index_of_another_dump_is_refused(model, tokenizer, tmp_path):
+  first, second = tmp_path / "first", tmp_path / "second"
+  dump_phrases(model, tokenizer, _passages(), first, CONFIG, mesh=make_mesh())
+  build_index(first, "Flat")
+  dump_phrases(model, tokenizer, _passages(salt=" x"), second, CONFIG, mesh=make_mesh())
+  shutil.copytree(first / "indexes", second / "indexes")  # same model, other dump
+  with pytest.raises(DumpError, match="built from another dump"):
+    PhraseIndex(second, "Flat")
+  PhraseIndex(first, "Flat")  # its own dump: fine
+
+
+def test_dump_write_error_names_the_shard_and_cause(model, tokenizer, tmp_path, monkeypatch):
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(dump_module.np, "save", full)
+  with pytest.raises(DumpError, match=r"shard_00000: could not write the shard: No space left "
+                                      r"on device \(errno 28\)"):
+    dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_failed_index_build_is_a_config_error_and_leaves_no_temporary(model, tokenizer,
+                                                                      tmp_path):
+  dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  with pytest.raises(ConfigError, match="index.specs: 'IVF4,Bogus' is not a faiss index"):
+    build_index(tmp_path, "IVF4,Bogus")
+  assert not list((tmp_path / "indexes").glob("*.tmp"))
+
+
+# --- records the tokenizer or the evaluation cannot take ----------------------------------------
+
+
+def test_lone_surrogate_record_is_skipped_and_counted(model, tokenizer, tmp_path):
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text('{"id": "a", "title": "A", "text": "fine text here"}\n'
+                    '{"id": "b", "title": "B", "text": "broken \\ud800 text"}\n'
+                    '{"id": "c", "title": "C", "text": "more fine text"}\n')
+  summary = SkipSummary()
+  passages = list(read_corpus(corpus, summary))
+  assert [p.id for p in passages] == ["a", "c"]
+  assert summary.counts == {"invalid Unicode (a lone surrogate) in id, title or text": 1}
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path / "dump", CONFIG,
+                          mesh=make_mesh())
+  assert manifest["num_passages"] == 2
+
+
+def test_duplicate_question_ids_are_skipped_and_counted(tmp_path):
+  qa = lambda qid: {"id": qid, "question": "Who?", "answers": [{"text": "Ann",
+                                                                 "answer_start": 0}]}
+  path = tmp_path / "dup.json"
+  path.write_text(json.dumps({"data": [{"title": "T", "paragraphs": [
+      {"context": "Ann met Bob.", "qas": [qa("q1"), qa("q2"), qa("q1")]}]}]}))
+  _, questions, summary = read_squad(path)
+  assert [q.id for q in questions] == ["q1", "q2"]
+  assert summary.counts == {"duplicate question id (the first one is kept)": 1}
+
+
+def test_search_arguments_are_checked(model, tokenizer, tmp_path):
+  dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  build_index(tmp_path, "Flat")
+  index = PhraseIndex(tmp_path, "Flat")
+  q = np.ones((2, TINY.hidden_size), np.float32)
+  for k in (0, -3):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      index.search(q, q, k)
+    with pytest.raises(ValueError, match="must be >= 1"):
+      index.search_phrases(q, q, k)
+  with pytest.raises(ValueError, match="nprobe must be >= 1"):
+    PhraseIndex(tmp_path, "Flat", nprobe=-1)
+
+
+# --- configs and the command line -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["index.top_k=0"], "index.top_k = 0: must be a number >= 1"),
+    (["index.nprobe=-2"], "index.nprobe = -2: must be a number >= 1"),
+    (["train.batch_size=0"], "train.batch_size = 0: must be a number >= 1"),
+    (["index.train_size=0"], "index.train_size = 0: must be a number >= 1"),
+    (["train.nope=1"], "--set train.nope: no such config field"),
+    (["train.batch_size=many"], "--set train.batch_size=many: wrong type"),
+    (["train.batch_size"], "is not of the form key=value"),
+    (["index.unit=word"], "index.unit = 'word': must be one of"),
+])
+def test_bad_config_values_are_named(overrides, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    load_config("experiments/demo.py:tiny", overrides)
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+  cases = [
+      (["--config", "experiments/nope.py"], "config file not found: experiments/nope.py"),
+      (["--config", "experiments/demo.py:huge"], "unknown config arg 'huge'"),
+      (["--config", "experiments/demo.py:tiny", "--set", "index.top_k=0"], "index.top_k = 0"),
+      (["--config", "experiments/demo.py", "--set", "model.name=/no/such/model"], "/no/such"),
+  ]
+  for args, message in cases:
+    code, stderr = _cli("eval_rc", *args, "--workdir", str(tmp_path))
+    assert code == 2 and message in stderr and "Traceback" not in stderr, (args, stderr)
+
+
+def test_untrained_model_is_refused_unless_asked(tmp_path):
+  base = ["dump", "--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(base) == 2  # a mistyped --workdir does not dump untrained weights
+  assert not (tmp_path / "dump").exists()
+  assert run.main(base + ["--set", "eval.allow_untrained=True"]) == 0
+
+
+def test_coordinator_wait_times_out_with_its_address(tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  code, stderr = _cli("data", "--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path),
+                      "--coordinator", f"127.0.0.1:{port}", "--num_processes", "2",
+                      "--process_id", "1", "--init_timeout", "3", timeout=120)
+  assert code == 2 and f"could not join the job of coordinator 127.0.0.1:{port}" in stderr
+  assert "Traceback" not in stderr
+
+
+# --- training ------------------------------------------------------------------------------
+
+
+def test_a_second_training_in_the_same_workdir_is_refused(tmp_path):
+  import os
+  tmp_path.mkdir(exist_ok=True)
+  with workdir_lock(tmp_path / "train.lock"):  # a live run holds the workdir
+    assert run.main(TRAIN + ["--workdir", str(tmp_path)]) == 2
+    assert not (tmp_path / "checkpoints").exists()
+  (tmp_path / "train.lock").write_text(str(os.getppid()))  # a live process's lock
+  assert run.main(TRAIN + ["--workdir", str(tmp_path)]) == 2
+
+
+def test_torn_last_metrics_line_does_not_block_resume(tmp_path):
+  assert run.main(TRAIN + ["--workdir", str(tmp_path), "--set", "train.stop_at_step=3"]) == 0
+  with (tmp_path / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 4, "split": "tra')  # killed while writing
+  assert run.main(TRAIN + ["--workdir", str(tmp_path)]) == 0
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_divergence_stops_before_a_checkpoint(tmp_path):
+  assert run.main(TRAIN + ["--workdir", str(tmp_path), "--set", "train.learning_rate=1e6",
+                           "--set", "train.warmup_steps=1", "--set",
+                           "train.freeze=[]"]) == 2
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  last_good = max([r["step"] for r in records if r["split"] == "train"], default=0)
+  saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("[0-9]*"))
+  assert all(step <= last_good for step in saved)  # no checkpoint of a diverged state
+  assert last_good < 6
+
+
+def test_resume_refuses_other_training_data(tmp_path):
+  def squad_dir(seed):
+    folder = tmp_path / f"data{seed}"
+    files = write_synthetic(folder, seed=seed, num_train_entities=6, num_dev_entities=4,
+                            questions_per_entity=3)
+    files["train"].rename(folder / "train-v1.1.json")
+    files["dev"].rename(folder / "dev-v1.1.json")
+    return folder
+  base = ["train", "--config", "experiments/squad.py:tiny", "--workdir", str(tmp_path / "w"),
+          "--set", "train.checkpoint_every=3", "--set", "eval.limit=4"]
+  first, other = squad_dir(0), squad_dir(1)
+  assert run.main(base + ["--set", f"data.dir={first}", "--set", "train.stop_at_step=3"]) == 0
+  # Another folder with the same data resumes (data.dir may move)...
+  shutil.copytree(first, tmp_path / "moved")
+  assert run.main(base + ["--set", f"data.dir={tmp_path / 'moved'}",
+                          "--set", "train.stop_at_step=4"]) == 0
+  # ...other data under the same name does not.
+  shutil.copy(other / "train-v1.1.json", tmp_path / "moved" / "train-v1.1.json")
+  assert run.main(base + ["--set", f"data.dir={tmp_path / 'moved'}"]) == 2
+
+
+def test_synthetic_data_is_not_rewritten(tmp_path):
+  first = write_synthetic(tmp_path, seed=0, num_train_entities=6, num_dev_entities=4,
+                          questions_per_entity=3)
+  stamps = {k: p.stat().st_mtime_ns for k, p in first.items()}
+  again = write_synthetic(tmp_path, seed=0, num_train_entities=6, num_dev_entities=4,
+                          questions_per_entity=3)
+  assert {k: p.stat().st_mtime_ns for k, p in again.items()} == stamps
