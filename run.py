@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.mode == "search":
       mode = functools.partial(mode, queries=args.query)
     mode(load_config(args.config, args.set), args.workdir)
-  except EXPECTED as e:  # bad input or state: one line (the stack only with --debug)
+  except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
     logging.error("%s", e, exc_info=args.debug)
     return distributed.exit_now(2)
   except BaseException:

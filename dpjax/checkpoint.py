@@ -16,6 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from dpjax.errors import DataError
+
 log = logging.getLogger(__name__)
 
 
@@ -59,8 +61,13 @@ class Checkpointer:
     step = self.manager.latest_step() if step is None else step
     if step is None:
       return None
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # a damaged or foreign checkpoint: name it, do not guess
+      raise DataError(f"{self.directory / str(step)}: checkpoint cannot be restored "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); delete it to "
+                      "resume from an earlier one") from None
     log.info("restored checkpoint %d from %s", step, self.directory)
     return restored["state"], restored["meta"]
 
@@ -100,9 +107,15 @@ def restore_params(directory: str | pathlib.Path, model, step: int | None = None
   # A checkpoint holds each parameter as {"value": array} (the NNX variable's state).
   target = {"params": jax.tree.map(lambda x: {"value": np.asarray(x)}, nnx.to_pure_dict(params))}
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(directory / str(step) / "state", args=ocp.args.PyTreeRestore(
-        item=target, restore_args=restore_args, partial_restore=True))
+  try:
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      restored = checkpointer.restore(directory / str(step) / "state",
+                                      args=ocp.args.PyTreeRestore(item=target,
+                                                                  restore_args=restore_args,
+                                                                  partial_restore=True))
+  except Exception as e:  # a damaged checkpoint, or one of another model
+    raise DataError(f"{directory / str(step)}: parameters cannot be restored "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
   values = jax.tree.map(lambda leaf: leaf["value"], restored["params"],
                         is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
   nnx.replace_by_pure_dict(params, values)

@@ -19,6 +19,7 @@ from dpjax.data import SkipSummary, Tokenizer
 from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
+from dpjax.errors import ConfigError
 from dpjax.index.dump import DumpConfig, dump_phrases
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import build_index
@@ -69,6 +70,8 @@ def run_index(config, workdir: str) -> list[pathlib.Path]:
 
 def run_search(config, workdir: str, queries: Sequence[str]) -> list:
   """`run.py search`: answers questions and prints the top units."""
+  if not queries or not all(q.strip() for q in queries):
+    raise ConfigError("search needs one or more non-empty --query \"question\"")
   searcher, _ = load_searcher(config, pathlib.Path(workdir))
   results = searcher.search(list(queries), k=config.index.top_k, unit=config.index.unit,
                             max_answer_length=config.eval.max_answer_length)

@@ -16,7 +16,7 @@ from dpjax.config import load_config
 from dpjax.data.corpus import read_corpus
 from dpjax.data.squad import Passage, SkipSummary, read_squad
 from dpjax.data.synthetic import write_synthetic
-from dpjax.errors import ConfigError, DataError, DumpError
+from dpjax.errors import ConfigError, DumpError
 from dpjax.index import dump as dump_module
 from dpjax.index.dump import DumpConfig, dump_phrases
 from dpjax.index.faiss_index import build_index

@@ -41,11 +41,15 @@ def read_questions(path: str | pathlib.Path) -> list[Question]:
       passages, questions, _ = read_squad(path)
       return [Question(q.id, q.question, q.answers, title=passages[q.passage_index].title)
               for q in questions]
-  questions = []
+  questions, seen = [], set()
   for i, row in enumerate(rows):
     answers = row.get("answers") if isinstance(row, dict) else None
     if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not answers:
       raise DataError(f"{path}: record {i} needs 'question' and a non-empty 'answers' list")
-    questions.append(Question(str(row.get("id", i)), row["question"],
-                              [a if isinstance(a, str) else a.get("text", "") for a in answers]))
+    question = Question(str(row.get("id", i)), row["question"],
+                        [a if isinstance(a, str) else a.get("text", "") for a in answers])
+    if question.id in seen:
+      raise DataError(f"{path}: record {i}: duplicate question id {question.id!r}")
+    seen.add(question.id)
+    questions.append(question)
   return questions

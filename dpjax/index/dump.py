@@ -82,7 +82,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
   directory = pathlib.Path(directory)
   if not (directory / MANIFEST).is_file():
     raise DumpError(f"{directory}: no {MANIFEST}: not a phrase dump (run `run.py dump`)")
-  manifest = json.loads((directory / MANIFEST).read_text())
+  try:
+    manifest = json.loads((directory / MANIFEST).read_text())
+  except (OSError, ValueError) as e:
+    raise DumpError(f"{directory / MANIFEST}: unreadable ({type(e).__name__}: {e}); delete the "
+                    "dump and run it again") from None
   if not manifest.get("complete"):
     raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
                     "same dump command again to finish it")
