@@ -124,7 +124,7 @@ def workdir_lock(path: str | os.PathLike, what: str = "training"):
   """
   path = pathlib.Path(path)
   pid = _lock_holder(path)
-  if pid is not None and pid and _process_alive(pid):  # (this process too: a nested run)
+  if pid and _process_alive(pid):  # this process too: a nested run in one workdir
     raise BusyError(f"{path}: another {what} run (pid {pid}) is using this workdir; wait for it, "
                     "or run in a second workdir")
   if pid is not None:

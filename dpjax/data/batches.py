@@ -65,6 +65,8 @@ class GroupedBatches:
   windows_per_batch: int
   group: int
   seed: int
+  # (epoch, its groups): the groups of the current epoch, built once.
+  _cached: tuple = dataclasses.field(default=(None, None), init=False, repr=False)
 
   def __post_init__(self):
     usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
@@ -82,7 +84,7 @@ class GroupedBatches:
 
   def groups(self, epoch: int) -> list[np.ndarray]:
     """The epoch's groups of feature rows, in batch order."""
-    if getattr(self, "_cached", (None,))[0] != epoch:
+    if self._cached[0] != epoch:
       rng = np.random.default_rng([self.seed, epoch])
       groups = [chunk for features in self.by_window
                 for chunk in np.array_split(rng.permutation(features),
