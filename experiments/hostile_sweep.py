@@ -382,6 +382,43 @@ def api_cases(s: Sweep) -> None:
     s.case("api", what, api(code), must=must, command="python -c ...")
 
 
+# The defects of the earlier sweep (issue 25) and the test that failed before each fix.
+DEFECT_TESTS = [
+    ("a complete dump re-run with another corpus kept the old one",
+     "test_complete_dump_refuses_another_corpus"),
+    ("an interrupted dump resumed with a changed corpus mixed both",
+     "test_resumed_dump_refuses_a_changed_corpus"),
+    ("an index of another (or older) dump of the same model was accepted",
+     "test_index_of_another_dump_is_refused"),
+    ("resuming with data.dir at other data continued on it",
+     "test_resume_refuses_other_training_data"),
+    ("two trainings in one workdir crashed each other",
+     "test_a_second_training_in_the_same_workdir_is_refused"),
+    ("a torn last line of metrics.jsonl blocked any resume",
+     "test_torn_last_metrics_line_does_not_block_resume"),
+    ("diverging training finished with rc 0", "test_divergence_stops_before_a_checkpoint"),
+    ("dumping from a mistyped workdir dumped untrained weights",
+     "test_untrained_model_is_refused_unless_asked"),
+    ("duplicate question ids dropped questions silently",
+     "test_duplicate_question_ids_are_skipped_and_counted"),
+    ("a lone surrogate killed the dump (tokenizer TypeError)",
+     "test_lone_surrogate_record_is_skipped_and_counted"),
+    ("top_k 0 / < 0, nprobe < 0: ZeroDivisionError, faiss asserts",
+     "test_search_arguments_are_checked, test_bad_config_values_are_named"),
+    ("batch_size 0, train_size <= 0 unchecked", "test_bad_config_values_are_named"),
+    ("config errors, CheckpointError printed full stacks",
+     "test_cli_errors_are_one_line_without_traceback"),
+    ("faiss spec errors printed stacks; a failed build left indexes/*.tmp",
+     "test_failed_index_build_is_a_config_error_and_leaves_no_temporary"),
+    ("disk full during a dump named neither ENOSPC nor the path",
+     "test_dump_write_error_names_the_shard_and_cause"),
+    ("a read-only workdir failed eval (data/train.json rewritten)",
+     "test_synthetic_data_is_not_rewritten"),
+    ("a process whose coordinator never comes waited 5 min saying only Connecting",
+     "test_coordinator_wait_times_out_with_its_address"),
+]
+
+
 def render(results: dict, command: str) -> str:
   rows = results["cases"]
   counts = {v: sum(r["verdict"] == v for r in rows)
@@ -395,11 +432,15 @@ def render(results: dict, command: str) -> str:
            f"loss, {counts['hang']} hangs.", "",
            "Each case's own check is in `experiments/hostile_sweep.py`; the defects of the "
            "earlier sweep each have a test in `tests/test_reliability.py`.", "",
-           "| # | area | case | exit | verdict | message (last error line) |", "|---|---|---|---|---|---|"]
+           "| # | area | case | exit | verdict | message (last error line) |",
+           "|---|---|---|---|---|---|"]
   for r in rows:
     message = r["message"].replace("|", "\\|")
     lines.append(f"| {r['id']} | {r['area']} | {r['case']} | {r['exit']} | {r['verdict']} | "
                  f"{message} |")
+  lines += ["", "## The earlier sweep's defects and their tests (`tests/test_reliability.py`)", "",
+            "| defect | test |", "|---|---|"]
+  lines += [f"| {defect} | `{test}` |" for defect, test in DEFECT_TESTS]
   return "\n".join(lines) + "\n"
 
 
@@ -408,8 +449,16 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="results/reliability.json")
   parser.add_argument("--keep", help="scratch folder to keep (default: a temporary one)")
+  parser.add_argument("--render", metavar="COMMAND",
+                      help="measure nothing: rewrite the Markdown of --out's JSON, stating COMMAND "
+                      "as the command that measured it")
   args = parser.parse_args(argv)
   from experiments.report import save_results
+  if args.render:
+    from dpjax.io import write_text_atomic
+    results = json.loads(pathlib.Path(args.out).read_text())
+    write_text_atomic(pathlib.Path(args.out).with_suffix(".md"), render(results, args.render))
+    return 0
   scratch = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="dpjax-sweep-"))
   scratch.mkdir(parents=True, exist_ok=True)
   start = time.perf_counter()
