@@ -202,6 +202,11 @@ def _checkpoint(run: Run, done: int, metrics: dict) -> None:
   run.clock[0] = time.perf_counter()  # saving time is not training throughput
 
 
+def _validate(run: Run, validator: Validator, done: int, metrics: dict) -> None:
+  check_finite(metrics, done)  # the validator saves into checkpoints_best
+  validator(done, run.trainer.model(), run.trainer.state, _meta(run, done))
+
+
 def make_hooks(run: Run, stop: int, validator: Validator | None) -> list[Hook]:
   """progress, log, RC evaluation, validation, checkpoint: in this order after a step."""
   tc, config = run.config.train, run.config
@@ -212,8 +217,7 @@ def make_hooks(run: Run, stop: int, validator: Validator | None) -> list[Hook]:
                 lambda d, m: evaluate(run, d))]
   if validator:
     hooks.append(Hook(lambda d: every(d, validator.every_steps) or d == run.total,
-                      lambda d, m: validator(d, run.trainer.model(), run.trainer.state,
-                                             _meta(run, d))))
+                      functools.partial(_validate, run, validator)))
   hooks.append(Hook(lambda d: every(d, tc.checkpoint_every) or d == stop,
                     functools.partial(_checkpoint, run)))
   return hooks
