@@ -1,74 +1,10 @@
-"""dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`."""
-import argparse
-import functools
-import importlib
-import logging
+"""dpjax command line: `python run.py MODE --config experiments/x.py[:arg] --workdir DIR`.
+
+The same as the `dpjax` command that `pip install .` puts on the PATH (`dpjax/cli.py`).
+"""
 import sys
-import traceback
 
-# mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
-MODES = {
-    "train": ("dpjax.train:train_and_evaluate", "train the phrase and question encoders, "
-              "evaluating RC EM/F1 on dev; resumes"),
-    "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
-    "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
-    "dump": ("dpjax.open_domain:run_dump", "encode every passage of the corpus"),
-    "index": ("dpjax.open_domain:run_index", "build the configured faiss indexes over the dump"),
-    "search": ("dpjax.open_domain:run_search", "answer --query questions open-domain"),
-    "eval": ("dpjax.open_domain:run_eval_open", "open-domain EM@k, F1@k, passage Top-k/MRR/P@k"),
-    "subcorpus": ("dpjax.validation:run_subcorpus", "write validation subcorpora C0, R_r, H_k"),
-    "mine": ("dpjax.mining:run_mine", "mine hard negatives for the training questions"),
-    "qsft": ("dpjax.qsft:run_qsft", "query-side fine-tuning of the question encoders"),
-    "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
-}
-
-
-def parse(argv=None) -> argparse.Namespace:
-  modes = "\n".join(f"  {name:<10} {text}" for name, (_, text) in MODES.items())
-  parser = argparse.ArgumentParser(description=f"{__doc__}\nModes:\n{modes}",
-                                   formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument("mode", choices=list(MODES))
-  parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
-  parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config field, e.g. --set eval.batch_size=16")
-  parser.add_argument("--query", action="append", default=[], help="a question (search mode)")
-  hosts = parser.add_argument_group("many processes/hosts (jax.distributed; see README)")
-  hosts.add_argument("--coordinator", help="host:port of process 0")
-  hosts.add_argument("--num_processes", type=int)
-  hosts.add_argument("--process_id", type=int)
-  hosts.add_argument("--distributed", action="store_true",
-                     help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
-  hosts.add_argument("--init_timeout", type=int, default=300,
-                     help="seconds to wait for the coordinator and the other processes")
-  parser.add_argument("--debug", action="store_true", help="tracebacks of expected errors too")
-  return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-  args = parse(argv)
-  from dpjax import distributed
-  from dpjax.config import load_config, setup_logging
-  from dpjax.errors import EXPECTED
-  setup_logging(debug=args.debug)
-  try:
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                           auto=args.distributed, timeout=args.init_timeout)
-    module, _, name = MODES[args.mode][0].partition(":")
-    mode = getattr(importlib.import_module(module), name)
-    if args.mode == "search":
-      mode = functools.partial(mode, queries=args.query)
-    mode(load_config(args.config, args.set), args.workdir)
-  except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
-    logging.error("%s", e, exc_info=args.debug)
-    return distributed.exit_now(2)
-  except BaseException:
-    if distributed.many_processes():  # the others would wait for it at the next barrier
-      traceback.print_exc()
-      return distributed.exit_now(1)
-    raise
-  return 0
-
+from dpjax.cli import MODES, main  # noqa: F401  (MODES: the table of modes)
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -9,6 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dpjax", "dpjax.*"]),
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["dpjax = dpjax.cli:main"]},
     install_requires=[
         "jax>=0.8,<0.11",
         "flax>=0.12,<0.13",

@@ -114,7 +114,9 @@ def run_eval_open(config, workdir: str) -> dict:
             "index_spec": index.manifest["resolved_spec"],
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"]}
   phrases = [[index.result(p) for p, _ in units] for units in found[0]]
-  _write_eval(config, workdir, report, questions, phrases)
+  ranked = [[(index.dump.passages[p.passage].id, p.score) for p, _ in units]
+            for units in found[1]]
+  _write_eval(config, workdir, report, questions, phrases, ranked)
   return report
 
 
@@ -132,16 +134,20 @@ def _spans(results: list[dict]) -> list[list]:
   return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
 
 
-def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases) -> None:
-  """Writes the report and predictions; for an approximate index, adds how often its top-1 is the
-  Flat index's (when Flat was evaluated on the same model and dump)."""
-  # Files of the latest checkpoint are open_eval_<index>.json; of another (eval.checkpoint=best,
-  # qsft, a step) open_eval_<index>_<checkpoint>.json: evaluating QSFT overwrites nothing.
-  name, checkpoint = config.index.search_index, config.eval.checkpoint
+def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
+                ranked) -> None:
+  """Writes the report, the phrase predictions (JSONL) and the passage ranking (a TREC run file,
+  `qid Q0 passage_id rank score dpjax`, as Pyserini writes); for an approximate index, adds how
+  often its top-1 is the Flat index's (when Flat was evaluated on the same model and dump)."""
+  # Files: open_eval_[<dump>_]<index>[_<checkpoint>].json (the dump's name unless it is the
+  # default `dump`; the checkpoint's unless latest): another corpus or QSFT overwrites nothing.
+  checkpoint, dump = config.eval.checkpoint, config.index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
-  flat_report = workdir / f"open_eval_Flat{tag}.json"
-  exact = workdir / f"open_predictions_Flat{tag}.jsonl"
-  if name != "Flat" and exact.is_file() and flat_report.is_file():
+  prefix = "" if dump == "dump" else f"{dump}_"
+  name = prefix + config.index.search_index
+  flat_report = workdir / f"open_eval_{prefix}Flat{tag}.json"
+  exact = workdir / f"open_predictions_{prefix}Flat{tag}.jsonl"
+  if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():
     flat_model = {k: load_json(flat_report).get(k) for k in ("model_step", "fingerprint")}
     if flat_model == {k: report[k] for k in ("model_step", "fingerprint")}:
       flat = {r["id"]: r["spans"][:1] for r in map(json.loads, exact.open())}
@@ -155,6 +161,9 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases)
       json.dumps({"id": q.id, "question": q.question, "answers": q.answers,
                   "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n"
       for q, r in zip(questions, phrases)))
+  write_lines_atomic(workdir / f"open_run_{name}{tag}.trec", (
+      f"{q.id} Q0 {pid} {rank} {score:.6f} dpjax\n"
+      for q, passages in zip(questions, ranked) for rank, (pid, score) in enumerate(passages, 1)))
   write_json(workdir / f"open_eval_{name}{tag}.json", report)
   log.info("open-domain (%s, %d questions): EM@1 %.2f EM@10 %.2f; passage top1 %.2f top20 %.2f",
            name, len(questions), report["em@1"], report["em@10"], report["top1"],

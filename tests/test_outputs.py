@@ -1,0 +1,54 @@
+"""Standard outputs: eval reports per corpus (dump), a TREC run file, the `dpjax` command."""
+import json
+import pathlib
+import subprocess
+import sys
+
+from conftest import REPO
+from dpjax.data.corpus import read_corpus
+
+import run
+
+
+def _trec(path: pathlib.Path) -> dict[str, list[tuple[str, int, float]]]:
+  runs: dict[str, list] = {}
+  for line in path.read_text().splitlines():
+    qid, q0, docid, rank, score, tag = line.split(" ")
+    assert q0 == "Q0" and tag == "dpjax"
+    runs.setdefault(qid, []).append((docid, int(rank), float(score)))
+  return runs
+
+
+def test_two_corpora_keep_their_reports_and_trec_runs(tmp_path):
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(["train"] + base) == 0
+  few = tmp_path / "few.jsonl"
+  passages = list(read_corpus(tmp_path / "data" / "corpus.json"))[:12]
+  few.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n"
+                         for p in passages))
+  other = ["--set", "index.dump_name=few", "--set", f"index.corpus=['{few}']"]
+  for mode in ("dump", "index", "eval"):
+    assert run.main([mode] + base) == 0
+    assert run.main([mode] + base + other) == 0
+  default, small = (json.loads((tmp_path / f).read_text())
+                    for f in ("open_eval_Flat.json", "open_eval_few_Flat.json"))
+  assert default["dump_passages"] > 12 and small["dump_passages"] == 12  # neither overwritten
+  for name, ids in (("open_run_Flat.trec", None), ("open_run_few_Flat.trec",
+                                                   {p.id for p in passages})):
+    runs = _trec(tmp_path / name)
+    assert len(runs) == default["questions"]
+    for ranking in runs.values():
+      assert [r for _, r, _ in ranking] == list(range(1, len(ranking) + 1))
+      scores = [s for _, _, s in ranking]
+      assert scores == sorted(scores, reverse=True)
+      assert len({d for d, _, _ in ranking}) == len(ranking)  # a passage once per question
+      assert ids is None or {d for d, _, _ in ranking} <= ids
+  predictions = (tmp_path / "open_predictions_few_Flat.jsonl").read_text().splitlines()
+  assert len(predictions) == small["questions"]
+
+
+def test_dpjax_command():
+  script = pathlib.Path(sys.executable).parent / "dpjax"
+  command = [str(script)] if script.exists() else [sys.executable, "-m", "dpjax.cli"]
+  result = subprocess.run(command + ["--help"], cwd=REPO, capture_output=True, text=True)
+  assert result.returncode == 0 and "{train,eval_rc,data,dump,index,search,eval" in result.stdout
