@@ -24,6 +24,7 @@ MODES = {
     "mine": ("dpjax.mining:run_mine", "mine hard negatives for the training questions"),
     "qsft": ("dpjax.qsft:run_qsft", "query-side fine-tuning of the question encoders"),
     "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
+    "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
 }
 
 
@@ -37,6 +38,7 @@ def parse(argv=None) -> argparse.Namespace:
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config field, e.g. --set eval.batch_size=16")
   parser.add_argument("--query", action="append", default=[], help="a question (search mode)")
+  parser.add_argument("--out", help="the folder export writes")
   hosts = parser.add_argument_group("many processes/hosts (jax.distributed; see README)")
   hosts.add_argument("--coordinator", help="host:port of process 0")
   hosts.add_argument("--num_processes", type=int)
@@ -58,8 +60,9 @@ def main(argv=None) -> int:
                            auto=args.distributed, timeout=args.init_timeout)
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
-    if args.mode == "search":
-      mode = functools.partial(mode, queries=args.query)
+    if args.mode in ("search", "export"):
+      mode = functools.partial(mode, **({"queries": args.query} if args.mode == "search" else
+                                        {"out": args.out}))
     mode(load_config(args.config, args.set), args.workdir)
   except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
     logging.error("%s", e, exc_info=args.debug)

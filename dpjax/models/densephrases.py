@@ -9,12 +9,19 @@ All encoders start from the same pretrained checkpoint; the filter head starts a
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import pathlib
+import shutil
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
-from dpjax.errors import ConfigError
+from dpjax.errors import CheckpointError, ConfigError
+from dpjax.io import atomic_directory, write_json
 from dpjax.models.bert import BertConfig, BertModel
 from dpjax.models import pretrained
 
@@ -97,3 +104,77 @@ def create_model(model_config) -> DensePhrases:
                         share_query_encoders=model_config.share_query_encoders,
                         rngs=nnx.Rngs(model_config.seed))
   raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")
+
+
+# An exported model: one Hugging Face BERT folder per encoder, the filter head, how they pair.
+EXPORT_ENCODERS = {"phrase": "phrase_encoder", "query_start": "query_start_encoder",
+                   "query_end": "query_end_encoder"}
+EXPORT_INFO = "densephrases.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.txt")
+
+
+def bert_tensors(encoder) -> dict[str, np.ndarray]:
+  """The encoder's parameters as Hugging Face `BertModel` tensors (float32, by name)."""
+  params = {path: np.asarray(var[...]) for path, var in nnx.iter_graph(encoder)
+            if isinstance(var, nnx.Param)}
+  return {name: np.ascontiguousarray(transform(params[path]), dtype=np.float32)  # self-inverse
+          for name, (path, transform) in pretrained.bert_name_map(encoder.config).items()}
+
+
+def export_dense_phrases(model: DensePhrases, out: str | os.PathLike, *,
+                         tokenizer_dir: str | os.PathLike | None = None,
+                         info: dict | None = None) -> pathlib.Path:
+  """Writes `out/{phrase,query_start,query_end}/` (config.json, model.safetensors and the
+  tokenizer files: each loads as a Hugging Face `BertModel`), `out/filter_head.safetensors` and
+  `out/densephrases.json` (which folder is which; the score). Written whole or not at all."""
+  out = pathlib.Path(out)
+  config = {"model_type": "bert", "architectures": ["BertModel"],
+            **dataclasses.asdict(model.config)}
+  with atomic_directory(out) as tmp:
+    for name, attr in EXPORT_ENCODERS.items():
+      if name == "query_end" and model.share_query_encoders:
+        continue  # one question encoder for start and end
+      folder = tmp / name
+      folder.mkdir()
+      save_file(bert_tensors(getattr(model, attr)), str(folder / "model.safetensors"))
+      write_json(folder / "config.json", config)
+      for file in TOKENIZER_FILES:
+        if tokenizer_dir and (pathlib.Path(tokenizer_dir) / file).is_file():
+          shutil.copy(pathlib.Path(tokenizer_dir) / file, folder / file)
+    head = nnx.state(model.filter_head, nnx.Param)
+    save_file({"kernel": np.asarray(head["kernel"][...], np.float32),
+               "bias": np.asarray(head["bias"][...], np.float32)},
+              str(tmp / "filter_head.safetensors"))
+    write_json(tmp / EXPORT_INFO, {
+        "format": "dpjax-densephrases-1", "share_query_encoders": model.share_query_encoders,
+        "encoders": {name: name if not (name == "query_end" and model.share_query_encoders)
+                     else "query_start" for name in EXPORT_ENCODERS},
+        "score": "q_start . h_i + q_end . h_j; q from the [CLS] vector of the question encoders, "
+                 "h_i the last hidden state of the phrase encoder at token i",
+        "filter_head": "filter_head.safetensors: logits = h @ kernel + bias, [start, end]",
+        **(info or {})})
+  return out
+
+
+def load_exported(path: str | os.PathLike, *, dtype=jnp.float32) -> DensePhrases:
+  """The DensePhrases model of an `export_dense_phrases` folder."""
+  path = pathlib.Path(path)
+  try:
+    info = json.loads((path / EXPORT_INFO).read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path / EXPORT_INFO}: not an exported dpjax model ({e})") from None
+  model = DensePhrases(pretrained.load_config(path / "phrase"), dtype=dtype,
+                       share_query_encoders=info["share_query_encoders"], rngs=nnx.Rngs(0))
+  for name, attr in EXPORT_ENCODERS.items():
+    if name == "query_end" and model.share_query_encoders:
+      continue
+    folder = path / info["encoders"][name]
+    pretrained.load_bert_weights(getattr(model, attr), pretrained.load_tensors(folder),
+                                 source=str(folder))
+  head = load_file(str(path / "filter_head.safetensors"))
+  state = nnx.state(model.filter_head, nnx.Param)
+  state["kernel"].set_value(head["kernel"])
+  state["bias"].set_value(head["bias"])
+  nnx.update(model.filter_head, state)
+  return model

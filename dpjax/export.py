@@ -1,0 +1,33 @@
+"""`run.py export`: a trained workdir's encoders as Hugging Face BERT checkpoints.
+
+`out/phrase`, `out/query_start`, `out/query_end` each hold config.json, model.safetensors and the
+tokenizer files, and load as `transformers.BertModel`; `out/filter_head.safetensors` and
+`out/densephrases.json` complete the model, which `dpjax.models.load_exported(out)` loads back.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from dpjax.errors import ConfigError
+from dpjax.models.densephrases import export_dense_phrases
+from dpjax.models.pretrained import resolve_model_dir
+from dpjax.workdir import apply_filter_head, restore_model
+
+log = logging.getLogger(__name__)
+
+
+def run_export(config, workdir: str, out: str) -> pathlib.Path:
+  """Exports the workdir's model (the checkpoint `eval.checkpoint` names) to `out`."""
+  if not out:
+    raise ConfigError("export needs --out DIR (the folder to write)")
+  workdir = pathlib.Path(workdir)
+  model, step = restore_model(config, workdir)
+  apply_filter_head(model, workdir)
+  path = export_dense_phrases(model, out, tokenizer_dir=resolve_model_dir(config.model.tokenizer),
+                              info={"workdir": str(workdir), "step": step,
+                                    "checkpoint": config.eval.checkpoint,
+                                    "model": config.model.name})
+  print(f"exported the encoders of {workdir} (step {step}) to {path}/"
+        "{phrase,query_start,query_end}")
+  return path
