@@ -1,4 +1,4 @@
-"""Report helpers of the experiment scripts: results JSON + Markdown with the command behind them."""
+"""Report helpers of the experiment scripts: results JSON + Markdown naming the command."""
 from __future__ import annotations
 
 import pathlib
