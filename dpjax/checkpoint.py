@@ -102,7 +102,7 @@ def restore_params(directory: str | pathlib.Path, model, step: int | None = None
     return None
   step = steps[-1] if step is None else step
   if step not in steps:
-    raise KeyError(f"{directory}: no checkpoint of step {step} (there are {steps})")
+    raise DataError(f"{directory}: no checkpoint of step {step} (there are {steps})")
   params = nnx.state(model, nnx.Param)
   # A checkpoint holds each parameter as {"value": array} (the NNX variable's state).
   target = {"params": jax.tree.map(lambda x: {"value": np.asarray(x)}, nnx.to_pure_dict(params))}

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
-from dpjax.checkpoint import checkpoint_steps, restore_params
+from dpjax.checkpoint import restore_params
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
@@ -62,10 +62,7 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir, weights)
     return create_model(config.model), None
   model = create_model(config.model)
-  steps = checkpoint_steps(checkpoints)
-  if step is not None and step not in steps:
-    raise DataError(f"{checkpoints}: no checkpoint of step {step} (there are {steps})")
-  restored = restore_params(checkpoints, model, step)  # the best dir keeps only the best
+  restored = restore_params(checkpoints, model, step)  # a DataError for a missing step  # the best dir keeps only the best
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
   return model, restored
