@@ -25,11 +25,16 @@ setup(
         "matplotlib>=3.8,<4",  # figures of the result notebooks
         "bm25s>=0.2,<0.4",  # the BM25 peer of experiments/benchmarks/passage_retrieval.py
         "PyStemmer>=2.2,<4",  # its English (Porter2) stemmer; Pyserini stems too
+        "fastapi>=0.110,<1",  # `run.py serve`
+        "uvicorn>=0.30,<1",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],
         # `jupyter nbconvert --execute` of experiments/notebooks/ (the tests run their code directly)
         "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8"],
+        # the web page check of tests/test_serve.py and experiments/benchmarks/serve_load.py, with
+        # Debian's chromium (`apt install chromium`); skipped without them
+        "browser": ["playwright>=1.40,<2"],
         # CUDA 12 JAX plugin; the faiss GPU build is not on PyPI under a stable name, so it is
         # taken from conda (`conda install -c pytorch faiss-gpu`) when wanted: dpjax uses it
         # automatically when `faiss.StandardGpuResources` exists.

@@ -25,6 +25,7 @@ MODES = {
     "qsft": ("dpjax.qsft:run_qsft", "query-side fine-tuning of the question encoders"),
     "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
     "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
+    "serve": ("dpjax.serve:run_serve", "HTTP search service and web page (serve.host/port)"),
 }
 
 
@@ -60,9 +61,8 @@ def main(argv=None) -> int:
                            auto=args.distributed, timeout=args.init_timeout)
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
-    if args.mode in ("search", "export"):
-      mode = functools.partial(mode, **({"queries": args.query} if args.mode == "search" else
-                                        {"out": args.out}))
+    extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
+    mode = functools.partial(mode, **extra)
     mode(load_config(args.config, args.set), args.workdir)
   except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
     logging.error("%s", e, exc_info=args.debug)

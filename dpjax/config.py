@@ -64,11 +64,14 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "eval.batch_size", "eval.max_answer_length", "index.batch_size", "index.top_k",
              "index.nprobe", "index.train_size", "index.shard_passages", "qsft.batch_size",
              "qsft.top_k", "qsft.epochs", "mine.top_k", "filter.batch_size", "filter.epochs",
-             "data.max_seq_length", "data.doc_stride", "data.max_query_length")
+             "data.max_seq_length", "data.doc_stride", "data.max_query_length",
+             "serve.port", "serve.max_batch", "serve.max_queue", "serve.max_k",
+             "serve.max_questions", "serve.max_question_chars")
 _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
-                 "mine.limit", "validation.every_steps", "validation.sample_questions")
+                 "mine.limit", "validation.every_steps", "validation.sample_questions",
+                 "serve.max_wait_ms")
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
@@ -212,6 +215,25 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
       # dump / index / search / eval refuse a workdir without checkpoints (a mistyped --workdir
       # would otherwise use the untrained weights) unless this is set.
       "allow_untrained": False,
+  })
+  config.update(overrides)
+  return config
+
+
+def serve_config(**overrides) -> ml_collections.ConfigDict:
+  """`run.py serve`: the HTTP search service over the workdir's index."""
+  config = ml_collections.ConfigDict({
+      "host": "127.0.0.1",  # 0.0.0.0 to listen on every interface
+      "port": 8000,
+      "index": "",  # index name under <dump>/indexes; empty: index.search_index
+      # Micro-batching: the requests waiting when the search thread is free share one question
+      # encoding, up to max_batch questions; it waits at most max_wait_ms for more to arrive.
+      "max_batch": 64,
+      "max_wait_ms": 2.0,
+      "max_queue": 1024,  # requests waiting beyond this are refused (503), not queued
+      "max_k": 100,
+      "max_questions": 64,  # per request
+      "max_question_chars": 1000,
   })
   config.update(overrides)
   return config

@@ -1,4 +1,5 @@
-"""Atomic file and directory writes, and content digests (layer 0: numpy and the standard library).
+"""Atomic file and directory writes, content digests, a workdir lock and console progress
+(layer 0: numpy, tqdm and the standard library).
 
 Every file dpjax writes that a later run reads (reports, manifests, corpora, shards, indexes)
 goes through these helpers: a crash or kill leaves the old file or the new one, never half of one,
@@ -13,9 +14,12 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
+import time
 from typing import Iterable, Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from dpjax.errors import BusyError
 
@@ -162,3 +166,40 @@ def _process_alive(pid: int) -> bool:
   except PermissionError:
     pass
   return True
+
+
+class Progress:
+  """Progress of a long stage with its throughput: a tqdm bar on a terminal, otherwise (logs,
+  nohup) an INFO line every `interval` seconds and one at the end. `update(n, **postfix)`."""
+
+  def __init__(self, desc: str, total: int | None = None, unit: str = "it", *,
+               interval: float = 30.0, logger: logging.Logger | None = None):
+    self.desc, self.total, self.unit, self.interval = desc, total, unit, interval
+    self.log = logger or log
+    self.done, self.start = 0, time.perf_counter()
+    self.last = self.start
+    self.bar = (tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True)
+                if sys.stderr.isatty() else None)
+
+  def update(self, n: int, **postfix) -> None:
+    self.done += n
+    if self.bar is not None:
+      self.bar.update(n)
+      if postfix:
+        self.bar.set_postfix(postfix, refresh=False)
+    elif time.perf_counter() - self.last >= self.interval:
+      self.last = time.perf_counter()
+      self._log(postfix)
+
+  def close(self, **postfix) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    else:
+      self._log(postfix)
+
+  def _log(self, postfix: dict) -> None:
+    seconds = time.perf_counter() - self.start
+    of = f"/{self.total}" if self.total else ""
+    extra = "".join(f", {key} {value}" for key, value in postfix.items())
+    self.log.info("%s: %d%s %s in %.0f s (%.1f %s/s%s)", self.desc, self.done, of, self.unit,
+                  seconds, self.done / max(seconds, 1e-9), self.unit, extra)

@@ -98,7 +98,8 @@ def run_eval_open(config, workdir: str) -> dict:
   found = []
   scores = retrieval_scores(index, *searcher.encode(texts), [q.answers for q in questions],
                             max_answer_length=config.eval.max_answer_length, passage_k=passage_k,
-                            passage_ks=(1, 5, 20, 100), shared_hits=True, found=found)
+                            passage_ks=(1, 5, 20, 100), shared_hits=True, found=found,
+                            progress=True)
   seconds = time.perf_counter() - start
   batch64_qps, timed = _batch64_throughput(searcher, texts, config)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "

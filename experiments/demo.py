@@ -24,6 +24,7 @@ def get_config(arg=None):
   config.qsft = common.qsft_config()
   config.filter = common.filter_config()
   config.eval = common.eval_config(batch_size=32)
+  config.serve = common.serve_config()
   if arg == "tiny":
     config = common.make_tiny(config)
     config.data.update(train_entities=6, dev_entities=4, questions_per_entity=3)

@@ -33,6 +33,7 @@ def get_config(arg=None):
   config.qsft = common.qsft_config()
   config.filter = common.filter_config()
   config.eval = common.eval_config(batch_size=64)
+  config.serve = common.serve_config()
   if arg == "cpu":  # ~75 min on 2 CPU cores, training + full-dev evaluation (results/squad_rc.md)
     # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)

@@ -24,7 +24,7 @@ LAYERS = [
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
-     "dpjax.qsft", "dpjax.open_domain", "dpjax.export"},
+     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve"},
     # L4: the training loop.
     {"dpjax.train"},
     # L5: the command line (a table of modes; `run.py` and the `dpjax` command).

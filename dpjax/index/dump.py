@@ -40,7 +40,8 @@ from dpjax import distributed
 from dpjax.data.squad import Passage, build_windows
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
-from dpjax.io import atomic_directory, digest, digest_texts, remove, write_json, write_jsonl
+from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
+                      write_jsonl)
 from dpjax.models.encoders import bound, phrase_batches
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
 
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
-                 mesh, encode) -> dict[str, np.ndarray]:
+                 mesh, encode, progress: Progress | None = None) -> dict[str, np.ndarray]:
   """Encodes passages; returns the shard arrays (token rows in passage order, local passage
-  rows)."""
+  rows). `progress` counts the stored tokens batch by batch."""
   windows, _ = build_windows(tokenizer, passages,
                              max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
                              include_title=config.include_title)
@@ -134,6 +135,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
     parts["vectors"].append(vectors[kept].astype(np.float16))
     parts["filter_logits"].append(logits[kept].astype(np.float16))
     parts["position"].append(rows[window] * keep.shape[1] + column)
+    if progress:
+      progress.update(len(window))
   order = np.argsort(np.concatenate(parts["position"]), kind="stable")
   token_window = np.nonzero(keep)[0]
   if len(order) != len(token_window):  # a kept token past its window's attention mask
@@ -172,6 +175,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   encode = bound(model, "phrases_and_filter")
   start = time.perf_counter()
   num_shards = resumed = 0
+  progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
   for number, chunk in enumerate(chunks):
     num_shards += 1
     name = shard_name(number)
@@ -181,9 +185,10 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
       _check_shard(out_dir, json.loads((out_dir / name / SHARD_INFO).read_text()), chunk)
       resumed += 1
       continue
-    arrays = encode_shard(tokenizer, chunk, config, mesh, encode)
+    arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress)
     write_shard(out_dir, name, arrays, chunk)
     log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
+  progress.close()
   if resumed:
     log.info("%s: %d shards were already done (resumed)", out_dir, resumed)
   if not num_shards:

@@ -6,11 +6,16 @@ threshold sweep and query-side fine-tuning's dev scores.
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
 
 from dpjax import metrics
+from dpjax.io import Progress
+
+log = logging.getLogger("dpjax.eval")
+PROGRESS_CHUNK = 256  # questions searched between two progress updates
 
 # What `retrieval_scores` reports with the default ks (validation.metric must be one of these).
 METRICS = ("em@1", "f1@1", "em@10", "f1@10", "top1", "top5", "top20", "mrr@20", "p@20")
@@ -37,16 +42,29 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
                      answers: Sequence[Sequence[str]], *, max_answer_length: int = 10,
                      phrase_k: int = 10, top_tokens: int | None = None, passage_k: int = 20,
                      passage_ks: Sequence[int] = (1, 5, 20), per_question: bool = False,
-                     shared_hits: bool = False, found: list | None = None) -> dict:
+                     shared_hits: bool = False, found: list | None = None,
+                     progress: bool = False) -> dict:
   """EM@1/EM@k (phrases) and, with `passage_k`, passage Top-k/MRR@k/P@k over a PhraseIndex.
 
   `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
   and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests).
   `found`: a list that receives the retrieved [phrases, passages] (predictions files).
+  `progress`: show the search's progress and questions/s (256 questions at a time).
   """
   requests = [(phrase_k, "phrase")] + ([(passage_k, "passage")] if passage_k else [])
-  results = retrieve(index, q_start, q_end, requests, max_answer_length=max_answer_length,
-                     top_tokens=top_tokens, shared_hits=shared_hits)
+  results: list[list] = [[] for _ in requests]
+  bar = Progress("search", len(q_start), "questions", logger=log) if progress else None
+  step = PROGRESS_CHUNK if progress else max(len(q_start), 1)  # questions are independent
+  for at in range(0, len(q_start), step):
+    part = retrieve(index, q_start[at:at + step], q_end[at:at + step], requests,
+                    max_answer_length=max_answer_length, top_tokens=top_tokens,
+                    shared_hits=shared_hits)
+    for whole, piece in zip(results, part):
+      whole.extend(piece)
+    if bar:
+      bar.update(len(part[0]))
+  if bar:
+    bar.close()
   if found is not None:
     found.extend(results)
   texts = [[p.text for p, _ in units] for units in results[0]]

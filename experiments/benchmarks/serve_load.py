@@ -1,0 +1,198 @@
+"""Load test of `run.py serve`: one client, then many concurrent clients, over loopback.
+
+Starts `python run.py serve` on a free 127.0.0.1 port as its own process (the clients' threads
+do not share its interpreter), waits for /health, then sends the workdir's evaluation questions
+as single-question POST /search requests: `--single` of them from one client, one after the
+other, then `--requests` from `--clients` concurrent clients (each a keep-alive connection).
+Reports questions/s, client-side latency p50/p99 and errors of both, the concurrency gain (the
+micro-batching), the server's /stats, and with `--screenshot` the web page after a search in
+headless chromium (playwright). The server is stopped with SIGINT and must exit cleanly.
+
+  python experiments/benchmarks/serve_load.py --config experiments/demo.py \
+      --workdir workdirs/demo --out results/serve.json --screenshot results/serve_page.png
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from experiments.report import save_results  # noqa: E402
+
+
+def free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def post(connection: http.client.HTTPConnection, body: dict) -> tuple[int, dict]:
+  connection.request("POST", "/search", json.dumps(body), {"Content-Type": "application/json"})
+  response = connection.getresponse()
+  return response.status, json.loads(response.read())
+
+
+def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 10,
+         unit: str = "phrase") -> dict:
+  """`total` single-question searches from `clients` threads with a connection each."""
+  latencies, errors, lock = [], [], threading.Lock()
+  counter = iter(range(total))
+
+  def client():
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    while True:
+      with lock:
+        i = next(counter, None)
+      if i is None:
+        break
+      start = time.perf_counter()
+      try:
+        status, answer = post(connection, {"question": questions[i % len(questions)], "k": k,
+                                           "unit": unit})
+        ok = status == 200 and len(answer["results"]) > 0
+      except (OSError, http.client.HTTPException, ValueError) as e:
+        status, ok = repr(e), False
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+      with lock:
+        latencies.append(time.perf_counter() - start)
+        if not ok:
+          errors.append(status)
+    connection.close()
+
+  threads = [threading.Thread(target=client) for _ in range(clients)]
+  start = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  seconds = time.perf_counter() - start
+  ms = np.array(latencies) * 1e3
+  return {"clients": clients, "requests": total, "seconds": seconds,
+          "questions_per_s": total / seconds, "latency_p50_ms": float(np.percentile(ms, 50)),
+          "latency_p99_ms": float(np.percentile(ms, 99)), "errors": len(errors),
+          "error_examples": [str(e) for e in errors[:5]]}
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout: float = 600) -> dict:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if server.poll() is not None:
+      raise SystemExit(f"the server exited with status {server.returncode}")
+    try:
+      connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+      connection.request("GET", "/health")
+      return json.loads(connection.getresponse().read())
+    except OSError:
+      time.sleep(0.5)
+  raise SystemExit(f"no /health answer on port {port} within {timeout:.0f} s")
+
+
+def screenshot(port: int, question: str, path: pathlib.Path, browser: str) -> dict:
+  """Types `question` into the page, waits for the highlighted answer, saves a screenshot."""
+  from playwright.sync_api import sync_playwright
+  with sync_playwright() as p:
+    chromium = p.chromium.launch(executable_path=browser, args=["--no-sandbox"])
+    page = chromium.new_page(viewport={"width": 1000, "height": 800})
+    page.goto(f"http://127.0.0.1:{port}/")
+    page.fill("#question", question)
+    page.select_option("#k", "5")
+    page.click("#go")
+    page.wait_for_selector(".result mark", timeout=60_000)
+    shown = {"question": question, "first_answer": page.inner_text(".result .answer"),
+             "first_mark": page.inner_text(".result mark"),
+             "results": page.locator(".result").count()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), full_page=False)
+    chromium.close()
+  return shown
+
+
+def render(r: dict, command: str) -> str:
+  one, many = r["one_client"], r["concurrent"]
+  rows = [f"| {name} | {x['clients']} | {x['requests']} | {x['questions_per_s']:.1f} | "
+          f"{x['latency_p50_ms']:.1f} | {x['latency_p99_ms']:.1f} | {x['errors']} |"
+          for name, x in (("one client", one), ("concurrent", many))]
+  stats = r["server_stats"]
+  lines = [
+      "# Serving: `run.py serve` under load", "",
+      f"Index: {r['health']['index']} over {r['health']['passages']} passages "
+      f"({r['health']['vectors']} token vectors), model step {r['health']['model_step']}; "
+      f"single-question POST /search, k={r['k']}, unit={r['unit']}, over loopback on this "
+      f"machine ({os.cpu_count()} cores), server and clients in separate processes.", "",
+      "| load | clients | requests | questions/s | p50 ms | p99 ms | errors |",
+      "|---|---|---|---|---|---|---|", *rows, "",
+      f"Concurrency gain (micro-batching): **{r['concurrency_gain']:.2f}x** one client's "
+      f"questions/s. The server formed {stats.get('batches', 0)} micro-batches, "
+      f"{stats['mean_batch_questions']:.1f} questions on average, at most "
+      f"{stats.get('largest_batch', 0)}.", "",
+      f"Server exit on SIGINT: status {r['server_exit']}.", "",
+      "Command:", "", "```bash", command, "```"]
+  if r.get("page"):
+    page = r["page"]
+    lines += ["", f"Web page (headless chromium via playwright): asked {page['question']!r}; "
+              f"{page['results']} results, the first {page['first_answer']!r} with "
+              f"{page['first_mark']!r} highlighted in its passage: "
+              f"![search page]({pathlib.Path(r['screenshot']).name})"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--clients", type=int, default=16)
+  parser.add_argument("--requests", type=int, default=2000)
+  parser.add_argument("--single", type=int, default=300, help="requests of the one client")
+  parser.add_argument("--k", type=int, default=10)
+  parser.add_argument("--unit", default="phrase")
+  parser.add_argument("--out", default="results/serve.json")
+  parser.add_argument("--screenshot", help="a PNG of the web page after a search")
+  parser.add_argument("--browser", default="/usr/bin/chromium")
+  args = parser.parse_args(argv)
+
+  from dpjax.config import load_config
+  from dpjax.data.questions import read_questions
+  from dpjax.workdir import data_paths
+  config = load_config(args.config, args.set)
+  questions = [q.question for q in
+               read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
+  port = free_port()
+  command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
+             args.workdir, "--set", f"serve.port={port}"] + [f"--set={s}" for s in args.set]
+  server = subprocess.Popen(command, cwd=REPO)
+  try:
+    health = wait_healthy(port, server)
+    load(port, questions, 4, 64, k=args.k, unit=args.unit)  # warm the connections and caches
+    one = load(port, questions, 1, args.single, k=args.k, unit=args.unit)
+    many = load(port, questions, args.clients, args.requests, k=args.k, unit=args.unit)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/stats")
+    stats = json.loads(connection.getresponse().read())
+    page = (screenshot(port, questions[0], pathlib.Path(args.screenshot), args.browser)
+            if args.screenshot else None)
+  finally:
+    server.send_signal(signal.SIGINT)
+    exit_status = server.wait(timeout=60)
+  results = {"health": health, "k": args.k, "unit": args.unit, "one_client": one,
+             "concurrent": many, "concurrency_gain": many["questions_per_s"] /
+             one["questions_per_s"], "server_stats": stats, "server_exit": exit_status,
+             "page": page, "screenshot": args.screenshot}
+  save_results(args.out, results, render, "experiments/benchmarks/serve_load.py", argv)
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,160 @@
+"""`run.py serve`: the HTTP service on the tiny config, over 127.0.0.1."""
+import http.client
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_script
+from dpjax.config import load_config
+from dpjax.data.questions import read_questions
+from dpjax.serve import make_service, start_server
+from dpjax.workdir import data_paths, load_searcher
+
+import run
+
+CONFIG = "experiments/demo.py:tiny"
+# The untrained tiny encoder (the service, not the model, is under test); micro-batches of up to
+# 8 questions, so the warm-up compiles 4 batch sizes x 2 widths.
+SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8"]
+load_test = load_script("experiments/benchmarks/serve_load.py")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+  """(port, config, workdir, questions, batcher) of a server over a trained tiny workdir."""
+  workdir = tmp_path_factory.mktemp("serve")
+  for mode in ("dump", "index"):
+    assert run.main([mode, "--config", CONFIG, "--workdir", str(workdir),
+                     *(f"--set={s}" for s in SETTINGS)]) == 0
+  config = load_config(CONFIG, SETTINGS)
+  questions = [q.question for q in read_questions(data_paths(config, workdir)["questions"])]
+  app, batcher = make_service(config, workdir)
+  server, thread, port = start_server(app)
+  yield port, config, workdir, questions, batcher
+  server.should_exit = True
+  thread.join()
+  batcher.stop()
+
+
+def request(port, method, path, body=None, content_type="application/json"):
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  headers = {"Content-Type": content_type} if body is not None else {}
+  connection.request(method, path, body, headers)
+  response = connection.getresponse()
+  return response.status, json.loads(response.read() or b"null")
+
+
+def same(served, direct):
+  assert len(served) == len(direct)
+  for a, b in zip(served, direct):
+    assert (a["answer"], a["passage_id"], a["start_char"], a["end_char"]) == (
+        b["answer"], b["passage_id"], b["start_char"], b["end_char"])
+    assert a["score"] == pytest.approx(b["score"], abs=1e-4)
+
+
+def test_answers_equal_densephrases_search(service):
+  port, config, workdir, questions, _ = service
+  searcher, _ = load_searcher(config, workdir)
+  for unit, k in (("phrase", 3), ("passage", 5), ("sentence", 2), ("document", 1)):
+    direct = searcher.search(questions[:6], k=k, unit=unit,
+                             max_answer_length=config.eval.max_answer_length)
+    status, answer = request(port, "POST", "/search",
+                             json.dumps({"questions": questions[:6], "k": k, "unit": unit}))
+    assert status == 200 and answer["unit"] == unit and answer["k"] == k
+    for served, expected in zip(answer["results"], direct):
+      same(served, expected)
+    status, one = request(port, "GET", f"/search?q={questions[0].replace(' ', '+')}"
+                                       f"&k={k}&unit={unit}")
+    assert status == 200 and one["question"] == questions[0]
+    same(one["results"], direct[0])
+    assert all(r["passage"][r["start_char"]:r["end_char"]] == r["answer"]
+               for r in one["results"])
+
+
+@pytest.mark.parametrize("method,body,content_type,status,reason", [
+    ("POST", "{}", "application/json", 400, "exactly one of question"),
+    ("POST", '{"question": "  "}', "application/json", 400, "is empty"),
+    ("POST", json.dumps({"question": "x" * 1001}), "application/json", 413, "characters"),
+    ("POST", json.dumps({"questions": ["a?"] * 65}), "application/json", 413, "65 questions"),
+    ("POST", '{"questions": []}', "application/json", 400, "0 questions"),
+    ("POST", '{"question": "who?", "k": 0}', "application/json", 400, "k = 0"),
+    ("POST", '{"question": "who?", "k": 101}', "application/json", 400, "k = 101"),
+    ("POST", '{"question": "who?", "k": "ten"}', "application/json", 400, "integer"),
+    ("POST", '{"question": "who?", "unit": "chapter"}', "application/json", 400, "unknown unit"),
+    ("POST", '{"question": "who?", "top": 3}', "application/json", 400, "unknown field"),
+    ("POST", '{"question": 7}', "application/json", 400, "string or a list"),
+    ("POST", '{"question": "who?"', "application/json", 400, "malformed JSON"),
+    ("POST", "[1, 2]", "application/json", 400, "JSON object"),
+    ("POST", b"\xff\xfe", "application/json", 400, "malformed JSON"),
+    ("POST", "question=who", "application/x-www-form-urlencoded", 415, "content type"),
+    ("GET", None, None, 400, "k = 0"),
+    ("GET", None, None, 404, "Not Found"),
+    ("DELETE", None, None, 405, "Method Not Allowed"),
+])
+def test_bad_requests_get_a_4xx_with_a_reason(service, method, body, content_type, status,
+                                              reason):
+  port = service[0]
+  path = {404: "/nowhere", 405: "/search"}.get(status, "/search?q=who&k=0")
+  got, answer = request(port, method, "/search" if method == "POST" else path, body,
+                        content_type)
+  assert got == status and reason in answer["error"] and "\n" not in answer["error"]
+  assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200  # still serving
+
+
+def test_health_stats_and_concurrent_clients_are_micro_batched(service):
+  port, _, _, questions, batcher = service
+  status, health = request(port, "GET", "/health")
+  assert status == 200 and health["status"] == "ok" and health["vectors"] > 0
+  before = batcher.stats()
+  result = load_test.load(port, questions, 8, 200)
+  assert result["errors"] == 0, result["error_examples"]
+  status, stats = request(port, "GET", "/stats")
+  assert status == 200 and stats["requests"] - before.get("requests", 0) == 200
+  assert stats["largest_batch"] > 1  # concurrent requests shared an encoder call
+  assert stats["latency_p99_ms"] >= stats["latency_p50_ms"] > 0
+
+
+def test_serve_command_answers_and_stops_on_sigint(service):
+  _, _, workdir, _, _ = service
+  port = load_test.free_port()
+  server = subprocess.Popen([sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir",
+                             str(workdir), "--set", f"serve.port={port}", "--set",
+                             "eval.allow_untrained=True", "--set", "serve.max_batch=2"],
+                            cwd=REPO)
+  try:
+    assert load_test.wait_healthy(port, server, timeout=300)["index"] == "Flat"
+    assert request(port, "POST", "/search", '{"question": "who?", "k": 2}')[0] == 200
+  finally:
+    server.send_signal(signal.SIGINT)
+    assert server.wait(timeout=60) == 0
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium")
+def test_web_page_shows_the_answer_highlighted(service, tmp_path):
+  pytest.importorskip("playwright")
+  port, _, _, questions, _ = service
+  shown = load_test.screenshot(port, questions[0], tmp_path / "page.png", shutil.which("chromium"))
+  assert shown["results"] == 5 and shown["first_mark"] == shown["first_answer"].split(". ", 1)[1]
+  assert (tmp_path / "page.png").stat().st_size > 1000
+
+
+def test_eval_progress_is_reported_and_changes_no_result(service, monkeypatch, caplog):
+  _, config, workdir, questions, _ = service
+  from dpjax.index import evaluate
+  searcher, _ = load_searcher(config, workdir)
+  q_start, q_end = searcher.encode(questions)
+  top = searcher.search(questions, k=1)  # half the questions answered by their top phrase
+  golds = [[found[0]["answer"]] if i % 2 else ["no such answer"] for i, found in enumerate(top)]
+  whole = evaluate.retrieval_scores(searcher.index, q_start, q_end, golds, per_question=True)
+  monkeypatch.setattr(evaluate, "PROGRESS_CHUNK", 5)
+  with caplog.at_level("INFO", logger="dpjax.eval"):
+    found = []
+    chunked = evaluate.retrieval_scores(searcher.index, q_start, q_end, golds, per_question=True,
+                                        progress=True, found=found)
+  assert chunked == whole and len(found[0]) == len(questions)
+  assert chunked["hits"]["em@1"] == "01" * (len(questions) // 2) + "0" * (len(questions) % 2)
+  assert f"search: {len(questions)}/{len(questions)} questions in" in caplog.text  # non-TTY: logs
