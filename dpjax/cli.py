@@ -1,7 +1,6 @@
 """dpjax command line: `dpjax MODE --config experiments/x.py[:arg] --workdir DIR` (the console
 entry point of `pip install .`), or `python run.py MODE ...` in a checkout."""
 import argparse
-import functools
 import importlib
 import logging
 import sys
@@ -15,6 +14,7 @@ MODES = {
     "train": ("dpjax.train:train_and_evaluate", "train the phrase and question encoders, "
               "evaluating RC EM/F1 on dev; resumes"),
     "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
+    "teacher": ("dpjax.teacher:run_teacher", "train the cross-encoder teacher; write its logits"),
     "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
     "dump": ("dpjax.open_domain:run_dump", "encode every passage of the corpus"),
     "index": ("dpjax.open_domain:run_index", "build the configured faiss indexes over the dump"),
@@ -42,8 +42,8 @@ def parse(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", help="the folder export writes")
   hosts = parser.add_argument_group("many processes/hosts (jax.distributed; see README)")
   hosts.add_argument("--coordinator", help="host:port of process 0")
-  hosts.add_argument("--num_processes", type=int)
-  hosts.add_argument("--process_id", type=int)
+  for name in ("--num_processes", "--process_id"):
+    hosts.add_argument(name, type=int)
   hosts.add_argument("--distributed", action="store_true",
                      help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
   hosts.add_argument("--init_timeout", type=int, default=300,
@@ -62,8 +62,7 @@ def main(argv=None) -> int:
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
     extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
-    mode = functools.partial(mode, **extra)
-    mode(load_config(args.config, args.set), args.workdir)
+    mode(load_config(args.config, args.set), args.workdir, **extra)
   except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
     logging.error("%s", e, exc_info=args.debug)
     return distributed.exit_now(2)

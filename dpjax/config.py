@@ -167,11 +167,15 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       "progress_bar": True,
       # Mined hard negatives (`run.py mine`): h passages per example, all their tokens N_hard.
       "hard_negatives": {"file": "", "per_example": 1},
+      # Distillation: the directory of `run.py teacher`'s logits, relative to the workdir
+      # ("teacher/logits"; it covers the examples of every step of this run); empty: none.
+      "teacher_logits": "",
       "loss": {
           "recipe": "unified",  # or "original"
           # unified (Kim et al. Eq. 2): lambda of each negative type; 0 switches a type off.
           "lambda_inp": 1.0, "lambda_inb": 256.0, "lambda_prb": 0.0,  # 0: same as lambda_inb
           "lambda_hard": 1.0,
+          "lambda_distill": 2.0,  # x KL to the teacher's logits, with train.teacher_logits
           # original (DensePhrases): L = 1 L_single + 2 L_distill + 4 L_neg.
           "weight_single": 1.0, "weight_distill": 2.0, "weight_negatives": 4.0,
           "weight_filter": 0.0,  # joint filter training (Kim et al. train it separately)

@@ -9,6 +9,9 @@ Recipes (`train.loss.recipe`):
             logits), L_neg over the gold tokens of the batch and of the pre-batch queue.
   qsft      query-side fine-tuning: marginal likelihood of the retrieved phrases that match a gold
             answer (Eq. 11), plus the same on start-only and end-only scores (as the reference).
+Both phrase recipes add lambda_distill (unified) / weight_distill (original) x KL(teacher ||
+student) when the batch carries a cross-encoder teacher's logits (`train.teacher_logits`);
+`teacher_loss` trains that teacher.
 The pre-batch queue (token vectors and gold positions of the C previous batches, no gradient) is
 the state an objective carries from step to step; it is part of the train state.
 """
@@ -117,7 +120,15 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
                           extra_pids, extra_lw, **kwargs)
       + losses.unified_loss(q_end, h, mask, batch["end_positions"], pids, vectors, extra_mask,
                             extra_pids, extra_lw, **kwargs))
-  return per_example, {}
+  metrics = {}
+  if "teacher_start_logits" in batch:  # distillation (the teacher's logits of each question)
+    windows = encoded["windows"]
+    distill = losses.distillation_loss(encoded["start_logits"], encoded["end_logits"],
+                                       batch["teacher_start_logits"], batch["teacher_end_logits"],
+                                       mask if windows is None else mask[windows])
+    per_example = per_example + loss_config.lambda_distill * distill
+    metrics["distill"] = distill.mean()
+  return per_example, metrics
 
 
 def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
@@ -156,6 +167,22 @@ def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
 
 
 RECIPES = {"unified": _unified, "original": _original}
+
+
+def teacher_loss(model, batch: dict, queue: dict, step=None, rngs=None):
+  """The cross-encoder reader's loss: cross-entropy of the gold start and end over the window's
+  context tokens (`losses.single_passage_loss`). Returns (loss, (metrics, queue unchanged))."""
+  logits = model.window_logits(batch["cross_input_ids"], batch["cross_attention_mask"],
+                               batch["cross_token_type_ids"], batch["cross_align"], rngs=rngs)
+  mask, start = batch["context_mask"], batch["start_positions"]
+  per_example = losses.single_passage_loss(logits[..., 0], logits[..., 1], mask, start,
+                                           batch["end_positions"])
+  loss = per_example.mean()
+  predicted = jnp.argmax(jnp.where(mask, logits[..., 0], losses.NEG_INF), axis=1)
+  return loss, ({"loss": loss, "start_accuracy": (predicted == start).mean()}, queue)
+
+
+TEACHER_OBJECTIVE = Objective(loss_fn=teacher_loss, queue={}, queue_sharding=lambda mesh: {})
 
 
 def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):

@@ -3,21 +3,25 @@
 A question's answer in a passage window is the span (i, j), i <= j < i + max_answer_length, of
 context tokens with the highest q_start . h_i + q_end . h_j; the start token must be in its
 "max context" window, so a token shared by overlapping windows is scored once. The best span over
-all windows of the question's passage is the prediction; EM/F1 use the official scorer.
+all windows of the question's passage is the prediction; EM/F1 use the official scorer. The
+cross-encoder teacher (`models.reader`) is scored the same way from its start/end logits.
 """
 from __future__ import annotations
 
 import logging
 import pathlib
+from typing import Iterator
 
 import numpy as np
 
 from dpjax import metrics
 from dpjax.data import Tokenizer, data_files, load_rc_split
+from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.io import write_json
 from dpjax.models.encoders import bound, phrase_batches, question_vectors
-from dpjax.parallel import make_mesh, round_to_devices
+from dpjax.models.reader import CrossEncoderReader, window_logits_fn
+from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
 
 log = logging.getLogger(__name__)
@@ -72,24 +76,57 @@ def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
     if not len(feats):
       continue
     q = features.question_index[feats]
-    width = h.shape[1]
-    start, end, score = best_spans(
-        np.einsum("fld,fd->fl", h, q_start[q]), np.einsum("fld,fd->fl", h, q_end[q]),
-        (windows.context_mask[w] & windows.is_max_context[w])[:, :width],
-        windows.context_mask[w, :width], max_answer_length)
-    for f, qi in enumerate(q.tolist()):
-      if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
-        context = passages[windows.passage_index[w[f]]].text
-        text = context[windows.char_start[w[f], start[f]]:windows.char_end[w[f], end[f]]]
-        best[qi] = (float(score[f]), text)
+    keep_best(best, features, passages, feats, np.einsum("fld,fd->fl", h, q_start[q]),
+              np.einsum("fld,fd->fl", h, q_end[q]), max_answer_length)
+  return {qi: text for qi, (_, text) in best.items()}
+
+
+def keep_best(best: dict, features: RCFeatures, passages: list[Passage], feats: np.ndarray,
+              start_scores: np.ndarray, end_scores: np.ndarray, max_answer_length: int) -> None:
+  """Updates `best` ({question index: (score, answer text)}) with the best span of each feature
+  row `feats` given its token scores [F, L'] (L' <= L: the columns past L' are padding)."""
+  windows, w = features.windows, features.window_index[feats]
+  width = start_scores.shape[1]
+  start, end, score = best_spans(start_scores, end_scores,
+                                 (windows.context_mask[w] & windows.is_max_context[w])[:, :width],
+                                 windows.context_mask[w, :width], max_answer_length)
+  for f, qi in enumerate(features.question_index[feats].tolist()):
+    if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
+      context = passages[windows.passage_index[w[f]]].text
+      text = context[windows.char_start[w[f], start[f]]:windows.char_end[w[f], end[f]]]
+      best[qi] = (float(score[f]), text)
+
+
+def reader_logits(reader, features: RCFeatures, rows: np.ndarray, *, mesh,
+                  batch_size: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """(feature rows, the cross-encoder reader's start/end logits [n, L, 2] at their window
+  positions), batch by batch, for feature `rows`."""
+  fn = window_logits_fn(reader)
+  for at in range(0, len(rows), batch_size):
+    part = rows[at:at + batch_size]
+    inputs = cross_batch(features, part)
+    keys = ("cross_input_ids", "cross_attention_mask", "cross_token_type_ids", "cross_align")
+    for _, logits in map_batches(fn, [inputs[k] for k in keys], batch_size, mesh):
+      yield part, logits
+
+
+def predict_rc_reader(reader, features: RCFeatures, passages: list[Passage], *, mesh,
+                      batch_size: int = 32, max_answer_length: int = 10) -> dict[int, str]:
+  """The cross-encoder reader's answer to every question of `features` (as `predict_rc`)."""
+  best: dict[int, tuple[float, str]] = {}
+  for rows, logits in reader_logits(reader, features, np.arange(len(features)), mesh=mesh,
+                                    batch_size=batch_size):
+    keep_best(best, features, passages, rows, logits[..., 0], logits[..., 1], max_answer_length)
   return {qi: text for qi, (_, text) in best.items()}
 
 
 def evaluate_rc(model, features: RCFeatures, passages: list[Passage], questions: list[Question],
                 *, mesh, batch_size: int = 32, max_answer_length: int = 10):
-  """Official-equivalent EM/F1 (x100) over all questions, and the {question id: answer} map."""
-  answers = predict_rc(model, features, passages, mesh=mesh, batch_size=batch_size,
-                       max_answer_length=max_answer_length)
+  """Official-equivalent EM/F1 (x100) over all questions, and the {question id: answer} map, of
+  the phrase model or (a `CrossEncoderReader`) the teacher."""
+  predict = predict_rc_reader if isinstance(model, CrossEncoderReader) else predict_rc
+  answers = predict(model, features, passages, mesh=mesh, batch_size=batch_size,
+                    max_answer_length=max_answer_length)
   predictions = {questions[qi].id: text for qi, text in answers.items()}
   gold = {q.id: q.answers for q in questions}
   return metrics.squad_em_f1(predictions, gold), predictions

@@ -264,9 +264,10 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
       batcher.refused(500)
       return _error(500, f"search failed: {type(e).__name__}: {e}")
     answer = {"k": k, "unit": unit, "seconds": time.perf_counter() - start}
+    # A JSONResponse as is: FastAPI's encoder would walk every result in Python first.
     if single:
-      return {"question": questions[0], "results": results[0], **answer}
-    return {"questions": questions, "results": results, **answer}
+      return JSONResponse({"question": questions[0], "results": results[0], **answer})
+    return JSONResponse({"questions": questions, "results": results, **answer})
 
   @app.get("/health")
   async def health():

@@ -22,9 +22,10 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from dpjax.checkpoint import Checkpointer, abstract_like
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, DataError
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import GroupedBatches, TrainBatches
+from dpjax.data.teacher_logits import TeacherLogits
 from dpjax.io import write_json
 from dpjax.mining import HardNegatives, read_hard_negatives
 from dpjax.models import create_model
@@ -44,7 +45,8 @@ RESUME_FREE = ("train.stop_at_step", "train.log_every", "train.checkpoint_every"
                "model.tokenizer", "model.init")
 # Settings added after checkpoints were written, with the value that trains as before: a
 # checkpoint without one was trained with that value.
-NEW_SETTINGS = {"train.questions_per_window": 1}
+NEW_SETTINGS = {"train.questions_per_window": 1, "train.teacher_logits": "",
+                "train.loss.lambda_distill": 2.0}
 
 
 def resume_conflicts(stored: dict, config: dict) -> list[str]:
@@ -80,9 +82,17 @@ class Run:
   progress: Any = None  # the tqdm bar
 
 
-def setup(config, workdir: pathlib.Path) -> Run:
-  """Reads the data, builds the trainer and restores the workdir's latest checkpoint."""
-  tc = config.train
+def features_fingerprint(features) -> str:
+  """The training data a run (and the teacher's logits) is tied to."""
+  f = features
+  return digest(f.windows.input_ids, f.question_input_ids, f.window_index, f.question_index,
+                f.start_position, f.end_position)
+
+
+def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
+  """Reads the data, builds the trainer and restores the latest checkpoint of `spec`'s outputs
+  (`workdir/spec.subdir`)."""
+  tc, spec = config.train, spec or PHRASE
   mesh = make_mesh(config.get("num_devices") or None)
   if tc.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size {tc.batch_size} must be a multiple of the "
@@ -91,41 +101,74 @@ def setup(config, workdir: pathlib.Path) -> Run:
   files = data_files(config.data, workdir)
   train = load_rc_split(files["train"], tokenizer, config.data)
   dev = load_rc_split(files["dev"], tokenizer, config.data, limit=config.eval.limit or None)
-  batches = _batches(tc, train)
+  data = features_fingerprint(train.features)
+  batches = spec.batches(config, train, workdir, data)
   total = tc.num_steps or tc.epochs * batches.steps_per_epoch
-  model = create_model(config.model)
-  objective = make_objective(tc.loss, batch_size=tc.batch_size,
-                             length=config.data.max_seq_length, dim=model.config.hidden_size)
-  trainer = build_trainer(model, tc, objective, total_steps=total, mesh=mesh)
-  log.info("%d steps (%d per epoch, batch %d on %d devices, %d processes); %d of %d parameters "
-           "frozen", total, batches.steps_per_epoch, tc.batch_size, mesh.size,
-           jax.process_count(), trainer.frozen, trainer.total)
+  model = spec.model(config)
+  trainer = build_trainer(model, tc, spec.objective(config, model), total_steps=total, mesh=mesh)
+  log.info("%s: %d steps (%d per epoch, batch %d on %d devices, %d processes); %d of %d "
+           "parameters frozen", spec.name, total, batches.steps_per_epoch, tc.batch_size,
+           mesh.size, jax.process_count(), trainer.frozen, trainer.total)
   del model
-  checkpointer = Checkpointer(workdir / "checkpoints", keep=tc.keep_checkpoints)
-  f = train.features
-  data = digest(f.windows.input_ids, f.question_input_ids, f.window_index, f.question_index,
-                f.start_position, f.end_position)
-  _restore(trainer, checkpointer, config, workdir, data)
+  out = workdir / spec.subdir
+  checkpointer = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints)
+  _restore(trainer, checkpointer, config, out, data)
   first = int(trainer.state.step)
   # Each process builds and transfers only its own rows of every global batch.
   mine = local_rows(batch_sharding(mesh), tc.batch_size)
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
-  return Run(config, workdir, trainer, batches, dev, mesh, total, first, checkpointer,
-             MetricsWriter(workdir / "metrics.jsonl", first), to_device, data)
+  return Run(config, out, trainer, batches, dev, mesh, total, first, checkpointer,
+             MetricsWriter(out / "metrics.jsonl", first), to_device, data)
 
 
-def _batches(tc, train) -> TrainBatches | GroupedBatches:
-  """The batch source: one question per example, or passage-grouped (`questions_per_window`)."""
+def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | GroupedBatches:
+  """The batch source: one question per example, or passage-grouped (`questions_per_window`);
+  with the teacher's logits when `train.teacher_logits` is set."""
+  tc = config.train
+  teacher = None
+  if tc.teacher_logits:
+    teacher = TeacherLogits(workdir / tc.teacher_logits, data=data,
+                            length=config.data.max_seq_length)
   if tc.questions_per_window <= 1:
-    return TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train))
-  unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
-                 "train.hard_negatives.file": bool(tc.hard_negatives.file),
-                 "train.loss.weight_filter": bool(tc.loss.weight_filter)}
-  if any(unsupported.values()):
-    raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go with "
-                      + ", ".join(k for k, v in unsupported.items() if v))
-  return GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed)
+    batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train),
+                           teacher)
+  else:
+    unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
+                   "train.hard_negatives.file": bool(tc.hard_negatives.file),
+                   "train.loss.weight_filter": bool(tc.loss.weight_filter)}
+    if any(unsupported.values()):
+      raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go "
+                        "with " + ", ".join(k for k, v in unsupported.items() if v))
+    batches = GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed,
+                             teacher)
+  if teacher is not None:
+    total = tc.num_steps or tc.epochs * batches.steps_per_epoch
+    missing = teacher.missing(np.concatenate([batches.rows(s) for s in range(total)]))
+    if missing:
+      raise DataError(f"{teacher.directory}: no teacher logits for {missing} examples of this "
+                      "run's steps; run `run.py teacher` with this run's train settings")
+  return batches
+
+
+def _phrase_objective(config, model):
+  return make_objective(config.train.loss, batch_size=config.train.batch_size,
+                        length=config.data.max_seq_length, dim=model.config.hidden_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What `train_and_evaluate` trains: the phrase model (PHRASE) or the cross-encoder teacher
+  (`dpjax.teacher.TEACHER`), with the same step, checkpoints, resume, hooks and RC evaluation."""
+  name: str
+  subdir: str  # checkpoints, metrics.jsonl, results.json, rc_predictions.json go here
+  model: Callable  # config -> the model to train
+  objective: Callable  # (config, model) -> Objective
+  batches: Callable  # (config, the train RCSplit, workdir, data fingerprint) -> batch source
+
+
+PHRASE = Spec("phrase model", "", lambda config: create_model(config.model), _phrase_objective,
+              _batches)
 
 
 def _hard_negatives(tc, train) -> HardNegatives | None:
@@ -231,24 +274,23 @@ def _new_epoch_queue(run: Run, step: int, state):
   return state
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, spec: Spec = PHRASE) -> dict:
   """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`
   (one training run per workdir at a time: `<workdir>/train.lock`)."""
-  vc = config.get("validation")
+  vc = config.get("validation") if spec is PHRASE else None
   if vc and vc.corpus:
     Validator.check(vc)
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / spec.subdir).mkdir(parents=True, exist_ok=True)
   if jax.process_index() != 0:
-    return _train(config, workdir)
-  with workdir_lock(workdir / "train.lock", "training"):
-    return _train(config, workdir)
+    return _train(config, workdir, spec, vc)
+  with workdir_lock(workdir / spec.subdir / "train.lock", "training"):
+    return _train(config, workdir, spec, vc)
 
 
-def _train(config, workdir: pathlib.Path) -> dict:
-  vc = config.get("validation")
+def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   main = jax.process_index() == 0
-  run = setup(config, workdir)
+  run = setup(config, workdir, spec)
   eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
   validator = (Validator(vc, config, workdir, data_files(config.data, workdir)["dev"],
                          Tokenizer.from_pretrained(config.model.tokenizer), run.mesh, eval_batch,
@@ -269,5 +311,5 @@ def _train(config, workdir: pathlib.Path) -> dict:
     record = {**record, **validator.best()}
     validator.close()
   if record and main:
-    write_json(workdir / "results.json", record)
+    write_json(run.workdir / "results.json", record)
   return record

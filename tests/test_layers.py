@@ -16,7 +16,8 @@ LAYERS = [
      "dpjax.distributed"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
-     "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic", "dpjax.models",
+     "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
+     "dpjax.data.teacher_logits", "dpjax.models", "dpjax.models.reader",
      "dpjax.models.bert", "dpjax.models.pretrained", "dpjax.models.densephrases",
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
@@ -26,7 +27,7 @@ LAYERS = [
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
      "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve"},
     # L4: the training loop.
-    {"dpjax.train"},
+    {"dpjax.train", "dpjax.teacher"},
     # L5: the command line (a table of modes; `run.py` and the `dpjax` command).
     {"dpjax.cli"},
     # The package's face: `dpjax.DensePhrases` / `dpjax.PhraseIndex`, imported on first use.

@@ -1,4 +1,5 @@
-"""The train batch source: deterministic shuffled batches of answerable features by global step."""
+"""The train batch sources: deterministic shuffled batches of answerable features by global step
+(one question per window, passage-grouped, or the cross-encoder teacher's question + window)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ class TrainBatches:
   batch_size: int
   seed: int
   hard_negatives: Any = None  # a `mining.HardNegatives`: adds h mined passages per example
+  teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per example
 
   def __post_init__(self):
     self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
@@ -29,11 +31,15 @@ class TrainBatches:
   def position(self, step: int) -> tuple[int, int]:
     return divmod(step, self.steps_per_epoch)
 
-  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
-    """The batch of `step`, or only its rows `part` (a process's share of the global batch)."""
+  def rows(self, step: int, part: slice = slice(None)) -> np.ndarray:
+    """The feature rows (examples) of `step`'s batch, or of its rows `part`."""
     epoch, index = self.position(step)
     order = np.random.default_rng([self.seed, epoch]).permutation(self.usable)
-    rows = order[index * self.batch_size:(index + 1) * self.batch_size][part]
+    return order[index * self.batch_size:(index + 1) * self.batch_size][part]
+
+  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
+    """The batch of `step`, or only its rows `part` (a process's share of the global batch)."""
+    rows = self.rows(step, part)
     f, w = self.features, self.features.windows
     window = f.window_index[rows]
     question = f.question_index[rows]
@@ -46,6 +52,8 @@ class TrainBatches:
              "question_attention_mask": f.question_attention_mask[question]}
     if self.hard_negatives is not None:
       batch.update(self.hard_negatives(step, question))
+    if self.teacher is not None:
+      batch.update(self.teacher.batch(rows))
     return batch
 
 
@@ -65,6 +73,7 @@ class GroupedBatches:
   windows_per_batch: int
   group: int
   seed: int
+  teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per question slot
   # (epoch, its groups): the groups of the current epoch, built once.
   _cached: tuple = dataclasses.field(default=(None, None), init=False, repr=False)
 
@@ -92,25 +101,98 @@ class GroupedBatches:
       self._cached = (epoch, [groups[i] for i in rng.permutation(len(groups))])
     return self._cached[1]
 
-  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
-    """The batch of `step`, or only its windows `part` (a process's share of the global batch)
-    with their question slots."""
+  def _slots(self, step: int, part: slice) -> tuple[list, np.ndarray]:
+    """(the groups of `step`'s windows `part`, None for an empty one; their slots' feature rows
+    [W, group])."""
     epoch, index = self.position(step)
     groups = self.groups(epoch)[index * self.windows_per_batch:
                                 (index + 1) * self.windows_per_batch]
     groups += [None] * (self.windows_per_batch - len(groups))  # the epoch's last batch
     groups = groups[part]
-    f, w = self.features, self.features.windows
     filled = [g if g is not None else self.by_window[0][:1] for g in groups]
-    window = f.window_index[[g[0] for g in filled]]
-    slots = np.array([[g[min(i, len(g) - 1)] for i in range(self.group)] for g in filled])
+    return groups, np.array([[g[min(i, len(g) - 1)] for i in range(self.group)] for g in filled])
+
+  def rows(self, step: int, part: slice = slice(None)) -> np.ndarray:
+    """The feature rows of `step`'s question slots (of its windows `part`)."""
+    return self._slots(step, part)[1].reshape(-1)
+
+  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
+    """The batch of `step`, or only its windows `part` (a process's share of the global batch)
+    with their question slots."""
+    groups, slots = self._slots(step, part)
+    f, w = self.features, self.features.windows
+    window = f.window_index[slots[:, 0]]
     valid = np.array([[g is not None and i < len(g) for i in range(self.group)] for g in groups])
     rows, question = slots.reshape(-1), f.question_index[slots.reshape(-1)]
     real = np.array([g is not None for g in groups])
-    return {"input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
+    teacher = {} if self.teacher is None else self.teacher.batch(rows)
+    return {**teacher, "input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
             "context_mask": w.context_mask[window] & real[:, None],
             "passage_ids": np.where(real, w.passage_index[window], -1).astype(np.int32),
             "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
             "question_input_ids": f.question_input_ids[question],
             "question_attention_mask": f.question_attention_mask[question],
             "question_valid": valid.reshape(-1)}
+
+
+def cross_encoder_inputs(window_ids: np.ndarray, window_mask: np.ndarray,
+                         question_ids: np.ndarray, question_mask: np.ndarray) -> dict:
+  """`[CLS] question [SEP] window-without-its-[CLS]` rows for the reader, and `cross_align`:
+  for each of the phrase model's window positions t, the reader's position of that token (so its
+  logits line up with the phrase model's; t = 0, the window's [CLS], maps to the question's
+  [SEP], a position the context mask excludes).
+
+  window_ids/mask [B, L], question_ids/mask [B, Lq] (each [CLS] ... [SEP], padded right).
+  Returns int32 arrays: cross_input_ids, cross_attention_mask, cross_token_type_ids [B, Lq+L-1],
+  cross_align [B, L].
+  """
+  b, length = window_ids.shape
+  total = question_ids.shape[1] + length - 1
+  nq = question_mask.sum(1).astype(np.int64)  # [B], with [CLS] and [SEP]
+  nw = window_mask.sum(1).astype(np.int64)
+  position = np.arange(total)[None, :]
+  in_question = position < nq[:, None]
+  in_window = (position >= nq[:, None]) & (position < (nq + nw - 1)[:, None])
+  source = np.clip(position - nq[:, None] + 1, 0, length - 1)  # window column of a position
+  ids = np.where(in_question, np.take_along_axis(
+      question_ids, np.minimum(position, question_ids.shape[1] - 1).repeat(b, 0), 1), 0)
+  ids = np.where(in_window, np.take_along_axis(window_ids, source, 1), ids)
+  align = np.minimum(np.arange(length)[None, :] + nq[:, None] - 1, total - 1)
+  return {"cross_input_ids": ids.astype(np.int32),
+          "cross_attention_mask": (in_question | in_window).astype(np.int32),
+          "cross_token_type_ids": in_window.astype(np.int32),
+          "cross_align": align.astype(np.int32)}
+
+
+@dataclasses.dataclass
+class TeacherBatches:
+  """The cross-encoder teacher's batches: the examples of `TrainBatches` (same order) as
+  `[CLS] question [SEP] window` rows, with the phrase model's context mask and gold positions
+  (the teacher's logits are read at the phrase model's window positions)."""
+
+  features: RCFeatures
+  batch_size: int
+  seed: int
+
+  def __post_init__(self):
+    self.source = TrainBatches(self.features, self.batch_size, self.seed)
+    self.steps_per_epoch = self.source.steps_per_epoch
+
+  def position(self, step: int) -> tuple[int, int]:
+    return self.source.position(step)
+
+  def rows(self, step: int, part: slice = slice(None)) -> np.ndarray:
+    return self.source.rows(step, part)
+
+  def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
+    return cross_batch(self.features, self.rows(step, part))
+
+
+def cross_batch(features: RCFeatures, rows: np.ndarray) -> dict[str, np.ndarray]:
+  """The reader's inputs for feature rows, with their context mask and gold positions."""
+  w, window, question = features.windows, features.window_index[rows], features.question_index[rows]
+  return {**cross_encoder_inputs(w.input_ids[window], w.attention_mask[window],
+                                 features.question_input_ids[question],
+                                 features.question_attention_mask[question]),
+          "context_mask": w.context_mask[window], "start_positions": features.start_position[rows],
+          "end_positions": features.end_position[rows]}

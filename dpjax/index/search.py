@@ -124,9 +124,12 @@ class PhraseIndex:
   def fingerprint(self) -> str:
     return self.dump.manifest["fingerprint"]
 
-  def _hits(self, queries: np.ndarray, k: int) -> np.ndarray:
-    _, labels = self.index.search(np.ascontiguousarray(queries, np.float32), k)
-    return labels  # [Q, k] token ids (faiss labels), -1 where fewer than k were found
+  def _hits(self, q_start: np.ndarray, q_end: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k start and end token ids, [Q, k] each (-1 where fewer than k were found), from one
+    faiss search of [q_start; q_end] (one pass over the vectors serves both)."""
+    queries = np.ascontiguousarray(np.concatenate([q_start, q_end]), np.float32)
+    _, labels = self.index.search(queries, k)
+    return labels[:len(q_start)], labels[len(q_start):]
 
   def _pair(self, anchors, queries_anchor, queries_other, max_len: int, forward: bool):
     """Best partner of each anchor token. Returns (partner ids, total scores), [Q, k] each."""
@@ -166,8 +169,8 @@ class PhraseIndex:
     results = []
     for lo in range(0, len(q_start), chunk):
       part = slice(lo, lo + chunk)
-      starts, ends = ((self._hits(q_start[part], top_tokens), self._hits(q_end[part], top_tokens))
-                      if hits is None else (hits[0][part, :top_tokens], hits[1][part, :top_tokens]))
+      starts, ends = (self._hits(q_start[part], q_end[part], top_tokens) if hits is None
+                      else (hits[0][part, :top_tokens], hits[1][part, :top_tokens]))
       results += self._rescore(q_start[part], q_end[part], starts, ends, k, max_answer_length)
     return results
 
@@ -231,8 +234,7 @@ class PhraseIndex:
 
   def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`."""
-    n = min(n, self.num_vectors)
-    return self._hits(q_start, n), self._hits(q_end, n)
+    return self._hits(q_start, q_end, min(n, self.num_vectors))
 
   def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
              *, top_tokens: int | None = None, max_answer_length: int = 10,

@@ -29,7 +29,7 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from experiments.report import save_results  # noqa: E402
+from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
 
 
 def free_port() -> int:
@@ -145,7 +145,7 @@ def render(r: dict, command: str) -> str:
               f"{page['results']} results, the first {page['first_answer']!r} with "
               f"{page['first_mark']!r} highlighted in its passage: "
               f"![search page]({pathlib.Path(r['screenshot']).name})"]
-  return "\n".join(lines) + "\n"
+  return with_notes(lines, r.get("notes", []))
 
 
 def main(argv=None):
@@ -161,6 +161,7 @@ def main(argv=None):
   parser.add_argument("--out", default="results/serve.json")
   parser.add_argument("--screenshot", help="a PNG of the web page after a search")
   parser.add_argument("--browser", default="/usr/bin/chromium")
+  parser.add_argument("--note", action="append", default=[], help="a paragraph for the report")
   args = parser.parse_args(argv)
 
   from dpjax.config import load_config
@@ -189,8 +190,9 @@ def main(argv=None):
   results = {"health": health, "k": args.k, "unit": args.unit, "one_client": one,
              "concurrent": many, "concurrency_gain": many["questions_per_s"] /
              one["questions_per_s"], "server_stats": stats, "server_exit": exit_status,
-             "page": page, "screenshot": args.screenshot}
-  save_results(args.out, results, render, "experiments/benchmarks/serve_load.py", argv)
+             "page": page, "screenshot": args.screenshot, "notes": args.note}
+  save_results(args.out, results, render, "experiments/benchmarks/serve_load.py",
+               elide_notes(sys.argv[1:] if argv is None else argv))
   return results
 
 

@@ -1,0 +1,96 @@
+"""`run.py teacher`: the cross-encoder teacher of distillation, trained and its logits written.
+
+1. Trains a `CrossEncoderReader` (`[CLS] question [SEP] window [SEP]`, start/end head, our BERT
+   from `model.name`) on the training examples with `train`'s settings, the same jitted step,
+   checkpoints, resume and hooks as `run.py train`, into `<workdir>/teacher/` (checkpoints,
+   metrics.jsonl, results.json with its dev RC EM/F1, rc_predictions.json).
+2. Writes its start/end logits over the examples of every step of the phrase model's run (the
+   same `train` settings: batch size, seed, steps, passage grouping) to
+   `<workdir>/teacher/logits` (sharded, resumable, fingerprinted by the teacher's parameters and
+   the training data; `dpjax.data.teacher_logits`).
+
+The phrase model then distils with `--set train.teacher_logits=teacher/logits`
+(`train.loss.lambda_distill` x KL(teacher || student) in the unified recipe, `weight_distill`
+in the original one).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import numpy as np
+from flax import nnx
+
+from dpjax.checkpoint import restore_params
+from dpjax.data import Tokenizer, data_files, load_rc_split
+from dpjax.data.batches import TeacherBatches
+from dpjax.data.teacher_logits import write_teacher_logits
+from dpjax.errors import ConfigError, DataError
+from dpjax.io import digest
+from dpjax.models.reader import create_reader
+from dpjax.objectives import TEACHER_OBJECTIVE
+from dpjax.parallel import make_mesh, round_to_devices
+from dpjax.rc import reader_logits
+from dpjax.train import PHRASE, Spec, features_fingerprint, train_and_evaluate
+
+log = logging.getLogger(__name__)
+SUBDIR = "teacher"
+
+
+def _reader(config):
+  reader = create_reader(config.model)
+  longest = config.data.max_seq_length + config.data.max_query_length - 1
+  if longest > reader.config.max_position_embeddings:
+    raise ConfigError(f"the teacher reads question + window, up to {longest} tokens "
+                      f"(data.max_seq_length + data.max_query_length - 1); the encoder has "
+                      f"{reader.config.max_position_embeddings} positions")
+  return reader
+
+
+TEACHER = Spec("teacher", SUBDIR, _reader, lambda config, model: TEACHER_OBJECTIVE,
+               lambda config, train, workdir, data: TeacherBatches(
+                   train.features, config.train.batch_size, config.train.seed))
+
+
+def run_teacher(config, workdir: str) -> dict:
+  """`run.py teacher`: trains (or resumes) the teacher, then writes (or resumes) its logits."""
+  workdir = pathlib.Path(workdir)
+  if config.train.teacher_logits:
+    raise ConfigError("train.teacher_logits is set: the teacher is trained without one "
+                      "(leave it empty for `run.py teacher`)")
+  record = train_and_evaluate(config, workdir, TEACHER)
+  manifest = write_logits(config, workdir)
+  log.info("teacher: dev RC EM %.2f F1 %.2f; logits of %d examples in %s",
+           record.get("rc_exact_match", float("nan")), record.get("rc_f1", float("nan")),
+           manifest["rows"], workdir / SUBDIR / "logits")
+  return {**record, "logits_rows": manifest["rows"]}
+
+
+def write_logits(config, workdir: pathlib.Path) -> dict:
+  """The teacher's logits over the examples of every step of the phrase model's run."""
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  train = load_rc_split(data_files(config.data, workdir)["train"], tokenizer, config.data)
+  data = features_fingerprint(train.features)
+  batches = PHRASE.batches(config, train, workdir, data)
+  total = config.train.num_steps or config.train.epochs * batches.steps_per_epoch
+  rows = np.unique(np.concatenate([batches.rows(step) for step in range(total)]))
+  reader = _reader(config)
+  step = restore_params(workdir / SUBDIR / "checkpoints", reader)
+  if step is None:
+    raise DataError(f"{workdir / SUBDIR / 'checkpoints'}: no teacher checkpoint")
+  mesh = make_mesh()
+  batch_size = round_to_devices(config.eval.batch_size, mesh)
+
+  def compute(part: np.ndarray) -> np.ndarray:
+    out = np.zeros((len(part), 2, config.data.max_seq_length), np.float32)
+    at = 0
+    for _, logits in reader_logits(reader, train.features, part, mesh=mesh,
+                                   batch_size=batch_size):
+      out[at:at + len(logits)] = np.moveaxis(logits, 2, 1)
+      at += len(logits)
+    return out
+
+  params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]
+  fingerprint = {"teacher": digest(*params), "step": step, "data": data,
+                 "length": config.data.max_seq_length}
+  return write_teacher_logits(workdir / SUBDIR / "logits", fingerprint, rows, compute)

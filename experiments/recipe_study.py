@@ -1,0 +1,143 @@
+"""The recipe study of issue 21: runs of one factor each against the baseline, paired tests.
+
+Each run is a workdir trained by `run.py train` (or `run.py teacher`: its `teacher/` folder)
+with the final dev RC evaluation (`results.json`, `rc_predictions.json`: every dev question).
+For each run: RC EM/F1, the paired difference in EM against the baseline on the same questions
+with McNemar's exact test (the questions only one of the two gets right), the training wall time
+(from metrics.jsonl), and, where given, H32 / full-corpus EM@1. Writes results/recipe.json
+(keys `cpu_baseline`, `cpu_best`, `teacher`, `runs`) and results/recipe.md.
+
+  python experiments/recipe_study.py --config experiments/squad.py:cpu \\
+      --run "baseline=workdirs/recipe/base::python run.py train --config ..." \\
+      --run "lr 2e-4=workdirs/recipe/lr2e-4::python run.py train ... --set ...=2e-4" \\
+      --teacher "teacher=workdirs/recipe/teacher/teacher::python run.py teacher ..." \\
+      --best "lr 2e-4" --out results/recipe.json
+
+A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
+
+
+def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
+  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
+  a_only = sum(1 for x, y in zip(hits_a, hits_b) if x == "1" and y == "0")
+  b_only = sum(1 for x, y in zip(hits_a, hits_b) if x == "0" and y == "1")
+  n, k = a_only + b_only, min(a_only, b_only)
+  if n == 0:
+    return a_only, b_only, 1.0
+  tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+  return a_only, b_only, min(1.0, 2 * tail)
+
+
+def parse_run(spec: str) -> dict:
+  head, _, command = spec.partition("::")
+  name, _, rest = head.partition("=")
+  parts = rest.split(":")
+  number = lambda i: float(parts[i]) if len(parts) > i and parts[i] else None
+  return {"name": name, "workdir": parts[0], "h32_em1": number(1), "full_em1": number(2),
+          "command": command.strip()}
+
+
+def read_run(run: dict, questions, gold) -> dict:
+  """The run's RC scores, per-question EM hits and training time."""
+  from dpjax import metrics
+  workdir = pathlib.Path(run["workdir"])
+  results = json.loads((workdir / "results.json").read_text())
+  predictions = json.loads((workdir / "rc_predictions.json").read_text())
+  hits = "".join(str(int(metrics.max_over_gold(metrics.exact_match, predictions.get(q.id, ""),
+                                               gold[q.id]) > 0)) for q in questions)
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in records if r.get("split") == "train"]
+  # Training time (no evaluation, no checkpoint saving): each logged interval's steps x batch /
+  # its examples per second.
+  batch = run.get("batch_size")
+  seconds, last = 0.0, 0
+  for r in train:
+    seconds += (r["step"] - last) * (batch or 0) / r["examples_per_sec"]
+    last = r["step"]
+  return {**run, "rc_em": results["rc_exact_match"], "rc_f1": results["rc_f1"],
+          "step": results["step"], "questions": results["count"], "hits": hits,
+          "train_seconds": seconds or None}
+
+
+def compare(runs: list[dict]) -> None:
+  base = runs[0]
+  for run in runs:
+    a_only, b_only, p = mcnemar_p(run["hits"], base["hits"])
+    run.update(delta_em=run["rc_em"] - base["rc_em"], only_this=a_only, only_baseline=b_only,
+               p_value=p)
+
+
+def summary(run: dict | None) -> dict | None:
+  if run is None:
+    return None
+  return {k: run.get(k) for k in ("name", "rc_em", "rc_f1", "h32_em1", "full_em1", "delta_em",
+                                  "p_value", "command")}
+
+
+def render(r: dict, command: str) -> str:
+  fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)
+  rows = [f"| {x['name']} | {fmt(x['rc_em'])} | {fmt(x['rc_f1'])} | "
+          f"{fmt(x['delta_em'], '{:+.2f}')} | {x['only_this']} / {x['only_baseline']} | "
+          f"{fmt(x['p_value'], '{:.3g}')} | "
+          f"{fmt(x['h32_em1'])} | {fmt(x['full_em1'])} | "
+          f"{fmt(x['train_seconds'] and x['train_seconds'] / 60, '{:.0f}')} | `{x['command']}` |"
+          for x in r["runs"]]
+  lines = ["# Recipe study (issue 21)", "",
+           f"All {r['runs'][0]['questions']} SQuAD v1.1 dev questions, RC EM/F1 of the final "
+           f"model; paired against `{r['runs'][0]['name']}` (McNemar's exact test on the questions "
+           "only one of the two answers exactly).", "",
+           "| run | RC EM | RC F1 | EM vs baseline | right only here / only baseline | p "
+           "| H32 EM@1 | full EM@1 | train min | command |", "|---" * 10 + "|",
+           *rows, "",
+           f"Best CPU recipe: {r['cpu_best']['name'] if r['cpu_best'] else '-'}; teacher: "
+           f"{r['teacher']['name'] if r['teacher'] else 'not run'}.", "", "Report command:", "",
+           "```bash", command, "```"]
+  return with_notes(lines, r.get("notes", []))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--run", action="append", required=True,
+                      help="name=workdir[:h32_em1[:full_em1]]::command (first: the baseline)")
+  parser.add_argument("--teacher", help="name=workdir/teacher::command")
+  parser.add_argument("--best", help="the name of the best CPU recipe's run")
+  parser.add_argument("--out", default="results/recipe.json")
+  parser.add_argument("--note", action="append", default=[])
+  args = parser.parse_args(argv)
+
+  from dpjax.config import load_config
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  config = load_config(args.config, args.set)
+  first = pathlib.Path(parse_run(args.run[0])["workdir"])
+  dev = load_rc_split(data_files(config.data, first)["dev"],
+                      Tokenizer.from_pretrained(config.model.tokenizer), config.data)
+  gold = {q.id: q.answers for q in dev.questions}
+  specs = [{**parse_run(s), "batch_size": config.train.batch_size}
+           for s in args.run + ([args.teacher] if args.teacher else [])]
+  runs = [read_run(s, dev.questions, gold) for s in specs]
+  compare(runs)
+  by_name = {r["name"]: r for r in runs}
+  results = {"cpu_baseline": summary(runs[0]), "cpu_best": summary(by_name.get(args.best)),
+             "teacher": summary(runs[-1]) if args.teacher else None,
+             "runs": [{k: v for k, v in r.items() if k != "hits"} for r in runs],
+             "notes": args.note}
+  save_results(args.out, results, render, "experiments/recipe_study.py",
+               elide_notes(sys.argv[1:] if argv is None else argv))
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,206 @@
+"""The cross-encoder teacher: its inputs and head, its logits file, distillation in training."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dpjax.config import load_config
+from dpjax.data.batches import GroupedBatches, TrainBatches, cross_encoder_inputs
+from dpjax.data.teacher_logits import TeacherLogits, write_teacher_logits
+from dpjax.errors import DataError
+from dpjax.models.bert import BertConfig
+from dpjax.models.reader import CrossEncoderReader
+from dpjax.objectives import compute_loss, teacher_loss
+
+import run
+
+CONFIG = "experiments/demo.py:tiny"
+TINY = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64)
+
+
+def random_rows(rng, b, length, lengths):
+  ids = rng.integers(5, 60, (b, length))
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+  ids = np.where(mask > 0, ids, 0)
+  ids[:, 0] = 1  # [CLS]
+  ids[np.arange(b), lengths - 1] = 2  # [SEP]
+  return ids, mask
+
+
+def test_cross_inputs_put_every_window_token_where_align_says():
+  rng = np.random.default_rng(0)
+  w_ids, w_mask = random_rows(rng, 6, 20, rng.integers(4, 21, 6))
+  q_ids, q_mask = random_rows(rng, 6, 9, rng.integers(3, 10, 6))
+  x = cross_encoder_inputs(w_ids, w_mask, q_ids, q_mask)
+  assert x["cross_input_ids"].shape == (6, 9 + 20 - 1) and x["cross_align"].shape == (6, 20)
+  for b in range(6):
+    nq, nw = q_mask[b].sum(), w_mask[b].sum()
+    row = x["cross_input_ids"][b]
+    assert row[:nq].tolist() == q_ids[b, :nq].tolist()  # [CLS] question [SEP]
+    for t in range(1, nw):  # every window token but its [CLS], at its aligned position
+      assert row[x["cross_align"][b, t]] == w_ids[b, t]
+      assert x["cross_token_type_ids"][b, x["cross_align"][b, t]] == 1
+    assert x["cross_attention_mask"][b].sum() == nq + nw - 1
+    assert x["cross_token_type_ids"][b, :nq].sum() == 0
+
+
+def test_the_teacher_head_learns_gold_spans_at_the_window_positions():
+  """A few steps on one batch: the reader's start/end over the window's context tokens (read
+  through the alignment) reach the gold positions."""
+  rng = np.random.default_rng(1)
+  w_ids, w_mask = random_rows(rng, 4, 16, np.array([16, 12, 9, 14]))
+  q_ids, q_mask = random_rows(rng, 4, 6, np.array([6, 4, 5, 3]))
+  context = (np.arange(16)[None] >= 1) & (np.arange(16)[None] < w_mask.sum(1)[:, None] - 1)
+  batch = {**cross_encoder_inputs(w_ids, w_mask, q_ids, q_mask), "context_mask": context,
+           "start_positions": np.array([3, 5, 2, 7]), "end_positions": np.array([4, 7, 2, 9])}
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  reader = CrossEncoderReader(TINY, rngs=nnx.Rngs(0))
+  full = reader(batch["cross_input_ids"], batch["cross_attention_mask"],
+                batch["cross_token_type_ids"])
+  aligned = reader.window_logits(batch["cross_input_ids"], batch["cross_attention_mask"],
+                                 batch["cross_token_type_ids"], batch["cross_align"])
+  np.testing.assert_array_equal(aligned[2, 5], full[2, batch["cross_align"][2, 5]])
+  optimizer = nnx.Optimizer(reader, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(reader, optimizer):
+    (loss, (metrics, _)), grads = nnx.value_and_grad(
+        lambda m: teacher_loss(m, batch, {}), has_aux=True)(reader)
+    optimizer.update(reader, grads)
+    return loss, metrics
+
+  first, _ = step(reader, optimizer)
+  for _ in range(60):
+    loss, metrics = step(reader, optimizer)
+  assert float(loss) < 0.1 * float(first) and float(metrics["start_accuracy"]) == 1.0
+
+
+def fingerprint(**changes):
+  return {"teacher": "t1", "step": 6, "data": "d1", "length": 8, **changes}
+
+
+def test_logits_file_resumes_and_refuses_another_fingerprint(tmp_path):
+  rows = np.array([7, 3, 11, 0, 5, 9, 2])
+  calls = []
+
+  def compute(part):
+    calls.append(part.tolist())
+    return np.stack([np.outer(part, np.ones(8)), -np.outer(part, np.ones(8))], 1)
+
+  directory = tmp_path / "logits"
+  write_teacher_logits(directory, fingerprint(), rows, compute, shard_rows=3)
+  assert calls == [[7, 3, 11], [0, 5, 9], [2]]
+  # A killed run: the manifest says incomplete and one shard never landed -> only it is computed.
+  manifest = json.loads((directory / "manifest.json").read_text())
+  (directory / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+  for file in (directory / "shard_00001").iterdir():
+    file.unlink()
+  (directory / "shard_00001").rmdir()
+  calls.clear()
+  write_teacher_logits(directory, fingerprint(), rows, compute, shard_rows=3)
+  assert calls == [[0, 5, 9]]
+  logits = TeacherLogits(directory, data="d1", length=8)
+  got = logits.batch(np.array([9, 7, 2]))
+  np.testing.assert_array_equal(got["teacher_start_logits"][:, 0], [9, 7, 2])
+  np.testing.assert_array_equal(got["teacher_end_logits"][:, 3], [-9, -7, -2])
+  assert logits.missing(np.array([1, 7, 40])) == 2
+  with pytest.raises(DataError, match="no teacher logits for 1"):
+    logits.batch(np.array([7, 1]))
+  with pytest.raises(DataError, match="another teacher.*teacher: 't1' -> 't2'"):
+    write_teacher_logits(directory, fingerprint(teacher="t2"), rows, compute, shard_rows=3)
+  with pytest.raises(DataError, match="other training data"):
+    TeacherLogits(directory, data="d2", length=8)
+  with pytest.raises(DataError, match="no complete teacher logits"):
+    TeacherLogits(tmp_path / "none", data="d1", length=8)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_distillation_adds_lambda_times_the_kl(grouped):
+  config = load_config(CONFIG, ["train.loss.prebatch_size=0", "train.loss.lambda_distill=3.0"])
+  from dpjax.models import create_model
+  rng = np.random.default_rng(2)
+  model = create_model(config.model)
+  b, g, length = 4, (2 if grouped else 1), 16
+  w_ids, w_mask = random_rows(rng, b, length, np.full(b, length))
+  q_ids, q_mask = random_rows(rng, b * g, 6, np.full(b * g, 6))
+  batch = {"input_ids": w_ids, "attention_mask": w_mask,
+           "context_mask": np.arange(length)[None].repeat(b, 0) > 0,
+           "passage_ids": np.arange(b, dtype=np.int32),
+           "start_positions": rng.integers(1, length, b * g),
+           "end_positions": rng.integers(1, length, b * g),
+           "question_input_ids": q_ids, "question_attention_mask": q_mask}
+  if grouped:
+    batch["question_valid"] = np.ones(b * g, bool)
+  plain, (metrics, _) = compute_loss(model, batch, {}, 0, config.train.loss)
+  teacher = {"teacher_start_logits": rng.normal(size=(b * g, length)).astype(np.float32),
+             "teacher_end_logits": rng.normal(size=(b * g, length)).astype(np.float32)}
+  distilled, (metrics, _) = compute_loss(model, {**batch, **teacher}, {}, 0, config.train.loss)
+  assert float(metrics["distill"]) > 0
+  assert float(distilled) == pytest.approx(float(plain) + 3.0 * float(metrics["distill"]),
+                                           rel=1e-5)
+
+
+def test_grouped_batches_carry_each_slots_teacher_logits(tmp_path):
+  assert run.main(["data", "--config", CONFIG, "--workdir", str(tmp_path)]) == 0
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  config = load_config(CONFIG)
+  train = load_rc_split(data_files(config.data, tmp_path)["train"],
+                        Tokenizer.from_pretrained(config.model.tokenizer), config.data)
+  n = len(train.features)
+  marks = np.arange(n, dtype=np.float32)
+  write_teacher_logits(tmp_path / "logits", fingerprint(data="x", length=96), np.arange(n),
+                       lambda part: np.stack([np.outer(marks[part], np.ones(96))] * 2, 1))
+  teacher = TeacherLogits(tmp_path / "logits", data="x", length=96)
+  for batches in (TrainBatches(train.features, 4, 0, teacher=teacher),
+                  GroupedBatches(train.features, 2, 3, 0, teacher=teacher)):
+    for step in range(3):
+      batch, rows = batches(step), batches.rows(step)
+      np.testing.assert_array_equal(batch["teacher_start_logits"][:, 0], rows)
+      assert len(batch["teacher_start_logits"]) == len(batch["start_positions"])
+
+
+def test_teacher_command_then_distilled_training(tmp_path):
+  base = ["--config", CONFIG, "--workdir", str(tmp_path)]
+  assert run.main(["teacher"] + base) == 0
+  teacher = json.loads((tmp_path / "teacher" / "results.json").read_text())
+  assert {"rc_exact_match", "rc_f1"} <= set(teacher)
+  manifest = json.loads((tmp_path / "teacher" / "logits" / "manifest.json").read_text())
+  assert manifest["complete"] and manifest["rows"] > 0
+  assert run.main(["teacher"] + base) == 0  # done: resumes to the same manifest
+  assert json.loads((tmp_path / "teacher" / "logits" / "manifest.json").read_text()) == manifest
+  assert run.main(["train"] + base + ["--set", "train.teacher_logits=teacher/logits"]) == 0
+  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert all("distill" in r for r in logged if r["split"] == "train")
+  # Logits of other training data (another synthetic draw) are refused before training.
+  other = tmp_path / "other"
+  (other / "teacher").mkdir(parents=True)
+  (other / "teacher" / "logits").symlink_to(tmp_path / "teacher" / "logits",
+                                            target_is_directory=True)
+  assert run.main(["train", "--config", CONFIG, "--workdir", str(other), "--set",
+                   "train.teacher_logits=teacher/logits", "--set", "data.seed=1"]) == 2
+  assert not (other / "checkpoints").exists()
+
+
+def test_recipe_study_report(tmp_path):
+  """experiments/recipe_study.py over two tiny runs and a teacher: scores, paired test, keys."""
+  from conftest import load_script
+  study = load_script("experiments/recipe_study.py")
+  assert study.mcnemar_p("1100", "1100") == (0, 0, 1.0)
+  assert study.mcnemar_p("1111111111", "0000000000")[2] == pytest.approx(2 / 2 ** 10)
+  base, other = tmp_path / "base", tmp_path / "other"
+  assert run.main(["train", "--config", CONFIG, "--workdir", str(base)]) == 0
+  assert run.main(["train", "--config", CONFIG, "--workdir", str(other), "--set",
+                   "train.learning_rate=1e-3"]) == 0
+  out = tmp_path / "recipe.json"
+  results = study.main(["--config", CONFIG, "--run", f"base={base}::cmd a", "--run",
+                        f"lr1e-3={other}:12.5::cmd b", "--best", "lr1e-3", "--out", str(out)])
+  assert set(json.loads(out.read_text())) >= {"cpu_baseline", "cpu_best", "teacher", "runs"}
+  best = results["cpu_best"]
+  assert best["name"] == "lr1e-3" and best["h32_em1"] == 12.5 and best["command"] == "cmd b"
+  assert best["delta_em"] == pytest.approx(best["rc_em"] - results["cpu_baseline"]["rc_em"])
+  assert results["teacher"] is None and results["runs"][0]["train_seconds"] > 0
+  assert "| lr1e-3 |" in out.with_suffix(".md").read_text()
