@@ -92,6 +92,10 @@ def parse_search(payload: dict, limits: Limits) -> tuple[list[str], bool, int, s
     if len(question) > limits.max_question_chars:
       raise RequestError(413, f"question {i} has {len(question)} characters; the limit is "
                               f"{limits.max_question_chars}")
+    try:
+      question.encode("utf-8")
+    except UnicodeEncodeError as e:  # e.g. a lone surrogate from a JSON \ud800 escape
+      raise RequestError(400, f"question {i} is not valid Unicode ({e.reason})") from None
   k = _integer(payload.get("k", 10), "k")
   if not 1 <= k <= limits.max_k:
     raise RequestError(400, f"k = {k}: must be between 1 and {limits.max_k}")
@@ -168,14 +172,24 @@ class Batcher:
     while (batch := self._next_batch()) is not None:
       try:
         results = self.search(batch)
-      except Exception as e:  # this batch's requests fail; the service goes on
-        log.exception("search failed for %d requests", len(batch))
-        for job in batch:
-          job.future.set_exception(e)
-        continue
+      except Exception:  # one request may have broken the batch: the others still get answers
+        log.exception("search failed for a batch of %d requests; retrying them one by one",
+                      len(batch))
+        results = [self._alone(job) for job in batch]
       self._record(batch)
       for job, result in zip(batch, results):
-        job.future.set_result(result)
+        if isinstance(result, Exception):
+          job.future.set_exception(result)
+        else:
+          job.future.set_result(result)
+
+  def _alone(self, job: _Job):
+    """The job's results searched by themselves, or the exception that fails it."""
+    try:
+      return self.search([job])[0]
+    except Exception as e:
+      log.exception("search failed for %d questions", len(job.questions))
+      return e
 
   def search(self, batch: list[_Job]) -> list[list[list[dict]]]:
     """Per job, per question, the result dicts: one encoding, one index search per (k, unit)."""
@@ -235,6 +249,9 @@ async def _payload(request: Request) -> dict:
   kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
   if kind != "application/json":
     raise RequestError(415, f"content type {kind or 'none'!r}: send application/json")
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > MAX_BODY:  # refused before reading it
+    raise RequestError(413, f"body of {declared} bytes; the limit is {MAX_BODY}")
   body = await request.body()
   if len(body) > MAX_BODY:
     raise RequestError(413, f"body of {len(body)} bytes; the limit is {MAX_BODY}")

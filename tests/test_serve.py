@@ -90,6 +90,7 @@ def test_answers_equal_densephrases_search(service):
     ("POST", '{"question": "who?"', "application/json", 400, "malformed JSON"),
     ("POST", "[1, 2]", "application/json", 400, "JSON object"),
     ("POST", b"\xff\xfe", "application/json", 400, "malformed JSON"),
+    ("POST", '{"question": "who \\ud800?"}', "application/json", 400, "not valid Unicode"),
     ("POST", "question=who", "application/x-www-form-urlencoded", 415, "content type"),
     ("GET", None, None, 400, "k = 0"),
     ("GET", None, None, 404, "Not Found"),
@@ -158,3 +159,24 @@ def test_eval_progress_is_reported_and_changes_no_result(service, monkeypatch, c
   assert chunked == whole and len(found[0]) == len(questions)
   assert chunked["hits"]["em@1"] == "01" * (len(questions) // 2) + "0" * (len(questions) % 2)
   assert f"search: {len(questions)}/{len(questions)} questions in" in caplog.text  # non-TTY: logs
+
+
+def test_a_declared_huge_body_is_refused_unread_and_a_failing_request_fails_alone(service):
+  port, _, _, questions, batcher = service
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  connection.putrequest("POST", "/search")
+  connection.putheader("Content-Type", "application/json")
+  connection.putheader("Content-Length", str(1 << 30))
+  connection.endheaders()  # no body sent: the server answers from the header
+  response = connection.getresponse()
+  assert response.status == 413 and "limit" in json.loads(response.read())["error"]
+  # A request whose search raises fails alone; others in its micro-batch are answered.
+  search = batcher.search
+  batcher.search = lambda batch: (search(batch) if all(j.questions != ["boom?"] for j in batch)
+                                  else (_ for _ in ()).throw(RuntimeError("boom")))
+  try:
+    futures = [batcher.submit(q, 2, "phrase") for q in (["boom?"], questions[:1], questions[1:2])]
+    assert isinstance(futures[0].exception(timeout=60), RuntimeError)
+    assert all(len(f.result(timeout=60)[0]) == 2 for f in futures[1:])
+  finally:
+    batcher.search = search
