@@ -176,6 +176,9 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
           "lambda_inp": 1.0, "lambda_inb": 256.0, "lambda_prb": 0.0,  # 0: same as lambda_inb
           "lambda_hard": 1.0,
           "lambda_distill": 2.0,  # x KL to the teacher's logits, with train.teacher_logits
+          # Question vectors x this in the loss (a softmax temperature of 1/scale over the phrase
+          # scores); search rankings do not depend on it.
+          "score_scale": 1.0,
           # original (DensePhrases): L = 1 L_single + 2 L_distill + 4 L_neg.
           "weight_single": 1.0, "weight_distill": 2.0, "weight_negatives": 4.0,
           "weight_filter": 0.0,  # joint filter training (Kim et al. train it separately)

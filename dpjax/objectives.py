@@ -196,6 +196,9 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   h = model.encode_phrases(batch["input_ids"], batch["attention_mask"], rngs=rngs)  # [B, L, D]
   q_start, q_end = model.encode_questions(batch["question_input_ids"],
                                           batch["question_attention_mask"], rngs=rngs)
+  scale = loss_config.get("score_scale", 1.0)
+  if scale != 1.0:  # every phrase score x scale: a softmax temperature (rankings unchanged)
+    q_start, q_end = q_start * scale, q_end * scale
   mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
   b, length, dim = h.shape
   # Passage-grouped batches: question n belongs to window windows[n] (slots window by window).

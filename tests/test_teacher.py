@@ -204,3 +204,27 @@ def test_recipe_study_report(tmp_path):
   assert best["delta_em"] == pytest.approx(best["rc_em"] - results["cpu_baseline"]["rc_em"])
   assert results["teacher"] is None and results["runs"][0]["train_seconds"] > 0
   assert "| lr1e-3 |" in out.with_suffix(".md").read_text()
+
+
+def test_score_scale_is_a_temperature_of_the_phrase_scores():
+  """score_scale s: the unified loss of questions x s; s = 1 is the loss as before."""
+  from dpjax.models import create_model
+  rng = np.random.default_rng(3)
+  b, length = 4, 16
+  w_ids, w_mask = random_rows(rng, b, length, np.full(b, length))
+  q_ids, q_mask = random_rows(rng, b, 6, np.full(b, 6))
+  batch = {"input_ids": w_ids, "attention_mask": w_mask,
+           "context_mask": np.arange(length)[None].repeat(b, 0) > 0,
+           "passage_ids": np.arange(b, dtype=np.int32),
+           "start_positions": rng.integers(1, length, b),
+           "end_positions": rng.integers(1, length, b),
+           "question_input_ids": q_ids, "question_attention_mask": q_mask}
+  losses_by_scale = {}
+  for scale in (1.0, 0.5, 2.0):
+    config = load_config(CONFIG, ["train.loss.prebatch_size=0", f"train.loss.score_scale={scale}"])
+    model = create_model(config.model)
+    losses_by_scale[scale] = float(compute_loss(model, batch, {}, 0, config.train.loss)[0])
+  default = load_config(CONFIG, ["train.loss.prebatch_size=0"])
+  plain = float(compute_loss(create_model(default.model), batch, {}, 0, default.train.loss)[0])
+  assert losses_by_scale[1.0] == plain
+  assert len({round(v, 5) for v in losses_by_scale.values()}) == 3

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The recipe study of issue 21 at the CPU budget (experiments/squad.py:cpu): one factor per run
+# against the baseline, same seed, each into workdirs/recipe/<name>, one after the other (a run
+# alone on both cores takes ~65 min + evaluation; two side by side on one core each are ~1.6x
+# slower per run). Each run resumes from its last checkpoint; finished runs are skipped.
+# Usage: bash experiments/recipe_runs.sh [NAME ...]   (default: all, in this order)
+#   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
+# Then: python experiments/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-workdirs/recipe}
+declare -A RUNS=(
+  [base]=""
+  [lr2e-4]="--set train.learning_rate=2e-4"
+  [grouped3]="--set train.questions_per_window=3"
+  [scale2]="--set train.loss.score_scale=2.0"
+  [scale0.5]="--set train.loss.score_scale=0.5"
+  [inb4]="--set train.loss.lambda_inb=4.0"
+  [lr5e-5]="--set train.learning_rate=5e-5"
+  [prb4]="--set train.loss.prebatch_size=4"
+  [prb0]="--set train.loss.prebatch_size=0"
+  [warm0.2]="--set train.warmup_fraction=0.2"
+  [warm0.02]="--set train.warmup_fraction=0.02"
+  [dropout]="--set train.dropout=True"
+  [len128]="--set data.max_seq_length=128 --set data.doc_stride=48"
+  [len256]="--set data.max_seq_length=256 --set data.doc_stride=96"
+  [distill]="--set train.teacher_logits=teacher/logits"
+)
+ORDER=(base lr2e-4 grouped3 scale2 scale0.5 inb4 lr5e-5 prb4 prb0 warm0.2 warm0.02 dropout
+       len128 len256 distill)
+for name in "${@:-${ORDER[@]}}"; do
+  [ -n "${RUNS[$name]+x}" ] || { echo "unknown run $name (one of ${ORDER[*]})"; exit 2; }
+  W=$OUT/$name
+  if [ -f "$W/results.json" ]; then echo "=== $name: done ($W/results.json)"; continue; fi
+  if [ "$name" = distill ]; then  # the teacher (and its logits) first, into the same workdir
+    echo "=== $(date -Is) teacher for $name ($(git rev-parse --short HEAD))"
+    $PY run.py teacher --config experiments/squad.py:cpu --workdir "$W" \
+        --set train.progress_bar=False || exit $?
+  fi
+  echo "=== $(date -Is) start $name ($(git rev-parse --short HEAD)): ${RUNS[$name]}"
+  /usr/bin/time -f "=== $name wall %e s" $PY run.py train --config experiments/squad.py:cpu \
+      --workdir "$W" --set train.progress_bar=False ${RUNS[$name]} || exit $?
+done
