@@ -6,6 +6,8 @@ the phrase model's start/end distributions are distilled towards (`losses.distil
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,15 +38,23 @@ class CrossEncoderReader(nnx.Module):
     return jnp.take_along_axis(logits, align[..., None], axis=1)
 
 
-def window_logits_fn(reader: CrossEncoderReader):
-  """The jitted `fn(input_ids, attention_mask, token_type_ids, align) -> [B, L, 2]` of a reader
-  (for `parallel.map_batches`)."""
-  graphdef, state = nnx.split(reader)
+@functools.lru_cache(maxsize=4)
+def _jitted_window_logits(graphdef: nnx.GraphDef):
+  """Cached per graph definition (as `encoders.make_encoders`): every logits shard and every
+  evaluation of a training run reuse one compiled function."""
 
   @jax.jit
   def logits(state, *inputs):
     return nnx.merge(graphdef, state).window_logits(*inputs)
 
+  return logits
+
+
+def window_logits_fn(reader: CrossEncoderReader):
+  """The jitted `fn(input_ids, attention_mask, token_type_ids, align) -> [B, L, 2]` of a reader
+  (for `parallel.map_batches`)."""
+  graphdef, state = nnx.split(reader)
+  logits = _jitted_window_logits(graphdef)
   return lambda *inputs: logits(state, *inputs)
 
 
