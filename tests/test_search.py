@@ -129,6 +129,63 @@ def test_rescoring_in_chunks_gives_the_same_results(toy, monkeypatch):
       [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]
 
 
+def _reference_phrases(index, q_start, q_end, starts, ends, k, max_len):
+  """Rescoring spelled out: each start hit with its best end (and each end hit with its best
+  start) within max_len tokens of its passage, then the k best distinct spans."""
+  vectors = index.dump.vectors.astype(np.float32)
+  found = []
+  for q in range(len(q_start)):
+    candidates = []
+    for anchor, forward in [(s, True) for s in starts[q]] + [(e, False) for e in ends[q]]:
+      if anchor < 0:
+        continue
+      passage = index.dump.token_passage[anchor]
+      best = None
+      for o in range(max_len):
+        partner = anchor + o if forward else anchor - o
+        if not index.passage_start[passage] <= partner < index.passage_end[passage]:
+          continue
+        s, e = (anchor, partner) if forward else (partner, anchor)
+        score = vectors[s] @ q_start[q] + vectors[e] @ q_end[q]
+        if best is None or score > best[0]:
+          best = (score, s, e)
+      candidates.append(best)
+    spans = []
+    for score, s, e in sorted(candidates, key=lambda c: -c[0]):
+      if (s, e) not in [x[:2] for x in spans]:
+        spans.append((s, e, score))
+    found.append(spans[:k])
+  return found
+
+
+@pytest.mark.parametrize("max_len", [1, 3, 10])
+def test_rescoring_equals_the_spelled_out_rule(toy, max_len):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  rng = np.random.default_rng(max_len)
+  q_start = q_start + rng.normal(0, 0.3, q_start.shape).astype(np.float32)  # many near spans
+  q_end = q_end + rng.normal(0, 0.3, q_end.shape).astype(np.float32)
+  starts, ends = index.hits(q_start, q_end, 12)
+  starts[0, -3:] = -1  # fewer hits than asked
+  got = index.search_phrases(q_start, q_end, 8, max_answer_length=max_len, hits=(starts, ends),
+                             top_tokens=12)
+  want = _reference_phrases(index, q_start, q_end, starts, ends, 8, max_len)
+  assert [[(p.start_token, p.end_token) for p in ps] for ps in got] == \
+      [[(s, e) for s, e, _ in ps] for ps in want]
+  np.testing.assert_allclose([p.score for ps in got for p in ps],
+                             [x for ps in want for _, _, x in ps], rtol=1e-5, atol=1e-6)
+  # With every token a hit, the best phrase is the best span of the whole corpus.
+  n = index.num_vectors
+  every = np.broadcast_to(np.arange(n), (len(q_start), n))
+  top = index.search_phrases(q_start, q_end, 1, max_answer_length=max_len, hits=(every, every),
+                             top_tokens=n)
+  vectors = index.dump.vectors.astype(np.float32)
+  for q, (phrase,) in enumerate(top):
+    best = max((vectors[s] @ q_start[q] + vectors[e] @ q_end[q], s, e) for s in range(n)
+               for e in range(s, min(s + max_len, index.passage_end[index.dump.token_passage[s]])))
+    assert (phrase.start_token, phrase.end_token) == best[1:]
+
+
 def _units_one_search_per_round(index, q_start, q_end, k, unit):
   """The unit search as a fresh index search of every round (what the cached hits must equal)."""
   fetch, max_fetch = 2 * k, min(20 * k, index.num_vectors)

@@ -29,7 +29,7 @@ from dpjax.models.encoders import bound, question_vectors
 from dpjax.parallel import make_mesh, round_to_devices
 
 UNITS = ("phrase", "sentence", "passage", "document")
-_RESCORE_FLOATS = 1 << 25  # ~128 MiB of float32 partner vectors per rescoring chunk
+_RESCORE_FLOATS = 1 << 25  # bounds the float32 token vectors one rescoring chunk gathers
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -131,28 +131,6 @@ class PhraseIndex:
     _, labels = self.index.search(queries, k)
     return labels[:len(q_start)], labels[len(q_start):]
 
-  def _pair(self, anchors, queries_anchor, queries_other, max_len: int, forward: bool):
-    """Best partner of each anchor token. Returns (partner ids, total scores), [Q, k] each."""
-    offsets = np.arange(max_len)
-    valid_anchor = anchors >= 0
-    anchor = np.maximum(anchors, 0)
-    passage = self.dump.token_passage[anchor]
-    partners = anchor[..., None] + (offsets if forward else -offsets)  # [Q, k, L]
-    lo, hi = self.passage_start[passage][..., None], self.passage_end[passage][..., None]
-    ok = (partners >= lo) & (partners < hi) & valid_anchor[..., None]
-    vectors = self.dump.vectors
-    clipped = np.clip(partners, 0, len(vectors) - 1)
-    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
-      ok &= self.kept_mask[clipped]
-    partner_scores = np.einsum("qkld,qd->qkl", vectors[clipped].astype(np.float32),
-                               queries_other)
-    partner_scores = np.where(ok, partner_scores, -np.inf)
-    best = partner_scores.argmax(-1)
-    anchor_scores = np.einsum("qkd,qd->qk", vectors[anchor].astype(np.float32), queries_anchor)
-    total = anchor_scores + np.take_along_axis(partner_scores, best[..., None], -1)[..., 0]
-    partner = np.take_along_axis(partners, best[..., None], -1)[..., 0]
-    return partner, np.where(valid_anchor, total, -np.inf)
-
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
                      top_tokens: int | None = None, max_answer_length: int = 10,
                      hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[Phrase]]:
@@ -164,36 +142,88 @@ class PhraseIndex:
     if k < 1:
       raise ValueError(f"k (the number of phrases) must be >= 1, got {k}")
     top_tokens = min(max(top_tokens or k, k), self.num_vectors)
-    # Rescoring gathers [queries, top_tokens, max_answer_length, D] vectors: bound that memory.
-    chunk = max(1, _RESCORE_FLOATS // (top_tokens * max_answer_length * q_start.shape[1]))
+    spans = self._spans(q_start, q_end, top_tokens, max_answer_length, hits)
+    return [[self.phrase(int(s), int(e), float(x)) for s, e, x in zip(*(a[:k] for a in found))]
+            for found in spans]
+
+  def _spans(self, q_start, q_end, top_tokens: int, max_answer_length: int, hits=None):
+    """Per question, (starts, ends, scores) of its distinct spans, best first, from its top
+    `top_tokens` start and end hits (searched, or the first columns of `hits`)."""
+    # Rescoring gathers up to [queries, 4 top_tokens, max_answer_length, D] vectors: bound that.
+    chunk = max(1, _RESCORE_FLOATS // (4 * top_tokens * max_answer_length * q_start.shape[1]))
     results = []
     for lo in range(0, len(q_start), chunk):
       part = slice(lo, lo + chunk)
       starts, ends = (self._hits(q_start[part], q_end[part], top_tokens) if hits is None
                       else (hits[0][part, :top_tokens], hits[1][part, :top_tokens]))
-      results += self._rescore(q_start[part], q_end[part], starts, ends, k, max_answer_length)
+      results += self._rescore(q_start[part], q_end[part], starts, ends, max_answer_length)
     return results
 
-  def _rescore(self, q_start, q_end, starts, ends, k: int, max_answer_length: int):
-    paired_end, score_s = self._pair(starts, q_start, q_end, max_answer_length, True)
-    paired_start, score_e = self._pair(ends, q_end, q_start, max_answer_length, False)
-    all_start = np.concatenate([starts, paired_start], 1)
-    all_end = np.concatenate([paired_end, ends], 1)
-    scores = np.concatenate([score_s, score_e], 1)
+  def _token_scores(self, tokens: np.ndarray, q_start: np.ndarray, q_end: np.ndarray):
+    """(start scores, end scores) of token ids [Q, ...] under their question's vectors.
+
+    Hits of one question crowd into few passages, so each distinct (question, token) is
+    gathered and scored once: [U, D] vectors (float32 from an exact index's own storage when
+    it holds every token, else converted from the dump's float16) and one [U_q, D] x [D, 2]
+    product per question, not a [Q, k, L, D] gather per side."""
+    num_q, n = len(q_start), len(self.dump.vectors)
+    keys = np.arange(num_q)[:, None] * n + tokens.reshape(num_q, -1)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    question, token = np.divmod(unique, n)
+    exact = self._exact_vectors()
+    vectors = exact[token] if exact is not None else self.dump.vectors[token].astype(np.float32)
+    scores = np.empty((len(unique), 2), np.float32)
+    bounds = np.searchsorted(question, np.arange(num_q + 1))
+    for q in range(num_q):
+      lo, hi = bounds[q], bounds[q + 1]
+      scores[lo:hi] = vectors[lo:hi] @ np.stack([q_start[q], q_end[q]], 1).astype(np.float32)
+    inverse = inverse.reshape(tokens.shape)
+    return scores[inverse, 0], scores[inverse, 1]
+
+  def _exact_vectors(self) -> np.ndarray | None:
+    """The float32 [N, D] vectors of every dump token, row = token id, when the faiss index
+    stores them so (an unfiltered Flat): a view of its storage, no copy. Else None."""
+    if not hasattr(self, "_exact"):
+      self._exact = None
+      flat = faiss.downcast_index(self.index.index) if isinstance(
+          self.index, faiss.IndexIDMap) else None
+      n, dim = self.dump.vectors.shape
+      if isinstance(flat, faiss.IndexFlat) and flat.ntotal == n and np.array_equal(
+          faiss.vector_to_array(self.index.id_map), np.arange(n)):
+        self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
+    return self._exact
+
+  def _rescore(self, q_start, q_end, starts, ends, max_answer_length: int):
+    """Every start hit paired with its best end within `max_answer_length` tokens of its passage,
+    every end hit with its best start; per question (starts, ends, scores) of the distinct
+    spans, best first."""
+    offsets = np.arange(max_answer_length)
+    anchors = np.concatenate([starts, ends], 1)  # [Q, 2K]
+    valid = anchors >= 0
+    anchor = np.maximum(anchors, 0)
+    forward = np.arange(anchors.shape[1]) < starts.shape[1]  # start anchors look forward
+    partners = anchor[..., None] + np.where(forward[:, None], offsets, -offsets)  # [Q, 2K, L]
+    passage = self.dump.token_passage[anchor]
+    ok = ((partners >= self.passage_start[passage][..., None])
+          & (partners < self.passage_end[passage][..., None]) & valid[..., None])
+    partners = np.clip(partners, 0, len(self.dump.vectors) - 1)
+    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
+      ok &= self.kept_mask[partners]
+    span_start = np.where(forward[:, None], anchor[..., None], partners)
+    span_end = np.where(forward[:, None], partners, anchor[..., None])
+    score_s, score_e = self._token_scores(np.stack([span_start, span_end], 1), q_start, q_end)
+    total = np.where(ok, score_s[:, 0] + score_e[:, 1], -np.inf)  # [Q, 2K, L]
+    best = total.argmax(-1)[..., None]  # an anchor's best partner (the nearest on ties)
+    scores = np.take_along_axis(total, best, -1)[..., 0]
+    all_start = np.take_along_axis(span_start, best, -1)[..., 0]
+    all_end = np.take_along_axis(span_end, best, -1)[..., 0]
     results = []
     for q in range(len(q_start)):
-      phrases, seen = [], set()
-      for c in np.argsort(-scores[q], kind="stable"):
-        if not np.isfinite(scores[q, c]):
-          break
-        span = (int(all_start[q, c]), int(all_end[q, c]))
-        if span in seen:
-          continue
-        seen.add(span)
-        phrases.append(self.phrase(span[0], span[1], float(scores[q, c])))
-        if len(phrases) == k:
-          break
-      results.append(phrases)
+      order = np.argsort(-scores[q], kind="stable")
+      order = order[np.isfinite(scores[q, order])]
+      spans = all_start[q, order].astype(np.int64) * len(self.dump.vectors) + all_end[q, order]
+      order = order[np.sort(np.unique(spans, return_index=True)[1])]  # distinct, best first
+      results.append((all_start[q, order], all_end[q, order], scores[q, order]))
     return results
 
   def phrase(self, start: int, end: int, score: float) -> Phrase:
@@ -222,6 +252,28 @@ class PhraseIndex:
       passage = self.dump.passages[phrase.passage]
       return passage.title or passage.id
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+
+  def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
+    """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
+    if unit == "phrase":  # the spans are distinct already
+      return np.arange(len(starts))
+    if unit == "sentence":
+      codes = {}
+      keys = [codes.setdefault(self.unit_key(self.phrase(int(s), int(e), 0.0), unit), len(codes))
+              for s, e in zip(starts, ends)]
+    elif unit == "passage":
+      keys = self.dump.token_passage[starts]
+    else:
+      keys = self._documents()[self.dump.token_passage[starts]]
+    return np.sort(np.unique(np.asarray(keys, np.int64), return_index=True)[1])
+
+  def _documents(self) -> np.ndarray:
+    """A document number of every passage row (passages of one title, or of one id)."""
+    if not hasattr(self, "_document_of"):
+      names: dict = {}
+      self._document_of = np.array([names.setdefault(p.title or p.id, len(names))
+                                    for p in self.dump.passages], np.int64)
+    return self._document_of
 
   def fetch_bounds(self, k: int, *, top_tokens: int | None = None,
                    max_fetch: int | None = None) -> tuple[int, int]:
@@ -264,14 +316,14 @@ class PhraseIndex:
         wide_row = np.full(len(q_start), -1)
         wide_row[pending] = np.arange(len(pending))
       rows = None if wide is None else tuple(h[wide_row[pending]] for h in wide)
-      phrases = self.search_phrases(q_start[pending], q_end[pending], fetch, top_tokens=fetch,
-                                    max_answer_length=max_answer_length, hits=rows)
+      spans = self._spans(q_start[pending], q_end[pending], min(fetch, self.num_vectors),
+                          max_answer_length, rows)
       short = []
-      for q, found in zip(pending, phrases):
-        best: dict = {}
-        for phrase in found:
-          best.setdefault(self.unit_key(phrase, unit), phrase)
-        units[q] = [(p, key) for key, p in list(best.items())[:k]]
+      for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
+        starts, ends, scores = starts[:fetch], ends[:fetch], scores[:fetch]
+        best = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+                for i in self._first_of_units(starts, ends, unit)[:k]]
+        units[q] = [(p, self.unit_key(p, unit)) for p in best]
         if len(units[q]) < k and fetch < max_fetch:
           short.append(q)
       pending = np.array(short, dtype=np.int64)
