@@ -307,6 +307,9 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "questions": "",  # evaluation questions; empty: the dev split
       "batch_size": 64,
       "shard_passages": 2000,
+      # The dump's windows: 0 = every data.doc_stride tokens (as in training); n > 0 = as few
+      # as keep n tokens of context on each side of every token (fewer tokens encoded twice).
+      "dump_min_context": 0,
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

@@ -41,7 +41,8 @@ def run_dump(config, workdir: str) -> dict:
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
                            batch_size=round_to_devices(config.index.batch_size, mesh),
-                           shard_passages=config.index.shard_passages)
+                           shard_passages=config.index.shard_passages,
+                           min_context=config.index.get("dump_min_context", 0))
   summary = SkipSummary()
   manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
                           read_corpus(paths["corpus"], summary), paths["dump"], dump_config,

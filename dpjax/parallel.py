@@ -7,12 +7,30 @@ back to every process with `to_host`.
 """
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+_COMPILE = {"seconds": 0.0, "count": 0, "listening": False}
+
+
+def compile_stats() -> dict:
+  """{"seconds", "count"}: JAX's tracing, lowering and XLA compilation so far in this process
+  (from `jax.monitoring`; counted from the first call of this function)."""
+  if not _COMPILE["listening"]:
+    def listen(event: str, seconds: float, **kwargs):
+      if event.startswith("/jax/core/compile/"):
+        _COMPILE["seconds"] += seconds
+        _COMPILE["count"] += event.endswith("backend_compile_duration")
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    _COMPILE["listening"] = True
+  return {"seconds": _COMPILE["seconds"], "count": _COMPILE["count"]}
 
 
 def make_mesh(num_devices: int | None = None, *, local: bool = False) -> jax.sharding.Mesh:
@@ -86,17 +104,24 @@ def pad_to_multiple(array: np.ndarray, multiple: int) -> np.ndarray:
 
 def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size: int,
                 mesh: jax.sharding.Mesh, *, lengths: np.ndarray | None = None,
-                length_multiple: int = 32) -> Iterator[tuple[np.ndarray, Any]]:
+                length_multiple: int = 32, in_flight: int = 2, pad_last: bool = False,
+                waited: list | None = None) -> Iterator[tuple[np.ndarray, Any]]:
   """Applies a jitted `fn(*batch)` to batches of `arrays`' rows, sharded over the mesh.
 
   Batches hold `batch_size` rows; the last one is padded only to the smallest power-of-two
   multiple of the mesh size that holds it (one question is encoded as a batch of one, not 64),
-  and padding rows are cut from the outputs before they are yielded, so no padding ever leaks.
+  or, with `pad_last`, to `batch_size` (a long job: one compiled shape per width, not several);
+  padding rows are cut from the outputs before they are yielded, so no padding ever leaks.
 
   With `lengths` (the real length of each row along axis 1, e.g. `attention_mask.sum(1)`), rows
   are taken longest first and every array with a sequence axis (axis 1) is cut, per batch, to
   the batch's longest row rounded up to `length_multiple`: no compute on padding tokens, a few
   compiled shapes. Outputs along that axis are then as wide as the batch's arrays.
+
+  `in_flight` batches are dispatched before the oldest one's outputs are read (their host
+  copies started at dispatch), so the device never waits for the host between batches. With
+  `waited` (a list), the seconds spent blocked on each batch's outputs are appended to it: the
+  rest of a caller's time is host work.
 
   Yields:
     (rows, outputs): the indices of the batch's input rows and `fn`'s outputs for them, as
@@ -113,10 +138,12 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
       raise ValueError(f"lengths has shape {lengths.shape}, expected ({total},)")
     order = np.argsort(-lengths, kind="stable")
   sharding = batch_sharding(mesh)
+  pending: collections.deque = collections.deque()
   for start in range(0, total, batch_size):
     rows = order[start:start + batch_size]
     n = len(rows)
-    padded = min(batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
+    padded = batch_size if pad_last else min(
+        batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
     batch = [a[rows] for a in arrays]
     if lengths is not None:
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
@@ -124,4 +151,20 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     mine = local_rows(sharding, padded)
     batch = global_batch([pad_to_multiple(a, padded)[mine] for a in batch], sharding, padded)
     outputs = fn(*batch)
-    yield rows, jax.tree.map(lambda x: to_host(x)[:n], outputs)
+    for x in jax.tree.leaves(outputs):
+      if x.is_fully_addressable:
+        x.copy_to_host_async()
+    pending.append((rows, outputs))
+    if len(pending) >= max(in_flight, 1):
+      yield _read(*pending.popleft(), waited)
+  while pending:
+    yield _read(*pending.popleft(), waited)
+
+
+def _read(rows: np.ndarray, outputs: Any, waited: list | None) -> tuple[np.ndarray, Any]:
+  """(rows, outputs on the host, padding rows cut)."""
+  if waited is not None:
+    start = time.perf_counter()
+    jax.block_until_ready(outputs)
+    waited.append(time.perf_counter() - start)
+  return rows, jax.tree.map(lambda x: to_host(x)[:len(rows)], outputs)

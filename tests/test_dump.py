@@ -48,6 +48,17 @@ def test_dump_keeps_each_context_token_once(model, tokenizer, tmp_path):
   assert dump.passages[5].id == "p5"
 
 
+def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, tmp_path):
+  passages = _passages()
+  config = DumpConfig(max_seq_length=29, doc_stride=7, batch_size=8, shard_passages=3,
+                      min_context=5)
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
+  counts = [len(tokenizer.tokenize([p.text])[0][0]) for p in passages]
+  assert manifest["num_tokens"] == sum(counts)
+  np.testing.assert_array_equal(np.bincount(Dump.load(tmp_path).token_passage), counts)
+  assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
+
+
 def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):
   """Batches cut to their longest window (longest first) change no vector and no token order."""
   config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=12)

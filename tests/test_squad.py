@@ -106,6 +106,31 @@ def test_windows_cover_every_token_once(tokenizer):
   assert windows.context_mask[last, 1] and not windows.context_mask[last, 0]
 
 
+@pytest.mark.parametrize("length", [5, 29, 30, 64, 97, 250])
+def test_dump_windows_keep_min_context_with_fewer_windows(tokenizer, length):
+  """min_context windows: every token once in its max-context window, with >= min_context
+  tokens around it there (where the passage has them), and no more windows than doc_stride's."""
+  context = " ".join(f"w{i}" for i in range(length))
+  passages = [squad.Passage("p0", "", context)]
+  n = len(build_windows(tokenizer, passages, max_seq_length=31, doc_stride=30)[1][0])
+  wide, _ = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=4, min_context=6)
+  strided, _ = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=4)
+  assert len(wide.input_ids) <= len(strided.input_ids)
+  if n > 60:
+    assert len(wide.input_ids) < len(strided.input_ids)
+  left, right = np.full(n, -1), np.full(n, -1)
+  for w in range(len(wide.input_ids)):
+    count = int(wide.context_mask[w].sum())
+    positions = wide.token_offset[w] + np.arange(count)
+    kept = wide.is_max_context[w, 1:1 + count]  # no title: the context starts after [CLS]
+    assert (left[positions[kept]] == -1).all()  # each token kept once
+    left[positions[kept]] = np.arange(count)[kept]
+    right[positions[kept]] = count - 1 - np.arange(count)[kept]
+  assert (left >= 0).all()
+  t = np.arange(n)
+  assert (left >= np.minimum(6, t)).all() and (right >= np.minimum(6, n - 1 - t)).all()
+
+
 def test_answer_spans_and_cls_targets(tokenizer):
   context = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris indeed"
   start = context.index("Paris")

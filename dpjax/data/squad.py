@@ -279,8 +279,12 @@ class RCFeatures:
 
 def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_length: int,
                   doc_stride: int, include_title: bool = True, max_title_length: int = 32,
-                  ) -> tuple[PassageWindows, list[np.ndarray]]:
+                  min_context: int = 0) -> tuple[PassageWindows, list[np.ndarray]]:
   """Cuts every passage into windows of `max_seq_length` tokens, every `doc_stride` tokens.
+
+  With `min_context` > 0 (the dump's choice), a passage gets instead the fewest windows that
+  still give every token at least `min_context` tokens of context on each side inside its
+  max-context window (where the passage has them), evenly spaced: fewer tokens re-encoded.
 
   Returns:
     The windows, and for each passage the [T, 2] character offsets of all its context tokens
@@ -298,14 +302,25 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
     if room < 1 or doc_stride < 1:
       raise ConfigError(f"data.max_seq_length {max_seq_length} leaves no room for context "
                         f"(prefix {len(prefix)} tokens) or doc_stride {doc_stride} < 1")
-    starts = list(range(0, max(len(ids) - room, 0) + doc_stride, doc_stride))
-    starts = [s for s in starts if s < max(len(ids), 1)]  # one (empty) window if no tokens
+    starts = _window_starts(len(ids), room, doc_stride, min_context)
     for start in starts:
       end = min(start + room, len(ids))
       rows.append((index, start, end, prefix, ids[start:end], offsets[start:end]))
   windows = _pack_windows(rows, contexts, max_seq_length, tokenizer.pad_id,
                           tokenizer.sep_id)
   return windows, [offsets for _, offsets in contexts]
+
+
+def _window_starts(length: int, room: int, doc_stride: int, min_context: int) -> list[int]:
+  """First context token of each window of a passage of `length` tokens (see build_windows)."""
+  if min_context <= 0:
+    starts = list(range(0, max(length - room, 0) + doc_stride, doc_stride))
+    return [s for s in starts if s < max(length, 1)]  # one (empty) window if no tokens
+  if length <= room:
+    return [0]
+  step = max(room - 2 * min_context, 1)  # the widest spacing that keeps min_context
+  count = -(-(length - room) // step) + 1
+  return sorted({int(round(x)) for x in np.linspace(0, length - room, count)})
 
 
 def _pack_windows(rows, contexts, max_seq_length: int, pad_id: int, sep_id: int,

@@ -23,6 +23,7 @@ is never resumed or reused with another corpus, and a dump id that its indexes r
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -42,7 +43,8 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
                       write_jsonl)
-from dpjax.models.encoders import bound, phrase_batches
+from dpjax.models.encoders import bound
+from dpjax.parallel import compile_stats, map_batches
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -66,6 +68,9 @@ class DumpConfig:
   include_title: bool = True
   batch_size: int = 64
   shard_passages: int = 2000
+  # > 0: windows spaced as widely as keeps this much context around every token (fewer tokens
+  # encoded twice; `build_windows`), instead of every doc_stride tokens as in training.
+  min_context: int = 0
 
 
 def _batches(iterable: Iterable, size: int) -> Iterator[list]:
@@ -116,24 +121,34 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
   return entry
 
 
+def shard_windows(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig):
+  """The windows a shard's passages are encoded in (tokenization: host work)."""
+  return build_windows(tokenizer, passages, max_seq_length=config.max_seq_length,
+                       doc_stride=config.doc_stride, include_title=config.include_title,
+                       min_context=config.min_context)[0]
+
+
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
-                 mesh, encode, progress: Progress | None = None) -> dict[str, np.ndarray]:
-  """Encodes passages; returns the shard arrays (token rows in passage order, local passage
-  rows). `progress` counts the stored tokens batch by batch."""
-  windows, _ = build_windows(tokenizer, passages,
-                             max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
-                             include_title=config.include_title)
+                 mesh, encode, progress: Progress | None = None,
+                 windows=None, waited: list | None = None) -> dict[str, np.ndarray]:
+  """Encodes passages (or their `shard_windows`, made ahead); returns the shard arrays (token
+  rows in passage order, local passage rows). `progress` counts the stored tokens batch by
+  batch; `waited` receives the seconds spent waiting for the encoder (`map_batches`)."""
+  if windows is None:
+    windows = shard_windows(tokenizer, passages, config)
   keep = windows.context_mask & windows.is_max_context  # [W, L]
   # Batches of similar length (no compute on padding) come back out of order: every kept token's
   # flat position window * L + column puts them back in passage order.
   parts = {"vectors": [], "filter_logits": [], "position": []}
-  for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
-                                                windows.attention_mask,
-                                                batch_size=config.batch_size, mesh=mesh):
+  for rows, (vectors, logits) in map_batches(encode, [windows.input_ids,
+                                                      windows.attention_mask],
+                                             config.batch_size, mesh, waited=waited,
+                                             lengths=windows.attention_mask.sum(1),
+                                             pad_last=True):
     kept = keep[rows, :vectors.shape[1]]
     window, column = np.nonzero(kept)
-    parts["vectors"].append(vectors[kept].astype(np.float16))
-    parts["filter_logits"].append(logits[kept].astype(np.float16))
+    parts["vectors"].append(vectors[kept])  # float16 from the device
+    parts["filter_logits"].append(logits[kept])
     parts["position"].append(rows[window] * keep.shape[1] + column)
     if progress:
       progress.update(len(window))
@@ -141,8 +156,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   token_window = np.nonzero(keep)[0]
   if len(order) != len(token_window):  # a kept token past its window's attention mask
     raise AssertionError(f"{len(token_window) - len(order)} context tokens lie in padding")
-  return {"vectors": np.concatenate(parts["vectors"])[order],
-          "filter_logits": np.concatenate(parts["filter_logits"])[order],
+  return {"vectors": np.concatenate(parts["vectors"]).astype(np.float16)[order],
+          "filter_logits": np.concatenate(parts["filter_logits"]).astype(np.float16)[order],
           "token_passage": windows.passage_index[token_window].astype(np.int32),
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 
@@ -172,28 +187,68 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
              old["num_passages"], old["num_tokens"])
     return old
   _prepare(out_dir, manifest)
-  encode = bound(model, "phrases_and_filter")
-  start = time.perf_counter()
-  num_shards = resumed = 0
+  start, compiled = time.perf_counter(), compile_stats()
+  counts = {"shards": 0, "resumed": 0}
+  todo = _shards_to_encode(out_dir, chunks, counts)
+  waited: list[float] = []
   progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
+  _encode_pipelined(todo, tokenizer, config, mesh, bound(model, "phrases_and_filter"),
+                    out_dir, progress, waited)
+  progress.close()
+  if counts["resumed"]:
+    log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
+  if not counts["shards"]:
+    raise DumpError(f"{out_dir}: the corpus is empty")
+  # The main thread's time outside waiting for the encoder and compiling (once per window width,
+  # `compile_seconds`): the host work per token that caps a dump.
+  compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
+  manifest.update(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
+                  compiles=compile_stats()["count"] - compiled["count"],
+                  host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds)
+  return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dict):
+  """(number, passages) of the shards this process still has to encode (counting all shards
+  and the ones already done)."""
   for number, chunk in enumerate(chunks):
-    num_shards += 1
-    name = shard_name(number)
+    counts["shards"] += 1
     if not distributed.process_share(number):
       continue
-    if (out_dir / name / SHARD_INFO).is_file():
-      _check_shard(out_dir, json.loads((out_dir / name / SHARD_INFO).read_text()), chunk)
-      resumed += 1
+    if (out_dir / shard_name(number) / SHARD_INFO).is_file():
+      _check_shard(out_dir, json.loads((out_dir / shard_name(number) / SHARD_INFO).read_text()),
+                   chunk)
+      counts["resumed"] += 1
       continue
-    arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress)
-    write_shard(out_dir, name, arrays, chunk)
-    log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
-  progress.close()
-  if resumed:
-    log.info("%s: %d shards were already done (resumed)", out_dir, resumed)
-  if not num_shards:
-    raise DumpError(f"{out_dir}: the corpus is empty")
-  return _finish(out_dir, manifest, num_shards, time.perf_counter() - start)
+    yield number, chunk
+
+
+def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
+                      progress: Progress, waited: list) -> None:
+  """Encodes and writes shards with the host work off the encoder's path: the next shard is
+  tokenized and the last one written by worker threads while this one is encoded."""
+  def prepare(job):
+    return None if job is None else (*job, shard_windows(tokenizer, job[1], config))
+
+  with concurrent.futures.ThreadPoolExecutor(1) as tokenize, \
+       concurrent.futures.ThreadPoolExecutor(1) as write:
+    following = tokenize.submit(prepare, next(todo, None))
+    writing: list[concurrent.futures.Future] = []
+    while (job := following.result()) is not None:
+      number, chunk, windows = job
+      following = tokenize.submit(prepare, next(todo, None))
+      arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
+                            windows=windows, waited=waited)
+      for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
+        done.result()
+      writing.append(write.submit(_write_and_log, out_dir, shard_name(number), arrays, chunk))
+    for w in writing:
+      w.result()
+
+
+def _write_and_log(out_dir: pathlib.Path, name: str, arrays: dict, chunk: list) -> None:
+  write_shard(out_dir, name, arrays, chunk)
+  log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
 
 
 def passages_digest(passages: Iterable[Passage]) -> str:
@@ -224,7 +279,8 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
   if not (out_dir / MANIFEST).exists():
     return None
   old = json.loads((out_dir / MANIFEST).read_text())
-  if old["fingerprint"] != manifest["fingerprint"] or old["settings"] != manifest["settings"]:
+  settings = {"min_context": 0, **old["settings"]}  # a dump from before the setting existed
+  if old["fingerprint"] != manifest["fingerprint"] or settings != manifest["settings"]:
     raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
                     "use a new directory (or delete it)")
   return old

@@ -119,16 +119,20 @@ class BertSelfAttention(nnx.Module):
     batch, length, d = hidden.shape
     head_dim = d // self.num_heads
 
-    def heads(x):  # [B, L, D] -> [B, H, L, D/H]
-      return x.reshape(batch, length, self.num_heads, head_dim).transpose(0, 2, 1, 3)
+    def heads(x):  # [B, L, D] -> [B, L, H, D/H]
+      return x.reshape(batch, length, self.num_heads, head_dim)
 
     q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(head_dim)) + attention_bias
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = self.attention_dropout(probs, deterministic=rngs is None, rngs=rngs)
-    context = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
-    context = context.transpose(0, 2, 1, 3).reshape(batch, length, d)
+    if rngs is None or self.attention_dropout.rate == 0:
+      # The fused kernel (cuDNN flash attention on GPU for float16/bfloat16; XLA elsewhere):
+      # no [B, H, L, L] probabilities kept for the backward pass.
+      context = jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
+    else:  # dropout on the attention probabilities needs them materialised
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+      probs = jax.nn.softmax(scores / jnp.sqrt(jnp.float32(head_dim)) + attention_bias, axis=-1)
+      probs = self.attention_dropout(probs, deterministic=False, rngs=rngs)
+      context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
+    context = context.reshape(batch, length, d)
     out = self.output_dropout(self.output(context), deterministic=rngs is None, rngs=rngs)
     return self.layer_norm(out + hidden).astype(self.dtype)  # [B, L, D]
 

