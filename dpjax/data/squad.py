@@ -284,7 +284,8 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
 
   With `min_context` > 0 (the dump's choice), a passage gets instead the fewest windows that
   still give every token at least `min_context` tokens of context on each side inside its
-  max-context window (where the passage has them), evenly spaced: fewer tokens re-encoded.
+  max-context window (where the passage has them), evenly spaced: fewer tokens re-encoded
+  (spaced at most `doc_stride` apart when windows are too short for that much context).
 
   Returns:
     The windows, and for each passage the [T, 2] character offsets of all its context tokens
@@ -318,7 +319,8 @@ def _window_starts(length: int, room: int, doc_stride: int, min_context: int) ->
     return [s for s in starts if s < max(length, 1)]  # one (empty) window if no tokens
   if length <= room:
     return [0]
-  step = max(room - 2 * min_context, 1)  # the widest spacing that keeps min_context
+  # The widest spacing that keeps min_context (never narrower than doc_stride's).
+  step = max(room - 2 * min_context, doc_stride, 1)
   count = -(-(length - room) // step) + 1
   return sorted({int(round(x)) for x in np.linspace(0, length - room, count)})
 

@@ -8,17 +8,19 @@
 b78bcf3`); each code tree runs in its own interpreter (`--role ...`, this file with the tree first
 on sys.path), so old and new are the real code paths on the same inputs:
 - dump: `dump_phrases` of the first `--passages` SQuAD dev passages with the workdir's model and the
-  config's window settings (one small cold dump first, so compilation is counted, not timed);
-  stored tokens/s, the dump's host time per stored token (the main thread's time outside waiting
-  for the encoder, from the manifest), the encoder's compiled shapes; the old and new vectors
+  config's window settings, twice (cold: compilations counted; then warm: timed); stored
+  tokens/s, the dump's host time per stored token (the main thread's time outside waiting for
+  the encoder and compiling, from the manifest), the compiled shapes; the old and new vectors
   compared. Against: the bare forward (the same jitted encoder on a fixed [batch, max_seq_length]
-  batch, tokens/s of the batch) and PyTorch (Hugging Face `BertModel` with the model's phrase
-  encoder weights via `run.py export`... here the same MiniLM architecture, in `--torch-python`,
-  encoding the same windows in the same length-sorted batches, inference mode, 2 threads).
+  batch, tokens/s of the batch) and PyTorch (Hugging Face `BertModel`, the same MiniLM
+  architecture and size, in `--torch-python`, encoding the windows of today's dump in the same
+  length-sorted batches cut to 32-multiples, inference mode, all cores; its tokens/s are the
+  dump's stored tokens over its time).
 - eval: the first `--questions` SQuAD dev questions in batches of 64, what `run.py eval` does per
   batch (encode; top-10 phrases and top-20 passages from one shared index search), over Flat and
   IVF-SQ4 indexes of the new dump; questions/s, and EM@1 / passage Top-20 of both trees, which
-  must be equal.
+  must be equal (and, with --dump-min-context, the new code over the old windows' dump: what the
+  dump windows change in retrieval).
 - train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch, same batch), its ratio.
 Writes the JSON (keys of issue 22) and a Markdown report beside it.
 """
@@ -60,7 +62,7 @@ def _model(args):
 
 
 def role_dump(args) -> dict:
-  """One tree's dump: a cold one of 32 passages (compiles), then the timed one."""
+  """One tree's dump of the passages twice: cold (compiling), then warm (timed)."""
   from dpjax.data.squad import Passage
   from dpjax.index.dump import DumpConfig, dump_phrases
   from dpjax.parallel import make_mesh
@@ -75,12 +77,15 @@ def role_dump(args) -> dict:
                            batch_size=config.index.batch_size, shard_passages=100, **extra)
   mesh = make_mesh(local=True)
   counter = _compile_counter()
-  dump_phrases(model, tokenizer, passages[:32], pathlib.Path(args.out_dir) / "cold", dump_config,
+  start = time.perf_counter()  # cold: compiles every shape the passages need
+  dump_phrases(model, tokenizer, passages, pathlib.Path(args.out_dir) / "cold", dump_config,
                mesh=mesh)
+  cold, compiles = time.perf_counter() - start, counter["compiles"]
   start = time.perf_counter()
   manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh)
   seconds = time.perf_counter() - start
-  return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": counter["compiles"],
+  return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": compiles,
+          "compiles_warm": counter["compiles"] - compiles, "cold_seconds": cold,
           "tokens_per_s": manifest["num_tokens"] / seconds,
           "host_seconds": manifest.get("host_seconds"),
           "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
@@ -284,8 +289,10 @@ def markdown(results: dict, command: str) -> str:
             + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
             + f". Old vs new vectors: max |diff| {d['vectors_max_abs_diff']:.2g}, mean "
             f"{d['vectors_mean_abs_diff']:.2g} (new dump windows: index.dump_min_context = "
-            f"{d['min_context']}). Compiles (cold + timed dump): new "
-            f"{d['new']['compiles']}, old {d['old']['compiles']}.", "",
+            f"{d['min_context']}). XLA compilations (the cold dump; the timed, warm one: "
+            f"{d['new']['compiles_warm']} new, {d['old']['compiles_warm']} old): new "
+            f"{d['new']['compiles']}, old {d['old']['compiles']}; cold dump "
+            f"{d['new']['cold_seconds']:.0f} s new, {d['old']['cold_seconds']:.0f} s old.", "",
             "| index | tree | questions/s (batch 64) | EM@1 | passage Top-20 | compiles timed |",
             "|---|---|---|---|---|---|"]
   for index, runs in e.items():
