@@ -282,10 +282,9 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
                   min_context: int = 0) -> tuple[PassageWindows, list[np.ndarray]]:
   """Cuts every passage into windows of `max_seq_length` tokens, every `doc_stride` tokens.
 
-  With `min_context` > 0 (the dump's choice), a passage gets instead the fewest windows that
-  still give every token at least `min_context` tokens of context on each side inside its
-  max-context window (where the passage has them), evenly spaced: fewer tokens re-encoded
-  (spaced at most `doc_stride` apart when windows are too short for that much context).
+  With `min_context` > 0 (the dump's choice), windows are as far apart as still gives every
+  token at least `min_context` tokens of context on each side inside its max-context window
+  (where the passage has them; never closer than `doc_stride`): fewer tokens re-encoded.
 
   Returns:
     The windows, and for each passage the [T, 2] character offsets of all its context tokens
@@ -313,16 +312,14 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
 
 
 def _window_starts(length: int, room: int, doc_stride: int, min_context: int) -> list[int]:
-  """First context token of each window of a passage of `length` tokens (see build_windows)."""
-  if min_context <= 0:
-    starts = list(range(0, max(length - room, 0) + doc_stride, doc_stride))
-    return [s for s in starts if s < max(length, 1)]  # one (empty) window if no tokens
-  if length <= room:
-    return [0]
-  # The widest spacing that keeps min_context (never narrower than doc_stride's).
-  step = max(room - 2 * min_context, doc_stride, 1)
-  count = -(-(length - room) // step) + 1
-  return sorted({int(round(x)) for x in np.linspace(0, length - room, count)})
+  """First context token of each window of a passage of `length` tokens (see build_windows).
+
+  With `min_context`, windows are `room - 2 min_context` apart (never closer than doc_stride):
+  neighbours overlap by 2 min_context, so the max-context rule leaves every token that much
+  context; the last window ends with the passage, so no token is encoded more than needed."""
+  stride = max(room - 2 * min_context, doc_stride) if min_context > 0 else doc_stride
+  starts = list(range(0, max(length - room, 0) + stride, stride))
+  return [s for s in starts if s < max(length, 1)]  # one (empty) window if no tokens
 
 
 def _pack_windows(rows, contexts, max_seq_length: int, pad_id: int, sep_id: int,
