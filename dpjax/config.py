@@ -71,7 +71,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
-                 "serve.max_wait_ms")
+                 "serve.max_wait_ms", "index.dump_min_context")
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),

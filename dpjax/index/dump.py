@@ -156,8 +156,9 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   token_window = np.nonzero(keep)[0]
   if len(order) != len(token_window):  # a kept token past its window's attention mask
     raise AssertionError(f"{len(token_window) - len(order)} context tokens lie in padding")
-  return {"vectors": np.concatenate(parts["vectors"]).astype(np.float16)[order],
-          "filter_logits": np.concatenate(parts["filter_logits"]).astype(np.float16)[order],
+  return {"vectors": np.concatenate(parts["vectors"]).astype(np.float16, copy=False)[order],
+          "filter_logits": np.concatenate(parts["filter_logits"]).astype(np.float16,
+                                                                         copy=False)[order],
           "token_passage": windows.passage_index[token_window].astype(np.int32),
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 

@@ -172,11 +172,11 @@ class PhraseIndex:
     question, token = np.divmod(unique, n)
     exact = self._exact_vectors()
     vectors = exact[token] if exact is not None else self.dump.vectors[token].astype(np.float32)
+    queries = np.stack([q_start, q_end], -1).astype(np.float32)  # [Q, D, 2]
     scores = np.empty((len(unique), 2), np.float32)
     bounds = np.searchsorted(question, np.arange(num_q + 1))
     for q in range(num_q):
-      lo, hi = bounds[q], bounds[q + 1]
-      scores[lo:hi] = vectors[lo:hi] @ np.stack([q_start[q], q_end[q]], 1).astype(np.float32)
+      scores[bounds[q]:bounds[q + 1]] = vectors[bounds[q]:bounds[q + 1]] @ queries[q]
     inverse = inverse.reshape(tokens.shape)
     return scores[inverse, 0], scores[inverse, 1]
 

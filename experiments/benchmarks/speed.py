@@ -41,7 +41,8 @@ BATCH = 64  # eval questions per batch
 
 
 def _compile_counter() -> dict:
-  """Counts XLA compilations (jax's monitoring events) from now on."""
+  """Counts XLA compilations (jax's monitoring events) from now on. Not
+  `dpjax.parallel.compile_stats`: the old tree this also runs in does not have it."""
   import jax
   counts = {"compiles": 0}
 
