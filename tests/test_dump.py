@@ -9,7 +9,7 @@ from flax import nnx
 from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
 from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
-from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases
+from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, kept_runs
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
@@ -73,6 +73,25 @@ def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_p
                                       jnp.asarray(windows.attention_mask)))
   keep = windows.context_mask & windows.is_max_context
   np.testing.assert_allclose(dump.vectors.astype(np.float32), h[keep], rtol=2e-3, atol=2e-3)
+
+
+def test_kept_runs_copy_the_kept_tokens_in_passage_order():
+  """Runs of kept columns (several per window, none, at either edge) copied as slices give
+  exactly the boolean gather in (window, column) order."""
+  rng = np.random.default_rng(0)
+  keep = rng.random((9, 13)) < 0.5
+  keep[2] = False
+  keep[3] = True
+  x = rng.standard_normal((9, 13, 4))
+  runs = kept_runs(keep)
+  assert runs["first"][3] + 1 == runs["first"][4] and runs["first"][2] == runs["first"][3]
+  out = np.full((int(keep.sum()), 4), np.nan)
+  for w, c, n, d in zip(runs["window"], runs["column"], runs["length"], runs["destination"]):
+    assert keep[w, c:c + n].all()
+    out[d:d + n] = x[w, c:c + n]
+  np.testing.assert_array_equal(out, x[keep])
+  for w in range(9):
+    assert (runs["window"][runs["first"][w]:runs["first"][w + 1]] == w).all()
 
 
 def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):

@@ -128,6 +128,20 @@ def shard_windows(tokenizer: Tokenizer, passages: list[Passage], config: DumpCon
                        min_context=config.min_context)[0]
 
 
+def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
+  """The kept tokens of windows `keep` [W, L] as runs of consecutive columns, in passage order
+  (window, then column): run r is `length[r]` tokens from column `column[r]` of window
+  `window[r]`, stored from row `destination[r]` of the shard; `first[w]:first[w + 1]` are the
+  runs of window w. (With the max-context rule a window keeps one run.)"""
+  edges = np.diff(np.pad(keep, ((0, 0), (1, 1))).astype(np.int8), axis=1)  # [W, L + 1]
+  window, column = np.nonzero(edges == 1)
+  length = np.nonzero(edges == -1)[1] - column
+  destination = np.cumsum(length) - length
+  first = np.searchsorted(window, np.arange(len(keep) + 1))
+  return {"window": window, "column": column, "length": length, "destination": destination,
+          "first": first}
+
+
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
                  windows=None, waited: list | None = None) -> dict[str, np.ndarray]:
@@ -137,30 +151,45 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
   keep = windows.context_mask & windows.is_max_context  # [W, L]
-  # Batches of similar length (no compute on padding) come back out of order: every kept token's
-  # flat position window * L + column puts them back in passage order.
-  parts = {"vectors": [], "filter_logits": [], "position": []}
+  # Batches of similar length (no compute on padding) come back out of order: each window's
+  # runs of kept tokens are copied straight to their rows in passage order (slices, no gather).
+  runs = {name: array.tolist() for name, array in kept_runs(keep).items()}
+  total = sum(runs["length"])
+  out, stored = {}, 0
   for rows, (vectors, logits) in map_batches(encode, [windows.input_ids,
                                                       windows.attention_mask],
                                              config.batch_size, mesh, waited=waited,
                                              lengths=windows.attention_mask.sum(1),
                                              pad_last=True):
-    kept = keep[rows, :vectors.shape[1]]
-    window, column = np.nonzero(kept)
-    parts["vectors"].append(vectors[kept])  # float16 from the device
-    parts["filter_logits"].append(logits[kept])
-    parts["position"].append(rows[window] * keep.shape[1] + column)
+    if not out:  # float16 from the device; [T, D] and [T, 2]
+      out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
+             "filter_logits": np.empty((total, logits.shape[2]), np.float16)}
+    count = _place(runs, rows, vectors.shape[1], (vectors, out["vectors"]),
+                   (logits, out["filter_logits"]))
+    stored += count
     if progress:
-      progress.update(len(window))
-  order = np.argsort(np.concatenate(parts["position"]), kind="stable")
+      progress.update(count)
+  if stored != total:  # every window comes back once
+    raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
   token_window = np.nonzero(keep)[0]
-  if len(order) != len(token_window):  # a kept token past its window's attention mask
-    raise AssertionError(f"{len(token_window) - len(order)} context tokens lie in padding")
-  return {"vectors": np.concatenate(parts["vectors"]).astype(np.float16, copy=False)[order],
-          "filter_logits": np.concatenate(parts["filter_logits"]).astype(np.float16,
-                                                                         copy=False)[order],
-          "token_passage": windows.passage_index[token_window].astype(np.int32),
+  return {**out, "token_passage": windows.passage_index[token_window].astype(np.int32),
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
+
+
+def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
+  """Copies the kept runs of a batch's windows (`rows`, outputs `width` wide) from each
+  (batch output [B, width, ...], shard array) pair; returns the tokens copied."""
+  count = 0
+  for b, window in enumerate(rows):
+    for r in range(runs["first"][window], runs["first"][window + 1]):
+      column, length = runs["column"][r], runs["length"][r]
+      if column + length > width:
+        raise AssertionError(f"window {window}: kept tokens lie in padding (width {width})")
+      destination = runs["destination"][r]
+      for batch_output, shard in pairs:
+        shard[destination:destination + length] = batch_output[b, column:column + length]
+      count += length
+  return count
 
 
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
@@ -177,24 +206,31 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
-              "model": model_info or {}, "settings": dataclasses.asdict(config),
-              "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
-  old = _existing(out_dir, manifest)
   chunks = _batches(passages, config.shard_passages)
-  if old is not None and old["complete"]:
-    _check_corpus(out_dir, old["shards"], chunks)
-    log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
-             old["num_passages"], old["num_tokens"])
-    return old
-  _prepare(out_dir, manifest)
-  start, compiled = time.perf_counter(), compile_stats()
-  counts = {"shards": 0, "resumed": 0}
-  todo = _shards_to_encode(out_dir, chunks, counts)
-  waited: list[float] = []
-  progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
-  _encode_pipelined(todo, tokenizer, config, mesh, bound(model, "phrases_and_filter"),
-                    out_dir, progress, waited)
+  head = list(itertools.islice(chunks, 1))
+  chunks = itertools.chain(head, chunks)
+  with concurrent.futures.ThreadPoolExecutor(1) as tokenize:
+    # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
+    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done).
+    made = ({0: tokenize.submit(shard_windows, tokenizer, head[0], config)}
+            if head and distributed.process_share(0) else {})
+    manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
+                "model": model_info or {}, "settings": dataclasses.asdict(config),
+                "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
+    encode = bound(model, "phrases_and_filter")
+    old = _existing(out_dir, manifest)
+    if old is not None and old["complete"]:
+      _check_corpus(out_dir, old["shards"], chunks)
+      log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
+               old["num_passages"], old["num_tokens"])
+      return old
+    _prepare(out_dir, manifest)
+    start, compiled = time.perf_counter(), compile_stats()
+    counts = {"shards": 0, "resumed": 0}
+    waited: list[float] = []
+    progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
+    _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
+                      encode, out_dir, progress, waited, tokenize, made)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -225,14 +261,17 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
 
 
 def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
-                      progress: Progress, waited: list) -> None:
+                      progress: Progress, waited: list, tokenize, made: dict) -> None:
   """Encodes and writes shards with the host work off the encoder's path: the next shard is
-  tokenized and the last one written by worker threads while this one is encoded."""
+  tokenized (by the executor `tokenize`) and the last one written by worker threads while this
+  one is encoded. `made`: shard number -> future of its windows, submitted ahead."""
   def prepare(job):
-    return None if job is None else (*job, shard_windows(tokenizer, job[1], config))
+    if job is None:
+      return None
+    ahead = made.pop(job[0], None)  # run before this job by the same one worker
+    return (*job, shard_windows(tokenizer, job[1], config) if ahead is None else ahead.result())
 
-  with concurrent.futures.ThreadPoolExecutor(1) as tokenize, \
-       concurrent.futures.ThreadPoolExecutor(1) as write:
+  with concurrent.futures.ThreadPoolExecutor(1) as write:
     following = tokenize.submit(prepare, next(todo, None))
     writing: list[concurrent.futures.Future] = []
     while (job := following.result()) is not None:
