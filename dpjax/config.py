@@ -71,7 +71,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
-                 "serve.max_wait_ms", "index.dump_min_context")
+                 "serve.max_wait_ms", "index.dump_min_context", "index.dump_workers")
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
@@ -310,6 +310,10 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # The dump's windows: 0 = every data.doc_stride tokens (as in training); n > 0 = as few
       # as keep n tokens of context on each side of every token (fewer tokens encoded twice).
       "dump_min_context": 0,
+      # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
+      # makes ~100k tokens/s and holds the GIL the encoder's feeder needs: use several on an
+      # accelerator (each takes seconds to start; dpjax.index.dump.WindowMaker).
+      "dump_workers": 0,
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

@@ -46,8 +46,9 @@ def run_dump(config, workdir: str) -> dict:
   summary = SkipSummary()
   manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
                           read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
-                          mesh=mesh, model_info={"workdir": str(workdir), "step": step,
-                                                 "name": config.model.name},
+                          mesh=mesh, workers=config.index.get("dump_workers", 0),
+                          model_info={"workdir": str(workdir), "step": step,
+                                      "name": config.model.name},
                           corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
                                                  for f in paths["corpus"]]})
   if summary.total:

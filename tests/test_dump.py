@@ -59,6 +59,21 @@ def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, t
   assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
 
 
+def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenizer, tmp_path):
+  """Shards tokenized ahead by 2 spawned processes (several shards in flight, shard 0 in the
+  thread) give the same dump as one thread."""
+  passages = _passages(11)
+  dump_phrases(model, tokenizer, passages, tmp_path / "thread", CONFIG, mesh=make_mesh())
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path / "processes", CONFIG,
+                          mesh=make_mesh(), workers=2)
+  assert len(manifest["shards"]) == 4
+  a, b = Dump.load(tmp_path / "thread"), Dump.load(tmp_path / "processes")
+  np.testing.assert_array_equal(a.vectors, b.vectors)
+  np.testing.assert_array_equal(a.char_spans, b.char_spans)
+  np.testing.assert_array_equal(a.token_passage, b.token_passage)
+  assert [p.id for p in a.passages] == [p.id for p in b.passages] == [p.id for p in passages]
+
+
 def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):
   """Batches cut to their longest window (longest first) change no vector and no token order."""
   config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=12)

@@ -23,11 +23,13 @@ is never resumed or reused with another corpus, and a dump id that its indexes r
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import pathlib
 import time
@@ -128,6 +130,49 @@ def shard_windows(tokenizer: Tokenizer, passages: list[Passage], config: DumpCon
                        min_context=config.min_context)[0]
 
 
+class WindowMaker:
+  """Makes shards' windows (`shard_windows`) ahead of the encoder: in one thread, or in
+  `workers` spawned processes. Tokenizing holds the GIL for much of its time (the tokenizer's
+  outputs, packing the windows), which stalls the thread that feeds the encoder, and one thread
+  tokenizes ~100k tokens/s: an accelerator's dump needs processes. A process takes a few seconds
+  to start (it imports dpjax), so small dumps (and shard 0, made while the parameters are
+  hashed) use the thread."""
+
+  def __init__(self, tokenizer: Tokenizer, config: DumpConfig, workers: int = 0):
+    self.tokenizer, self.config, self.workers = tokenizer, config, workers
+    self.thread = concurrent.futures.ThreadPoolExecutor(1)
+    self.processes = None
+
+  def submit(self, passages: list[Passage], *, thread: bool = False):
+    """A future of the windows of `passages`."""
+    if thread or not self.workers:
+      return self.thread.submit(shard_windows, self.tokenizer, passages, self.config)
+    if self.processes is None:
+      self.processes = concurrent.futures.ProcessPoolExecutor(
+          self.workers, mp_context=multiprocessing.get_context("spawn"),
+          initializer=_worker_setup, initargs=(self.tokenizer, self.config))
+    return self.processes.submit(_worker_windows, passages)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    for pool in (self.thread, self.processes):
+      if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_WORKER: dict = {}
+
+
+def _worker_setup(tokenizer: Tokenizer, config: DumpConfig) -> None:
+  _WORKER.update(tokenizer=tokenizer, config=config)
+
+
+def _worker_windows(passages: list[Passage]):
+  return shard_windows(_WORKER["tokenizer"], passages, _WORKER["config"])
+
+
 def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
   """The kept tokens of windows `keep` [W, L] as runs of consecutive columns, in passage order
   (window, then column): run r is `length[r]` tokens from column `column[r]` of window
@@ -194,7 +239,8 @@ def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
 
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
-                 model_info: dict | None = None, corpus_info: dict | None = None) -> dict:
+                 model_info: dict | None = None, corpus_info: dict | None = None,
+                 workers: int = 0) -> dict:
   """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
 
   With several processes (`dpjax.distributed`) every process runs this with the same corpus:
@@ -203,16 +249,17 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   directory exists (it is renamed into place complete), so a rerun resumes with the missing ones.
   Every shard records a hash of its passages (ids, titles, texts): a dump, finished or not, is
   refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
+  `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
   """
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   chunks = _batches(passages, config.shard_passages)
   head = list(itertools.islice(chunks, 1))
   chunks = itertools.chain(head, chunks)
-  with concurrent.futures.ThreadPoolExecutor(1) as tokenize:
+  with WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
     # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done).
-    made = ({0: tokenize.submit(shard_windows, tokenizer, head[0], config)}
+    made = ({0: maker.submit(head[0], thread=True)}
             if head and distributed.process_share(0) else {})
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
                 "model": model_info or {}, "settings": dataclasses.asdict(config),
@@ -230,7 +277,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     waited: list[float] = []
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
-                      encode, out_dir, progress, waited, tokenize, made)
+                      encode, out_dir, progress, waited, maker, made)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -261,22 +308,23 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
 
 
 def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
-                      progress: Progress, waited: list, tokenize, made: dict) -> None:
-  """Encodes and writes shards with the host work off the encoder's path: the next shard is
-  tokenized (by the executor `tokenize`) and the last one written by worker threads while this
-  one is encoded. `made`: shard number -> future of its windows, submitted ahead."""
-  def prepare(job):
-    if job is None:
-      return None
-    ahead = made.pop(job[0], None)  # run before this job by the same one worker
-    return (*job, shard_windows(tokenizer, job[1], config) if ahead is None else ahead.result())
+                      progress: Progress, waited: list, maker: WindowMaker, made: dict) -> None:
+  """Encodes and writes shards with the host work off the encoder's path: the next shards are
+  tokenized (`maker`: as many ahead as it has workers) and the last one written by a worker
+  thread while this one is encoded. `made`: shard number -> future of its windows."""
+  ahead: collections.deque = collections.deque()
+
+  def top_up():
+    while len(ahead) < max(maker.workers, 1) and (job := next(todo, None)) is not None:
+      ahead.append((*job, made.pop(job[0], None) or maker.submit(job[1])))
 
   with concurrent.futures.ThreadPoolExecutor(1) as write:
-    following = tokenize.submit(prepare, next(todo, None))
     writing: list[concurrent.futures.Future] = []
-    while (job := following.result()) is not None:
-      number, chunk, windows = job
-      following = tokenize.submit(prepare, next(todo, None))
+    top_up()
+    while ahead:
+      number, chunk, windows = ahead.popleft()
+      windows = windows.result()
+      top_up()
       arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
                             windows=windows, waited=waited)
       for done in [w for w in writing if w.done()]:  # a failed write stops the dump now

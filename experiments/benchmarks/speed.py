@@ -76,14 +76,17 @@ def role_dump(args) -> dict:
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
                            batch_size=config.index.batch_size, shard_passages=100, **extra)
+  # The new tree's tokenizing processes (the old tree has none).
+  workers = {} if args.workers is None else {"workers": int(args.workers)}
   mesh = make_mesh(local=True)
   counter = _compile_counter()
   start = time.perf_counter()  # cold: compiles every shape the passages need
   dump_phrases(model, tokenizer, passages, pathlib.Path(args.out_dir) / "cold", dump_config,
-               mesh=mesh)
+               mesh=mesh, **workers)
   cold, compiles = time.perf_counter() - start, counter["compiles"]
   start = time.perf_counter()
-  manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh)
+  manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh,
+                          **workers)
   seconds = time.perf_counter() - start
   return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": compiles,
           "compiles_warm": counter["compiles"] - compiles, "cold_seconds": cold,
@@ -225,7 +228,7 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
   py = sys.executable
   common = {"passages_file": scratch / "passages.json"}
   new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
-                 min_context=args.dump_min_context)
+                 min_context=args.dump_min_context, workers=args.dump_workers)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
   bare = run_role(py, REPO, "bare", args)
   run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common)
@@ -324,7 +327,9 @@ def main(argv=None) -> int:
   parser.add_argument("--result")
   parser.add_argument("--dump-min-context", type=int, default=0,
                       help="the new dump's index.dump_min_context (0: windows as before)")
-  for name in ("out-dir", "passages-file", "questions-file", "index", "min-context"):
+  parser.add_argument("--dump-workers", type=int, default=0,
+                      help="the new dump's index.dump_workers (tokenizing processes)")
+  for name in ("out-dir", "passages-file", "questions-file", "index", "min-context", "workers"):
     parser.add_argument(f"--{name}")
   args = parser.parse_args(argv)
   if args.role:  # a child: this tree's code, one measurement
