@@ -37,6 +37,10 @@ def get_config(arg=None):
   # Dump windows as few as keep 32 tokens of context around every token (10% fewer tokens encoded
   # at 192/64): same EM@1 / Top-20 within noise on 1,280 dev questions (results/speed.md).
   config.index.dump_min_context = 32
+  # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
+  # accelerator encodes; unmeasured on a GPU). `:cpu` keeps the thread (a process costs seconds
+  # to start and competes with the encoder for 2 cores: results/speed.md).
+  config.index.dump_workers = 4
   config.validation = common.validation_config()
   config.mine = common.mine_config()
   config.qsft = common.qsft_config()
@@ -57,6 +61,7 @@ def get_config(arg=None):
     # Runs of the earlier `:cpu` figures add --set train.loss.lambda_inb=256.
     config.train.loss.lambda_inb = 1.0
     config.index.train_size = 262_144  # quantizer training in minutes on 2 cores
+    config.index.dump_workers = 0
     # QSFT on a random 4,000 training questions (2 epochs), dev EM@1 on a random 2,000; the
     # learning rate of the short CPU schedule (as train), not the 3e-5 of 2-epoch GPU runs.
     config.qsft.update(limit=4000, dev_limit=2000, learning_rate=1e-4, dropout=False)
