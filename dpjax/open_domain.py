@@ -30,6 +30,16 @@ from dpjax.workdir import apply_filter_head, data_paths, load_searcher, restore_
 log = logging.getLogger(__name__)
 
 
+def dump_settings(config, mesh) -> DumpConfig:
+  """The dump settings of a config (`run.py dump`; a dump made with other ones is refused)."""
+  return DumpConfig(max_seq_length=config.data.max_seq_length,
+                    doc_stride=config.data.doc_stride,
+                    include_title=config.data.include_title,
+                    batch_size=round_to_devices(config.index.batch_size, mesh),
+                    shard_passages=config.index.shard_passages,
+                    min_context=config.index.get("dump_min_context", 0))
+
+
 def run_dump(config, workdir: str) -> dict:
   """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
   workdir = pathlib.Path(workdir)
@@ -37,12 +47,7 @@ def run_dump(config, workdir: str) -> dict:
   model, step = restore_model(config, workdir)
   apply_filter_head(model, workdir)  # a separately trained token filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
-  dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
-                           doc_stride=config.data.doc_stride,
-                           include_title=config.data.include_title,
-                           batch_size=round_to_devices(config.index.batch_size, mesh),
-                           shard_passages=config.index.shard_passages,
-                           min_context=config.index.get("dump_min_context", 0))
+  dump_config = dump_settings(config, mesh)
   summary = SkipSummary()
   manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
                           read_corpus(paths["corpus"], summary), paths["dump"], dump_config,

@@ -4,12 +4,16 @@
 # alone on both cores takes ~65 min + evaluation; two side by side on one core each are ~1.6x
 # slower per run). Each run resumes from its last checkpoint; finished runs are skipped.
 # Usage: bash experiments/recipe_runs.sh [NAME ...]   (default: all, in this order)
+#   OUT (workdirs/recipe), PY, CONFIG (experiments/squad.py:cpu) and SET (more --set arguments,
+#   e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
 #   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
 # Then: python experiments/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-workdirs/recipe}
+CONFIG=${CONFIG:-experiments/squad.py:cpu}
+SET=${SET:-}
 declare -A RUNS=(
   [base]=""
   [lr2e-4]="--set train.learning_rate=2e-4"
@@ -35,10 +39,12 @@ for name in "${@:-${ORDER[@]}}"; do
   if [ -f "$W/results.json" ]; then echo "=== $name: done ($W/results.json)"; continue; fi
   if [ "$name" = distill ]; then  # the teacher (and its logits) first, into the same workdir
     echo "=== $(date -Is) teacher for $name ($(git rev-parse --short HEAD))"
-    $PY run.py teacher --config experiments/squad.py:cpu --workdir "$W" \
-        --set train.progress_bar=False || exit $?
+    $PY run.py teacher --config "$CONFIG" --workdir "$W" --set train.progress_bar=False $SET \
+        || exit $?
   fi
   echo "=== $(date -Is) start $name ($(git rev-parse --short HEAD)): ${RUNS[$name]}"
-  /usr/bin/time -f "=== $name wall %e s" $PY run.py train --config experiments/squad.py:cpu \
-      --workdir "$W" --set train.progress_bar=False ${RUNS[$name]} || exit $?
+  began=$(date +%s)
+  $PY run.py train --config "$CONFIG" --workdir "$W" --set train.progress_bar=False \
+      ${RUNS[$name]} $SET || exit $?
+  echo "=== $name wall $(( $(date +%s) - began )) s"
 done

@@ -137,7 +137,8 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   with more models evaluates only the new ones)."""
   from dpjax.io import write_json
   from dpjax.data.squad import load_json
-  from dpjax.index.dump import Dump, DumpConfig, dump_phrases, params_fingerprint
+  from dpjax.index.dump import Dump, dump_phrases, params_fingerprint
+  from dpjax.open_domain import dump_settings
   from dpjax.workdir import restore_model
   from dpjax.parallel import make_mesh
   from dpjax.rc import evaluate_rc
@@ -155,12 +156,10 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
       return cached["result"]
   start = time.perf_counter()
   dump_dir = model_dump_dir(workdir, step)
-  dump_phrases(model, tokenizer, corpus, dump_dir,
-               DumpConfig(max_seq_length=config.data.max_seq_length,
-                          doc_stride=config.data.doc_stride,
-                          include_title=config.data.include_title, batch_size=batch_size,
-                          shard_passages=config.index.shard_passages),
-               mesh=make_mesh(local=True), model_info={"workdir": str(workdir), "step": step})
+  local = make_mesh(local=True)
+  dump_phrases(model, tokenizer, corpus, dump_dir, dump_settings(config, local), mesh=local,
+               workers=config.index.get("dump_workers", 0),
+               model_info={"workdir": str(workdir), "step": step})
   dump = Dump.load(dump_dir)
   if [p.id for p in dump.passages] != [p.id for p in corpus]:  # subcorpus rows index the corpus
     raise SystemExit(f"{dump_dir} is not a dump of the configured corpus ({len(dump.passages)} "
