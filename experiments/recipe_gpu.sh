@@ -12,7 +12,8 @@
 # Usage, on the GPU machine after ../shared/gpu/README.md's setup (its exports in the shell):
 #   PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
 #     bash experiments/recipe_gpu.sh /root/w/recipe /root/w/copy [NAME ...]
-# then, here: python experiments/recipe_study.py ... (its docstring) -> results/recipe.{md,json}.
+# then, here, with COPY brought back: python experiments/recipe_study.py ... --validation
+#   COPY/validation_recipe.json (its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${1:?usage: recipe_gpu.sh RUNS_DIR COPY_DIR [NAME ...]}

@@ -13,7 +13,10 @@ with McNemar's exact test (the questions only one of the two gets right), the tr
       --teacher "teacher=workdirs/recipe/teacher/teacher::python run.py teacher ..." \\
       --best "lr 2e-4" --out results/recipe.json
 
-A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline).
+A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline). With
+`--validation V.json` (experiments/validation_experiment.py's output, e.g. from
+experiments/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from the model
+whose workdir has the same last folder name (runs made elsewhere and copied here match).
 """
 from __future__ import annotations
 
@@ -70,6 +73,17 @@ def read_run(run: dict, questions, gold) -> dict:
           "train_seconds": seconds or None}
 
 
+def validation_em1(paths: list[str]) -> dict[str, tuple[float, float]]:
+  """(H32 EM@1, full EM@1) by the last folder name of each model's workdir."""
+  found = {}
+  for path in paths:
+    for model in json.loads(pathlib.Path(path).read_text())["models"].values():
+      subcorpora = model["subcorpora"]
+      found[pathlib.PurePath(model["workdir"]).name] = (
+          subcorpora.get("H32", {}).get("em@1"), subcorpora.get("full", {}).get("em@1"))
+  return found
+
+
 def compare(runs: list[dict]) -> None:
   base = runs[0]
   for run in runs:
@@ -114,6 +128,8 @@ def main(argv=None):
                       help="name=workdir[:h32_em1[:full_em1]]::command (first: the baseline)")
   parser.add_argument("--teacher", help="name=workdir/teacher::command")
   parser.add_argument("--best", help="the name of the best CPU recipe's run")
+  parser.add_argument("--validation", action="append", default=[],
+                      help="validation_experiment.py JSON: H32 / full EM@1 by workdir name")
   parser.add_argument("--out", default="results/recipe.json")
   parser.add_argument("--note", action="append", default=[])
   args = parser.parse_args(argv)
@@ -127,6 +143,11 @@ def main(argv=None):
   gold = {q.id: q.answers for q in dev.questions}
   specs = [{**parse_run(s), "batch_size": config.train.batch_size}
            for s in args.run + ([args.teacher] if args.teacher else [])]
+  measured = validation_em1(args.validation)
+  for spec in specs:
+    h32, full = measured.get(pathlib.PurePath(spec["workdir"]).name, (None, None))
+    spec["h32_em1"] = h32 if spec["h32_em1"] is None else spec["h32_em1"]
+    spec["full_em1"] = full if spec["full_em1"] is None else spec["full_em1"]
   runs = [read_run(s, dev.questions, gold) for s in specs]
   compare(runs)
   by_name = {r["name"]: r for r in runs}

@@ -196,8 +196,16 @@ def test_recipe_study_report(tmp_path):
   assert run.main(["train", "--config", CONFIG, "--workdir", str(other), "--set",
                    "train.learning_rate=1e-3"]) == 0
   out = tmp_path / "recipe.json"
+  validation = tmp_path / "validation.json"  # as validation_experiment.py writes it, elsewhere
+  validation.write_text(json.dumps({"models": {
+      "b": {"workdir": "/root/w/recipe/base", "subcorpora": {"H32": {"em@1": 7.5},
+                                                               "full": {"em@1": 6.0}}},
+      "o": {"workdir": "/root/w/recipe/other", "subcorpora": {"H32": {"em@1": 9.0}}}}}))
   results = study.main(["--config", CONFIG, "--run", f"base={base}::cmd a", "--run",
-                        f"lr1e-3={other}:12.5::cmd b", "--best", "lr1e-3", "--out", str(out)])
+                        f"lr1e-3={other}:12.5::cmd b", "--best", "lr1e-3", "--out", str(out),
+                        "--validation", str(validation)])
+  assert (results["cpu_baseline"]["h32_em1"], results["cpu_baseline"]["full_em1"]) == (7.5, 6.0)
+  assert results["cpu_best"]["full_em1"] is None  # the spec's 12.5 (H32) wins over the file
   assert set(json.loads(out.read_text())) >= {"cpu_baseline", "cpu_best", "teacher", "runs"}
   best = results["cpu_best"]
   assert best["name"] == "lr1e-3" and best["h32_em1"] == 12.5 and best["command"] == "cmd b"
