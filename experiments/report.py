@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import pathlib
+import shlex
 import sys
 from typing import Sequence
 
 from dpjax.io import write_json, write_text_atomic
+
+
+class Elided(str):
+  """A `--flag ...` placeholder of elide_notes: printed as is, never shell-quoted."""
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+  """`python SCRIPT ARGS` as a shell can run it (arguments quoted; elided notes shown as is)."""
+  return " ".join(["python", script,
+                   *(a if isinstance(a, Elided) else shlex.quote(a) for a in argv)])
 
 
 def elide_notes(argv: Sequence[str], flags=("--note",)) -> list[str]:
@@ -17,7 +28,7 @@ def elide_notes(argv: Sequence[str], flags=("--note",)) -> list[str]:
       if rest:
         rest.pop(0)
       if f"{arg} ..." not in shown:
-        shown.append(f"{arg} ...")
+        shown.append(Elided(f"{arg} ..."))
     else:
       shown.append(arg)
   return shown
@@ -34,7 +45,7 @@ def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
   write_json(out, results)
-  command = f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
+  command = command_line(script, sys.argv[1:] if argv is None else argv)
   write_text_atomic(out.with_suffix(".md"), render(results, command))
   print(out.with_suffix(".md").read_text())
   return out

@@ -139,3 +139,15 @@ def test_encode_speed_benchmark_tiny(tmp_path, monkeypatch):
   assert d["tokens"] > 0 and d["bucketed_tokens_per_s"] > 0 and d["padded_tokens_per_s"] > 0
   assert d["max_abs_diff"] < 1e-2  # bucketing changes no vector
   assert "| dump encoding" in out.with_suffix(".md").read_text()
+
+
+def test_report_command_line_is_runnable():
+  """The command a report names re-parses to the arguments given; notes show as `--note ...`."""
+  import shlex
+  from experiments.report import command_line, elide_notes
+  argv = ["--out", "results/a b.json", "--note", "prose; with $pecial chars", "--set", "x=['Flat']"]
+  line = command_line("experiments/x.py", elide_notes(argv))
+  assert line.startswith("python experiments/x.py ")
+  assert "--note ..." in line and "prose" not in line
+  words = shlex.split(line.replace("--note ...", ""))
+  assert words == ["python", "experiments/x.py", "--out", "results/a b.json", "--set", "x=['Flat']"]

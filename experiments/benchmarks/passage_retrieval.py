@@ -150,9 +150,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if not args.systems and args.merge is None:
     parser.error("nothing to do: no --systems to measure and no --merge tables")
-  from experiments.report import elide_notes
+  from experiments.report import command_line, elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
-  command = "python experiments/benchmarks/passage_retrieval.py " + " ".join(argv)
+  command = command_line("experiments/benchmarks/passage_retrieval.py", argv)
   from dpjax.config import setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
 

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph under the tables (kept by --merge unless given again)")
   args = parser.parse_args(argv)
-  from experiments.report import elide_notes
+  from experiments.report import command_line, elide_notes
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   earlier = {"rows": [], "commands": []}
   if args.merge is not None:
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     figure(results, out.with_suffix(".png"))
 
   done = {(r["size"], r["spec"]) for r in earlier["rows"] if "skipped" not in r}
-  command = "python experiments/benchmarks/search_scale.py " + " ".join(argv)
+  command = command_line("experiments/benchmarks/search_scale.py", argv)
   rows = []
   for size in args.sizes:
     vectors = TiledVectors(dump.vectors, size, args.noise)
