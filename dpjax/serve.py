@@ -35,6 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
 from dpjax.index.search import UNITS
+from dpjax.models.encoders import QUESTION_WIDTH
 from dpjax.workdir import load_searcher
 
 log = logging.getLogger("dpjax.serve")
@@ -332,8 +333,10 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
   start = time.perf_counter()
   sizes = sorted({min(2 ** i, sc.max_batch) for i in range(int(np.log2(sc.max_batch)) + 2)})
-  for words in range(14, config.data.max_query_length + 14, 16):  # each width map_batches cuts
-    for size in sizes:  # and each batch size it pads to: no compile while serving
+  longest = config.data.max_query_length
+  for width in range(QUESTION_WIDTH, longest + QUESTION_WIDTH, QUESTION_WIDTH):
+    words = min(width, longest) - 2  # + [CLS] and [SEP]: each width the encoder calls are cut to
+    for size in sizes:  # and each batch size they are padded to: no compile while serving
       searcher.encode([" ".join(["what"] * words)] * size)
   log.info("question encoder compiled for %d batch sizes up to %d in %.1f s", len(sizes),
            sc.max_batch, time.perf_counter() - start)

@@ -53,3 +53,35 @@ def test_shared_query_encoders():
   ids = jnp.array([[1, 5, 7, 2]])
   q_start, q_end = shared.encode_questions(ids, jnp.ones_like(ids))
   np.testing.assert_array_equal(q_start, q_end)
+
+
+def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
+  """On a CPU mesh, questions are encoded in calls of at most 16 rows sorted by length, each cut
+  to its own width; every vector equals the question encoded alone, unpadded, in its place."""
+  from dpjax.models.encoders import QUESTION_WIDTH, bound, question_rows_per_call, \
+      question_vectors
+  from dpjax.parallel import make_mesh
+  mesh = make_mesh()
+  words = ["what", "year", "did", "the", "french", "army", "reach", "moscow"]
+  rng = np.random.default_rng(0)
+  questions = [" ".join(rng.choice(words, n)) + "?" for n in rng.integers(1, 30, 40)]
+  ids, mask = tokenizer.encode(questions, 32)
+  calls = []
+  encode = bound(model, "questions")
+
+  def recording(i, m):
+    calls.append(i.shape)
+    return encode(i, m)
+
+  q_start, q_end = question_vectors(recording, ids, mask, batch_size=64, mesh=mesh)
+  rows = question_rows_per_call(64, mesh)
+  assert rows == 16 and len(calls) == 3 and all(c[0] <= rows for c in calls)
+  widths = [c[1] for c in calls]
+  assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
+  assert all(w % QUESTION_WIDTH == 0 or w == 32 for w in widths)
+  for n in (0, 17, 39):
+    length = int(mask[n].sum())
+    alone = model.encode_questions(jnp.asarray(ids[n:n + 1, :length]),
+                                   jnp.asarray(mask[n:n + 1, :length]))
+    np.testing.assert_allclose(q_start[n], alone[0][0], atol=2e-5)
+    np.testing.assert_allclose(q_end[n], alone[1][0], atol=2e-5)

@@ -18,7 +18,7 @@ import run
 
 CONFIG = "experiments/demo.py:tiny"
 # The untrained tiny encoder (the service, not the model, is under test); micro-batches of up to
-# 8 questions, so the warm-up compiles 4 batch sizes x 2 widths.
+# 8 questions, so the warm-up compiles 4 batch sizes x 3 widths (8, 16, 24 tokens).
 SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8"]
 load_test = load_script("experiments/benchmarks/serve_load.py")
 
@@ -117,6 +117,17 @@ def test_health_stats_and_concurrent_clients_are_micro_batched(service):
   assert status == 200 and stats["requests"] - before.get("requests", 0) == 200
   assert stats["largest_batch"] > 1  # concurrent requests shared an encoder call
   assert stats["latency_p99_ms"] >= stats["latency_p50_ms"] > 0
+
+
+def test_no_question_encoder_compile_while_serving(service):
+  """The warm-up compiled every width and batch size the question encoder is called with."""
+  from dpjax.parallel import compile_stats
+  _, config, _, questions, batcher = service
+  before = compile_stats()["count"]
+  texts = questions + [" ".join(["what"] * n) for n in (1, 7, 15, 40)]  # 40: truncated to 24
+  for size in range(1, config.serve.max_batch + 1):
+    batcher.searcher.encode(texts[size:size * 2 - 1] + texts[-size:][:1])  # size questions
+  assert compile_stats()["count"] == before
 
 
 def test_serve_command_answers_and_stops_on_sigint(service):

@@ -16,6 +16,14 @@ from flax import nnx
 
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 
+# Questions are sorted by length and each encoder call is cut to its rows' longest question,
+# rounded up to a multiple of QUESTION_WIDTH tokens. On a CPU, where compute is per token, the
+# calls take at most CPU_QUESTION_CHUNK rows, so that short questions are not padded to the
+# longest of a big batch: 64 SQuAD questions (max_query_length 32) in 0.95 s instead of 1.56 s
+# on 2 cores. An accelerator takes the whole batch in one call (per-call latency dominates).
+QUESTION_WIDTH = 8
+CPU_QUESTION_CHUNK = 16
+
 
 class Encoders(NamedTuple):
   """Jitted encoders `fn(state, input_ids, attention_mask)` of one model graph."""
@@ -64,12 +72,23 @@ def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.n
                      lengths=attention_mask.sum(1))
 
 
+def question_rows_per_call(batch_size: int, mesh) -> int:
+  """Rows per question-encoder call: `batch_size`, or on a CPU mesh at most CPU_QUESTION_CHUNK
+  (a multiple of the mesh size)."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return batch_size
+  return min(batch_size, round_to_devices(CPU_QUESTION_CHUNK, mesh))
+
+
 def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
                      batch_size: int, mesh) -> tuple[np.ndarray, np.ndarray]:
-  """(q_start, q_end) [Q, D] of tokenised questions by `encode` (a bound question encoder)."""
+  """(q_start, q_end) [Q, D] of tokenised questions by `encode` (a bound question encoder), in
+  calls of `question_rows_per_call` rows sorted by length, each cut to its own width."""
   q_start = q_end = None
-  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask], batch_size, mesh,
-                                    lengths=attention_mask.sum(1), length_multiple=16):
+  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask],
+                                    question_rows_per_call(batch_size, mesh), mesh,
+                                    lengths=attention_mask.sum(1),
+                                    length_multiple=QUESTION_WIDTH):
     if q_start is None:
       q_start = np.zeros((len(input_ids), qs.shape[1]), qs.dtype)
       q_end = np.zeros_like(q_start)
