@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
 from dpjax.index.search import UNITS
-from dpjax.models.encoders import QUESTION_WIDTH
+from dpjax.models.encoders import question_calls
 from dpjax.workdir import load_searcher
 
 log = logging.getLogger("dpjax.serve")
@@ -333,8 +333,8 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
   start = time.perf_counter()
   sizes = sorted({min(2 ** i, sc.max_batch) for i in range(int(np.log2(sc.max_batch)) + 2)})
-  longest = config.data.max_query_length
-  for width in range(QUESTION_WIDTH, longest + QUESTION_WIDTH, QUESTION_WIDTH):
+  longest, multiple = config.data.max_query_length, question_calls(sc.max_batch, searcher.mesh)[1]
+  for width in range(multiple, longest + multiple, multiple):
     words = min(width, longest) - 2  # + [CLS] and [SEP]: each width the encoder calls are cut to
     for size in sizes:  # and each batch size they are padded to: no compile while serving
       searcher.encode([" ".join(["what"] * words)] * size)

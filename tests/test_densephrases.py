@@ -58,8 +58,7 @@ def test_shared_query_encoders():
 def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
   """On a CPU mesh, questions are encoded in calls of at most 16 rows sorted by length, each cut
   to its own width; every vector equals the question encoded alone, unpadded, in its place."""
-  from dpjax.models.encoders import QUESTION_WIDTH, bound, question_rows_per_call, \
-      question_vectors
+  from dpjax.models.encoders import bound, question_calls, question_vectors
   from dpjax.parallel import make_mesh
   mesh = make_mesh()
   words = ["what", "year", "did", "the", "french", "army", "reach", "moscow"]
@@ -74,11 +73,11 @@ def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
     return encode(i, m)
 
   q_start, q_end = question_vectors(recording, ids, mask, batch_size=64, mesh=mesh)
-  rows = question_rows_per_call(64, mesh)
-  assert rows == 16 and len(calls) == 3 and all(c[0] <= rows for c in calls)
+  rows, multiple = question_calls(64, mesh)
+  assert (rows, multiple) == (16, 8) and len(calls) == 3 and all(c[0] <= rows for c in calls)
   widths = [c[1] for c in calls]
   assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
-  assert all(w % QUESTION_WIDTH == 0 or w == 32 for w in widths)
+  assert all(w % multiple == 0 or w == 32 for w in widths)
   for n in (0, 17, 39):
     length = int(mask[n].sum())
     alone = model.encode_questions(jnp.asarray(ids[n:n + 1, :length]),

@@ -17,11 +17,13 @@ from flax import nnx
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
-# rounded up to a multiple of QUESTION_WIDTH tokens. On a CPU, where compute is per token, the
-# calls take at most CPU_QUESTION_CHUNK rows, so that short questions are not padded to the
-# longest of a big batch: 64 SQuAD questions (max_query_length 32) in 0.95 s instead of 1.56 s
-# on 2 cores. An accelerator takes the whole batch in one call (per-call latency dominates).
-QUESTION_WIDTH = 8
+# rounded up to a multiple of a few tokens. On a CPU, where compute is per token, the calls take
+# at most CPU_QUESTION_CHUNK rows at multiples of CPU_QUESTION_WIDTH, so that short questions are
+# not padded to the longest of a big batch: 64 SQuAD questions (max_query_length 32) in 0.95 s
+# instead of 1.56 s on 2 cores. An accelerator takes the whole batch in one call at multiples of
+# QUESTION_WIDTH (per-call latency dominates there; fewer shapes to compile).
+QUESTION_WIDTH = 16
+CPU_QUESTION_WIDTH = 8
 CPU_QUESTION_CHUNK = 16
 
 
@@ -72,23 +74,23 @@ def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.n
                      lengths=attention_mask.sum(1))
 
 
-def question_rows_per_call(batch_size: int, mesh) -> int:
-  """Rows per question-encoder call: `batch_size`, or on a CPU mesh at most CPU_QUESTION_CHUNK
-  (a multiple of the mesh size)."""
+def question_calls(batch_size: int, mesh) -> tuple[int, int]:
+  """(rows per question-encoder call, the multiple its width is rounded up to): `batch_size` and
+  QUESTION_WIDTH, or on a CPU mesh at most CPU_QUESTION_CHUNK rows (a multiple of the mesh size)
+  and CPU_QUESTION_WIDTH."""
   if mesh.devices.flat[0].platform != "cpu":
-    return batch_size
-  return min(batch_size, round_to_devices(CPU_QUESTION_CHUNK, mesh))
+    return batch_size, QUESTION_WIDTH
+  return min(batch_size, round_to_devices(CPU_QUESTION_CHUNK, mesh)), CPU_QUESTION_WIDTH
 
 
 def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
                      batch_size: int, mesh) -> tuple[np.ndarray, np.ndarray]:
   """(q_start, q_end) [Q, D] of tokenised questions by `encode` (a bound question encoder), in
-  calls of `question_rows_per_call` rows sorted by length, each cut to its own width."""
+  calls of `question_calls` rows sorted by length, each cut to its own width."""
   q_start = q_end = None
-  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask],
-                                    question_rows_per_call(batch_size, mesh), mesh,
-                                    lengths=attention_mask.sum(1),
-                                    length_multiple=QUESTION_WIDTH):
+  rows_per_call, width = question_calls(batch_size, mesh)
+  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask], rows_per_call, mesh,
+                                    lengths=attention_mask.sum(1), length_multiple=width):
     if q_start is None:
       q_start = np.zeros((len(input_ids), qs.shape[1]), qs.dtype)
       q_end = np.zeros_like(q_start)
