@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from dpjax.config import load_config, setup_logging
-from dpjax.errors import EXPECTED
+from dpjax.errors import EXPECTED, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
 MODES = {
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     mode = getattr(importlib.import_module(module), name)
     extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
     mode(load_config(args.config, args.set), args.workdir, **extra)
-  except (*EXPECTED, OSError) as e:  # bad input or state, I/O: one line (stack: --debug)
-    logging.error("%s", e, exc_info=args.debug)
-    return distributed.exit_now(2)
+  except (*EXPECTED, OSError, Preempted) as e:  # bad input or state, I/O: one line (stack:
+    logging.error("%s", e, exc_info=args.debug)  # --debug); SIGTERM: stopped with a checkpoint
+    return distributed.exit_now(143 if isinstance(e, Preempted) else 2)
   except BaseException:
     if distributed.many_processes():  # the others would wait for it at the next barrier
       traceback.print_exc()

@@ -24,6 +24,12 @@ class DivergenceError(FloatingPointError):
   """Training diverged (a non-finite or exploding loss or gradient norm); nothing was saved."""
 
 
+class Preempted(RuntimeError):
+  """Training stopped on SIGTERM (a scheduler's preemption notice, `kill`) at a step boundary,
+  with a checkpoint of that step: the same command resumes there. `run.py` exits with status
+  143 (128 + SIGTERM), as a job killed by the signal would."""
+
+
 class BusyError(DataError):
   """A workdir another live run is using."""
 

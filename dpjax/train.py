@@ -22,7 +22,7 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from dpjax.checkpoint import Checkpointer, abstract_like
-from dpjax.errors import ConfigError, DataError
+from dpjax.errors import ConfigError, DataError, Preempted
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import GroupedBatches, TrainBatches
 from dpjax.data.teacher_logits import TeacherLogits
@@ -33,8 +33,8 @@ from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.rc import evaluate_rc
 from dpjax.io import digest, workdir_lock
-from dpjax.trainer import (Hook, MetricsWriter, Trainer, build_trainer, check_finite, every,
-                           run_steps)
+from dpjax.trainer import (Hook, MetricsWriter, Preemption, Trainer, build_trainer,
+                           check_finite, every, run_steps)
 from dpjax.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,17 @@ def _validate(run: Run, validator: Validator, done: int, metrics: dict) -> None:
   validator(done, run.trainer.model(), run.trainer.state, _meta(run, done))
 
 
-def make_hooks(run: Run, stop: int, validator: Validator | None) -> list[Hook]:
-  """progress, log, RC evaluation, validation, checkpoint: in this order after a step."""
+def _preempted(run: Run, done: int, metrics: dict) -> None:
+  if run.checkpointer.latest_step() != done:
+    _checkpoint(run, done, metrics)
+  raise Preempted(f"{run.workdir}: training stopped on SIGTERM at step {done} of {run.total}, "
+                  f"checkpoint {done} saved; the same command resumes from it")
+
+
+def make_hooks(run: Run, stop: int, validator: Validator | None,
+               preemption: Preemption | None = None) -> list[Hook]:
+  """progress, log, RC evaluation, validation, checkpoint, and a stop on SIGTERM (with a
+  checkpoint of that step): in this order after a step."""
   tc, config = run.config.train, run.config
   hooks = [Hook(lambda d: True, lambda d, m: run.progress.update(1)),
            Hook(lambda d: every(d, tc.log_every) or d == stop,
@@ -263,6 +272,10 @@ def make_hooks(run: Run, stop: int, validator: Validator | None) -> list[Hook]:
                       functools.partial(_validate, run, validator)))
   hooks.append(Hook(lambda d: every(d, tc.checkpoint_every) or d == stop,
                     functools.partial(_checkpoint, run)))
+  if preemption is not None:
+    # Called every step (the processes' sync protocol); the last step finishes the run anyway.
+    hooks.append(Hook(lambda d: preemption.requested(d) and d < stop,
+                      functools.partial(_preempted, run)))
   return hooks
 
 
@@ -300,10 +313,14 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   run.progress = tqdm(total=run.total, initial=run.first, desc="train", dynamic_ncols=True,
                       disable=not (config.train.progress_bar and main))
   run.clock = [time.perf_counter(), run.first]
-  run_steps(run.trainer, range(run.first, stop), run.to_device, make_hooks(run, stop, validator),
-            before=functools.partial(_new_epoch_queue, run))
-  run.progress.close()
-  run.checkpointer.close()
+  try:
+    with Preemption() as preemption:
+      run_steps(run.trainer, range(run.first, stop), run.to_device,
+                make_hooks(run, stop, validator, preemption),
+                before=functools.partial(_new_epoch_queue, run))
+  finally:
+    run.progress.close()
+    run.checkpointer.close()
   record = run.record
   if run.first >= run.total and not record:
     record = evaluate(run, run.first)

@@ -17,6 +17,8 @@ import logging
 import math
 import pathlib
 import re
+import signal
+import threading
 from typing import Any, Callable, Iterable, Sequence
 
 import flax
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpjax.errors import DataError, DivergenceError
@@ -258,3 +261,35 @@ def run_steps(trainer: Trainer, steps: Iterable[int], batch: Callable[[int], dic
     for hook in hooks:
       if hook.due(step + 1):
         hook.fn(step + 1, metrics)
+
+
+class Preemption:
+  """Whether to stop at a step boundary on SIGTERM (a scheduler's preemption notice, `kill`).
+
+  One process: a signal handler notes the signal (a second SIGTERM kills at once, e.g. during a
+  long evaluation); several: JAX's preemption sync point, where every process agrees on the same
+  step (the distributed runtime catches the signal). `requested(step)` must be called once per
+  step by every process. A context manager: the previous handler is restored on exit."""
+
+  def __init__(self):
+    self.signalled = False
+    self._previous = None
+
+  def _handle(self, signum, frame):
+    self.signalled = True
+    signal.signal(signal.SIGTERM, self._previous)  # a second one kills as before
+    log.warning("SIGTERM: stopping at the next step boundary with a checkpoint (again: now)")
+
+  def requested(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signalled
+
+  def __enter__(self):
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None and not self.signalled:
+      signal.signal(signal.SIGTERM, self._previous)

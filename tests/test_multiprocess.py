@@ -110,3 +110,33 @@ def test_two_processes_train_dump_and_merged_index(tmp_path):
     if spec == "Flat":  # labels are global token ids: the exact top-10 by brute force
       exact = np.argsort(-(queries @ two.vectors.astype(np.float32).T), axis=1)[:, :10]
       np.testing.assert_array_equal(ids_m, exact)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_path):
+  """A preemption notice reaching one process: JAX's sync point stops every process after the
+  same step, which is checkpointed; both exit with status 143."""
+  import signal
+  import time
+  address = f"127.0.0.1:{_free_port()}"
+  command = [sys.executable, "run.py", "train", "--config", CONFIG, "--workdir", str(tmp_path),
+             "--set", "train.num_steps=400", "--set", "train.checkpoint_every=1000", "--set",
+             "train.log_every=1", "--coordinator", address, "--num_processes", "2"]
+  launched = [subprocess.Popen(command + ["--process_id", str(rank)], cwd=REPO, env=_env(2),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for rank in range(2)]
+  try:
+    metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+      assert time.time() < deadline and all(p.poll() is None for p in launched)
+      time.sleep(0.5)
+    launched[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in launched]
+  finally:
+    for p in launched:
+      p.kill()
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+  assert len(steps) == 1 and 3 <= steps[0] < 400
+  for process, output in zip(launched, outputs):
+    assert process.returncode == 143, output[-3000:]
+    assert f"stopped on SIGTERM at step {steps[0]} of 400" in output

@@ -80,3 +80,31 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert agreement["top1_agreement_with_flat"] >= 90.0
   assert run.main(["search"] + base + ["--query", "Who was the mentor of Ne Chithashoum?"]) == 0
   assert "1. " in capsys.readouterr().out
+
+
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch):
+  """SIGTERM mid-run: a checkpoint of the step it stopped at (not a checkpoint_every multiple),
+  exit status 143, the handler restored; the resumed run logs the unbroken run's losses."""
+  import os
+  import signal
+
+  from dpjax import train
+  base = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
+  assert run.main(base + ["--workdir", str(tmp_path / "straight")]) == 0
+  before = signal.getsignal(signal.SIGTERM)
+  log = train._log
+
+  def log_and_signal(run_, done, metrics):
+    log(run_, done, metrics)
+    if done == 2:
+      os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled between steps
+
+  monkeypatch.setattr(train, "_log", log_and_signal)
+  broken = tmp_path / "broken"
+  assert run.main(base + ["--workdir", str(broken)]) == 143
+  assert signal.getsignal(signal.SIGTERM) == before
+  assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["2"]
+  assert not (broken / "results.json").exists()
+  monkeypatch.setattr(train, "_log", log)
+  assert run.main(base + ["--workdir", str(broken)]) == 0
+  assert _train_losses(broken) == _train_losses(tmp_path / "straight")
