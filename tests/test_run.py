@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 import run
@@ -39,11 +41,21 @@ def _train_losses(workdir):
   return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 
-def test_train_resume_gives_the_same_losses(tmp_path):
+BASE = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The workdir of an unbroken tiny training run."""
+  workdir = tmp_path_factory.mktemp("straight")
+  assert run.main(BASE + ["--workdir", str(workdir)]) == 0
+  return workdir
+
+
+def test_train_resume_gives_the_same_losses(tmp_path, straight):
   """A run stopped after a checkpoint and resumed logs exactly the losses of an unbroken run."""
-  base = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
-  assert run.main(base + ["--workdir", str(tmp_path / "straight")]) == 0
-  straight = _train_losses(tmp_path / "straight")
+  base = BASE
+  workdir, straight = straight, _train_losses(straight)
   assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]  # crosses epochs (2 steps each)
 
   broken = tmp_path / "broken"
@@ -59,7 +71,7 @@ def test_train_resume_gives_the_same_losses(tmp_path):
   assert run.main(base + ["--workdir", str(broken)]) == 0
   assert _train_losses(broken) == straight
   assert (json.loads((broken / "results.json").read_text())
-          == json.loads((tmp_path / "straight" / "results.json").read_text()))
+          == json.loads((workdir / "results.json").read_text()))
 
 
 def test_open_domain_pipeline_tiny(tmp_path, capsys):
@@ -82,15 +94,15 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert "1. " in capsys.readouterr().out
 
 
-def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch):
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch,
+                                                                         straight):
   """SIGTERM mid-run: a checkpoint of the step it stopped at (not a checkpoint_every multiple),
   exit status 143, the handler restored; the resumed run logs the unbroken run's losses."""
   import os
   import signal
 
   from dpjax import train
-  base = ["train", "--config", "experiments/demo.py:tiny", "--set", "train.checkpoint_every=3"]
-  assert run.main(base + ["--workdir", str(tmp_path / "straight")]) == 0
+  base = BASE
   before = signal.getsignal(signal.SIGTERM)
   log = train._log
 
@@ -107,4 +119,4 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path,
   assert not (broken / "results.json").exists()
   monkeypatch.setattr(train, "_log", log)
   assert run.main(base + ["--workdir", str(broken)]) == 0
-  assert _train_losses(broken) == _train_losses(tmp_path / "straight")
+  assert _train_losses(broken) == _train_losses(straight)
