@@ -273,7 +273,7 @@ class Preemption:
 
   def __init__(self):
     self.signalled = False
-    self._previous = None
+    self._previous = None  # the handler before ours, while ours is installed
 
   def _handle(self, signum, frame):
     self.signalled = True
@@ -287,7 +287,8 @@ class Preemption:
 
   def __enter__(self):
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = signal.SIG_DFL if previous is None else previous  # None: not from Python
     return self
 
   def __exit__(self, *exc):
