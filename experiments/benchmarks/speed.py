@@ -20,8 +20,8 @@ on sys.path), so old and new are the real code paths on the same inputs:
   batch (encode; top-10 phrases and top-20 passages from one shared index search), over Flat and
   IVF-SQ4 indexes of the new dump (every batch's questions encoded once first, untimed, so that
   no question-encoder shape compiles while timed); questions/s, and EM@1 / passage Top-20 of
-  both trees, which must be equal (and, with --dump-min-context, the new code over the old windows' dump: what the
-  dump windows change in retrieval).
+  both trees, which must be equal (and, with --dump-min-context, the new code over the old
+  windows' dump: what the dump windows change in retrieval).
 - train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch, same batch), its ratio.
 Writes the JSON (keys of issue 22) and a Markdown report beside it.
 """
