@@ -1,4 +1,5 @@
 """The NNX BERT encoder against a plain-numpy BERT forward pass, on a tiny odd-sized config."""
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -126,3 +127,20 @@ def test_config_validation():
     BertConfig.from_dict({"model_type": "roberta"})
   assert BertConfig.from_dict({"hidden_size": 12, "num_attention_heads": 3,
                                "unknown_key": 1}).hidden_size == 12
+
+
+def test_first_only_equals_the_full_pass_first_row(model):
+  """`first_only` (what [CLS] readers use) skips the last layer's other rows, values unchanged,
+  on the fused attention and on the materialised-probabilities (dropout) path."""
+  ids, mask, types = (jnp.asarray(a) for a in _inputs())
+  full = np.asarray(model(ids, mask, types))
+  first = model(ids, mask, types, first_only=True)
+  assert first.shape == (3, 1, CONFIG.hidden_size)
+  np.testing.assert_allclose(np.asarray(first)[:, 0], full[:, 0], atol=1e-5, rtol=0)
+  # Dropout that keeps (almost surely) everything: the einsum attention path, same values.
+  keep_all = dataclasses.replace(CONFIG, hidden_dropout_prob=1e-9,
+                                 attention_probs_dropout_prob=1e-9)
+  with_dropout = BertModel(keep_all, rngs=nnx.Rngs(0))
+  nnx.update(with_dropout, nnx.state(model, nnx.Param))
+  first = with_dropout(ids, mask, types, rngs=nnx.Rngs(dropout=1), first_only=True)
+  np.testing.assert_allclose(np.asarray(first)[:, 0], full[:, 0], atol=1e-5, rtol=0)

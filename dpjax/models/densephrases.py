@@ -61,10 +61,10 @@ class DensePhrases(nnx.Module):
       rngs: nnx.Rngs | None = None,
   ):
     """Question vectors (q_start, q_end), each [B, D] float32, from the [CLS] position."""
-    q_start = self.query_start_encoder(input_ids, attention_mask, rngs=rngs)[:, 0]
+    q_start = self.query_start_encoder(input_ids, attention_mask, rngs=rngs, first_only=True)[:, 0]
     if self.share_query_encoders:
       return q_start.astype(jnp.float32), q_start.astype(jnp.float32)
-    q_end = self.query_end_encoder(input_ids, attention_mask, rngs=rngs)[:, 0]
+    q_end = self.query_end_encoder(input_ids, attention_mask, rngs=rngs, first_only=True)[:, 0]
     return q_start.astype(jnp.float32), q_end.astype(jnp.float32)
 
   def filter_logits(self, token_vectors):
