@@ -31,20 +31,23 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _launch(mode: str, workdir, *extra: str, processes: int,
+            devices: int) -> list[subprocess.Popen]:
+  """Starts `run.py mode` as `processes` processes of `devices` devices each (output piped)."""
+  command = [sys.executable, "run.py", mode, "--config", CONFIG, "--workdir", str(workdir),
+             *extra]
+  ranks = [[]]  # one process: no distributed runtime
+  if processes > 1:
+    address = f"127.0.0.1:{_free_port()}"
+    ranks = [["--coordinator", address, "--num_processes", str(processes), "--process_id",
+              str(rank)] for rank in range(processes)]
+  return [subprocess.Popen(command + rank, cwd=REPO, env=_env(devices), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for rank in ranks]
+
+
 def _run(mode: str, workdir, *, processes: int, devices: int):
   """Runs `run.py mode` as `processes` processes of `devices` devices each; waits for all."""
-  command = [sys.executable, "run.py", mode, "--config", CONFIG, "--workdir", str(workdir),
-             *SETTINGS]
-  if processes == 1:
-    launched = [subprocess.Popen(command, cwd=REPO, env=_env(devices), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)]
-  else:
-    address = f"127.0.0.1:{_free_port()}"
-    launched = [subprocess.Popen(
-        command + ["--coordinator", address, "--num_processes", str(processes),
-                   "--process_id", str(rank)], cwd=REPO, env=_env(devices),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(processes)]
+  launched = _launch(mode, workdir, *SETTINGS, processes=processes, devices=devices)
   outputs = []
   for process in launched:
     try:
@@ -118,13 +121,9 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_pat
   same step, which is checkpointed; both exit with status 143."""
   import signal
   import time
-  address = f"127.0.0.1:{_free_port()}"
-  command = [sys.executable, "run.py", "train", "--config", CONFIG, "--workdir", str(tmp_path),
-             "--set", "train.num_steps=400", "--set", "train.checkpoint_every=1000", "--set",
-             "train.log_every=1", "--coordinator", address, "--num_processes", "2"]
-  launched = [subprocess.Popen(command + ["--process_id", str(rank)], cwd=REPO, env=_env(2),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for rank in range(2)]
+  launched = _launch("train", tmp_path, "--set", "train.num_steps=400", "--set",
+                     "train.checkpoint_every=1000", "--set", "train.log_every=1",
+                     processes=2, devices=2)
   try:
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
