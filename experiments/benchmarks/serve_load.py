@@ -85,6 +85,24 @@ def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 
           "error_examples": [str(e) for e in errors[:5]]}
 
 
+def server_stats(port: int) -> dict:
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  connection.request("GET", "/stats")
+  return json.loads(connection.getresponse().read())
+
+
+def measured(port: int, questions: list[str], clients: int, total: int, **kwargs) -> dict:
+  """`load`, with the micro-batches the server formed for these requests alone (/stats is
+  cumulative: the difference of the counts before and after)."""
+  before = server_stats(port)
+  result = load(port, questions, clients, total, **kwargs)
+  after = server_stats(port)
+  batches = after.get("batches", 0) - before.get("batches", 0)
+  asked = after.get("questions", 0) - before.get("questions", 0)
+  return {**result, "server_batches": batches,
+          "mean_batch_questions": asked / batches if batches else 0.0}
+
+
 def wait_healthy(port: int, server: subprocess.Popen, timeout: float = 600) -> dict:
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -134,9 +152,10 @@ def render(r: dict, command: str) -> str:
       "| load | clients | requests | questions/s | p50 ms | p99 ms | errors |",
       "|---|---|---|---|---|---|---|", *rows, "",
       f"Concurrency gain (micro-batching): **{r['concurrency_gain']:.2f}x** one client's "
-      f"questions/s. The server formed {stats.get('batches', 0)} micro-batches, "
-      f"{stats['mean_batch_questions']:.1f} questions on average, at most "
-      f"{stats.get('largest_batch', 0)}.", "",
+      f"questions/s. Micro-batches the server formed: {many['server_batches']} for the "
+      f"concurrent requests, {many['mean_batch_questions']:.1f} questions on average (at most "
+      f"{stats.get('largest_batch', 0)}); {one['server_batches']} for the one client's "
+      f"({one['mean_batch_questions']:.1f} on average).", "",
       f"Server exit on SIGINT: status {r['server_exit']}.", "",
       "Command:", "", "```bash", command, "```"]
   if r.get("page"):
@@ -177,11 +196,9 @@ def main(argv=None):
   try:
     health = wait_healthy(port, server)
     load(port, questions, 4, 64, k=args.k, unit=args.unit)  # warm the connections and caches
-    one = load(port, questions, 1, args.single, k=args.k, unit=args.unit)
-    many = load(port, questions, args.clients, args.requests, k=args.k, unit=args.unit)
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/stats")
-    stats = json.loads(connection.getresponse().read())
+    one = measured(port, questions, 1, args.single, k=args.k, unit=args.unit)
+    many = measured(port, questions, args.clients, args.requests, k=args.k, unit=args.unit)
+    stats = server_stats(port)
     page = (screenshot(port, questions[0], pathlib.Path(args.screenshot), args.browser)
             if args.screenshot else None)
   finally:
