@@ -29,6 +29,7 @@ from dpjax.data.teacher_logits import TeacherLogits
 from dpjax.io import write_json
 from dpjax.mining import HardNegatives, read_hard_negatives
 from dpjax.models import create_model
+from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.rc import evaluate_rc
@@ -130,9 +131,11 @@ def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | 
   if tc.teacher_logits:
     teacher = TeacherLogits(workdir / tc.teacher_logits, data=data,
                             length=config.data.max_seq_length)
+  # Question arrays cut per step to its longest question (fewer padding tokens encoded).
+  multiple = question_width_multiple(jax.devices()[0].platform)
   if tc.questions_per_window <= 1:
     batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train),
-                           teacher)
+                           teacher, question_multiple=multiple)
   else:
     unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
                    "train.hard_negatives.file": bool(tc.hard_negatives.file),
@@ -141,7 +144,7 @@ def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | 
       raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go "
                         "with " + ", ".join(k for k, v in unsupported.items() if v))
     batches = GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed,
-                             teacher)
+                             teacher, question_multiple=multiple)
   if teacher is not None:
     total = tc.num_steps or tc.epochs * batches.steps_per_epoch
     missing = teacher.missing(np.concatenate([batches.rows(s) for s in range(total)]))

@@ -87,3 +87,40 @@ def test_resume_conflicts_name_what_changed():
                                                     "train.learning_rate=2e-4"])
   assert train.resume_conflicts(stored, json.loads(other.to_json())) == [
       "train.learning_rate: 0.0001 -> 0.0002", "train.loss.lambda_inb: 1.0 -> 256.0"]
+
+
+def test_questions_cut_per_step_change_no_loss(tiny):
+  """trim_questions: every step's question arrays are cut to its longest question rounded up
+  to 8 (the same width for any share of the step's rows), only padding is cut, and the training
+  losses and parameters equal those of uncut batches (without dropout: its masks are drawn for
+  the cut shape, so with it the runs differ by their random draws)."""
+  from dpjax.data.batches import GroupedBatches
+  config, batches = tiny
+  features = batches.features
+  cut = TrainBatches(features, config.train.batch_size, 0, question_multiple=8)
+  full_width = features.question_input_ids.shape[1]
+  widths = set()
+  for step in range(4):
+    whole, trimmed = batches(step), cut(step)
+    width = trimmed["question_input_ids"].shape[1]
+    widths.add(width)
+    assert width % 8 == 0 or width == full_width
+    longest = int(whole["question_attention_mask"].sum(1).max())
+    assert longest <= width < longest + 8
+    assert not whole["question_attention_mask"][:, width:].any()  # only padding was cut
+    np.testing.assert_array_equal(trimmed["question_input_ids"],
+                                  whole["question_input_ids"][:, :width])
+    assert cut(step, slice(0, 1))["question_input_ids"].shape[1] == width  # a process's share
+  assert min(widths) < full_width  # the test cuts something
+  grouped = GroupedBatches(features, 4, 2, 0, question_multiple=8)
+  share = grouped(0, slice(0, 1))
+  assert share["question_input_ids"].shape[1] == grouped(0)["question_input_ids"].shape[1]
+  config = config.copy_and_resolve_references()
+  config.train.dropout = False
+  # Losses of 3 steps (the later ones after updates from cut batches). Parameters are not
+  # compared: a few have a true gradient of zero (the phrase encoder's last LayerNorm bias, as
+  # the scores are shift-invariant), and Adam turns their rounding noise, which any change of
+  # shapes alters, into steps the size of the learning rate.
+  losses, _, _ = _run_steps(config, batches, 1, steps=3)
+  losses_cut, _, _ = _run_steps(config, cut, 1, steps=3)
+  np.testing.assert_allclose(losses_cut, losses, rtol=1e-5)

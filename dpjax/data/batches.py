@@ -20,6 +20,7 @@ class TrainBatches:
   seed: int
   hard_negatives: Any = None  # a `mining.HardNegatives`: adds h mined passages per example
   teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per example
+  question_multiple: int = 0  # > 0: questions cut per step (`trim_questions`)
 
   def __post_init__(self):
     self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
@@ -54,7 +55,7 @@ class TrainBatches:
       batch.update(self.hard_negatives(step, question))
     if self.teacher is not None:
       batch.update(self.teacher.batch(rows))
-    return batch
+    return trim_questions(batch, self.features, self.rows(step), self.question_multiple)
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class GroupedBatches:
   group: int
   seed: int
   teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per question slot
+  question_multiple: int = 0  # > 0: questions cut per step (`trim_questions`)
   # (epoch, its groups): the groups of the current epoch, built once.
   _cached: tuple = dataclasses.field(default=(None, None), init=False, repr=False)
 
@@ -126,13 +128,29 @@ class GroupedBatches:
     rows, question = slots.reshape(-1), f.question_index[slots.reshape(-1)]
     real = np.array([g is not None for g in groups])
     teacher = {} if self.teacher is None else self.teacher.batch(rows)
-    return {**teacher, "input_ids": w.input_ids[window], "attention_mask": w.attention_mask[window],
-            "context_mask": w.context_mask[window] & real[:, None],
-            "passage_ids": np.where(real, w.passage_index[window], -1).astype(np.int32),
-            "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
-            "question_input_ids": f.question_input_ids[question],
-            "question_attention_mask": f.question_attention_mask[question],
-            "question_valid": valid.reshape(-1)}
+    batch = {**teacher, "input_ids": w.input_ids[window],
+             "attention_mask": w.attention_mask[window],
+             "context_mask": w.context_mask[window] & real[:, None],
+             "passage_ids": np.where(real, w.passage_index[window], -1).astype(np.int32),
+             "start_positions": f.start_position[rows], "end_positions": f.end_position[rows],
+             "question_input_ids": f.question_input_ids[question],
+             "question_attention_mask": f.question_attention_mask[question],
+             "question_valid": valid.reshape(-1)}
+    return trim_questions(batch, self.features, self.rows(step), self.question_multiple)
+
+
+def trim_questions(batch: dict, features: RCFeatures, step_rows: np.ndarray,
+                   multiple: int) -> dict:
+  """The batch with its question arrays cut to the step's longest question rounded up to
+  `multiple` tokens (0: kept at data.max_query_length). The width comes from all the step's
+  rows (`step_rows`), so every process of a multi-process step cuts its share alike; a few
+  widths compile. The columns cut are padding: the question vectors do not change."""
+  if not multiple:
+    return batch
+  lengths = features.question_attention_mask[features.question_index[step_rows]].sum(1)
+  width = min(-(-int(lengths.max()) // multiple) * multiple, features.question_input_ids.shape[1])
+  return {**batch, "question_input_ids": batch["question_input_ids"][:, :width],
+          "question_attention_mask": batch["question_attention_mask"][:, :width]}
 
 
 def cross_encoder_inputs(window_ids: np.ndarray, window_mask: np.ndarray,

@@ -74,13 +74,20 @@ def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.n
                      lengths=attention_mask.sum(1))
 
 
+def question_width_multiple(platform: str) -> int:
+  """What question widths are rounded up to on a platform ("cpu", "gpu", "tpu"): training
+  batches (`dpjax.data.batches.trim_questions`) and encoder calls alike."""
+  return CPU_QUESTION_WIDTH if platform == "cpu" else QUESTION_WIDTH
+
+
 def question_calls(batch_size: int, mesh) -> tuple[int, int]:
   """(rows per question-encoder call, the multiple its width is rounded up to): `batch_size` and
   QUESTION_WIDTH, or on a CPU mesh at most CPU_QUESTION_CHUNK rows (a multiple of the mesh size)
   and CPU_QUESTION_WIDTH."""
-  if mesh.devices.flat[0].platform != "cpu":
-    return batch_size, QUESTION_WIDTH
-  return min(batch_size, round_to_devices(CPU_QUESTION_CHUNK, mesh)), CPU_QUESTION_WIDTH
+  platform = mesh.devices.flat[0].platform
+  rows = batch_size if platform != "cpu" else min(batch_size,
+                                                  round_to_devices(CPU_QUESTION_CHUNK, mesh))
+  return rows, question_width_multiple(platform)
 
 
 def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
