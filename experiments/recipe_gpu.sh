@@ -20,8 +20,8 @@ R=${1:?usage: recipe_gpu.sh RUNS_DIR COPY_DIR [NAME ...]}
 COPY=${2:?usage: recipe_gpu.sh RUNS_DIR COPY_DIR [NAME ...]}
 shift 2
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(base grouped3 distill scale2 inb4 prb0 dropout len256 lr5e-5
-                                 lr2e-4 scale0.5 prb4 warm0.2 warm0.02 len128)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(base grouped3 distill grouped3-distill scale2 inb4 prb0 dropout len256
+                                 lr5e-5 lr2e-4 scale0.5 prb4 warm0.2 warm0.02 len128)
 export PY=${PY:-python3} SET=${SET:-} OUT=$R CONFIG=${CONFIG:-experiments/squad.py:cpu}
 C=(--config "$CONFIG" --workdir "$R/base" --set train.progress_bar=False $SET)
 mkdir -p "$R" "$COPY"

@@ -30,17 +30,19 @@ declare -A RUNS=(
   [len128]="--set data.max_seq_length=128 --set data.doc_stride=48"
   [len256]="--set data.max_seq_length=256 --set data.doc_stride=96"
   [distill]="--set train.teacher_logits=teacher/logits"
+  [grouped3-distill]="--set train.questions_per_window=3 --set train.teacher_logits=teacher/logits"
 )
 ORDER=(base lr2e-4 grouped3 scale2 scale0.5 inb4 lr5e-5 prb4 prb0 warm0.2 warm0.02 dropout
-       len128 len256 distill)
+       len128 len256 distill grouped3-distill)
 for name in "${@:-${ORDER[@]}}"; do
   [ -n "${RUNS[$name]+x}" ] || { echo "unknown run $name (one of ${ORDER[*]})"; exit 2; }
   W=$OUT/$name
   if [ -f "$W/results.json" ]; then echo "=== $name: done ($W/results.json)"; continue; fi
-  if [ "$name" = distill ]; then  # the teacher (and its logits) first, into the same workdir
+  if [[ "$name" == *distill ]]; then  # the teacher and its logits first, into the same workdir,
+    # for the examples of this run's steps (its settings without the logits)
     echo "=== $(date -Is) teacher for $name ($(git rev-parse --short HEAD))"
-    $PY run.py teacher --config "$CONFIG" --workdir "$W" --set train.progress_bar=False $SET \
-        || exit $?
+    $PY run.py teacher --config "$CONFIG" --workdir "$W" --set train.progress_bar=False \
+        ${RUNS[$name]/--set train.teacher_logits=teacher\/logits/} $SET || exit $?
   fi
   echo "=== $(date -Is) start $name ($(git rev-parse --short HEAD)): ${RUNS[$name]}"
   began=$(date +%s)
