@@ -158,7 +158,7 @@ class BertLayer(nnx.Module):
     attended = self.attention(hidden, attention_bias, rngs=rngs, num_queries=num_queries)
     ff = self.output(self.activation(self.intermediate(attended)))
     ff = self.dropout(ff, deterministic=rngs is None, rngs=rngs)
-    return self.layer_norm(ff + attended).astype(self.dtype)  # [B, L, D]
+    return self.layer_norm(ff + attended).astype(self.dtype)  # [B, L or num_queries, D]
 
 
 class BertModel(nnx.Module):
@@ -184,8 +184,9 @@ class BertModel(nnx.Module):
       first_only: bool = False,
   ):
     """Returns the last hidden states, [B, L, D] in the compute dtype; with `first_only` only
-    the first position's, [B, 1, D] (the last layer computes no other: [CLS] readers save about
-    a sixth of a 6-layer encoder's work; the values equal the full pass's first row)."""
+    the first position's, [B, 1, D]: the last layer computes the other positions' keys and values
+    only (for [CLS] readers; 11-13% less time for a 6-layer encoder on a CPU), and the values
+    equal the full pass's first row."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     if token_type_ids is None:
