@@ -27,7 +27,7 @@ demo: venv
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: venv
-	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=20 -n 2 --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 clean:
