@@ -87,8 +87,11 @@ def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 
 
 def server_stats(port: int) -> dict:
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-  connection.request("GET", "/stats")
-  return json.loads(connection.getresponse().read())
+  try:
+    connection.request("GET", "/stats")
+    return json.loads(connection.getresponse().read())
+  finally:
+    connection.close()
 
 
 def measured(port: int, questions: list[str], clients: int, total: int, **kwargs) -> dict:
