@@ -40,7 +40,8 @@ class TrainBatches:
 
   def __call__(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
     """The batch of `step`, or only its rows `part` (a process's share of the global batch)."""
-    rows = self.rows(step, part)
+    step_rows = self.rows(step)  # one permutation per step (the question cut needs them all)
+    rows = step_rows[part]
     f, w = self.features, self.features.windows
     window = f.window_index[rows]
     question = f.question_index[rows]
@@ -55,7 +56,7 @@ class TrainBatches:
       batch.update(self.hard_negatives(step, question))
     if self.teacher is not None:
       batch.update(self.teacher.batch(rows))
-    return trim_questions(batch, self.features, self.rows(step), self.question_multiple)
+    return trim_questions(batch, self.features, step_rows, self.question_multiple)
 
 
 @dataclasses.dataclass
