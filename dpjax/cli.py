@@ -57,6 +57,7 @@ def main(argv=None) -> int:
   from dpjax import distributed  # starts JAX: not for `--help`
   setup_logging(debug=args.debug)
   try:
+    distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout=args.init_timeout)
     module, _, name = MODES[args.mode][0].partition(":")

@@ -7,10 +7,16 @@ if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# One compilation cache for the whole run (both xdist workers and every `run.py` subprocess):
+# the many tiny trainings, dumps and evals compile the same programs; each compiles once.
+os.environ.setdefault("DPJAX_COMPILATION_CACHE", str(REPO / ".pytest_cache" / "xla"))
 
 import pytest  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from dpjax.distributed import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()  # for the tests that call the library in-process
 SHARED_DATA = pathlib.Path(os.environ.get("DPJAX_SHARED_DATA", REPO.parent / "shared" / "data"))
 FIXTURES = REPO / "tests" / "fixtures"
 

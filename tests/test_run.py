@@ -120,3 +120,38 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path,
   monkeypatch.setattr(train, "_log", log)
   assert run.main(base + ["--workdir", str(broken)]) == 0
   assert _train_losses(broken) == _train_losses(straight)
+
+
+_CACHED = """
+import collections
+import jax, jax.numpy as jnp
+from dpjax.distributed import enable_compilation_cache
+seen = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **kw: seen.update([event]))
+print(enable_compilation_cache())
+jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((96, 96))).block_until_ready()
+print(seen["/jax/compilation_cache/compile_requests_use_cache"],
+      seen["/jax/compilation_cache/cache_hits"])
+"""
+
+
+def test_compilation_cache_serves_the_next_process(tmp_path):
+  import os
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env.update(DPJAX_COMPILATION_CACHE=str(tmp_path / "xla"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+  def run_once():
+    out = subprocess.run([sys.executable, "-c", _CACHED], cwd=REPO, env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder, requests, hits = out.stdout.split()
+    return folder, int(requests), int(hits)
+
+  folder, requests, hits = run_once()
+  assert folder == str(tmp_path / "xla") and requests > 0 and hits == 0  # compiled, written
+  assert len(list((tmp_path / "xla").glob("*-cache"))) == requests
+  assert run_once() == (folder, requests, requests)  # every program read back
+  env["DPJAX_COMPILATION_CACHE"] = "off"
+  folder, _, hits = run_once()
+  assert (folder, hits) == ("None", 0)
