@@ -17,6 +17,9 @@ A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline
 `--validation V.json` (experiments/validation_experiment.py's output, e.g. from
 experiments/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from the model
 whose workdir has the same last folder name (runs made elsewhere and copied here match).
+Each run's per-question EM hits are kept in the JSON: with `--previous results/recipe.json`, a
+run whose workdir is gone (a wiped machine) is taken from that report, and paired with the others
+where its hits were recorded (reports before they were have no p-value for it).
 """
 from __future__ import annotations
 
@@ -87,9 +90,20 @@ def validation_em1(paths: list[str]) -> dict[str, tuple[float, float]]:
 def compare(runs: list[dict]) -> None:
   base = runs[0]
   for run in runs:
-    a_only, b_only, p = mcnemar_p(run["hits"], base["hits"])
-    run.update(delta_em=run["rc_em"] - base["rc_em"], only_this=a_only, only_baseline=b_only,
-               p_value=p)
+    run["delta_em"] = run["rc_em"] - base["rc_em"]
+    if run.get("hits") and base.get("hits"):
+      a_only, b_only, p = mcnemar_p(run["hits"], base["hits"])
+      run.update(only_this=a_only, only_baseline=b_only, p_value=p)
+    else:  # a run or baseline of a report without recorded hits: its old test, if any
+      for key in ("only_this", "only_baseline", "p_value"):
+        run.setdefault(key, None)
+
+
+def previous_runs(path: str | None) -> dict[str, dict]:
+  """A previous report's runs by name (for runs whose workdir is gone)."""
+  if not path:
+    return {}
+  return {r["name"]: r for r in json.loads(pathlib.Path(path).read_text())["runs"]}
 
 
 def summary(run: dict | None) -> dict | None:
@@ -102,7 +116,8 @@ def summary(run: dict | None) -> dict | None:
 def render(r: dict, command: str) -> str:
   fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)
   rows = [f"| {x['name']} | {fmt(x['rc_em'])} | {fmt(x['rc_f1'])} | "
-          f"{fmt(x['delta_em'], '{:+.2f}')} | {x['only_this']} / {x['only_baseline']} | "
+          f"{fmt(x['delta_em'], '{:+.2f}')} | {fmt(x['only_this'], '{}')} / "
+          f"{fmt(x['only_baseline'], '{}')} | "
           f"{fmt(x['p_value'], '{:.3g}')} | "
           f"{fmt(x['h32_em1'])} | {fmt(x['full_em1'])} | "
           f"{fmt(x['train_seconds'] and x['train_seconds'] / 60, '{:.0f}')} | `{x['command']}` |"
@@ -130,6 +145,7 @@ def main(argv=None):
   parser.add_argument("--best", help="the name of the best CPU recipe's run")
   parser.add_argument("--validation", action="append", default=[],
                       help="validation_experiment.py JSON: H32 / full EM@1 by workdir name")
+  parser.add_argument("--previous", help="an earlier recipe.json: runs whose workdir is gone")
   parser.add_argument("--out", default="results/recipe.json")
   parser.add_argument("--note", action="append", default=[])
   args = parser.parse_args(argv)
@@ -148,12 +164,15 @@ def main(argv=None):
     h32, full = measured.get(pathlib.PurePath(spec["workdir"]).name, (None, None))
     spec["h32_em1"] = h32 if spec["h32_em1"] is None else spec["h32_em1"]
     spec["full_em1"] = full if spec["full_em1"] is None else spec["full_em1"]
-  runs = [read_run(s, dev.questions, gold) for s in specs]
+  previous = previous_runs(args.previous)
+  runs = [read_run(s, dev.questions, gold)
+          if (pathlib.Path(s["workdir"]) / "results.json").is_file() or s["name"] not in previous
+          else {**previous[s["name"]], "command": s["command"]} for s in specs]
   compare(runs)
   by_name = {r["name"]: r for r in runs}
   results = {"cpu_baseline": summary(runs[0]), "cpu_best": summary(by_name.get(args.best)),
              "teacher": summary(runs[-1]) if args.teacher else None,
-             "runs": [{k: v for k, v in r.items() if k != "hits"} for r in runs],
+             "runs": runs,
              "notes": args.note}
   save_results(args.out, results, render, "experiments/recipe_study.py",
                elide_notes(sys.argv[1:] if argv is None else argv))

@@ -1,5 +1,6 @@
 """The cross-encoder teacher: its inputs and head, its logits file, distillation in training."""
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -212,6 +213,14 @@ def test_recipe_study_report(tmp_path):
   assert best["delta_em"] == pytest.approx(best["rc_em"] - results["cpu_baseline"]["rc_em"])
   assert results["teacher"] is None and results["runs"][0]["train_seconds"] > 0
   assert "| lr1e-3 |" in out.with_suffix(".md").read_text()
+  # The baseline's workdir wiped: taken from the report (hits included), still paired.
+  first = json.loads(out.read_text())["runs"]
+  shutil.rmtree(base)
+  again = study.main(["--config", CONFIG, "--run", f"base={base}::cmd a", "--run",
+                      f"lr1e-3={other}::cmd b", "--previous", str(out), "--out",
+                      str(tmp_path / "again.json")])
+  assert again["runs"][0]["rc_em"] == first[0]["rc_em"] and again["runs"][0]["hits"]
+  assert [r["p_value"] for r in again["runs"]] == [r["p_value"] for r in first]
 
 
 def test_score_scale_is_a_temperature_of_the_phrase_scores():
