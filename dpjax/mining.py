@@ -155,7 +155,8 @@ class HardNegatives:
       chosen.append(row)
     windows = np.asarray(chosen, np.int64).reshape(-1)  # [B * h], example-major
     w = self.windows
-    return {"hard_input_ids": w.input_ids[windows], "hard_attention_mask": w.attention_mask[windows],
+    return {"hard_input_ids": w.input_ids[windows],
+            "hard_attention_mask": w.attention_mask[windows],
             "hard_context_mask": w.context_mask[windows],
             "hard_passage_ids": w.passage_index[windows].astype(np.int32)}
 

@@ -62,7 +62,7 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir, weights)
     return create_model(config.model), None
   model = create_model(config.model)
-  restored = restore_params(checkpoints, model, step)  # a DataError for a missing step  # the best dir keeps only the best
+  restored = restore_params(checkpoints, model, step)  # a DataError for a missing step
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
   return model, restored

@@ -142,7 +142,7 @@ def test_weight_n_equals_negatives_duplicated_n_times(n):
                                  log_weight_in_batch=math.log(n))
   # Duplicate every negative n times with weight 1: in-passage and in-batch tokens by repeating
   # the other passages' tokens and the question's own non-gold tokens as extra vectors.
-  dup_vectors, dup_pids = [np.repeat(extra, n, axis=0)], [np.full(M * n, 99)]
+  dup_vectors = [np.repeat(extra, n, axis=0)]
   results = []
   for b in range(B):
     own_neg = np.array([h[b, t] for t in range(L) if mask[b, t] and t != gold[b]])

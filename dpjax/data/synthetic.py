@@ -118,7 +118,8 @@ def _paragraphs(e: dict[str, Any], other: dict[str, Any], rng: random.Random) ->
   his = "his" if e["pronoun"] == "He" else "her"
   early, career, later = _Paragraph(), _Paragraph(), _Paragraph()
   early.add(e["name"], " (", ("birth_year", e["birth_year"]), " – ", e["death_year"],
-            ") was ", _article(e["nationality"]), " ", e["nationality"], " ", ("occupation", e["occupation"]), " born in ",
+            ") was ", _article(e["nationality"]), " ", e["nationality"], " ",
+            ("occupation", e["occupation"]), " born in ",
             ("birth_city", e["birth_city"]), ". ")
   early.add(e["pronoun"], " grew up in ", ("youth_city", e["youth_city"]), " together with ",
             his, " sibling ", ("sibling", e["sibling"]), ", who was born in ", e["sibling_year"],

@@ -107,7 +107,8 @@ def _transpose(x: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(x.T)  # torch Linear stores [out, in]; nnx.Linear wants [in, out]
 
 
-def bert_name_map(config: BertConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray]]]:
+def bert_name_map(
+    config: BertConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray]]]:
   """Hugging Face `BertModel` tensor name -> (NNX parameter path, transform)."""
   same = lambda x: x
   mapping = {
