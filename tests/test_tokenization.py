@@ -25,3 +25,17 @@ def test_encode_pads_and_truncates_to_the_requested_length(tokenizer):
   assert ids[0, 0] == tokenizer.cls_id and ids[0, 4] == tokenizer.sep_id
   assert ids[0, 5] == tokenizer.pad_id
   assert ids[1, -1] == tokenizer.sep_id and mask[1].all()
+
+
+def test_the_tokenizer_loads_without_jax():
+  """What the dump's tokenizing worker processes import: no JAX, Flax or faiss start there."""
+  import subprocess
+  import sys
+  from conftest import REPO
+  code = ("import sys; from dpjax.data.tokenization import Tokenizer; "
+          "Tokenizer.from_pretrained('minilm-l6').tokenize(['a b']); "
+          "print(sorted(m for m in ('jax', 'flax', 'faiss', 'optax') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"

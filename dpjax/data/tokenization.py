@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import tokenizers
 
-from dpjax.models.pretrained import DEFAULT_MODEL, resolve_model_dir
+from dpjax.model_files import DEFAULT_MODEL, resolve_model_dir
 
 
 class Tokenizer:

