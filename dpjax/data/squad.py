@@ -311,6 +311,20 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
   return windows, [offsets for _, offsets in contexts]
 
 
+
+# Worker processes that make windows ahead of the dump's encoder (`dpjax.index.dump.WindowMaker`)
+# run these: a spawned process imports only this module's dependencies, no JAX.
+_WORKER: dict = {}
+
+
+def windows_worker_setup(tokenizer: Tokenizer, settings: dict) -> None:
+  _WORKER.update(tokenizer=tokenizer, settings=settings)
+
+
+def windows_worker(passages: Sequence[Passage]) -> PassageWindows:
+  return build_windows(_WORKER["tokenizer"], passages, **_WORKER["settings"])[0]
+
+
 def _window_starts(length: int, room: int, doc_stride: int, min_context: int) -> list[int]:
   """First context token of each window of a passage of `length` tokens (see build_windows).
 

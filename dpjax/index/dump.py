@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from dpjax import distributed
-from dpjax.data.squad import Passage, build_windows
+from dpjax.data.squad import Passage, build_windows, windows_worker, windows_worker_setup
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
@@ -123,20 +123,23 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
   return entry
 
 
+def window_settings(config: DumpConfig) -> dict:
+  return {"max_seq_length": config.max_seq_length, "doc_stride": config.doc_stride,
+          "include_title": config.include_title, "min_context": config.min_context}
+
+
 def shard_windows(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig):
   """The windows a shard's passages are encoded in (tokenization: host work)."""
-  return build_windows(tokenizer, passages, max_seq_length=config.max_seq_length,
-                       doc_stride=config.doc_stride, include_title=config.include_title,
-                       min_context=config.min_context)[0]
+  return build_windows(tokenizer, passages, **window_settings(config))[0]
 
 
 class WindowMaker:
   """Makes shards' windows (`shard_windows`) ahead of the encoder: in one thread, or in
   `workers` spawned processes. Tokenizing holds the GIL for much of its time (the tokenizer's
   outputs, packing the windows), which stalls the thread that feeds the encoder, and one thread
-  tokenizes ~100k tokens/s: an accelerator's dump needs processes. A process takes a few seconds
-  to start (it imports dpjax), so small dumps (and shard 0, made while the parameters are
-  hashed) use the thread."""
+  tokenizes ~100k tokens/s: an accelerator's dump needs processes. A process takes a second or
+  two to start (it imports the tokenizer and the SQuAD module, not JAX), so small dumps (and
+  shard 0, made while the parameters are hashed) use the thread."""
 
   def __init__(self, tokenizer: Tokenizer, config: DumpConfig, workers: int = 0):
     self.tokenizer, self.config, self.workers = tokenizer, config, workers
@@ -150,8 +153,9 @@ class WindowMaker:
     if self.processes is None:
       self.processes = concurrent.futures.ProcessPoolExecutor(
           self.workers, mp_context=multiprocessing.get_context("spawn"),
-          initializer=_worker_setup, initargs=(self.tokenizer, self.config))
-    return self.processes.submit(_worker_windows, passages)
+          initializer=windows_worker_setup,
+          initargs=(self.tokenizer, window_settings(self.config)))
+    return self.processes.submit(windows_worker, passages)
 
   def __enter__(self):
     return self
@@ -160,17 +164,6 @@ class WindowMaker:
     for pool in (self.thread, self.processes):
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-_WORKER: dict = {}
-
-
-def _worker_setup(tokenizer: Tokenizer, config: DumpConfig) -> None:
-  _WORKER.update(tokenizer=tokenizer, config=config)
-
-
-def _worker_windows(passages: list[Passage]):
-  return shard_windows(_WORKER["tokenizer"], passages, _WORKER["config"])
 
 
 def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
