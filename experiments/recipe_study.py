@@ -13,7 +13,8 @@ with McNemar's exact test (the questions only one of the two gets right), the tr
       --teacher "teacher=workdirs/recipe/teacher/teacher::python run.py teacher ..." \\
       --best "lr 2e-4" --out results/recipe.json
 
-A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline). With
+A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline; `-` for a
+figure not measured, e.g. `base=workdirs/recipe/base:-:24.0::...`). With
 `--validation V.json` (experiments/validation_experiment.py's output, e.g. from
 experiments/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from the model
 whose workdir has the same last folder name (runs made elsewhere and copied here match).
@@ -49,7 +50,7 @@ def parse_run(spec: str) -> dict:
   head, _, command = spec.partition("::")
   name, _, rest = head.partition("=")
   parts = rest.split(":")
-  number = lambda i: float(parts[i]) if len(parts) > i and parts[i] else None
+  number = lambda i: float(parts[i]) if len(parts) > i and parts[i] not in ("", "-") else None
   return {"name": name, "workdir": parts[0], "h32_em1": number(1), "full_em1": number(2),
           "command": command.strip()}
 
@@ -167,7 +168,9 @@ def main(argv=None):
   previous = previous_runs(args.previous)
   runs = [read_run(s, dev.questions, gold)
           if (pathlib.Path(s["workdir"]) / "results.json").is_file() or s["name"] not in previous
-          else {**previous[s["name"]], "command": s["command"]} for s in specs]
+          else {**previous[s["name"]], "command": s["command"],
+                **{k: s[k] for k in ("h32_em1", "full_em1") if s[k] is not None}}
+          for s in specs]
   compare(runs)
   by_name = {r["name"]: r for r in runs}
   results = {"cpu_baseline": summary(runs[0]), "cpu_best": summary(by_name.get(args.best)),
