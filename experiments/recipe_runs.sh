@@ -7,6 +7,7 @@
 #   OUT (workdirs/recipe), PY, CONFIG (experiments/squad.py:cpu) and SET (more --set arguments,
 #   e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
 #   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
+#   `bash experiments/recipe_runs.sh --settings NAME` prints NAME's --set arguments only.
 # Then: python experiments/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +36,17 @@ declare -A RUNS=(
   # ~1.7x its step time), 2,000 steps: the 90-minute CPU candidate.
   [grouped5-2000]="--set train.questions_per_window=5 --set train.num_steps=2000"
   [grouped5]="--set train.questions_per_window=5"
+  # For the accelerator recipe (CONFIG=experiments/squad.py: batch 48 windows, ~1,100 steps of
+  # ~225 questions for 2 epochs): twice the epochs, the same number of question passes as the
+  # default's ~3,660 steps of 48 questions costs in phrase-encoder work and less.
+  [grouped5-e4]="--set train.questions_per_window=5 --set train.epochs=4"
 )
+if [ "${1:-}" = --settings ]; then
+  [ -n "${RUNS[${2:-}]+x}" ] || { echo "unknown run ${2:-}"; exit 2; }
+  echo "${RUNS[$2]}"; exit 0
+fi
 ORDER=(base lr2e-4 grouped3 scale2 scale0.5 inb4 lr5e-5 prb4 prb0 warm0.2 warm0.02 dropout
-       len128 len256 distill grouped3-distill grouped5-2000 grouped5)
+       len128 len256 distill grouped3-distill grouped5-2000 grouped5 grouped5-e4)
 for name in "${@:-${ORDER[@]}}"; do
   [ -n "${RUNS[$name]+x}" ] || { echo "unknown run $name (one of ${ORDER[*]})"; exit 2; }
   W=$OUT/$name

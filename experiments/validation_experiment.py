@@ -14,6 +14,10 @@ the full corpus's ranking.
       --model unified-900=workdirs/squad-cpu-unified@900 ... \\
       --out results/validation.json
 
+`--reference results/validation_1500.json:unified-inb1-1500 --compare new:unified-inb1-1500`
+pairs a model with one of an earlier report of the same sampled dev questions (its workdir may
+be gone: its per-question full-corpus hits are in that report).
+
 writes results/validation.json (every figure) and results/validation.md (tables, tau, the
 command); `experiments/notebooks/validation.ipynb` draws the figure from the JSON.
 """
@@ -187,6 +191,31 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   return result
 
 
+def load_references(specs: list[str], subcorpora: dict, questions: int) -> dict[str, dict]:
+  """{name: figures} of models from earlier reports of this script (`FILE:MODEL`), for paired
+  tests on the same questions. Refused unless that report sampled the same dev questions: the
+  same count and the same C0 (corpus files, sample size, seed, passages)."""
+  fields = ("corpus", "sample_questions", "seed", "passages")
+  found = {}
+  for spec in specs:
+    path, sep, name = spec.rpartition(":")
+    if not sep or not pathlib.Path(path).is_file():
+      raise SystemExit(f"--reference {spec!r}: expected FILE:MODEL of an existing report")
+    report = json.loads(pathlib.Path(path).read_text())
+    if name not in report.get("models", {}):
+      raise SystemExit(f"--reference {spec}: no model {name!r} in {path} "
+                       f"(it has {sorted(report.get('models', {}))})")
+    theirs = report.get("subcorpora", {}).get("C0", {})
+    ours = subcorpora.get("C0", {}).get("meta", {})
+    differ = [f for f in fields if theirs.get(f) != ours.get(f)]
+    if report.get("questions") != questions or differ or not ours:
+      raise SystemExit(f"--reference {spec}: {path} was made on other dev questions "
+                       f"({report.get('questions')} vs {questions} questions; C0 differs in "
+                       f"{differ or ['(no C0 here)']}): no paired test")
+    found[name] = {**report["models"][name], "reference": path}
+  return found
+
+
 def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
   """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
   import math
@@ -264,11 +293,14 @@ def findings(results: dict) -> list[str]:
               ["(fewer than 3 other models: no ranking to compare)"])
   if results.get("compare"):
     lines += ["", "Model comparisons on the full corpus (paired over the same questions; "
-              "McNemar's exact test on the questions only one of the two gets right):", "",
+              "McNemar's exact test on the questions only one of the two gets right"
+              + (f"; {', '.join(results['references'])} from an earlier report of the same "
+                 "questions" if results.get("references") else "") + "):", "",
               "| A vs B | EM@1 A | EM@1 B | diff | A only / B only | p | Top-20 A | Top-20 B | "
               "diff | A only / B only | p |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    every = {**results.get("references", {}), **models}
     for a, b in results["compare"]:
-      fa, fb = models[a]["subcorpora"]["full"], models[b]["subcorpora"]["full"]
+      fa, fb = every[a]["subcorpora"]["full"], every[b]["subcorpora"]["full"]
       cells = []
       for metric in ("em@1", "top20"):
         a_only, b_only, p = mcnemar_p(fa["hits"][metric], fb["hits"][metric])
@@ -322,6 +354,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out", required=True, help="results JSON (the .md goes beside it)")
   parser.add_argument("--compare", action="append", default=[],
                       help="A:B, two --model names: paired EM@1 / Top-20 test of A vs B")
+  parser.add_argument("--reference", action="append", default=[],
+                      help="FILE:MODEL, a model of an earlier report of this script on the same "
+                           "dev questions, to name in --compare (full-corpus hits only)")
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph printed after the tables (e.g. the conclusions)")
   parser.add_argument("--set", action="append", default=[])
@@ -339,7 +374,7 @@ def main(argv=None) -> int:
   config = load_config(args.config, args.set)
   specs = [parse_model(m) for m in args.model]
   compare = [tuple(c.split(":", 1)) for c in args.compare]
-  names = {name for name, _, _ in specs}
+  names = {name for name, _, _ in specs} | {r.rpartition(":")[2] for r in args.reference}
   for pair in compare:
     if len(pair) != 2 or not set(pair) <= names:
       raise SystemExit(f"--compare {':'.join(pair)}: expected A:B, two of {sorted(names)}")
@@ -350,6 +385,9 @@ def main(argv=None) -> int:
   questions = read_questions(dev_file)[:config.eval.limit or None]
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   rc_split = load_rc_split(dev_file, tokenizer, config.data, limit=config.eval.limit or None)
+  references = load_references(args.reference, subcorpora, len(questions))
+  if set(references) & {name for name, _, _ in specs}:
+    raise SystemExit(f"--reference {sorted(set(references) & names)}: also a --model name")
   key = cache_key(subcorpora, questions, config)
   mesh = make_mesh()
   batch_size = round_to_devices(config.index.batch_size, mesh)
@@ -370,7 +408,8 @@ def main(argv=None) -> int:
              "corpus_passages": len(corpus),
              "subcorpora": {k: v["meta"] for k, v in subcorpora.items()},
              "models": models, "tau": tau, "hard_builder": builder,
-             "tau_without_builder": tau_without, "compare": compare, "notes": args.note}
+             "tau_without_builder": tau_without, "compare": compare,
+             "references": references, "notes": args.note}
   from experiments.report import elide_notes, save_results
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   save_results(args.out, results, markdown, "experiments/validation_experiment.py", argv)

@@ -54,6 +54,31 @@ def test_findings_without_hard_subcorpora():
   assert lines[-1].startswith("| a vs b | 50.00 | 0.00 | +50.00 | 1 / 0 | 1.000 |")
 
 
+def test_reference_models_only_from_the_same_questions(tmp_path):
+  """A model of an earlier report joins the paired comparisons only when that report sampled the
+  same dev questions (count and C0); its full-corpus hits are compared as a model's."""
+  c0 = {"kind": "C0", "corpus": ["train.json", "dev.json"], "sample_questions": 2, "seed": 0,
+        "passages": 2}
+  full = {"em@1": 0.0, "top20": 50.0, "hits": {"em@1": "00", "top20": "01"}}
+  report = tmp_path / "old.json"
+  report.write_text(json.dumps({"questions": 2, "subcorpora": {"C0": c0},
+                                "models": {"old": {"subcorpora": {"full": full}}}}))
+  subcorpora = {"C0": {"meta": dict(c0)}}
+  found = experiment.load_references([f"{report}:old"], subcorpora, 2)
+  assert found["old"]["subcorpora"]["full"] == full and found["old"]["reference"] == str(report)
+  for bad_meta, count in (({**c0, "seed": 1}, 2), ({**c0, "passages": 3}, 2), (c0, 3)):
+    with pytest.raises(SystemExit, match="other dev questions"):
+      experiment.load_references([f"{report}:old"], {"C0": {"meta": bad_meta}}, count)
+  with pytest.raises(SystemExit, match="no model 'nope'"):
+    experiment.load_references([f"{report}:nope"], subcorpora, 2)
+  new = {"subcorpora": {"full": {"em@1": 50.0, "top20": 50.0, "tokens": 300,
+                                 "hits": {"em@1": "10", "top20": "01"}}}}
+  lines = experiment.findings({"models": {"new": new}, "references": found, "tau": {},
+                               "hard_builder": None, "compare": [("new", "old")]})
+  assert "old from an earlier report" in " ".join(lines)
+  assert lines[-1].startswith("| new vs old | 50.00 | 0.00 | +50.00 | 1 / 0 | 1.000 |")
+
+
 def test_hard_builder():
   subcorpora = {"C0": {"meta": {"kind": "C0"}}, "R0.1": {"meta": {"fingerprint": "a"}},
                 "H1": {"meta": {"fingerprint": "b"}}, "H2": {"meta": {"fingerprint": "b"}}}
