@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu: the same configs, steps and
+# Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu-base: the same configs, steps and
 # seed as on the CPU), run on a lent GPU machine, where a run takes minutes instead of ~75:
 #   1. the factor runs of experiments/recipe_runs.sh, two at a time (each process may take 45% of
 #      the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
@@ -22,7 +22,7 @@ shift 2
 NAMES=("$@")
 [ ${#NAMES[@]} -gt 0 ] || NAMES=(base grouped3 distill grouped3-distill scale2 inb4 prb0 dropout len256
                                  lr5e-5 lr2e-4 scale0.5 prb4 warm0.2 warm0.02 len128)
-export PY=${PY:-python3} SET=${SET:-} OUT=$R CONFIG=${CONFIG:-experiments/squad.py:cpu}
+export PY=${PY:-python3} SET=${SET:-} OUT=$R CONFIG=${CONFIG:-experiments/squad.py:cpu-base}
 C=(--config "$CONFIG" --workdir "$R/base" --set train.progress_bar=False $SET)
 mkdir -p "$R" "$COPY"
 

@@ -46,6 +46,18 @@ def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
   return a_only, b_only, min(1.0, 2 * tail)
 
 
+def two_proportion_p(em_a: float, em_b: float, n: int) -> float:
+  """Two-sided p of a pooled two-proportion z-test of two EM percentages over n questions each:
+  the unpaired test, for a pair whose per-question hits were not both kept (weaker than
+  McNemar's on the same questions)."""
+  a, b = em_a / 100, em_b / 100
+  pooled = (a + b) / 2
+  spread = math.sqrt(2 * pooled * (1 - pooled) / n) if 0 < pooled < 1 else 0.0
+  if spread == 0:
+    return 1.0 if a == b else 0.0
+  return math.erfc(abs(a - b) / spread / math.sqrt(2))
+
+
 def parse_run(spec: str) -> dict:
   head, _, command = spec.partition("::")
   name, _, rest = head.partition("=")
@@ -89,15 +101,23 @@ def validation_em1(paths: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def compare(runs: list[dict]) -> None:
+  """Each run against the first: McNemar's exact test where both runs' per-question hits are
+  known; else the paired test an earlier report recorded; else (a baseline of a report that kept
+  no hits, its workdir gone) the unpaired two-proportion test, marked `test: unpaired`."""
   base = runs[0]
   for run in runs:
     run["delta_em"] = run["rc_em"] - base["rc_em"]
     if run.get("hits") and base.get("hits"):
       a_only, b_only, p = mcnemar_p(run["hits"], base["hits"])
-      run.update(only_this=a_only, only_baseline=b_only, p_value=p)
-    else:  # a run or baseline of a report without recorded hits: its old test, if any
+      run.update(only_this=a_only, only_baseline=b_only, p_value=p, test="mcnemar")
+    elif run.get("p_value") is not None and run is not base:  # an earlier report's paired test
+      run.setdefault("test", "mcnemar")
+    else:
       for key in ("only_this", "only_baseline", "p_value"):
         run.setdefault(key, None)
+      if run is not base and run.get("questions") == base.get("questions"):
+        run.update(p_value=two_proportion_p(run["rc_em"], base["rc_em"], run["questions"]),
+                   test="unpaired")
 
 
 def previous_runs(path: str | None) -> dict[str, dict]:
@@ -111,7 +131,7 @@ def summary(run: dict | None) -> dict | None:
   if run is None:
     return None
   return {k: run.get(k) for k in ("name", "rc_em", "rc_f1", "h32_em1", "full_em1", "delta_em",
-                                  "p_value", "command")}
+                                  "p_value", "test", "command")}
 
 
 def render(r: dict, command: str) -> str:
@@ -119,14 +139,15 @@ def render(r: dict, command: str) -> str:
   rows = [f"| {x['name']} | {fmt(x['rc_em'])} | {fmt(x['rc_f1'])} | "
           f"{fmt(x['delta_em'], '{:+.2f}')} | {fmt(x['only_this'], '{}')} / "
           f"{fmt(x['only_baseline'], '{}')} | "
-          f"{fmt(x['p_value'], '{:.3g}')} | "
+          f"{fmt(x['p_value'], '{:.3g}')}{' (unpaired)' if x.get('test') == 'unpaired' else ''} | "
           f"{fmt(x['h32_em1'])} | {fmt(x['full_em1'])} | "
           f"{fmt(x['train_seconds'] and x['train_seconds'] / 60, '{:.0f}')} | `{x['command']}` |"
           for x in r["runs"]]
   lines = ["# Recipe study (issue 21)", "",
            f"All {r['runs'][0]['questions']} SQuAD v1.1 dev questions, RC EM/F1 of the final "
            f"model; paired against `{r['runs'][0]['name']}` (McNemar's exact test on the questions "
-           "only one of the two answers exactly).", "",
+           "only one of the two answers exactly; `(unpaired)`: a two-proportion z-test, where the "
+           "baseline's per-question answers were not kept).", "",
            "| run | RC EM | RC F1 | EM vs baseline | right only here / only baseline | p "
            "| H32 EM@1 | full EM@1 | train min | command |", "|---" * 10 + "|",
            *rows, "",

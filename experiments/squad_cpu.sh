@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 for recipe in ${RECIPES:-unified original}; do
-  /usr/bin/time -v $PY run.py train --config experiments/squad.py:cpu \
+  /usr/bin/time -v $PY run.py train --config experiments/squad.py:cpu-base \
       --workdir workdirs/squad-cpu1500-$recipe --set train.loss.recipe=$recipe \
       --set train.progress_bar=False
 done

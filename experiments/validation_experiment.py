@@ -305,7 +305,7 @@ def findings(results: dict) -> list[str]:
       for metric in ("em@1", "top20"):
         a_only, b_only, p = mcnemar_p(fa["hits"][metric], fb["hits"][metric])
         cells.append(f"{fa[metric]:.2f} | {fb[metric]:.2f} | {fa[metric] - fb[metric]:+.2f} | "
-                     f"{a_only} / {b_only} | {p:.3f}")
+                     f"{a_only} / {b_only} | {p:.3g}")
       lines.append(f"| {a} vs {b} | " + " | ".join(cells) + " |")
   return lines
 

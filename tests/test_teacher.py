@@ -223,6 +223,34 @@ def test_recipe_study_report(tmp_path):
   assert [r["p_value"] for r in again["runs"]] == [r["p_value"] for r in first]
 
 
+def test_recipe_study_pairs_or_says_unpaired():
+  """A run is paired with the baseline by McNemar where both per-question hits are known, keeps
+  an earlier report's paired test otherwise, and falls back to the (marked) unpaired
+  two-proportion test only when neither exists."""
+  from conftest import load_script
+  study = load_script("experiments/recipe_study.py")
+  # 50% vs 40% of 1,000 questions: z = 4.495, two-sided p = 6.96e-6.
+  assert study.two_proportion_p(50.0, 40.0, 1000) == pytest.approx(6.96e-6, rel=1e-2)
+  assert study.two_proportion_p(40.0, 40.0, 1000) == pytest.approx(1.0)
+  shown = {"rc_f1": 0.0, "h32_em1": None, "full_em1": None, "train_seconds": 60.0, "command": "c"}
+  base = {"name": "b", "rc_em": 40.0, "questions": 1000, **shown}
+  new = {"name": "x", "rc_em": 50.0, "questions": 1000, "hits": "1" * 500 + "0" * 500, **shown}
+  old = {"name": "y", "rc_em": 41.0, "questions": 1000, "p_value": 0.3, "only_this": 5,
+         "only_baseline": 3, **shown}
+  runs = [base, new, old]
+  study.compare(runs)
+  report = {"runs": runs, "cpu_best": None, "teacher": None}
+  assert "| x | 50.00 | 0.00 | +10.00 | - / - | 6.97e-06 (unpaired) |" in study.render(report, "c")
+  assert base["p_value"] is None and base["delta_em"] == 0
+  assert new["test"] == "unpaired" and new["only_this"] is None
+  assert new["p_value"] == pytest.approx(6.96e-6, rel=1e-2)
+  assert (old["test"], old["p_value"], old["only_this"]) == ("mcnemar", 0.3, 5)
+  base["hits"] = "1" * 400 + "0" * 600
+  study.compare(runs)
+  assert new["test"] == "mcnemar" and (new["only_this"], new["only_baseline"]) == (100, 0)
+  assert "(unpaired) |" not in study.render(report, "c")
+
+
 def test_score_scale_is_a_temperature_of_the_phrase_scores():
   """score_scale s: the unified loss of questions x s; s = 1 is the loss as before."""
   from dpjax.models import create_model
