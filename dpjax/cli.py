@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     mode(load_config(args.config, args.set), args.workdir, **extra)
   except (*EXPECTED, OSError, Preempted) as e:  # bad input or state, I/O: one line (stack:
     logging.error("%s", e, exc_info=args.debug)  # --debug); SIGTERM: stopped with a checkpoint
-    return distributed.exit_now(143 if isinstance(e, Preempted) else 2)
+    return distributed.exit_for(e)
   except BaseException:
     if distributed.many_processes():  # the others would wait for it at the next barrier
       traceback.print_exc()

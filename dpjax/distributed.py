@@ -23,7 +23,7 @@ import time
 import jax
 from jax.experimental import multihost_utils
 
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, Preempted
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,26 @@ def process_share(item: int) -> bool:
 
 def many_processes() -> bool:
   return jax.process_count() > 1
+
+
+def exit_for(error: BaseException) -> int:
+  """The exit of an expected error: 143 for a preemption stop (`Preempted`: every process stopped
+  after the same step, so they leave together), else 2 at once."""
+  return exit_together(143) if isinstance(error, Preempted) else exit_now(2)
+
+
+def exit_together(code: int) -> int:
+  """In a multi-process job where every process stops at the same point (a preemption stop: JAX's
+  sync point makes all of them stop after one step), leaves through JAX's shutdown barrier, then
+  exits: process 0 hosts the coordination service, and exiting before the others have
+  disconnected makes their agents abort (status -6 instead of `code`). In a single process,
+  returns `code`."""
+  if many_processes():
+    try:
+      jax.distributed.shutdown()
+    except Exception as e:  # e.g. the barrier timed out: exit with `code` all the same
+      logging.warning("jax.distributed.shutdown: %s", e)
+  return exit_now(code)
 
 
 def exit_now(code: int) -> int:
