@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu-base: the same configs, steps and
-# seed as on the CPU), run on a lent GPU machine, where a run takes minutes instead of ~75:
+# Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu-base: the same configs, steps
+# and seed as on the CPU), run on a lent GPU machine, where a run takes minutes instead of ~75:
 #   1. the factor runs of experiments/recipe_runs.sh, two at a time (each process may take 45% of
 #      the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
 #   2. the baseline's full SQuAD-open small dump and Flat index, and its subcorpora C0 / H32 for a

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The recipe study of issue 21 at the CPU budget (experiments/squad.py:cpu-base): one factor per run
-# against the baseline, same seed, each into workdirs/recipe/<name>, one after the other (a run
+# The recipe study of issue 21 at the CPU budget (experiments/squad.py:cpu-base): one factor per
+# run against the baseline, same seed, each into workdirs/recipe/<name>, one after the other (a run
 # alone on both cores takes ~65 min + evaluation; two side by side on one core each are ~1.6x
 # slower per run). Each run resumes from its last checkpoint; finished runs are skipped.
 # Usage: bash experiments/recipe_runs.sh [NAME ...]   (default: all, in this order)
-#   OUT (workdirs/recipe), PY, CONFIG (experiments/squad.py:cpu-base) and SET (more --set arguments,
-#   e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
+#   OUT (workdirs/recipe), PY, CONFIG (experiments/squad.py:cpu-base) and SET (more --set
+#   arguments, e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
 #   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
 #   `bash experiments/recipe_runs.sh --settings NAME` prints NAME's --set arguments only.
 # Then: python experiments/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
@@ -36,9 +36,9 @@ declare -A RUNS=(
   # ~1.7x its step time), 2,000 steps: the 90-minute CPU candidate.
   [grouped5-2000]="--set train.questions_per_window=5 --set train.num_steps=2000"
   [grouped5]="--set train.questions_per_window=5"
-  # For the accelerator recipe (CONFIG=experiments/squad.py: batch 48 windows, ~1,100 steps of
-  # ~225 questions for 2 epochs): twice the epochs, the same number of question passes as the
-  # default's ~3,660 steps of 48 questions costs in phrase-encoder work and less.
+  # For the accelerator recipe (CONFIG=experiments/squad.py: batch 48 windows, ~550 steps of
+  # ~215 questions an epoch): 4 epochs, ~2,200 steps, ~0.6x the phrase-encoder work of the
+  # default's 3,664 steps of 48 windows and ~2.3x its question passes.
   [grouped5-e4]="--set train.questions_per_window=5 --set train.epochs=4"
 )
 if [ "${1:-}" = --settings ]; then
