@@ -45,7 +45,7 @@ EOF
 )
 [ -n "$best" ] || { echo "no candidate finished"; exit 1; }
 echo "=== $(date -Is) chain for the best RC EM: $best"
-# shellcheck disable=SC2046  # the run's --set arguments, word-split on purpose
+# shellcheck disable=SC2086  # the run's --set arguments, word-split on purpose
 settings=$(bash experiments/recipe_runs.sh --settings "$best")
 bash experiments/squad_gpu_chain.sh "$R/$best" $settings $SET || exit $?
 copy
