@@ -20,7 +20,7 @@ from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.io import write_json
 from dpjax.models.encoders import bound, phrase_batches, question_vectors
-from dpjax.models.reader import CrossEncoderReader, window_logits_fn
+from dpjax.models.reader import CrossEncoderReader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
 
@@ -100,14 +100,18 @@ def keep_best(best: dict, features: RCFeatures, passages: list[Passage], feats: 
 def reader_logits(reader, features: RCFeatures, rows: np.ndarray, *, mesh,
                   batch_size: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """(feature rows, the cross-encoder reader's start/end logits [n, L, 2] at their window
-  positions), batch by batch, for feature `rows`."""
-  fn = window_logits_fn(reader)
-  for at in range(0, len(rows), batch_size):
-    part = rows[at:at + batch_size]
-    inputs = cross_batch(features, part)
-    keys = ("cross_input_ids", "cross_attention_mask", "cross_token_type_ids", "cross_align")
-    for _, logits in map_batches(fn, [inputs[k] for k in keys], batch_size, mesh):
-      yield part, logits
+  positions), batch by batch, for feature `rows`: longest inputs first, each batch cut to its
+  longest `[CLS] question [SEP] window` rounded up to 32 tokens (most SQuAD windows are
+  shorter than the window plus question length they are padded to); the logits are then read
+  at the window positions on the host."""
+  rows = np.asarray(rows)
+  inputs = cross_batch(features, rows)
+  keys = ("cross_input_ids", "cross_attention_mask", "cross_token_type_ids")
+  for at, logits in map_batches(logits_fn(reader), [inputs[k] for k in keys], batch_size, mesh,
+                                lengths=inputs["cross_attention_mask"].sum(1)):
+    # A window position past the cut is padding of the window (the context mask excludes it).
+    align = np.minimum(inputs["cross_align"][at], logits.shape[1] - 1)
+    yield rows[at], np.take_along_axis(logits, align[..., None], axis=1)
 
 
 def predict_rc_reader(reader, features: RCFeatures, passages: list[Passage], *, mesh,

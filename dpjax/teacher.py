@@ -82,12 +82,11 @@ def write_logits(config, workdir: pathlib.Path) -> dict:
   batch_size = round_to_devices(config.eval.batch_size, mesh)
 
   def compute(part: np.ndarray) -> np.ndarray:
-    out = np.zeros((len(part), 2, config.data.max_seq_length), np.float32)
-    at = 0
-    for _, logits in reader_logits(reader, train.features, part, mesh=mesh,
-                                   batch_size=batch_size):
-      out[at:at + len(logits)] = np.moveaxis(logits, 2, 1)
-      at += len(logits)
+    out = np.full((len(part), 2, config.data.max_seq_length), np.nan, np.float32)
+    slot = {row: i for i, row in enumerate(part.tolist())}  # batches come longest first
+    for rows, logits in reader_logits(reader, train.features, part, mesh=mesh,
+                                      batch_size=batch_size):
+      out[[slot[r] for r in rows.tolist()]] = np.moveaxis(logits, 2, 1)
     return out
 
   params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]

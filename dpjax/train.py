@@ -224,6 +224,24 @@ def evaluate(run: Run, step: int) -> dict:
   return record
 
 
+def _finished(run: Run) -> dict:
+  """A finished run's results.json when it was evaluated at the last step, so running the
+  command again does not repeat the evaluation (single process: with several, every process
+  must take the same branch of a collective evaluation, and only process 0 writes the file)."""
+  path = run.workdir / "results.json"
+  if jax.process_count() > 1 or not path.is_file():
+    return {}
+  try:
+    old = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError):
+    return {}
+  if not isinstance(old, dict) or old.get("step") != run.first or "rc_exact_match" not in old:
+    return {}
+  log.info("step %d: finished and evaluated before (%s): dev RC EM %.2f", run.first, path,
+           old["rc_exact_match"])
+  return old
+
+
 def _meta(run: Run, done: int) -> dict:
   epoch, index = run.batches.position(done)
   return {"step": done, "epoch": epoch, "index_in_epoch": index,
@@ -326,7 +344,7 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
     run.checkpointer.close()
   record = run.record
   if run.first >= run.total and not record:
-    record = evaluate(run, run.first)
+    record = _finished(run) or evaluate(run, run.first)
   if validator:
     record = {**record, **validator.best()}
     validator.close()

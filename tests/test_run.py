@@ -72,6 +72,13 @@ def test_train_resume_gives_the_same_losses(tmp_path, straight):
   assert _train_losses(broken) == straight
   assert (json.loads((broken / "results.json").read_text())
           == json.loads((workdir / "results.json").read_text()))
+  # Running the finished run again reuses its evaluation of the last step, not repeating it.
+  evaluations = (broken / "metrics.jsonl").read_text().count('"split": "dev"')
+  assert evaluations >= 1
+  assert run.main(base + ["--workdir", str(broken)]) == 0
+  assert (broken / "metrics.jsonl").read_text().count('"split": "dev"') == evaluations
+  assert (json.loads((broken / "results.json").read_text())
+          == json.loads((workdir / "results.json").read_text()))
 
 
 def test_open_domain_pipeline_tiny(tmp_path, capsys):

@@ -1,4 +1,5 @@
 """The cross-encoder teacher: its inputs and head, its logits file, distillation in training."""
+import dataclasses
 import json
 import shutil
 
@@ -9,12 +10,15 @@ import pytest
 from flax import nnx
 
 from dpjax.config import load_config
-from dpjax.data.batches import GroupedBatches, TrainBatches, cross_encoder_inputs
+from dpjax.data.batches import GroupedBatches, TrainBatches, cross_batch, cross_encoder_inputs
+from dpjax.data.squad import PassageWindows, RCFeatures
 from dpjax.data.teacher_logits import TeacherLogits, write_teacher_logits
 from dpjax.errors import DataError
 from dpjax.models.bert import BertConfig
 from dpjax.models.reader import CrossEncoderReader
 from dpjax.objectives import compute_loss, teacher_loss
+from dpjax.parallel import make_mesh
+from dpjax.rc import reader_logits
 
 import run
 
@@ -47,6 +51,39 @@ def test_cross_inputs_put_every_window_token_where_align_says():
       assert x["cross_token_type_ids"][b, x["cross_align"][b, t]] == 1
     assert x["cross_attention_mask"][b].sum() == nq + nw - 1
     assert x["cross_token_type_ids"][b, :nq].sum() == 0
+
+
+def test_reader_logits_cut_to_each_batch_equal_the_full_width_ones():
+  """`rc.reader_logits` takes rows longest first and cuts each batch to its longest input: at
+  every real window position its logits equal those of the full-width rows, matched by row."""
+  rng = np.random.default_rng(2)
+  lengths = np.array([70, 9, 33, 120, 12, 64, 5, 90, 41])
+  w_ids, w_mask = random_rows(rng, 9, 128, lengths)
+  q_ids, q_mask = random_rows(rng, 4, 16, np.array([16, 4, 9, 6]))
+  zeros = np.zeros(9, np.int32)
+  windows = PassageWindows(w_ids.astype(np.int32), w_mask, w_mask > 0, w_mask > 0, zeros[:, None],
+                           zeros[:, None], zeros, zeros)
+  questions = np.array([0, 1, 2, 3, 0, 1, 2, 3, 1, 0, 3])
+  features = RCFeatures(windows, q_ids.astype(np.int32), q_mask, questions,
+                        np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 3, 0]), np.zeros(11, np.int32),
+                        np.zeros(11, np.int32))
+  config = dataclasses.replace(TINY, max_position_embeddings=160)
+  reader = CrossEncoderReader(config, rngs=nnx.Rngs(0))
+  rows = np.array([10, 3, 0, 7, 1, 9, 5, 2, 8, 6, 4])
+  full = cross_batch(features, rows)
+  want = np.asarray(reader.window_logits(*(jnp.asarray(full[k]) for k in (
+      "cross_input_ids", "cross_attention_mask", "cross_token_type_ids", "cross_align"))))
+  seen = []
+  for part, logits in reader_logits(reader, features, rows, mesh=make_mesh(), batch_size=8):
+    assert logits.shape == (len(part), 128, 2)
+    for row, got in zip(part.tolist(), logits):
+      i = rows.tolist().index(row)
+      n = w_mask[features.window_index[row]].sum()
+      np.testing.assert_allclose(got[:n], want[i, :n], rtol=1e-5, atol=1e-5)
+    seen += part.tolist()
+  assert sorted(seen) == sorted(rows.tolist())
+  widths = full["cross_attention_mask"].sum(1)
+  assert [widths[rows.tolist().index(r)] for r in seen] == sorted(widths, reverse=True)
 
 
 def test_the_teacher_head_learns_gold_spans_at_the_window_positions():

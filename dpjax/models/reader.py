@@ -39,22 +39,22 @@ class CrossEncoderReader(nnx.Module):
 
 
 @functools.lru_cache(maxsize=4)
-def _jitted_window_logits(graphdef: nnx.GraphDef):
+def _jitted_logits(graphdef: nnx.GraphDef):
   """Cached per graph definition (as `encoders.make_encoders`): every logits shard and every
-  evaluation of a training run reuse one compiled function."""
+  evaluation of a training run reuse one compiled function (per input width)."""
 
   @jax.jit
   def logits(state, *inputs):
-    return nnx.merge(graphdef, state).window_logits(*inputs)
+    return nnx.merge(graphdef, state)(*inputs)
 
   return logits
 
 
-def window_logits_fn(reader: CrossEncoderReader):
-  """The jitted `fn(input_ids, attention_mask, token_type_ids, align) -> [B, L, 2]` of a reader
-  (for `parallel.map_batches`)."""
+def logits_fn(reader: CrossEncoderReader):
+  """The jitted `fn(input_ids, attention_mask, token_type_ids) -> [B, T, 2]` of a reader, at
+  its own input positions (for `parallel.map_batches`, whose `lengths` cut T to the batch)."""
   graphdef, state = nnx.split(reader)
-  logits = _jitted_window_logits(graphdef)
+  logits = _jitted_logits(graphdef)
   return lambda *inputs: logits(state, *inputs)
 
 
