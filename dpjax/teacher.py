@@ -87,6 +87,10 @@ def write_logits(config, workdir: pathlib.Path) -> dict:
     for rows, logits in reader_logits(reader, train.features, part, mesh=mesh,
                                       batch_size=batch_size):
       out[[slot[r] for r in rows.tolist()]] = np.moveaxis(logits, 2, 1)
+    bad = ~np.isfinite(out).all(axis=(1, 2))
+    if bad.any():  # never written: a diverged teacher, or rows the batches did not cover
+      raise DataError(f"the teacher's logits of {int(bad.sum())} training examples (feature "
+                      f"rows {part[bad][:5].tolist()}...) are missing or not finite")
     return out
 
   params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]

@@ -210,6 +210,7 @@ def test_teacher_command_then_distilled_training(tmp_path):
   assert manifest["complete"] and manifest["rows"] > 0
   assert run.main(["teacher"] + base) == 0  # done: resumes to the same manifest
   assert json.loads((tmp_path / "teacher" / "logits" / "manifest.json").read_text()) == manifest
+  _logits_are_the_teachers(tmp_path, manifest)
   assert run.main(["train"] + base + ["--set", "train.teacher_logits=teacher/logits"]) == 0
   logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert all("distill" in r for r in logged if r["split"] == "train")
@@ -221,6 +222,31 @@ def test_teacher_command_then_distilled_training(tmp_path):
   assert run.main(["train", "--config", CONFIG, "--workdir", str(other), "--set",
                    "train.teacher_logits=teacher/logits", "--set", "data.seed=1"]) == 2
   assert not (other / "checkpoints").exists()
+
+
+def _logits_are_the_teachers(workdir, manifest):
+  """Each written row holds the restored teacher's own logits of that row (float16)."""
+  from dpjax.checkpoint import restore_params
+  from dpjax.data import Tokenizer, data_files, load_rc_split
+  from dpjax.models.reader import create_reader
+  config = load_config(CONFIG)
+  train = load_rc_split(data_files(config.data, workdir)["train"],
+                        Tokenizer.from_pretrained(config.model.tokenizer), config.data)
+  reader = create_reader(config.model)
+  assert restore_params(workdir / "teacher" / "checkpoints", reader) is not None
+  written = TeacherLogits(workdir / "teacher" / "logits", data=manifest["fingerprint"]["data"],
+                          length=config.data.max_seq_length)
+  rows = np.flatnonzero(written.slot >= 0)[::7][:12]
+  full = cross_batch(train.features, rows)
+  want = np.asarray(reader.window_logits(*(jnp.asarray(full[k]) for k in (
+      "cross_input_ids", "cross_attention_mask", "cross_token_type_ids", "cross_align"))))
+  got = written.batch(rows)
+  for i, row in enumerate(rows):
+    n = train.features.windows.attention_mask[train.features.window_index[row]].sum()
+    np.testing.assert_allclose(got["teacher_start_logits"][i, :n], want[i, :n, 0], atol=2e-3,
+                               rtol=2e-3)
+    np.testing.assert_allclose(got["teacher_end_logits"][i, :n], want[i, :n, 1], atol=2e-3,
+                               rtol=2e-3)
 
 
 def test_recipe_study_report(tmp_path):
