@@ -134,12 +134,19 @@ def summary(run: dict | None) -> dict | None:
                                   "p_value", "test", "command")}
 
 
+def p_text(p: float | None) -> str:
+  """A p-value to 3 significant digits; one below the smallest double reads `< 1e-300`."""
+  if p is None:
+    return "-"
+  return "< 1e-300" if p == 0 else f"{p:.3g}"
+
+
 def render(r: dict, command: str) -> str:
   fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)
   rows = [f"| {x['name']} | {fmt(x['rc_em'])} | {fmt(x['rc_f1'])} | "
           f"{fmt(x['delta_em'], '{:+.2f}')} | {fmt(x['only_this'], '{}')} / "
           f"{fmt(x['only_baseline'], '{}')} | "
-          f"{fmt(x['p_value'], '{:.3g}')}{' (unpaired)' if x.get('test') == 'unpaired' else ''} | "
+          f"{p_text(x['p_value'])}{' (unpaired)' if x.get('test') == 'unpaired' else ''} | "
           f"{fmt(x['h32_em1'])} | {fmt(x['full_em1'])} | "
           f"{fmt(x['train_seconds'] and x['train_seconds'] / 60, '{:.0f}')} | `{x['command']}` |"
           for x in r["runs"]]

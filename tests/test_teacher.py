@@ -255,6 +255,8 @@ def test_recipe_study_report(tmp_path):
   study = load_script("experiments/recipe_study.py")
   assert study.mcnemar_p("1100", "1100") == (0, 0, 1.0)
   assert study.mcnemar_p("1111111111", "0000000000")[2] == pytest.approx(2 / 2 ** 10)
+  assert study.p_text(study.mcnemar_p("1" * 3000, "0" * 3000)[2]) == "< 1e-300"  # underflows
+  assert study.p_text(2 / 2 ** 10) == "0.00195" and study.p_text(None) == "-"
   base, other = tmp_path / "base", tmp_path / "other"
   assert run.main(["train", "--config", CONFIG, "--workdir", str(base)]) == 0
   assert run.main(["train", "--config", CONFIG, "--workdir", str(other), "--set",
