@@ -32,18 +32,8 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
-
-
-def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
-  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
-  a_only = sum(1 for x, y in zip(hits_a, hits_b) if x == "1" and y == "0")
-  b_only = sum(1 for x, y in zip(hits_a, hits_b) if x == "0" and y == "1")
-  n, k = a_only + b_only, min(a_only, b_only)
-  if n == 0:
-    return a_only, b_only, 1.0
-  tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-  return a_only, b_only, min(1.0, 2 * tail)
+from experiments.report import (elide_notes, mcnemar_p, p_text, save_results,  # noqa: E402
+                                with_notes)
 
 
 def two_proportion_p(em_a: float, em_b: float, n: int) -> float:
@@ -132,13 +122,6 @@ def summary(run: dict | None) -> dict | None:
     return None
   return {k: run.get(k) for k in ("name", "rc_em", "rc_f1", "h32_em1", "full_em1", "delta_em",
                                   "p_value", "test", "command")}
-
-
-def p_text(p: float | None) -> str:
-  """A p-value to 3 significant digits; one below the smallest double reads `< 1e-300`."""
-  if p is None:
-    return "-"
-  return "< 1e-300" if p == 0 else f"{p:.3g}"
 
 
 def render(r: dict, command: str) -> str:

@@ -1,6 +1,7 @@
 """Report helpers of the experiment scripts: results JSON + Markdown naming the command."""
 from __future__ import annotations
 
+import math
 import pathlib
 import shlex
 import sys
@@ -50,3 +51,18 @@ def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib
   print(out.with_suffix(".md").read_text())
   return out
 
+
+def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
+  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
+  a_only = sum(x == "1" and y == "0" for x, y in zip(hits_a, hits_b))
+  b_only = sum(x == "0" and y == "1" for x, y in zip(hits_a, hits_b))
+  n = a_only + b_only
+  tail = sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n if n else 1.0
+  return a_only, b_only, min(1.0, 2 * tail)
+
+
+def p_text(p: float | None) -> str:
+  """A p-value to 3 significant digits; one below the smallest double reads `< 1e-300`."""
+  if p is None:
+    return "-"
+  return "< 1e-300" if p == 0 else f"{p:.3g}"

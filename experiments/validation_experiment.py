@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments.report import mcnemar_p, p_text  # noqa: E402
 
 METRICS = ("em@1", "em@10", "top1", "top20")
 
@@ -216,16 +217,6 @@ def load_references(specs: list[str], subcorpora: dict, questions: int) -> dict[
   return found
 
 
-def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
-  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
-  import math
-  a_only = sum(x == "1" and y == "0" for x, y in zip(hits_a, hits_b))
-  b_only = sum(x == "0" and y == "1" for x, y in zip(hits_a, hits_b))
-  n = a_only + b_only
-  tail = sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n if n else 1.0
-  return a_only, b_only, min(1.0, 2 * tail)
-
-
 def equal_size_pairs(tokens: dict[str, int]) -> list[tuple[str, str]]:
   """(R_r, the H_k closest to it in index size) for every random subcorpus."""
   hard = [k for k in tokens if k.startswith("H")]
@@ -305,7 +296,7 @@ def findings(results: dict) -> list[str]:
       for metric in ("em@1", "top20"):
         a_only, b_only, p = mcnemar_p(fa["hits"][metric], fb["hits"][metric])
         cells.append(f"{fa[metric]:.2f} | {fb[metric]:.2f} | {fa[metric] - fb[metric]:+.2f} | "
-                     f"{a_only} / {b_only} | {p:.3g}")
+                     f"{a_only} / {b_only} | {p_text(p)}")
       lines.append(f"| {a} vs {b} | " + " | ".join(cells) + " |")
   return lines
 
