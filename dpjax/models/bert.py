@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpjax.models.dropout import Dropout
+
 _ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -85,7 +87,7 @@ class BertEmbeddings(nnx.Module):
     self.token_type_embeddings = nnx.Embed(config.type_vocab_size, config.hidden_size,
                                            embedding_init=init, rngs=rngs)
     self.layer_norm = _layer_norm(config, rngs)
-    self.dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.dropout = Dropout(config.hidden_dropout_prob)
     self.dtype = dtype
 
   def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None):
@@ -110,8 +112,8 @@ class BertSelfAttention(nnx.Module):
     self.value = _dense(config, d, d, dtype, rngs)
     self.output = _dense(config, d, d, dtype, rngs)
     self.layer_norm = _layer_norm(config, rngs)
-    self.attention_dropout = nnx.Dropout(config.attention_probs_dropout_prob)
-    self.output_dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.attention_dropout = Dropout(config.attention_probs_dropout_prob)
+    self.output_dropout = Dropout(config.hidden_dropout_prob)
     self.dtype = dtype
 
   def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None,
@@ -148,7 +150,7 @@ class BertLayer(nnx.Module):
     self.intermediate = _dense(config, config.hidden_size, config.intermediate_size, dtype, rngs)
     self.output = _dense(config, config.intermediate_size, config.hidden_size, dtype, rngs)
     self.layer_norm = _layer_norm(config, rngs)
-    self.dropout = nnx.Dropout(config.hidden_dropout_prob)
+    self.dropout = Dropout(config.hidden_dropout_prob)
     self.activation = _ACTIVATIONS[config.hidden_act]
     self.dtype = dtype
 

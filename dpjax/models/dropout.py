@@ -1,0 +1,82 @@
+"""Dropout with a counter-based hash mask: the interface of `nnx.Dropout`, ~30x cheaper masks.
+
+`jax.random.bernoulli` draws every mask element through threefry: on a CPU the attention dropout
+of one layer at [8, 12, 384, 384] costs ~300 ms on one core (`rbg` ~130 ms), more than the
+layer's matrix products. Here one threefry draw per call makes a 64-bit seed, and each element's
+32 random bits are a hash of its index in the (global) array and that seed,
+`mix(mix(index ^ seed0) + seed1)` with `mix` the lowbias32 integer finalizer (C. Wellons' hash
+prospector; full avalanche, bias ~0.1 of murmur3's): ~8 ms for the same mask, elementwise, fused
+by XLA into its consumer on an accelerator.
+
+For one seed the map index -> bits is a bijection of uint32, like a counter-based generator
+(Philox) under one key; two seeds give unrelated masks. The index is the element's position in
+the global array, built from broadcasted iotas, so a mask does not depend on how the array is
+sharded (data-parallel over N devices draws the masks of one device). Arrays of 2**32 elements
+or more fall back to `jax.random.bernoulli`. Keep probability: 1 - round(rate * 2**32) / 2**32.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_U32 = 2 ** 32
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """lowbias32: a bijective uint32 -> uint32 finalizer with full avalanche."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x21F0AAAD)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x735A2D97)
+  return x ^ (x >> 15)
+
+
+def element_index(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's row-major position in an array of `shape` (uint32; size < 2**32)."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    if shape[axis] > 1:
+      index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+    stride *= shape[axis]
+  return index
+
+
+def hash_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """32 pseudo-random bits per element of `shape` from `seed` (uint32[2])."""
+  return _mix(_mix(element_index(shape) ^ seed[0]) + seed[1])
+
+
+def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+  """True where an element is kept (probability 1 - rate) under `key` (a jax.random key)."""
+  if math.prod(shape) >= _U32:
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+  seed = jax.random.bits(key, (2,), jnp.uint32)
+  threshold = np.uint32(min(round(rate * _U32), _U32 - 1))
+  return hash_bits(seed, shape) >= threshold
+
+
+class Dropout(nnx.Module):
+  """`nnx.Dropout(rate)` with `keep_mask`'s hash masks; same call: `(x, deterministic=, rngs=)`
+  (the key comes from the `dropout` stream of `rngs`)."""
+
+  def __init__(self, rate: float, *, rng_collection: str = "dropout"):
+    if not 0.0 <= rate <= 1.0:
+      raise ValueError(f"dropout rate {rate} is not in [0, 1]")
+    self.rate = rate
+    self.rng_collection = rng_collection
+
+  def __call__(self, x: jax.Array, *, deterministic: bool = False,
+               rngs: nnx.Rngs | None = None) -> jax.Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    if self.rate == 1.0:
+      return jnp.zeros_like(x)
+    if rngs is None:
+      raise ValueError("Dropout needs `rngs` (with a 'dropout' stream) when not deterministic")
+    keep = keep_mask(rngs[self.rng_collection](), x.shape, self.rate)
+    return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros_like(x))
