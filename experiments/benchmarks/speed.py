@@ -76,7 +76,9 @@ def role_dump(args) -> dict:
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
-                           batch_size=config.index.batch_size, shard_passages=100, **extra)
+                           batch_size=config.index.batch_size,
+                           shard_passages=int(args.shard_passages or config.index.shard_passages),
+                           **extra)
   # The new tree's tokenizing processes (the old tree has none).
   workers = {} if args.workers is None else {"workers": int(args.workers)}
   mesh = make_mesh(local=True)
@@ -92,6 +94,7 @@ def role_dump(args) -> dict:
   return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": compiles,
           "compiles_warm": counter["compiles"] - compiles, "cold_seconds": cold,
           "tokens_per_s": manifest["num_tokens"] / seconds,
+          "shard_passages": dump_config.shard_passages, "shards": len(manifest["shards"]),
           "host_seconds": manifest.get("host_seconds"),
           "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
 
@@ -229,6 +232,7 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
   from dpjax.index.dump import Dump
   py = sys.executable
   common = {"passages_file": scratch / "passages.json"}
+  common["shard_passages"] = args.dump_shard_passages or 0  # 0: the config's
   new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
                  min_context=args.dump_min_context, workers=args.dump_workers)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
@@ -289,7 +293,10 @@ def markdown(results: dict, command: str) -> str:
   for key, target in targets.items():
     value = s.get(key)
     lines.append(f"| `{key}` | {'n/a' if value is None else f'{value:.2f}'} | {target} |")
-  lines += ["", f"Dump ({d['passages']} SQuAD dev passages, {d['new']['tokens']:,} stored tokens):"
+  shards = (f", {d['new']['shards']} shard(s) of up to {d['new']['shard_passages']} passages"
+            if "shards" in d["new"] else "")
+  lines += ["", f"Dump ({d['passages']} SQuAD dev passages{shards}, {d['new']['tokens']:,} "
+            "stored tokens):"
             f" new {d['new']['tokens_per_s']:,.0f} tokens/s, old {d['old']['tokens_per_s']:,.0f}; "
             f"bare forward {d['bare']['tokens_per_s']:,.0f} tokens/s at {d['bare']['shape']}"
             + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
@@ -331,7 +338,12 @@ def main(argv=None) -> int:
                       help="the new dump's index.dump_min_context (0: windows as before)")
   parser.add_argument("--dump-workers", type=int, default=0,
                       help="the new dump's index.dump_workers (tokenizing processes)")
-  for name in ("out-dir", "passages-file", "questions-file", "index", "min-context", "workers"):
+  parser.add_argument("--dump-shard-passages", type=int,
+                      help="passages per dump shard, both trees (default: the config's "
+                           "index.shard_passages, as `run.py dump`; the runs before 2026-11-25 "
+                           "used 100)")
+  for name in ("out-dir", "passages-file", "questions-file", "index", "min-context", "workers",
+               "shard-passages"):
     parser.add_argument(f"--{name}")
   args = parser.parse_args(argv)
   if args.role:  # a child: this tree's code, one measurement
