@@ -54,8 +54,9 @@ def summarize(name: str, times: list[float]) -> dict:
           "tokens_per_s": tokens / median, "timed_steps": len(times), "all_step_s": times}
 
 
-def bench_jax(steps: int, warmup: int) -> dict:
+def bench_jax(steps: int, warmup: int, dtype: str = "float32") -> dict:
   import jax
+  import jax.numpy as jnp
 
   from dpjax.config import train_config
   from dpjax.models import load_dense_phrases
@@ -66,7 +67,7 @@ def bench_jax(steps: int, warmup: int) -> dict:
   config = train_config(batch_size=BATCH, learning_rate=3e-5)
   config.loss.prebatch_size = 0
   mesh = make_mesh()
-  model = load_dense_phrases("minilm-l6")
+  model = load_dense_phrases("minilm-l6", dtype=jnp.dtype(dtype))
   objective = make_objective(config.loss, batch_size=BATCH, length=LENGTH,
                              dim=model.config.hidden_size)
   trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh)
@@ -79,8 +80,9 @@ def bench_jax(steps: int, warmup: int) -> dict:
     jax.block_until_ready((state, metrics))
     if i >= warmup:
       times.append(time.perf_counter() - start)
-  result = summarize("dpjax (JAX, jit)", times)
-  result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]))
+  result = summarize("dpjax (JAX, jit)" + (f", {dtype}" if dtype != "float32" else ""), times)
+  result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
+                dtype=dtype)
   return result
 
 
@@ -145,14 +147,16 @@ def main():
   parser.add_argument("--torch-python", default=sys.executable,
                       help="interpreter with torch and transformers for the PyTorch step")
   parser.add_argument("--out", help="write the results as JSON here")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="dpjax's compute dtype (PyTorch's step stays float32)")
   args = parser.parse_args()
   if args.framework == "jax":
-    print(json.dumps(bench_jax(args.steps, args.warmup)))
+    print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype)))
     return
   if args.framework == "torch":
     print(json.dumps(bench_torch(args.steps, args.warmup)))
     return
-  results = [bench_jax(args.steps, args.warmup)]
+  results = [bench_jax(args.steps, args.warmup, args.dtype)]
   out = subprocess.run([args.torch_python, os.path.abspath(__file__), "--framework", "torch",
                         "--steps", str(args.steps), "--warmup", str(args.warmup)],
                        capture_output=True, text=True, check=True)
