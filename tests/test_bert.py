@@ -145,6 +145,42 @@ def test_bfloat16_products_sum_in_float32_on_cpu(model, dropout):
   assert all(e.outvars[0].aval.dtype == jnp.float32 for e in bf16_dots)
 
 
+def test_bfloat16_matmul_gradients_match_float32():
+  """The dense layers' bf16 product (float32 sums, custom backward) against float32 autodiff."""
+  from dpjax.models.bert import _bf16_matmul
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(3, 5, 24)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(24, 7)), jnp.bfloat16)
+  # a cotangent bf16 holds exactly (the backward rounds it to bf16): the float32 reference then
+  # differs only by the rounding of each result
+  g = jnp.asarray(rng.normal(size=(3, 5, 7)), jnp.bfloat16).astype(jnp.float32)
+  loss = lambda f: (lambda x, w: (f(x, w).astype(jnp.float32) * g).sum())
+  got = jax.grad(loss(_bf16_matmul), argnums=(0, 1))(x, w)
+  f32 = lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32)
+  want = jax.grad(loss(f32), argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2 ** -8, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(_bf16_matmul(x, w), np.float32), f32(x, w),
+                             rtol=2 ** -8, atol=1e-6)
+
+
+def test_bfloat16_model_gradients_track_float32(model):
+  ids, mask, types = (jnp.asarray(a) for a in _inputs())
+  bf16_model = BertModel(CONFIG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  nnx.update(bf16_model, nnx.state(model, nnx.Param))
+
+  def grads(m):
+    loss = lambda m: (m(ids, mask, types).astype(jnp.float32) ** 2).mean()
+    return nnx.state(nnx.grad(loss)(m), nnx.Param)
+  want, got = grads(model), grads(bf16_model)
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got),
+                               jax.tree_util.tree_leaves_with_path(want)):
+    a, b = np.asarray(a, np.float32), np.asarray(b)
+    scale = np.abs(b).max() + 1e-6
+    assert np.abs(a - b).max() < 0.05 * scale, path  # bf16: ~3 significant digits per product
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match="multiple"):
     BertConfig(hidden_size=10, num_attention_heads=3)

@@ -76,12 +76,45 @@ def _float32_sums(dtype) -> bool:
 
 
 def _dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, **kwargs):
-  """`lax.dot_general`, bfloat16 on CPU summed in float32 (`_float32_sums`), then rounded."""
+  """`lax.dot_general`, bfloat16 on CPU summed in float32 (`_float32_sums`), then rounded; a
+  dense layer's product (`_bf16_matmul`) also in its backward pass."""
   if not _float32_sums(lhs.dtype):
     return jax.lax.dot_general(lhs, rhs, dimension_numbers,
                                preferred_element_type=preferred_element_type, **kwargs)
+  if (dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and rhs.ndim == 2
+      and rhs.dtype == lhs.dtype and not any(kwargs.values())):
+    return _bf16_matmul(lhs, rhs)
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32,
                              **kwargs).astype(lhs.dtype)
+
+
+def _matmul_sums(x, w, contract_x: int, contract_w: int):
+  return jax.lax.dot_general(x, w, (((contract_x,), (contract_w,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _bf16_matmul(x, w):
+  """x [..., in] @ w [in, out] in bfloat16, summed in float32; its gradients likewise (JAX's own
+  transposes would multiply the float32 cotangent by bfloat16 operands: XLA:CPU's slow
+  mixed-type products)."""
+  return _matmul_sums(x, w, x.ndim - 1, 0).astype(x.dtype)
+
+
+def _bf16_matmul_fwd(x, w):
+  return _bf16_matmul(x, w), (x, w)
+
+
+def _bf16_matmul_bwd(saved, g):
+  x, w = saved
+  g = g.astype(x.dtype)
+  dx = _matmul_sums(g, w, g.ndim - 1, 1).astype(x.dtype)  # [..., out] . [in, out] -> [..., in]
+  rows = tuple(range(x.ndim - 1))
+  dw = jax.lax.dot_general(x, g, ((rows, rows), ((), ())), preferred_element_type=jnp.float32)
+  return dx, dw.astype(w.dtype)
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
 
 def _dense(config: BertConfig, in_features: int, out_features: int, dtype, rngs: nnx.Rngs):
