@@ -1,4 +1,5 @@
 """Dumping a corpus with a (tiny) model: no padding leaks, tokens once, resumable after a crash."""
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -182,3 +183,6 @@ def test_missing_metadata_and_empty_corpus(model, tokenizer, tmp_path):
     Dump.load(tmp_path / "d")
   with pytest.raises(DumpError, match="corpus is empty"):
     dump_phrases(model, tokenizer, [], tmp_path / "empty", CONFIG, mesh=make_mesh())
+  no_shards = dataclasses.replace(CONFIG, shard_passages=0)  # not "the corpus is empty"
+  with pytest.raises(DumpError, match=r"shard_passages \(0\).*at least 1"):
+    dump_phrases(model, tokenizer, _passages(4), tmp_path / "zero", no_shards, mesh=make_mesh())

@@ -244,6 +244,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
   `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
   """
+  if config.shard_passages < 1 or config.batch_size < 1:
+    raise DumpError(f"shard_passages ({config.shard_passages}) and batch_size "
+                    f"({config.batch_size}) of a dump must be at least 1")
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   chunks = _batches(passages, config.shard_passages)

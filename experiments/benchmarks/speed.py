@@ -73,11 +73,12 @@ def role_dump(args) -> dict:
   extra = {}
   if args.min_context is not None:  # the new tree's dump windows (the old tree has none)
     extra["min_context"] = int(args.min_context)
+  shard_passages = int(args.shard_passages or 0) or config.index.shard_passages  # 0: config's
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
                            batch_size=config.index.batch_size,
-                           shard_passages=int(args.shard_passages or config.index.shard_passages),
+                           shard_passages=shard_passages,
                            **extra)
   # The new tree's tokenizing processes (the old tree has none).
   workers = {} if args.workers is None else {"workers": int(args.workers)}
