@@ -45,13 +45,10 @@ declare -A RUNS=(
   [grouped5-e4]="--set train.questions_per_window=5 --set train.epochs=4"
   # bfloat16 compute (float32 sums; a CPU train step 1.32x float32's): the same 2,000 steps
   # (quality, paired with grouped5-2000), then the steps that fit the same ~72 minutes.
-  # The best single factor besides grouped batches (no pre-batch negatives) on top of them.
-  [grouped5-2000-prb0]="--set train.questions_per_window=5 --set train.num_steps=2000"
   [grouped5-2000-bf16]="--set train.questions_per_window=5 --set train.num_steps=2000"
   [grouped5-2600-bf16]="--set train.questions_per_window=5 --set train.num_steps=2600"
 )
 RUNS[grouped5-2000-distill]+=" --set train.teacher_logits=teacher/logits"
-RUNS[grouped5-2000-prb0]+=" --set train.loss.prebatch_size=0"
 RUNS[grouped5-2000-bf16]+=" --set model.dtype=bfloat16"
 RUNS[grouped5-2600-bf16]+=" --set model.dtype=bfloat16"
 if [ "${1:-}" = --settings ]; then
@@ -60,7 +57,7 @@ if [ "${1:-}" = --settings ]; then
 fi
 ORDER=(base lr2e-4 grouped3 scale2 scale0.5 inb4 lr5e-5 prb4 prb0 warm0.2 warm0.02 dropout
        len128 len256 distill grouped3-distill grouped5-2000 grouped5 grouped5-e4
-       grouped5-2000-distill grouped5-2000-prb0 grouped5-2000-bf16 grouped5-2600-bf16)
+       grouped5-2000-distill grouped5-2000-bf16 grouped5-2600-bf16)
 for name in "${@:-${ORDER[@]}}"; do
   [ -n "${RUNS[$name]+x}" ] || { echo "unknown run $name (one of ${ORDER[*]})"; exit 2; }
   W=$OUT/$name
