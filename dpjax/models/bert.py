@@ -182,7 +182,8 @@ class BertSelfAttention(nnx.Module):
 
     q, k, v = heads(self.query(attending)), heads(self.key(hidden)), heads(self.value(hidden))
     dropout = rngs is not None and self.attention_dropout.rate > 0
-    if not dropout and not _float32_sums(self.dtype):
+    float32_sums = _float32_sums(self.dtype)
+    if not dropout and not float32_sums:
       # The fused kernel (cuDNN flash attention on GPU for float16/bfloat16; XLA elsewhere):
       # no [B, H, L, L] probabilities kept for the backward pass.
       context = jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
@@ -192,9 +193,9 @@ class BertSelfAttention(nnx.Module):
       probs = jax.nn.softmax(scores / jnp.sqrt(jnp.float32(head_dim)) + attention_bias, axis=-1)
       if dropout:
         probs = self.attention_dropout(probs, deterministic=False, rngs=rngs)
-      sums = jnp.float32 if _float32_sums(self.dtype) else None
       context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v,
-                           preferred_element_type=sums).astype(self.dtype)
+                           preferred_element_type=jnp.float32 if float32_sums else None)
+      context = context.astype(self.dtype)
     context = context.reshape(attending.shape)
     out = self.output_dropout(self.output(context), deterministic=rngs is None, rngs=rngs)
     return self.layer_norm(out + attending).astype(self.dtype)  # [B, L or num_queries, D]

@@ -232,8 +232,8 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
 
   from dpjax.index.dump import Dump
   py = sys.executable
-  common = {"passages_file": scratch / "passages.json"}
-  common["shard_passages"] = args.dump_shard_passages or 0  # 0: the config's
+  common = {"passages_file": scratch / "passages.json",
+            "shard_passages": args.dump_shard_passages or 0}  # 0: the config's
   new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
                  min_context=args.dump_min_context, workers=args.dump_workers)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
