@@ -58,6 +58,7 @@ def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, t
   assert manifest["num_tokens"] == sum(counts)
   np.testing.assert_array_equal(np.bincount(Dump.load(tmp_path).token_passage), counts)
   assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
+  assert 0 <= manifest["host_cpu_seconds"] <= manifest["seconds"]
 
 
 def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenizer, tmp_path):

@@ -97,6 +97,7 @@ def role_dump(args) -> dict:
           "tokens_per_s": manifest["num_tokens"] / seconds,
           "shard_passages": dump_config.shard_passages, "shards": len(manifest["shards"]),
           "host_seconds": manifest.get("host_seconds"),
+          "host_cpu_seconds": manifest.get("host_cpu_seconds"),
           "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
 
 
@@ -245,7 +246,9 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
   diff = np.abs(a.vectors.astype(np.float32) - b.vectors.astype(np.float32))
   return {"new": new, "old": was, "bare": bare, "torch": torch,
           "vectors_max_abs_diff": float(diff.max()), "vectors_mean_abs_diff": float(diff.mean()),
-          "host_us_per_token": 1e6 * new["host_seconds"] / new["tokens"]}
+          "host_us_per_token": 1e6 * new["host_seconds"] / new["tokens"],
+          "host_cpu_us_per_token": (1e6 * new["host_cpu_seconds"] / new["tokens"]
+                                    if new.get("host_cpu_seconds") is not None else None)}
 
 
 def measure_eval(args, old: pathlib.Path, scratch: pathlib.Path, questions: list) -> dict:
@@ -288,7 +291,8 @@ def markdown(results: dict, command: str) -> str:
            f"old code = `{results['old_commit']}`, new = `{results['new_commit']}`.", "",
            "| figure | value | target |", "|---|---|---|"]
   targets = {"dump_over_bare_forward": ">= 0.9", "dump_new_over_old": ">= 1.3",
-             "dump_host_us_per_token": "<= 2", "dump_over_torch": "(>= 1 wanted)",
+             "dump_host_us_per_token": "<= 2",
+             "dump_host_cpu_us_per_token": "(its CPU time)", "dump_over_torch": "(>= 1 wanted)",
              "eval_new_over_old_flat": ">= 2.0", "eval_new_over_old_ivf_sq4": ">= 4.0",
              "train_step_over_torch": ">= 1.0"}
   for key, target in targets.items():
@@ -381,6 +385,9 @@ def run_all(args) -> int:
       "dump_over_bare_forward": dump["new"]["tokens_per_s"] / dump["bare"]["tokens_per_s"],
       "dump_new_over_old": dump["new"]["tokens_per_s"] / dump["old"]["tokens_per_s"],
       "dump_host_us_per_token": dump["host_us_per_token"],
+      # The same work in the main thread's CPU time: without the waits for a core that the
+      # encoder's threads hold on a CPU (not a target; what an accelerator's host would spend).
+      "dump_host_cpu_us_per_token": dump["host_cpu_us_per_token"],
       "dump_over_torch": (dump["new"]["tokens_per_s"] / dump["torch"]["tokens_per_s"]
                           if dump["torch"] else None),
       "eval_new_over_old_flat": evaluation["Flat"]["new_over_old"],
