@@ -280,8 +280,9 @@ def findings(results: dict) -> list[str]:
               f"full {own['full']['em@1']:.2f}), while the other models' H_k figures overstate "
               "theirs. The same comparison without it:", ""]
     without = results.get("tau_without_builder")
-    lines += (equal_size_table(without, tokens) if without else
-              ["(fewer than 3 other models: no ranking to compare)"])
+    lines += (equal_size_table(without, tokens) if without else []) or [
+        f"(no random and hard subcorpus of about equal size: the tau table's \"without {builder}\""
+        " columns)" if without else "(fewer than 3 other models: no ranking to compare)"]
   if results.get("compare"):
     lines += ["", "Model comparisons on the full corpus (paired over the same questions; "
               "McNemar's exact test on the questions only one of the two gets right"

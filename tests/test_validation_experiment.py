@@ -54,6 +54,24 @@ def test_findings_without_hard_subcorpora():
   assert lines[-1].startswith("| a vs b | 50.00 | 0.00 | +50.00 | 1 / 0 | 1 |")
 
 
+def test_findings_of_a_builder_without_a_random_subcorpus():
+  """H32 built by one of the models and no R_r: the comparison without the builder points to
+  the tau table's columns instead of ending the sentence with nothing."""
+  def model(em):
+    return {"subcorpora": {k: {"em@1": em, "top20": 90.0, "tokens": n, "hits": {}}
+                           for k, n in (("C0", 10), ("H32", 90), ("full", 300))}}
+  tau = {k: {"em@1": 1.0, "top20": 1.0} for k in ("C0", "H32", "full")}
+  results = {"models": {"b": model(20.0), "x": model(30.0), "y": model(25.0), "z": model(10.0)},
+             "tau": tau, "hard_builder": "b", "tau_without_builder": tau}
+  lines = experiment.findings(results)
+  said = lines.index(next(line for line in lines if line.endswith("The same comparison "
+                                                                    "without it:")))
+  assert lines[said + 2] == ("(no random and hard subcorpus of about equal size: the tau "
+                             "table's \"without b\" columns)")
+  results["tau_without_builder"] = None
+  assert "(fewer than 3 other models" in experiment.findings(results)[said + 2]
+
+
 def test_reference_models_only_from_the_same_questions(tmp_path):
   """A model of an earlier report joins the paired comparisons only when that report sampled the
   same dev questions (count and C0); its full-corpus hits are compared as a model's."""
