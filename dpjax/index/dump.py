@@ -281,8 +281,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     raise DumpError(f"{out_dir}: the corpus is empty")
   # The main thread's time outside waiting for the encoder and compiling (once per window width,
   # `compile_seconds`): the host work per token that caps a dump. On a CPU the encoder's threads
-  # share the cores with it, so its CPU time (`host_cpu_seconds`, less the compiling, which runs
-  # in this thread) is the work itself and the wall time adds the waits for a core.
+  # share the cores with it, so its CPU time (`host_cpu_seconds`) is the work itself and the wall
+  # time adds the waits for a core. The compiling runs in this thread: its wall time is taken
+  # off, exact when nothing compiles (a warm dump), else an underestimate (at least 0).
   compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
   manifest.update(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
                   compiles=compile_stats()["count"] - compiled["count"],
