@@ -152,3 +152,30 @@ def test_report_command_line_is_runnable():
   assert "--note ..." in line and "prose" not in line
   words = shlex.split(line.replace("--note ...", ""))
   assert words == ["python", "experiments/x.py", "--out", "results/a b.json", "--set", "x=['Flat']"]
+
+
+def test_speed_report_renders_every_figure():
+  """speed.py's Markdown from a results dict shaped as `run_all` makes it: every figure of issue
+  22 in the table (n/a where not measured, e.g. no PyTorch), the dump and eval lines."""
+  speed = _load("speed")
+  summary = {"dump_over_bare_forward": 0.79, "dump_new_over_old": 1.09,
+             "dump_host_us_per_token": 2.14, "dump_host_cpu_us_per_token": 1.5,
+             "dump_over_torch": None, "eval_new_over_old_flat": 2.35,
+             "eval_new_over_old_ivf_sq4": 1.72, "train_step_over_torch": None}
+  tree = {"tokens": 80000, "tokens_per_s": 5056.0, "shards": 1, "shard_passages": 2000,
+          "compiles": 5, "compiles_warm": 0, "cold_seconds": 18.0}
+  dump = {"new": tree, "old": {**tree, "tokens_per_s": 4636.0},
+          "bare": {"tokens_per_s": 6416.0, "shape": [64, 192]}, "torch": None, "passages": 600,
+          "vectors_max_abs_diff": 0.56, "vectors_mean_abs_diff": 0.0092, "min_context": 32}
+  run = {"questions_per_s": 65.0, "em@1": 43.44, "top20": 97.58, "compiles_timed": 0}
+  evaluation = {"Flat": {"old": run, "new": {**run, "questions_per_s": 152.8},
+                         "same_passages": True}}
+  results = {"summary": summary, "dump": dump, "eval": evaluation, "workdir": "w",
+             "config": "c", "devices": "1 cpu", "old_commit": "a", "new_commit": "b",
+             "notes": ["a note"]}
+  text = speed.markdown(results, "python experiments/benchmarks/speed.py ...")
+  for key, value in summary.items():
+    assert f"| `{key}` | {'n/a' if value is None else f'{value:.2f}'} |" in text
+  assert "new 5,056 tokens/s, old 4,636" in text and "PyTorch" not in text.split("Dump (")[1]
+  assert "| Flat | new | 152.8 | 43.44 | 97.58 | 0 |" in text
+  assert "Flat yes" in text and text.rstrip().endswith("a note")
