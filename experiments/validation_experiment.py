@@ -280,9 +280,12 @@ def findings(results: dict) -> list[str]:
               f"full {own['full']['em@1']:.2f}), while the other models' H_k figures overstate "
               "theirs. The same comparison without it:", ""]
     without = results.get("tau_without_builder")
-    lines += (equal_size_table(without, tokens) if without else []) or [
-        f"(no random and hard subcorpus of about equal size: the tau table's \"without {builder}\""
-        " columns)" if without else "(fewer than 3 other models: no ranking to compare)"]
+    if not without:
+      lines.append("(fewer than 3 other models: no ranking to compare)")
+    else:
+      lines += equal_size_table(without, tokens) or [
+          "(no random and hard subcorpus of about equal size: the tau table's "
+          f"\"without {builder}\" columns)"]
   if results.get("compare"):
     lines += ["", "Model comparisons on the full corpus (paired over the same questions; "
               "McNemar's exact test on the questions only one of the two gets right"
