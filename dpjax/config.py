@@ -75,7 +75,9 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
-            "qsft.level": ("phrase", "document")}
+            "qsft.level": ("phrase", "document"),
+            "model.dtype": ("float32", "bfloat16"),
+            "index.dump_dtype": ("", "float32", "bfloat16")}
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -314,6 +316,9 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # makes ~100k tokens/s and holds the GIL the encoder's feeder needs: use several on an
       # accelerator (each takes seconds to start; dpjax.index.dump.WindowMaker).
       "dump_workers": 0,
+      # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
+      # products (vectors stored float16 either way; the manifest records which).
+      "dump_dtype": "",
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

@@ -112,18 +112,33 @@ def cache_key(subcorpora: dict, questions: list, config) -> str:
              "max_answer_length": config.eval.max_answer_length,
              "data": {k: config.data[k] for k in ("max_seq_length", "doc_stride",
                                                   "max_query_length", "include_title")}}
+  if dump_dtype(config) != "float32":  # (float32 keys unchanged: earlier caches stay valid)
+    payload["dump_dtype"] = dump_dtype(config)
   return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_dump_dir(workdir: pathlib.Path, step: int) -> pathlib.Path:
-  """The model's existing full dump (`<workdir>/dump`) when it was made at `step`, else
-  `<workdir>/dump_step<step>` (made or resumed here). `dump_phrases` refuses a dump of other
-  parameters or settings either way."""
+def dump_dtype(config) -> str:
+  """The compute dtype of the config's dumps (`index.dump_dtype`, else `model.dtype`)."""
+  return config.index.get("dump_dtype") or config.model.dtype
+
+
+def dtype_suffix(dtype: str) -> str:
+  """What a model's dump folder and figures file add for a dump not computed in float32."""
+  return "" if dtype == "float32" else f"_{dtype}"
+
+
+def model_dump_dir(workdir: pathlib.Path, step: int, dtype: str = "float32") -> pathlib.Path:
+  """The model's existing full dump (`<workdir>/dump`) when it was made at `step` in `dtype`,
+  else `<workdir>/dump_step<step>[_<dtype>]` (made or resumed here). `dump_phrases` refuses a
+  dump of other parameters or settings either way."""
   from dpjax.index.dump import read_manifest
   default = workdir / "dump"
-  if (default / "manifest.json").is_file() and read_manifest(default)["model"].get("step") == step:
-    return default
-  return workdir / f"dump_step{step}"
+  if (default / "manifest.json").is_file():
+    manifest = read_manifest(default)
+    if (manifest["model"].get("step") == step
+        and manifest["settings"].get("compute_dtype", "float32") == dtype):
+      return default
+  return workdir / f"dump_step{step}{dtype_suffix(dtype)}"
 
 
 def dump_fingerprint(workdir: pathlib.Path, step: int) -> str | None:
@@ -152,7 +167,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   from dpjax.index.evaluate import retrieval_scores
 
   model, step = restore_model(config, workdir, step)
-  cache = workdir / f"validation_step{step}.json"
+  cache = workdir / f"validation_step{step}{dtype_suffix(dump_dtype(config))}.json"
   parameters = params_fingerprint(model)  # a retrained workdir must not reuse old figures
   if cache.is_file():
     cached = load_json(cache)
@@ -160,7 +175,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
       logging.info("%s: figures of step %d from %s", name, step, cache)
       return cached["result"]
   start = time.perf_counter()
-  dump_dir = model_dump_dir(workdir, step)
+  dump_dir = model_dump_dir(workdir, step, dump_dtype(config))
   local = make_mesh(local=True)
   dump_phrases(model, tokenizer, corpus, dump_dir, dump_settings(config, local), mesh=local,
                workers=config.index.get("dump_workers", 0),

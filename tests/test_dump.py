@@ -14,6 +14,7 @@ from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, kept_run
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
+from dpjax.models.densephrases import compute_dtype
 from dpjax.parallel import make_mesh
 
 TINY = BertConfig(vocab_size=30522, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
@@ -90,6 +91,33 @@ def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_p
                                       jnp.asarray(windows.attention_mask)))
   keep = windows.context_mask & windows.is_max_context
   np.testing.assert_allclose(dump.vectors.astype(np.float32), h[keep], rtol=2e-3, atol=2e-3)
+
+
+def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
+  """`compute_dtype="bfloat16"`: the same tokens, vectors near the float32 dump's (bf16 products
+  of a 1-layer encoder), the dtype in the manifest's settings; the model itself is untouched,
+  and resuming the dump in the other dtype is refused."""
+  passages = _passages()
+  bf16 = dataclasses.replace(CONFIG, compute_dtype="bfloat16")
+  a = dump_phrases(model, tokenizer, passages, tmp_path / "fp32", CONFIG, mesh=make_mesh())
+  b = dump_phrases(model, tokenizer, passages, tmp_path / "bf16", bf16, mesh=make_mesh())
+  assert a["settings"]["compute_dtype"] == "float32"
+  assert b["settings"]["compute_dtype"] == "bfloat16" and a["dump_id"] != b["dump_id"]
+  assert a["fingerprint"] == b["fingerprint"] and compute_dtype(model) == "float32"
+  x, y = Dump.load(tmp_path / "fp32"), Dump.load(tmp_path / "bf16")
+  np.testing.assert_array_equal(x.char_spans, y.char_spans)
+  diff = np.abs(x.vectors.astype(np.float32) - y.vectors.astype(np.float32))
+  assert 0 < diff.max() < 0.1 and diff.mean() < 0.02 * np.abs(x.vectors).mean()
+  with pytest.raises(DumpError, match="other settings"):
+    dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
+  # A dump from before the setting existed was made in float32: resumed as such.
+  manifest = json.loads((tmp_path / "fp32" / "manifest.json").read_text())
+  del manifest["settings"]["compute_dtype"]
+  (tmp_path / "fp32" / "manifest.json").write_text(json.dumps(manifest))
+  assert dump_phrases(model, tokenizer, passages, tmp_path / "fp32", CONFIG,
+                      mesh=make_mesh())["complete"]
+  with pytest.raises(DumpError, match="other settings"):
+    dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
 
 
 def test_kept_runs_copy_the_kept_tokens_in_passage_order():

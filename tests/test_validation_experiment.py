@@ -104,6 +104,21 @@ def test_hard_builder():
   assert experiment.hard_builder(subcorpora, {"x": "a", "z": "c"}) is None
 
 
+
+def test_model_dump_dir_by_step_and_dtype(tmp_path):
+  """The workdir's own dump serves its step in its dtype (float32 when it does not say); any
+  other step or dtype gets a folder of its own."""
+  (tmp_path / "dump").mkdir()
+  manifest = {"complete": True, "model": {"step": 7}, "settings": {"min_context": 0}}
+  (tmp_path / "dump" / "manifest.json").write_text(json.dumps(manifest))
+  assert experiment.model_dump_dir(tmp_path, 7) == tmp_path / "dump"
+  assert experiment.model_dump_dir(tmp_path, 8) == tmp_path / "dump_step8"
+  assert experiment.model_dump_dir(tmp_path, 7, "bfloat16") == tmp_path / "dump_step7_bfloat16"
+  manifest["settings"]["compute_dtype"] = "bfloat16"
+  (tmp_path / "dump" / "manifest.json").write_text(json.dumps(manifest))
+  assert experiment.model_dump_dir(tmp_path, 7, "bfloat16") == tmp_path / "dump"
+  assert experiment.model_dump_dir(tmp_path, 7) == tmp_path / "dump_step7"
+
 @pytest.mark.slow
 def test_experiment_and_notebook(tmp_path, monkeypatch):
   workdir = tmp_path / "model"

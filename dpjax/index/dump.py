@@ -46,6 +46,7 @@ from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
                       write_jsonl)
 from dpjax.models.encoders import bound
+from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats, map_batches
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class DumpConfig:
   # > 0: windows spaced as widely as keeps this much context around every token (fewer tokens
   # encoded twice; `build_windows`), instead of every doc_stride tokens as in training.
   min_context: int = 0
+  # The encoder's compute dtype for the dump ("float32", "bfloat16"; None: the model's own). The
+  # manifest records the one used, so a dump is never resumed or indexed across dtypes.
+  compute_dtype: str | None = None
 
 
 def _batches(iterable: Iterable, size: int) -> Iterator[list]:
@@ -249,6 +253,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                     f"({config.batch_size}) of a dump must be at least 1")
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
+  model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
+  config = dataclasses.replace(config, compute_dtype=compute_dtype(model))
   chunks = _batches(passages, config.shard_passages)
   head = list(itertools.islice(chunks, 1))
   chunks = itertools.chain(head, chunks)
@@ -367,7 +373,8 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
   if not (out_dir / MANIFEST).exists():
     return None
   old = json.loads((out_dir / MANIFEST).read_text())
-  settings = {"min_context": 0, **old["settings"]}  # a dump from before the setting existed
+  # A dump from before these settings existed: doc_stride windows, float32.
+  settings = {"min_context": 0, "compute_dtype": "float32", **old["settings"]}
   if old["fingerprint"] != manifest["fingerprint"] or settings != manifest["settings"]:
     raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
                     "use a new directory (or delete it)")

@@ -106,6 +106,22 @@ def create_model(model_config) -> DensePhrases:
   raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")
 
 
+def compute_dtype(model: DensePhrases) -> str:
+  """The name of the dtype the model's matrix products are computed in ("float32", ...)."""
+  return jnp.dtype(model.phrase_encoder.embeddings.dtype).name
+
+
+def with_compute_dtype(model: DensePhrases, dtype) -> DensePhrases:
+  """The same model, sharing its parameters (float32 either way), computing in `dtype`: e.g. a
+  bfloat16 dump of a float32-trained model. The model itself when it computes in `dtype`."""
+  if compute_dtype(model) == jnp.dtype(dtype).name:
+    return model
+  shape = nnx.eval_shape(lambda: DensePhrases(model.config, dtype=jnp.dtype(dtype),
+                                              share_query_encoders=model.share_query_encoders,
+                                              rngs=nnx.Rngs(0)))
+  return nnx.merge(nnx.graphdef(shape), nnx.state(model))
+
+
 # An exported model: one Hugging Face BERT folder per encoder, the filter head, how they pair.
 EXPORT_ENCODERS = {"phrase": "phrase_encoder", "query_start": "query_start_encoder",
                    "query_end": "query_end_encoder"}
