@@ -253,8 +253,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                     f"({config.batch_size}) of a dump must be at least 1")
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
-  config = dataclasses.replace(config, compute_dtype=compute_dtype(model))
+  model, config = _in_compute_dtype(model, config)
   chunks = _batches(passages, config.shard_passages)
   head = list(itertools.islice(chunks, 1))
   chunks = itertools.chain(head, chunks)
@@ -296,6 +295,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                   host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
                   host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+def _in_compute_dtype(model, config: DumpConfig) -> tuple[object, DumpConfig]:
+  """The model computing in the dump's dtype (its own when none is set), and the settings naming
+  that dtype (recorded in the manifest)."""
+  model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
+  return model, dataclasses.replace(config, compute_dtype=compute_dtype(model))
 
 
 def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dict):
