@@ -248,12 +248,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
   `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
   """
-  if config.shard_passages < 1 or config.batch_size < 1:
-    raise DumpError(f"shard_passages ({config.shard_passages}) and batch_size "
-                    f"({config.batch_size}) of a dump must be at least 1")
+  model, config = _checked_settings(model, config)
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  model, config = _in_compute_dtype(model, config)
   chunks = _batches(passages, config.shard_passages)
   head = list(itertools.islice(chunks, 1))
   chunks = itertools.chain(head, chunks)
@@ -297,9 +294,12 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
 
 
-def _in_compute_dtype(model, config: DumpConfig) -> tuple[object, DumpConfig]:
-  """The model computing in the dump's dtype (its own when none is set), and the settings naming
-  that dtype (recorded in the manifest)."""
+def _checked_settings(model, config: DumpConfig) -> tuple[object, DumpConfig]:
+  """Refuses sizes below 1; returns the model computing in the dump's dtype (its own when none
+  is set) and the settings naming that dtype (recorded in the manifest)."""
+  if config.shard_passages < 1 or config.batch_size < 1:
+    raise DumpError(f"shard_passages ({config.shard_passages}) and batch_size "
+                    f"({config.batch_size}) of a dump must be at least 1")
   model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
   return model, dataclasses.replace(config, compute_dtype=compute_dtype(model))
 
