@@ -179,3 +179,11 @@ def test_speed_report_renders_every_figure():
   assert "new 5,056 tokens/s, old 4,636" in text and "PyTorch" not in text.split("Dump (")[1]
   assert "| Flat | new | 152.8 | 43.44 | 97.58 | 0 |" in text
   assert "Flat yes" in text and text.rstrip().endswith("a note")
+  # --dump-dtype: the new dump in the model's dtype too, and what the dtype changes.
+  summary["dump_new_model_dtype_over_old"] = 1.05
+  dump.update(dtype="bfloat16", new_model_dtype={**tree, "tokens_per_s": 4870.0},
+              dtype_max_abs_diff=0.31, dtype_mean_abs_diff=0.012)
+  text = speed.markdown(results, "python experiments/benchmarks/speed.py ...")
+  assert "| `dump_new_model_dtype_over_old` | 1.05 |" in text
+  assert ("new 5,056 tokens/s (computing in bfloat16; new in the model's dtype 4,870, its vectors "
+          "within max |diff| 0.31, mean 0.012 of the bfloat16 ones), old 4,636") in text

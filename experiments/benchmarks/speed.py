@@ -73,6 +73,8 @@ def role_dump(args) -> dict:
   extra = {}
   if args.min_context is not None:  # the new tree's dump windows (the old tree has none)
     extra["min_context"] = int(args.min_context)
+  if args.compute_dtype:  # the new tree's dump dtype (the old tree computes in the model's)
+    extra["compute_dtype"] = args.compute_dtype
   shard_passages = int(args.shard_passages or 0) or config.index.shard_passages  # 0: config's
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
@@ -107,6 +109,9 @@ def role_bare(args) -> dict:
 
   from dpjax.models.encoders import bound
   config, model, _ = _model(args)
+  if args.compute_dtype:  # the dump's dtype, when it is not the model's
+    from dpjax.models.densephrases import with_compute_dtype
+    model = with_compute_dtype(model, args.compute_dtype)
   shape = (config.index.batch_size, config.data.max_seq_length)
   rng = np.random.default_rng(0)
   ids = rng.integers(1000, 30000, shape).astype(np.int32)
@@ -235,16 +240,27 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
   py = sys.executable
   common = {"passages_file": scratch / "passages.json",
             "shard_passages": args.dump_shard_passages or 0}  # 0: the config's
+  dtype = {"compute_dtype": args.dump_dtype} if args.dump_dtype else {}
   new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
-                 min_context=args.dump_min_context, workers=args.dump_workers)
+                 min_context=args.dump_min_context, workers=args.dump_workers, **dtype)
+  # The new code in the model's own dtype too, when the dump takes another one.
+  same_dtype = (run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new_model_dtype",
+                         **common, min_context=args.dump_min_context, workers=args.dump_workers)
+                if dtype else None)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
-  bare = run_role(py, REPO, "bare", args)
+  bare = run_role(py, REPO, "bare", args, **dtype)
   run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common)
   torch = (run_role(args.torch_python, REPO, "torch", args, out_dir=scratch / "windows")
            if args.torch_python else None)
   a, b = Dump.load(scratch / "dump_new"), Dump.load(scratch / "dump_old")
   diff = np.abs(a.vectors.astype(np.float32) - b.vectors.astype(np.float32))
-  return {"new": new, "old": was, "bare": bare, "torch": torch,
+  dtype_diff = {}
+  if same_dtype:  # what the dtype alone changes (same windows)
+    c = Dump.load(scratch / "dump_new_model_dtype").vectors.astype(np.float32)
+    dtype_diff = {"dtype_max_abs_diff": float(np.abs(a.vectors - c).max()),
+                  "dtype_mean_abs_diff": float(np.abs(a.vectors - c).mean())}
+  return {"new": new, "old": was, "bare": bare, "torch": torch, "new_model_dtype": same_dtype,
+          "dtype": args.dump_dtype or "the model's", **dtype_diff,
           "vectors_max_abs_diff": float(diff.max()), "vectors_mean_abs_diff": float(diff.mean()),
           "host_us_per_token": 1e6 * new["host_seconds"] / new["tokens"],
           "host_cpu_us_per_token": 1e6 * new["host_cpu_seconds"] / new["tokens"]}
@@ -282,6 +298,28 @@ def measure_eval(args, old: pathlib.Path, scratch: pathlib.Path, questions: list
   return out
 
 
+def _dump_text(d: dict) -> str:
+  """The report's paragraph on the dumps."""
+  shards = (f", {d['new']['shards']} shard(s) of up to {d['new']['shard_passages']} passages"
+            if "shards" in d["new"] else "")
+  other = d.get("new_model_dtype")
+  dtype = (f" (computing in {d['dtype']}; new in the model's dtype "
+           f"{other['tokens_per_s']:,.0f}, its vectors within max |diff| "
+           f"{d['dtype_max_abs_diff']:.2g}, mean {d['dtype_mean_abs_diff']:.2g} of the "
+           f"{d['dtype']} ones)" if other else "")
+  return (f"Dump ({d['passages']} SQuAD dev passages{shards}, {d['new']['tokens']:,} stored "
+          f"tokens): new {d['new']['tokens_per_s']:,.0f} tokens/s{dtype}, old "
+          f"{d['old']['tokens_per_s']:,.0f}; bare forward {d['bare']['tokens_per_s']:,.0f} "
+          f"tokens/s at {d['bare']['shape']}"
+          + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
+          + f". Old vs new vectors: max |diff| {d['vectors_max_abs_diff']:.2g}, mean "
+          f"{d['vectors_mean_abs_diff']:.2g} (new dump windows: index.dump_min_context = "
+          f"{d['min_context']}). XLA compilations (the cold dump; the timed, warm one: "
+          f"{d['new']['compiles_warm']} new, {d['old']['compiles_warm']} old): new "
+          f"{d['new']['compiles']}, old {d['old']['compiles']}; cold dump "
+          f"{d['new']['cold_seconds']:.0f} s new, {d['old']['cold_seconds']:.0f} s old.")
+
+
 def markdown(results: dict, command: str) -> str:
   from experiments.report import with_notes
   d, e, s = results["dump"], results["eval"], results["summary"]
@@ -291,25 +329,15 @@ def markdown(results: dict, command: str) -> str:
            "| figure | value | target |", "|---|---|---|"]
   targets = {"dump_over_bare_forward": ">= 0.9", "dump_new_over_old": ">= 1.3",
              "dump_host_us_per_token": "<= 2",
-             "dump_host_cpu_us_per_token": "(its CPU time)", "dump_over_torch": "(>= 1 wanted)",
+             "dump_host_cpu_us_per_token": "(its CPU time)",
+             "dump_new_model_dtype_over_old": "(--dump-dtype: the model's dtype)",
+             "dump_over_torch": "(>= 1 wanted)",
              "eval_new_over_old_flat": ">= 2.0", "eval_new_over_old_ivf_sq4": ">= 4.0",
              "train_step_over_torch": ">= 1.0"}
   for key, target in targets.items():
     value = s.get(key)
     lines.append(f"| `{key}` | {'n/a' if value is None else f'{value:.2f}'} | {target} |")
-  shards = (f", {d['new']['shards']} shard(s) of up to {d['new']['shard_passages']} passages"
-            if "shards" in d["new"] else "")
-  lines += ["", f"Dump ({d['passages']} SQuAD dev passages{shards}, {d['new']['tokens']:,} "
-            "stored tokens):"
-            f" new {d['new']['tokens_per_s']:,.0f} tokens/s, old {d['old']['tokens_per_s']:,.0f}; "
-            f"bare forward {d['bare']['tokens_per_s']:,.0f} tokens/s at {d['bare']['shape']}"
-            + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
-            + f". Old vs new vectors: max |diff| {d['vectors_max_abs_diff']:.2g}, mean "
-            f"{d['vectors_mean_abs_diff']:.2g} (new dump windows: index.dump_min_context = "
-            f"{d['min_context']}). XLA compilations (the cold dump; the timed, warm one: "
-            f"{d['new']['compiles_warm']} new, {d['old']['compiles_warm']} old): new "
-            f"{d['new']['compiles']}, old {d['old']['compiles']}; cold dump "
-            f"{d['new']['cold_seconds']:.0f} s new, {d['old']['cold_seconds']:.0f} s old.", "",
+  lines += ["", _dump_text(d), "",
             "| index | tree | questions/s (batch 64) | EM@1 | passage Top-20 | compiles timed |",
             "|---|---|---|---|---|---|"]
   for index, runs in e.items():
@@ -340,6 +368,9 @@ def main(argv=None) -> int:
   parser.add_argument("--result")
   parser.add_argument("--dump-min-context", type=int, default=0,
                       help="the new dump's index.dump_min_context (0: windows as before)")
+  parser.add_argument("--dump-dtype", default="",
+                      help="the new dump's index.dump_dtype (e.g. bfloat16; also the bare "
+                           "forward's; the new dump in the model's dtype is measured too)")
   parser.add_argument("--dump-workers", type=int, default=0,
                       help="the new dump's index.dump_workers (tokenizing processes)")
   parser.add_argument("--dump-shard-passages", type=int,
@@ -347,7 +378,7 @@ def main(argv=None) -> int:
                            "index.shard_passages, as `run.py dump`; the runs before 2026-11-25 "
                            "used 100)")
   for name in ("out-dir", "passages-file", "questions-file", "index", "min-context", "workers",
-               "shard-passages"):
+               "shard-passages", "compute-dtype"):
     parser.add_argument(f"--{name}")
   args = parser.parse_args(argv)
   if args.role:  # a child: this tree's code, one measurement
@@ -383,6 +414,10 @@ def run_all(args) -> int:
   summary = {
       "dump_over_bare_forward": dump["new"]["tokens_per_s"] / dump["bare"]["tokens_per_s"],
       "dump_new_over_old": dump["new"]["tokens_per_s"] / dump["old"]["tokens_per_s"],
+      # With --dump-dtype: the new code in the model's own dtype, against the old code.
+      "dump_new_model_dtype_over_old": (
+          dump["new_model_dtype"]["tokens_per_s"] / dump["old"]["tokens_per_s"]
+          if dump["new_model_dtype"] else None),
       "dump_host_us_per_token": dump["host_us_per_token"],
       # The same work in the main thread's CPU time: without the waits for a core that the
       # encoder's threads hold on a CPU (not a target; what an accelerator's host would spend).
