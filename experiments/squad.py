@@ -42,6 +42,11 @@ def get_config(arg=None):
   # accelerator encodes; unmeasured on a GPU). `:cpu` keeps the thread (a process costs seconds
   # to start and competes with the encoder for 2 cores: results/speed.md).
   config.index.dump_workers = 4
+  # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
+  # the 2-core Xeon 1.6x float32's tokens/s, and over the full SQuAD-open small dump of `:cpu`'s
+  # model, 2,000 dev questions, EM@1 31.65 vs 31.85 (1 / 5 questions, McNemar p = 0.22), Top-20
+  # 88.40 vs 88.45 (results/dump_bf16.md). `--set index.dump_dtype=float32` for the exact one.
+  config.index.dump_dtype = "bfloat16"
   config.validation = common.validation_config()
   config.mine = common.mine_config()
   config.qsft = common.qsft_config()
@@ -67,6 +72,8 @@ def get_config(arg=None):
     config.train.loss.lambda_inb = 1.0
     config.index.train_size = 262_144  # quantizer training in minutes on 2 cores
     config.index.dump_workers = 0
+    if arg == "cpu-base":  # the study's baseline: float32 dumps, as all of its figures
+      config.index.dump_dtype = "float32"
     # QSFT on a random 4,000 training questions (2 epochs), dev EM@1 on a random 2,000; the
     # learning rate of the short CPU schedule (as train), not the 3e-5 of 2-epoch GPU runs.
     config.qsft.update(limit=4000, dev_limit=2000, learning_rate=1e-4, dropout=False)

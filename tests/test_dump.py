@@ -108,7 +108,7 @@ def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
   np.testing.assert_array_equal(x.char_spans, y.char_spans)
   diff = np.abs(x.vectors.astype(np.float32) - y.vectors.astype(np.float32))
   assert 0 < diff.max() < 0.1 and diff.mean() < 0.02 * np.abs(x.vectors).mean()
-  with pytest.raises(DumpError, match="other settings"):
+  with pytest.raises(DumpError, match="compute_dtype .float32. .now .bfloat16.."):
     dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
   # A dump from before the setting existed was made in float32: resumed as such.
   manifest = json.loads((tmp_path / "fp32" / "manifest.json").read_text())

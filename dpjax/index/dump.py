@@ -381,9 +381,13 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
   old = json.loads((out_dir / MANIFEST).read_text())
   # A dump from before these settings existed: doc_stride windows, float32.
   settings = {"min_context": 0, "compute_dtype": "float32", **old["settings"]}
-  if old["fingerprint"] != manifest["fingerprint"] or settings != manifest["settings"]:
-    raise DumpError(f"{out_dir} holds a dump of another model or with other settings; "
-                    "use a new directory (or delete it)")
+  if old["fingerprint"] != manifest["fingerprint"]:
+    raise DumpError(f"{out_dir} holds a dump of another model; use a new directory (or delete it)")
+  if settings != manifest["settings"]:
+    differ = ", ".join(f"{k} {settings.get(k)!r} (now {v!r})"
+                       for k, v in manifest["settings"].items() if settings.get(k) != v)
+    raise DumpError(f"{out_dir} holds a dump with other settings: {differ}; use a new directory "
+                    "(index.dump_name) or delete it")
   return old
 
 
