@@ -77,7 +77,8 @@ _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
             "qsft.level": ("phrase", "document"),
             "model.dtype": ("float32", "bfloat16"),
-            "index.dump_dtype": ("", "float32", "bfloat16")}
+            "index.dump_dtype": ("", "float32", "bfloat16"),
+            "index.search_device": ("auto", "faiss", "jax")}
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -324,6 +325,9 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers
       "filter_threshold": ml_collections.config_dict.placeholder(float),
       "search_index": "Flat",  # index name (directory under dump/indexes) for search and eval
+      # Where a Flat index is searched: "auto" = on the accelerator when there is one (JAX, the
+      # vectors in at most half its memory), else by faiss on the host; "jax"; "faiss".
+      "search_device": "auto",
       "top_k": 5,
       "unit": "phrase",
   })

@@ -145,7 +145,8 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   qc = config.qsft
   paths = data_paths(config, workdir)
   model, trained_step = restore_model(config, workdir)
-  index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe)
+  index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe,
+                      search_device=config.index.get("search_device", "auto"))
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train_file = qc.questions or str(data_files(config.data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)

@@ -22,7 +22,8 @@ LAYERS = [
      "dpjax.models.densephrases",
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
-    {"dpjax.index", "dpjax.index.dump", "dpjax.index.faiss_index", "dpjax.index.search",
+    {"dpjax.index", "dpjax.index.dump", "dpjax.index.faiss_index", "dpjax.index.device_search",
+     "dpjax.index.search",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",

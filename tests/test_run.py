@@ -92,6 +92,9 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert report["top1"] <= report["top5"] <= report["top20"] <= report["top100"]
   predictions = (tmp_path / "open_predictions_Flat.jsonl").read_text().splitlines()
   assert len(predictions) == 12
+  # The exact index searched by JAX on the devices (what `auto` does on a GPU): same answers.
+  assert run.main(["eval"] + base + ["--set", "index.search_device=jax"]) == 0
+  assert (tmp_path / "open_predictions_Flat.jsonl").read_text().splitlines() == predictions
   # An approximate index is compared with Flat's top-1 (same spans: a tiny corpus, nprobe 256).
   ivf = base + ["--set", "index.specs=['IVFauto,SQ8']", "--set", "index.search_index=IVFauto_SQ8"]
   assert run.main(["index"] + ivf) == 0 and run.main(["eval"] + ivf) == 0

@@ -269,3 +269,69 @@ def test_tuned_exact_search_returns_what_faiss_defaults_return():
     tune_exact_search()
   np.testing.assert_array_equal(tuned[1], plain[1])
   np.testing.assert_allclose(tuned[0], plain[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("num,k,block", [(5, 8, None), (1000, 10, None), (3001, 40, 64),
+                                         (20_000, 300, 512)])
+def test_device_flat_returns_what_faiss_returns(num, k, block, monkeypatch):
+  """The JAX exact search over 8 devices (rows padded to whole blocks, several blocks per device
+  where `block` is small) against faiss's IndexFlatIP: the same scores rank by rank, labels
+  mapped through `ids`, -1 past the last vector; labels equal except between near-ties."""
+  import faiss
+
+  from dpjax.index import device_search
+  if block:
+    monkeypatch.setattr(device_search, "BLOCK_ROWS", block)
+  rng = np.random.default_rng(num)
+  vectors = rng.standard_normal((num, DIM)).astype(np.float16)
+  queries = rng.standard_normal((300, DIM)).astype(np.float32)  # > one 256-query chunk
+  ids = rng.permutation(10 * num)[:num]
+  reference = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
+  reference.add_with_ids(vectors.astype(np.float32), ids)
+  want_scores, want = reference.search(queries, k)
+  index = device_search.DeviceFlat(vectors, ids)
+  assert index.mesh.size == 8 and (block is None or index.block == block)
+  scores, got = index.search(queries, k)
+  found = want >= 0
+  assert (got >= 0).tolist() == found.tolist()
+  np.testing.assert_allclose(scores[found], want_scores[found], rtol=1e-5, atol=1e-5)
+  assert np.isneginf(scores[~found]).all()
+  # Each label's score is its vector's inner product (not a neighbour's).
+  rows = {int(i): r for r, i in enumerate(ids)}
+  exact = np.array([[vectors[rows[int(i)]].astype(np.float64) @ q if i >= 0 else -np.inf
+                     for i in line] for q, line in zip(queries, got)])
+  np.testing.assert_allclose(scores[found], exact[found], rtol=1e-5, atol=1e-5)
+  gap = np.diff(want_scores, axis=1, prepend=np.inf, append=-np.inf)
+  clear = found & (np.abs(gap[:, :-1]) > 1e-4) & (np.abs(gap[:, 1:]) > 1e-4)
+  np.testing.assert_array_equal(got[clear], want[clear])
+
+
+def test_device_search_choice():
+  from dpjax.index.device_search import DeviceFlat, use_device_search
+  assert use_device_search("auto", 1 << 20) is False  # a CPU: faiss
+  assert use_device_search("jax", 1 << 20) and not use_device_search("faiss", 1 << 20)
+  with pytest.raises(ValueError, match="search_device must be one of"):
+    use_device_search("gpu", 1)
+  with pytest.raises(ValueError, match=r"\[N > 0, D\]"):
+    DeviceFlat(np.zeros((0, DIM), np.float16))
+  with pytest.raises(ValueError, match="queries must be"):
+    DeviceFlat(np.ones((4, DIM), np.float16)).search(np.ones((2, DIM + 1), np.float32), 2)
+
+
+def test_phrase_index_on_the_devices_answers_as_faiss(toy):
+  directory, q_start, q_end = toy
+  key = lambda found: [[(p.start_token, p.end_token, p.score, u) for p, u in f] for f in found]
+  host = PhraseIndex(directory, "Flat", search_device="faiss")
+  device = PhraseIndex(directory, "Flat", search_device="jax")
+  assert type(device.index).__name__ == "DeviceFlat"
+  for k, unit in [(3, "phrase"), (4, "passage"), (4, "document"), (5, "sentence")]:
+    assert key(device.search(q_start, q_end, k, unit)) == key(host.search(q_start, q_end, k, unit))
+  # An exact index over a subcorpus: labels are its tokens' ids in the whole dump.
+  dump = Dump.load(directory)
+  sub = {d: PhraseIndex.over_passages(dump, [1, 2, 4], search_device=d) for d in ("faiss", "jax")}
+  found = {d: sub[d].search(q_start, q_end, 3, "passage") for d in sub}
+  assert key(found["jax"]) == key(found["faiss"])
+  assert {p.passage for f in found["jax"] for p, _ in f} <= {1, 2, 4}
+  # IVF stays with faiss whatever the choice.
+  assert type(PhraseIndex(directory, "IVF16_SQ8", search_device="jax").index).__name__ != \
+      "DeviceFlat"

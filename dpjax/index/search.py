@@ -1,5 +1,8 @@
 """Phrase search over a dump + faiss index, and retrieval of sentences, passages, documents.
 
+An exact (Flat) index is searched on the accelerator when there is one (`DeviceFlat`,
+`index.search_device`); the approximate ones (IVF, PQ) by faiss on the host.
+
 For a question with vectors (q_start, q_end): the index returns the top start tokens for q_start
 and the top end tokens for q_end; every start hit i is paired with its best end j in
 [i, i + max_answer_length) within the same passage, and every end hit j with its best start,
@@ -22,6 +25,7 @@ import faiss
 import numpy as np
 
 from dpjax.data.tokenization import Tokenizer
+from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
@@ -48,7 +52,7 @@ class PhraseIndex:
   """A complete dump with one of its faiss indexes."""
 
   def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
-               nprobe: int | None = None):
+               nprobe: int | None = None, search_device: str = "auto"):
     self.dump = dump if isinstance(dump, Dump) else Dump.load(dump)
     directory = self.dump.directory / "indexes" / index_name
     if not (directory / INDEX_MANIFEST).is_file():
@@ -65,20 +69,27 @@ class PhraseIndex:
                       "`run.py index`")
     if nprobe is not None and nprobe < 1:
       raise ValueError(f"nprobe must be >= 1, got {nprobe}")
-    self.index = faiss.read_index(str(directory / "index.faiss"))
-    if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
-      faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
-                                                 nprobe or self.manifest["nprobe"])
     if self.manifest.get("labels") != "token_id":
       raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
                       "rebuild it with `run.py index`")
     threshold = self.manifest.get("filter_threshold")
     self.kept_mask = (None if threshold is None else
                       self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
+    if self.manifest["resolved_spec"] == "Flat" and self.manifest["num_tokens"] and use_device_search(
+        search_device, 2 * self.manifest["num_tokens"] * self.dump.vectors.shape[1]):
+      # The exact index's vectors are the dump's (kept) ones: searched on the accelerator.
+      kept = None if self.kept_mask is None else np.flatnonzero(self.kept_mask)
+      self.index = DeviceFlat(self.dump.vectors if kept is None else self.dump.vectors[kept], kept)
+    else:
+      self.index = faiss.read_index(str(directory / "index.faiss"))
+      if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
+        faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
+                                                   nprobe or self.manifest["nprobe"])
     self._setup()
 
   @classmethod
-  def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None) -> "PhraseIndex":
+  def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None, *,
+                    search_device: str = "auto") -> "PhraseIndex":
     """An exact (Flat, in memory) index over the tokens of some passages of a dump (default all).
 
     Phrase vectors do not depend on the other passages of a corpus, so the index of any
@@ -86,21 +97,24 @@ class PhraseIndex:
     """
     rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
     return cls.over_tokens(dump, np.flatnonzero(np.isin(dump.token_passage, rows)),
-                           num_passages=len(rows))
+                           num_passages=len(rows), search_device=search_device)
 
   @classmethod
-  def over_tokens(cls, dump: Dump, tokens: np.ndarray, *,
-                  num_passages: int | None = None) -> "PhraseIndex":
+  def over_tokens(cls, dump: Dump, tokens: np.ndarray, *, num_passages: int | None = None,
+                  search_device: str = "auto") -> "PhraseIndex":
     """An exact (Flat, in memory) index over some tokens of a dump (e.g. those a filter keeps);
-    phrases start and end only at these tokens."""
+    phrases start and end only at these tokens. `search_device` as `index.search_device`."""
     self = cls.__new__(cls)
     self.dump = dump
     tokens = np.asarray(tokens, np.int64)
-    self.index = faiss.index_factory(dump.vectors.shape[1], "IDMap,Flat",
-                                     faiss.METRIC_INNER_PRODUCT)
-    for lo in range(0, len(tokens), 1 << 18):
-      part = tokens[lo:lo + (1 << 18)]
-      self.index.add_with_ids(dump.vectors[part].astype(np.float32), part)
+    if len(tokens) and use_device_search(search_device, 2 * len(tokens) * dump.vectors.shape[1]):
+      self.index = DeviceFlat(dump.vectors[tokens], tokens)
+    else:
+      self.index = faiss.index_factory(dump.vectors.shape[1], "IDMap,Flat",
+                                       faiss.METRIC_INNER_PRODUCT)
+      for lo in range(0, len(tokens), 1 << 18):
+        part = tokens[lo:lo + (1 << 18)]
+        self.index.add_with_ids(dump.vectors[part].astype(np.float32), part)
     if num_passages is None:
       num_passages = len(np.unique(dump.token_passage[tokens]))
     self.kept_mask = np.zeros(len(dump.vectors), bool)
