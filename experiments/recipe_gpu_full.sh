@@ -3,7 +3,8 @@
 # (experiments/squad.py, batch 48 windows x 384, the default's seed) trained two at a time, each
 # with its RC EM/F1 on all 10,570 dev questions; then the whole chain (dump, Flat index, SQuAD-open
 # small eval: EM@1/EM@10, passage Top-1/5/20) for the candidate with the best RC EM
-# (experiments/squad_gpu_chain.sh with that candidate's settings). Small results (results.json,
+# (experiments/squad_gpu_chain.sh with that candidate's settings; HARD_NEGATIVES=1 passes on to
+# it: mining and a second chain with hard negatives). Small results (results.json,
 # rc_predictions.json, metrics.jsonl, open_eval_*.json) are copied to COPY after every stage;
 # every stage resumes what a previous run finished.
 # Usage, on the GPU machine after ../shared/gpu/README.md's setup (its exports in the shell):

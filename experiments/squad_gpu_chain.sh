@@ -6,18 +6,32 @@
 #   DISTILL=1 first trains the cross-encoder teacher (W/teacher) and distils from it; off by
 #   default until distillation is shown to help (issue 21). On the lent H100 (../shared/gpu/):
 #   PY=python3 bash experiments/squad_gpu_chain.sh /root/w/chain --set data.dir=/root/gpu/data/squad
+#   HARD_NEGATIVES=1 then mines hard negatives of every training question with W's model and
+#   index (`run.py mine`: top-10 phrases, passages without an answer; the exact index is searched
+#   on the GPU) and runs the same chain again in W-hn with h = 1 mined passage per example
+#   (Kim et al.; at the CPU budget they raised passage Top-1 50.1 -> 55.1, results/peers.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=${1:?usage: squad_gpu_chain.sh WORKDIR [--set key=value ...]}; shift
 PY=${PY:-.venv/bin/python}
-C=(--config "${CONFIG:-experiments/squad.py}" --workdir "$W" --set train.progress_bar=False "$@")
 stage() { echo "=== $(date -Is) $*"; "$PY" run.py "$@"; }
-if [ "${DISTILL:-0}" = 1 ]; then
-  stage teacher "${C[@]}"
-  C+=(--set train.teacher_logits=teacher/logits)
-fi
-stage train "${C[@]}"
-stage dump "${C[@]}"
-stage index "${C[@]}" --set 'index.specs=["Flat"]'
-stage eval "${C[@]}"
+chain() {  # chain WORKDIR [--set ...]: [teacher,] train, dump, index, eval
+  local C=(--config "${CONFIG:-experiments/squad.py}" --workdir "$1" --set train.progress_bar=False
+           "${@:2}")
+  if [ "${DISTILL:-0}" = 1 ]; then
+    stage teacher "${C[@]}"
+    C+=(--set train.teacher_logits=teacher/logits)
+  fi
+  stage train "${C[@]}"
+  stage dump "${C[@]}"
+  stage index "${C[@]}" --set 'index.specs=["Flat"]'
+  stage eval "${C[@]}"
+}
+chain "$W" "$@"
 echo "=== $(date -Is) done: $W/results.json (RC), $W/open_eval_Flat.json (SQuAD-open small)"
+if [ "${HARD_NEGATIVES:-0}" = 1 ]; then
+  [ -f "$W/hard_negatives.jsonl" ] || stage mine --config "${CONFIG:-experiments/squad.py}" \
+      --workdir "$W" "$@"
+  chain "$W-hn" "$@" --set "train.hard_negatives.file=$(cd "$W" && pwd)/hard_negatives.jsonl"
+  echo "=== $(date -Is) done: $W-hn/results.json, $W-hn/open_eval_Flat.json (+ hard negatives)"
+fi
