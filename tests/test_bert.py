@@ -205,3 +205,36 @@ def test_first_only_equals_the_full_pass_first_row(model):
   nnx.update(with_dropout, nnx.state(model, nnx.Param))
   first = with_dropout(ids, mask, types, rngs=nnx.Rngs(dropout=1), first_only=True)
   np.testing.assert_allclose(np.asarray(first)[:, 0], full[:, 0], atol=1e-5, rtol=0)
+
+
+def test_attention_by_key_lengths_equals_the_additive_mask(model, monkeypatch):
+  """The formulation the cuDNN kernel gets (`DPJAX_ATTENTION=cudnn` on a GPU): the padding mask
+  as key lengths, run here by XLA; every real token's vector and the first-only pass as with the
+  additive mask (padded positions attend to the real keys either way). A row of padding only
+  stays finite."""
+  from dpjax.models import bert
+  ids, mask, types = _inputs()
+  ids, types = np.vstack([ids, ids[:1] * 0]), np.vstack([types, types[:1] * 0])
+  mask = np.vstack([mask, mask[:1] * 0])  # an all-padding row, as batches padded to the devices
+  args = [jnp.asarray(a) for a in (ids, mask, types)]
+  by_bias = np.asarray(model(*args))
+  first_bias = np.asarray(model(*args, first_only=True))
+  monkeypatch.setattr(bert, "attention_implementation", lambda dtype: "lengths")
+  by_lengths = np.asarray(model(*args))
+  real = mask.astype(bool)
+  np.testing.assert_allclose(by_lengths[real], by_bias[real], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(by_lengths[:3][~real[:3]], by_bias[:3][~real[:3]], atol=1e-5)
+  assert np.isfinite(by_lengths).all()
+  np.testing.assert_allclose(np.asarray(model(*args, first_only=True))[:3], first_bias[:3],
+                             atol=1e-5, rtol=0)
+
+
+def test_attention_implementation_is_xla_but_on_a_gpu_when_asked(monkeypatch):
+  from dpjax.models.bert import attention_implementation
+  monkeypatch.setenv("DPJAX_ATTENTION", "cudnn")
+  assert attention_implementation(jnp.bfloat16) == "xla"  # this is a CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert attention_implementation(jnp.bfloat16) == "cudnn"
+  assert attention_implementation(jnp.float32) == "xla"  # cuDNN's kernel: 16-bit only
+  monkeypatch.delenv("DPJAX_ATTENTION")
+  assert attention_implementation(jnp.bfloat16) == "xla"

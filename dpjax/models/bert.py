@@ -9,6 +9,7 @@ attention softmax always run in float32.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import jax
@@ -117,6 +118,31 @@ def _bf16_matmul_bwd(saved, g):
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
 
+def attention_implementation(dtype) -> str:
+  """What `jax.nn.dot_product_attention` runs for attention without dropout: "cudnn" (cuDNN's
+  fused flash attention) when `DPJAX_ATTENTION=cudnn` is set on a GPU and the compute dtype is
+  bfloat16 or float16, else "xla" (JAX's own choice for `implementation=None` is XLA too).
+  Opt-in: the cuDNN path is unmeasured (no GPU lent since it was written)."""
+  if (os.environ.get("DPJAX_ATTENTION", "xla") == "cudnn" and jax.default_backend() == "gpu"
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+    return "cudnn"
+  return "xla"
+
+
+def _fused_attention(q, k, v, attention_bias, implementation: str | None = None):
+  """Attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh] with the additive padding mask
+  [B, 1, 1, L], no [B, H, Lq, L] probabilities kept for the backward pass. The cuDNN kernel
+  takes the mask as key lengths (the real tokens of every row come first: windows and
+  questions are padded at the end), at least 1 so that an all-padding row stays finite."""
+  implementation = implementation or attention_implementation(q.dtype)
+  if implementation == "xla":
+    return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
+  lengths = jnp.maximum((attention_bias[:, 0, 0, :] == 0).sum(-1), 1).astype(jnp.int32)
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                      implementation=None if implementation == "lengths"
+                                      else implementation)
+
+
 def _dense(config: BertConfig, in_features: int, out_features: int, dtype, rngs: nnx.Rngs):
   init = nnx.initializers.truncated_normal(stddev=config.initializer_range)
   return nnx.Linear(in_features, out_features, kernel_init=init, dtype=dtype, rngs=rngs,
@@ -184,9 +210,7 @@ class BertSelfAttention(nnx.Module):
     dropout = rngs is not None and self.attention_dropout.rate > 0
     float32_sums = _float32_sums(self.dtype)
     if not dropout and not float32_sums:
-      # The fused kernel (cuDNN flash attention on GPU for float16/bfloat16; XLA elsewhere):
-      # no [B, H, L, L] probabilities kept for the backward pass.
-      context = jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
+      context = _fused_attention(q, k, v, attention_bias)
     else:  # dropout on the attention probabilities needs them materialised (and XLA:CPU's
       # kernel would sum bfloat16 products into bfloat16)
       scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
