@@ -54,7 +54,7 @@ def summarize(name: str, times: list[float]) -> dict:
           "tokens_per_s": tokens / median, "timed_steps": len(times), "all_step_s": times}
 
 
-def bench_jax(steps: int, warmup: int, dtype: str = "float32") -> dict:
+def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = True) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -64,7 +64,7 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32") -> dict:
   from dpjax.parallel import batch_sharding, make_mesh
   from dpjax.trainer import build_trainer
 
-  config = train_config(batch_size=BATCH, learning_rate=3e-5)
+  config = train_config(batch_size=BATCH, learning_rate=3e-5, dropout=dropout)
   config.loss.prebatch_size = 0
   mesh = make_mesh()
   model = load_dense_phrases("minilm-l6", dtype=jnp.dtype(dtype))
@@ -80,9 +80,11 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32") -> dict:
     jax.block_until_ready((state, metrics))
     if i >= warmup:
       times.append(time.perf_counter() - start)
-  result = summarize("dpjax (JAX, jit)" + (f", {dtype}" if dtype != "float32" else ""), times)
+  result = summarize("dpjax (JAX, jit)" + (f", {dtype}" if dtype != "float32" else "")
+                     + ("" if dropout else ", no dropout"), times)
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
-                dtype=dtype)
+                dtype=dtype, dropout=dropout,
+                attention=os.environ.get("DPJAX_ATTENTION", "xla"))
   return result
 
 
@@ -140,6 +142,7 @@ def bench_torch(steps: int, warmup: int) -> dict:
 
 
 def main():
+  global BATCH
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--framework", choices=["both", "jax", "torch"], default="both")
   parser.add_argument("--steps", type=int, default=7)
@@ -149,16 +152,22 @@ def main():
   parser.add_argument("--out", help="write the results as JSON here")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                       help="dpjax's compute dtype (PyTorch's step stays float32)")
+  parser.add_argument("--batch", type=int, default=8,
+                      help="passages (and questions) per step (48: the accelerator recipe's)")
+  parser.add_argument("--no-dropout", action="store_true",
+                      help="dpjax's step without dropout (DPJAX_ATTENTION=cudnn then applies)")
   args = parser.parse_args()
+  BATCH = args.batch
   if args.framework == "jax":
-    print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype)))
+    print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout)))
     return
   if args.framework == "torch":
     print(json.dumps(bench_torch(args.steps, args.warmup)))
     return
-  results = [bench_jax(args.steps, args.warmup, args.dtype)]
+  results = [bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout)]
   out = subprocess.run([args.torch_python, os.path.abspath(__file__), "--framework", "torch",
-                        "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                        "--steps", str(args.steps), "--warmup", str(args.warmup),
+                        "--batch", str(BATCH)],
                        capture_output=True, text=True, check=True)
   results.append(json.loads(out.stdout.strip().splitlines()[-1]))
   ratio = results[1]["median_step_s"] / results[0]["median_step_s"]
