@@ -335,3 +335,13 @@ def test_phrase_index_on_the_devices_answers_as_faiss(toy):
   # IVF stays with faiss whatever the choice.
   assert type(PhraseIndex(directory, "IVF16_SQ8", search_device="jax").index).__name__ != \
       "DeviceFlat"
+
+
+def test_device_flat_warm_compiles_every_width_once():
+  from dpjax.index import device_search
+  index = device_search.DeviceFlat(np.ones((100, DIM), np.float16))
+  device_search._top_k_fn.cache_clear()
+  assert index.warm(100) == 4  # k buckets 16, 32, 64, 128
+  assert device_search._top_k_fn.cache_info().currsize == 4
+  index.search(np.ones((3, DIM), np.float32), 50)  # served by the compiled 64-wide program
+  assert device_search._top_k_fn.cache_info().currsize == 4

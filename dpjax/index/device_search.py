@@ -103,6 +103,15 @@ class DeviceFlat:
       self._store(pending, scores, labels, k)
     return scores, labels
 
+  def warm(self, max_k: int) -> int:
+    """Compiles the search for every k up to `max_k` (one program per power of two), so that
+    none compiles while serving; returns how many."""
+    buckets = sorted({_bucket(k) for k in (2 ** i for i in range(max(max_k, 1).bit_length() + 1))
+                      if k <= _bucket(max_k)})
+    for k in buckets:
+      self.search(np.zeros((1, self.d), np.float32), k)
+    return len(buckets)
+
   def _store(self, pending, scores: np.ndarray, labels: np.ndarray, k: int) -> None:
     lo, (top_scores, top_rows) = pending
     n = len(scores[lo:lo + QUERY_CHUNK])
