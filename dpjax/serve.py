@@ -343,7 +343,8 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   if hasattr(searcher.index.index, "warm"):  # the exact index on the accelerator: every width
     start = time.perf_counter()  # a search of up to max_k units may fetch, compiled ahead
     widths = searcher.index.index.warm(searcher.index.fetch_bounds(sc.max_k)[1])
-    log.info("device search compiled for %d widths in %.1f s", widths, time.perf_counter() - start)
+    log.info("device search compiled for %d widths in %.1f s", widths,
+             time.perf_counter() - start)
   batcher = Batcher(searcher, max_batch=sc.max_batch, max_wait_ms=sc.max_wait_ms,
                     max_queue=sc.max_queue, max_answer_length=config.eval.max_answer_length)
   index = searcher.index

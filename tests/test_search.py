@@ -345,3 +345,24 @@ def test_device_flat_warm_compiles_every_width_once():
   assert device_search._top_k_fn.cache_info().currsize == 4
   index.search(np.ones((3, DIM), np.float32), 50)  # served by the compiled 64-wide program
   assert device_search._top_k_fn.cache_info().currsize == 4
+
+
+def test_filtered_flat_on_the_devices_answers_as_faiss(tmp_path):
+  """A Flat index of the tokens a filter threshold keeps: the device search holds the same
+  tokens (labels are their dump ids); an index older than the dump's filter logits keeps faiss."""
+  q_start, q_end = _toy_dump(tmp_path)
+  rng = np.random.default_rng(1)
+  for shard in sorted(tmp_path.glob("shard_*")):
+    logits = np.load(shard / "filter_logits.npy")
+    np.save(shard / "filter_logits.npy", rng.normal(0, 1, logits.shape).astype(np.float16))
+  build_index(tmp_path, "Flat", name="Flat", filter_threshold=0.0)
+  key = lambda found: [[(p.start_token, p.end_token, p.score, u) for p, u in f] for f in found]
+  host = PhraseIndex(tmp_path, "Flat", search_device="faiss")
+  device = PhraseIndex(tmp_path, "Flat", search_device="jax")
+  assert type(device.index).__name__ == "DeviceFlat"
+  assert 0 < device.index.ntotal == host.index.ntotal < len(device.dump.vectors)
+  for k, unit in [(3, "phrase"), (4, "passage")]:
+    assert key(device.search(q_start, q_end, k, unit)) == key(host.search(q_start, q_end, k, unit))
+  for shard in sorted(tmp_path.glob("shard_*")):  # logits rewritten after the index was built
+    np.save(shard / "filter_logits.npy", np.ones_like(np.load(shard / "filter_logits.npy")))
+  assert type(PhraseIndex(tmp_path, "Flat", search_device="jax").index).__name__ != "DeviceFlat"

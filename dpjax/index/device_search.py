@@ -15,7 +15,6 @@ hold the vectors in at most half their memory.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpjax.parallel import make_mesh
-
-log = logging.getLogger(__name__)
 
 SEARCH_DEVICES = ("auto", "faiss", "jax")
 QUERY_CHUNK = 256  # queries per compiled call (a shorter last chunk is padded to it)
@@ -74,10 +71,6 @@ class DeviceFlat:
     padded[:self.ntotal] = vectors
     self.vectors = jax.device_put(padded, NamedSharding(self.mesh, P("data", None)))
     self.queries_sharding = NamedSharding(self.mesh, P())
-
-  @property
-  def nbytes(self) -> int:
-    return int(self.vectors.size) * 2
 
   def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores [Q, k] float32, labels [Q, k] int64) of the top-k vectors of each query, best

@@ -75,17 +75,27 @@ class PhraseIndex:
     threshold = self.manifest.get("filter_threshold")
     self.kept_mask = (None if threshold is None else
                       self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
-    if self.manifest["resolved_spec"] == "Flat" and self.manifest["num_tokens"] and use_device_search(
-        search_device, 2 * self.manifest["num_tokens"] * self.dump.vectors.shape[1]):
-      # The exact index's vectors are the dump's (kept) ones: searched on the accelerator.
-      kept = None if self.kept_mask is None else np.flatnonzero(self.kept_mask)
-      self.index = DeviceFlat(self.dump.vectors if kept is None else self.dump.vectors[kept], kept)
-    else:
+    self.index = self._device_index(search_device)
+    if self.index is None:
       self.index = faiss.read_index(str(directory / "index.faiss"))
       if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
         faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                    nprobe or self.manifest["nprobe"])
     self._setup()
+
+  def _device_index(self, search_device: str) -> DeviceFlat | None:
+    """The exact index searched on the accelerator (`use_device_search`): its vectors are the
+    dump's, those the filter keeps; None for an approximate index or the host's faiss."""
+    tokens = self.manifest["num_tokens"]
+    if self.manifest["resolved_spec"] != "Flat" or not tokens or not use_device_search(
+        search_device, 2 * tokens * self.dump.vectors.shape[1]):
+      return None
+    if self.kept_mask is None:
+      return DeviceFlat(self.dump.vectors)
+    kept = np.flatnonzero(self.kept_mask)
+    if len(kept) != tokens:  # the filter logits changed after the index was built: its own set
+      return None
+    return DeviceFlat(self.dump.vectors[kept], kept)
 
   @classmethod
   def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None, *,

@@ -133,7 +133,8 @@ def _fused_attention(q, k, v, attention_bias, implementation: str | None = None)
   """Attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh] with the additive padding mask
   [B, 1, 1, L], no [B, H, Lq, L] probabilities kept for the backward pass. The cuDNN kernel
   takes the mask as key lengths (the real tokens of every row come first: windows and
-  questions are padded at the end), at least 1 so that an all-padding row stays finite."""
+  questions are padded at the end), at least 1 so that an all-padding row stays finite.
+  `implementation="lengths"`: that formulation run by XLA (what the tests compare on a CPU)."""
   implementation = implementation or attention_implementation(q.dtype)
   if implementation == "xla":
     return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
