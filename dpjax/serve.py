@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
+from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS
 from dpjax.models.encoders import question_calls
 from dpjax.workdir import load_searcher
@@ -340,7 +341,7 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
       searcher.encode([" ".join(["what"] * words)] * size)
   log.info("question encoder compiled for %d batch sizes up to %d in %.1f s", len(sizes),
            sc.max_batch, time.perf_counter() - start)
-  if hasattr(searcher.index.index, "warm"):  # the exact index on the accelerator: every width
+  if isinstance(searcher.index.index, DeviceFlat):  # the exact index on the accelerator: each width
     start = time.perf_counter()  # a search of up to max_k units may fetch, compiled ahead
     widths = searcher.index.index.warm(searcher.index.fetch_bounds(sc.max_k)[1])
     log.info("device search compiled for %d widths in %.1f s", widths,

@@ -238,3 +238,6 @@ def test_attention_implementation_is_xla_but_on_a_gpu_when_asked(monkeypatch):
   assert attention_implementation(jnp.float32) == "xla"  # cuDNN's kernel: 16-bit only
   monkeypatch.delenv("DPJAX_ATTENTION")
   assert attention_implementation(jnp.bfloat16) == "xla"
+  monkeypatch.setenv("DPJAX_ATTENTION", "cuDNN")
+  with pytest.raises(ValueError, match="DPJAX_ATTENTION='cuDNN': must be xla or cudnn"):
+    attention_implementation(jnp.bfloat16)

@@ -83,11 +83,10 @@ class DeviceFlat:
     fn = _top_k_fn(self.mesh, self.block, self.ntotal, _bucket(k))
     scores = np.empty((len(queries), k), np.float32)
     labels = np.empty((len(queries), k), np.int64)
-    chunk = QUERY_CHUNK
     pending = None  # the previous chunk's device results: copied back while the next runs
-    for lo in range(0, len(queries), chunk):
-      part = np.zeros((chunk, self.d), np.float32)
-      part[:len(queries[lo:lo + chunk])] = queries[lo:lo + chunk]
+    for lo in range(0, len(queries), QUERY_CHUNK):
+      part = np.zeros((QUERY_CHUNK, self.d), np.float32)
+      part[:len(queries[lo:lo + QUERY_CHUNK])] = queries[lo:lo + QUERY_CHUNK]
       result = fn(self.vectors, jax.device_put(part, self.queries_sharding))
       if pending is not None:
         self._store(pending, scores, labels, k)
@@ -99,8 +98,7 @@ class DeviceFlat:
   def warm(self, max_k: int) -> int:
     """Compiles the search for every k up to `max_k` (one program per power of two), so that
     none compiles while serving; returns how many."""
-    buckets = sorted({_bucket(k) for k in (2 ** i for i in range(max(max_k, 1).bit_length() + 1))
-                      if k <= _bucket(max_k)})
+    buckets = [MIN_K << i for i in range((_bucket(max_k) // MIN_K).bit_length())]
     for k in buckets:
       self.search(np.zeros((1, self.d), np.float32), k)
     return len(buckets)

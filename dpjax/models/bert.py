@@ -123,7 +123,10 @@ def attention_implementation(dtype) -> str:
   fused flash attention) when `DPJAX_ATTENTION=cudnn` is set on a GPU and the compute dtype is
   bfloat16 or float16, else "xla" (JAX's own choice for `implementation=None` is XLA too).
   Opt-in: the cuDNN path is unmeasured (no GPU lent since it was written)."""
-  if (os.environ.get("DPJAX_ATTENTION", "xla") == "cudnn" and jax.default_backend() == "gpu"
+  asked = os.environ.get("DPJAX_ATTENTION", "xla")
+  if asked not in ("xla", "cudnn"):
+    raise ValueError(f"DPJAX_ATTENTION={asked!r}: must be xla or cudnn")
+  if (asked == "cudnn" and jax.default_backend() == "gpu"
       and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
     return "cudnn"
   return "xla"
