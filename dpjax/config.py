@@ -320,9 +320,6 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
       # products (vectors stored float16 either way; the manifest records which).
       "dump_dtype": "",
-      # Windows packed several to a row (dpjax.data.packing): no compute on padding, the vectors
-      # of each window as if encoded alone up to rounding. False: length-bucketed batches.
-      "dump_pack": True,
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

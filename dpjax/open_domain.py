@@ -38,8 +38,7 @@ def dump_settings(config, mesh) -> DumpConfig:
                     batch_size=round_to_devices(config.index.batch_size, mesh),
                     shard_passages=config.index.shard_passages,
                     min_context=config.index.get("dump_min_context", 0),
-                    compute_dtype=config.index.get("dump_dtype") or config.model.dtype,
-                    pack=config.index.get("dump_pack", True))
+                    compute_dtype=config.index.get("dump_dtype") or config.model.dtype)
 
 
 def run_dump(config, workdir: str) -> dict:

@@ -27,12 +27,11 @@ from dpjax.config import ConfigError
 from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.data.squad import DataError, Passage, SkipSummary, read_squad, write_squad_subset
-from dpjax.index.dump import (MANIFEST, Dump, DumpConfig, dump_encoder, encode_shard,
-                              encoder_fingerprint)
+from dpjax.index.dump import MANIFEST, Dump, DumpConfig, encode_shard, encoder_fingerprint
 from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.search import PhraseIndex
 from dpjax.io import write_json, write_jsonl
-from dpjax.models.encoders import encode_questions
+from dpjax.models.encoders import bound, encode_questions
 from dpjax.workdir import data_paths, load_searcher
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,8 @@ def evaluate_subcorpus(model, tokenizer, passages: Sequence[Passage],
   config = DumpConfig(max_seq_length=data_config.max_seq_length,
                       doc_stride=data_config.doc_stride,
                       include_title=data_config.include_title, batch_size=batch_size)
-  arrays = encode_shard(tokenizer, list(passages), config, mesh, dump_encoder(model, config))
+  arrays = encode_shard(tokenizer, list(passages), config, mesh,
+                        bound(model, "phrases_and_filter"))
   dump = Dump(directory=None, passages=list(passages),
               manifest={"fingerprint": encoder_fingerprint(model), "complete": True,
                         "num_passages": len(passages), "num_tokens": len(arrays["vectors"])},

@@ -250,30 +250,6 @@ def test_attention_implementation_is_xla_but_on_a_gpu_when_asked(monkeypatch):
     attention_implementation(jnp.bfloat16)
 
 
-def test_packed_rows_equal_each_sequence_encoded_alone(model):
-  """`segment_ids`: sequences packed one after another in a row (padding after the last) give
-  each sequence's vectors as encoded alone: attention within the sequence, positions from its
-  first token. A row of padding only stays finite."""
-  rng = np.random.default_rng(5)
-  lengths = [[5, 6], [13], [2, 4, 7], []]  # rows of 13 columns
-  width = 13
-  ids = np.zeros((len(lengths), width), np.int32)
-  segments = np.zeros_like(ids)
-  alone = []
-  for r, row in enumerate(lengths):
-    at = 0
-    for s, n in enumerate(row):
-      tokens = rng.integers(1, CONFIG.vocab_size, n).astype(np.int32)
-      ids[r, at:at + n], segments[r, at:at + n] = tokens, s + 1
-      alone.append((r, at, tokens))
-      at += n
-  packed = np.asarray(model(jnp.asarray(ids), segment_ids=jnp.asarray(segments)))
-  assert np.isfinite(packed).all()
-  for r, at, tokens in alone:
-    one = np.asarray(model(jnp.asarray(tokens[None])))[0]
-    np.testing.assert_allclose(packed[r, at:at + len(tokens)], one, atol=1e-5, rtol=0)
-
-
 @pytest.mark.parametrize("chunked", [False, True])
 def test_cpu_attention_equals_dot_product_attention(model, monkeypatch, chunked):
   """The CPU's attention (`_cpu_attention`: deferred softmax division, chunks of rows) against

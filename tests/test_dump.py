@@ -1,7 +1,6 @@
 """Dumping a corpus with a (tiny) model: no padding leaks, tokens once, resumable after a crash."""
 import dataclasses
 import json
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +9,6 @@ from flax import nnx
 
 from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
-from dpjax.data.packing import pack_windows
 from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
 from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, kept_runs
 from dpjax.index.faiss_index import build_index
@@ -81,8 +79,7 @@ def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenize
 
 def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):
   """Batches cut to their longest window (longest first) change no vector and no token order."""
-  config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=12,
-                      pack=False)
+  config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=12)
   passages = _passages(12)
   dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
   dump = Dump.load(tmp_path)
@@ -94,63 +91,6 @@ def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_p
                                       jnp.asarray(windows.attention_mask)))
   keep = windows.context_mask & windows.is_max_context
   np.testing.assert_allclose(dump.vectors.astype(np.float32), h[keep], rtol=2e-3, atol=2e-3)
-
-
-def test_packed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):
-  """Windows packed several to a row give every kept token the vector of its window encoded
-  alone, in passage order; fewer rows than windows are encoded; each shard records it, and a
-  dump started unpacked is finished packed (rounding apart, the same vectors)."""
-  config = DumpConfig(max_seq_length=64, doc_stride=16, batch_size=8, shard_passages=4)
-  passages = _passages(12)
-  manifest = dump_phrases(model, tokenizer, passages, tmp_path / "packed", config,
-                          mesh=make_mesh())
-  assert all(s["packed"] for s in manifest["shards"])
-  assert "pack" not in manifest["settings"]
-  dump = Dump.load(tmp_path / "packed")
-  windows, _ = build_windows(tokenizer, passages,
-                             max_seq_length=64, doc_stride=16, include_title=True)
-  rows = pack_windows(windows.input_ids, windows.attention_mask)
-  assert len(rows.input_ids) < len(windows.input_ids)
-  h = np.asarray(model.encode_phrases(jnp.asarray(windows.input_ids),
-                                      jnp.asarray(windows.attention_mask)))
-  keep = windows.context_mask & windows.is_max_context
-  np.testing.assert_allclose(dump.vectors.astype(np.float32), h[keep], rtol=2e-3, atol=2e-3)
-  # Resumed across the setting: shard 1 removed from an unpacked dump, redone packed.
-  unpacked = dataclasses.replace(config, pack=False)
-  first = dump_phrases(model, tokenizer, passages, tmp_path / "mixed", unpacked,
-                       mesh=make_mesh())
-  assert not any(s["packed"] for s in first["shards"])
-  shutil.rmtree(tmp_path / "mixed" / first["shards"][1]["name"])
-  manifest = json.loads((tmp_path / "mixed" / "manifest.json").read_text())
-  (tmp_path / "mixed" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
-  mixed = dump_phrases(model, tokenizer, passages, tmp_path / "mixed", config, mesh=make_mesh())
-  assert [s["packed"] for s in mixed["shards"]] == [False, True, False]
-  np.testing.assert_allclose(Dump.load(tmp_path / "mixed").vectors.astype(np.float32),
-                             dump.vectors.astype(np.float32), rtol=2e-3, atol=2e-3)
-
-
-def test_pack_windows_places_every_window_once():
-  """Best-fit decreasing: each window's real tokens at its row and offset, numbered segments in
-  order, no overlap, no row over its width, rows near the lower bound."""
-  rng = np.random.default_rng(0)
-  width = 50
-  lengths = np.concatenate([rng.integers(2, width + 1, 300), [width, 1, 2]])
-  mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
-  ids = rng.integers(1, 1000, mask.shape).astype(np.int32) * mask
-  rows = pack_windows(ids, mask)
-  used = np.zeros(rows.input_ids.shape, np.int32)
-  for w, n in enumerate(lengths):
-    r, at = rows.row[w], rows.offset[w]
-    assert at + n <= width
-    np.testing.assert_array_equal(rows.input_ids[r, at:at + n], ids[w, :n])
-    assert len(set(rows.segment_ids[r, at:at + n])) == 1 and rows.segment_ids[r, at] > 0
-    used[r, at:at + n] += 1
-  assert used.max() == 1 and ((rows.segment_ids > 0) == (used == 1)).all()
-  for segments in rows.segment_ids:  # 1, 2, ... from the left, padding (0) at the end only
-    real = segments[segments > 0]
-    assert (np.diff(real) >= 0).all() and (np.unique(real) == np.arange(1, len(set(real)) + 1)).all()
-    assert (segments[len(real):] == 0).all()
-  assert len(rows.input_ids) <= 1.05 * np.ceil(lengths.sum() / width) + 1
 
 
 def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):

@@ -16,7 +16,6 @@ LAYERS = [
      "dpjax.distributed", "dpjax.model_files"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
-     "dpjax.data.packing",
      "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
      "dpjax.data.teacher_logits", "dpjax.models", "dpjax.models.reader",
      "dpjax.models.bert", "dpjax.models.dropout", "dpjax.models.pretrained",

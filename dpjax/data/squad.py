@@ -30,7 +30,6 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from dpjax.data.packing import ShardWindows, make_shard_windows
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import ConfigError, DataError
 from dpjax.io import write_json
@@ -318,14 +317,12 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
 _WORKER: dict = {}
 
 
-def windows_worker_setup(tokenizer: Tokenizer, settings: dict, pack: bool = False) -> None:
-  _WORKER.update(tokenizer=tokenizer, settings=settings, pack=pack)
+def windows_worker_setup(tokenizer: Tokenizer, settings: dict) -> None:
+  _WORKER.update(tokenizer=tokenizer, settings=settings)
 
 
-def windows_worker(passages: Sequence[Passage]) -> ShardWindows:
-  """The shard windows of `passages` (`dpjax.index.dump.shard_windows`)."""
-  return make_shard_windows(build_windows(_WORKER["tokenizer"], passages,
-                                          **_WORKER["settings"])[0], _WORKER["pack"])
+def windows_worker(passages: Sequence[Passage]) -> PassageWindows:
+  return build_windows(_WORKER["tokenizer"], passages, **_WORKER["settings"])[0]
 
 
 def _window_starts(length: int, room: int, doc_stride: int, min_context: int) -> list[int]:

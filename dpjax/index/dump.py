@@ -40,7 +40,6 @@ import numpy as np
 from flax import nnx
 
 from dpjax import distributed
-from dpjax.data.packing import PackedRows, ShardWindows, make_shard_windows
 from dpjax.data.squad import Passage, build_windows, windows_worker, windows_worker_setup
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
@@ -78,11 +77,6 @@ class DumpConfig:
   # The encoder's compute dtype for the dump ("float32", "bfloat16"; None: the model's own). The
   # manifest records the one used, so a dump is never resumed or indexed across dtypes.
   compute_dtype: str | None = None
-  # Windows packed several to a row of max_seq_length tokens (`pack_windows`): no compute on
-  # padding. Each window attends only to itself, so its vectors are those of the window encoded
-  # alone up to rounding; a shard records whether it was packed (`write_shard`), and a dump may
-  # be resumed either way.
-  pack: bool = True
 
 
 def _batches(iterable: Iterable, size: int) -> Iterator[list]:
@@ -115,13 +109,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
-                passages: list[Passage], *, packed: bool | None = None) -> dict:
+                passages: list[Passage]) -> dict:
   """Writes one shard atomically (temporary directory, then rename); returns its manifest entry.
   An unfinished shard of an older layout in its place is replaced."""
   entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"])),
            "passages_sha": passages_digest(passages)}
-  if packed is not None:
-    entry["packed"] = packed
   try:
     with atomic_directory(directory / name) as tmp:
       for key, value in arrays.items():
@@ -140,16 +132,9 @@ def window_settings(config: DumpConfig) -> dict:
           "include_title": config.include_title, "min_context": config.min_context}
 
 
-def shard_windows(tokenizer: Tokenizer, passages: list[Passage],
-                  config: DumpConfig) -> ShardWindows:
-  """The windows a shard's passages are encoded in (tokenization, packing: host work)."""
-  return make_shard_windows(build_windows(tokenizer, passages, **window_settings(config))[0],
-                            config.pack)
-
-
-def dump_encoder(model, config: DumpConfig):
-  """The jitted encoder `encode_shard` takes for a dump with `config` (packed or not)."""
-  return bound(model, "packed_phrases_and_filter" if config.pack else "phrases_and_filter")
+def shard_windows(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig):
+  """The windows a shard's passages are encoded in (tokenization: host work)."""
+  return build_windows(tokenizer, passages, **window_settings(config))[0]
 
 
 class WindowMaker:
@@ -173,7 +158,7 @@ class WindowMaker:
       self.processes = concurrent.futures.ProcessPoolExecutor(
           self.workers, mp_context=multiprocessing.get_context("spawn"),
           initializer=windows_worker_setup,
-          initargs=(self.tokenizer, window_settings(self.config), self.config.pack))
+          initargs=(self.tokenizer, window_settings(self.config)))
     return self.processes.submit(windows_worker, passages)
 
   def __enter__(self):
@@ -201,29 +186,22 @@ def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
-                 windows: ShardWindows | None = None,
-                 waited: list | None = None) -> dict[str, np.ndarray]:
-  """Encodes passages (or their `shard_windows`, made ahead) with `encode` (`dump_encoder`);
-  returns the shard arrays (token rows in passage order, local passage rows). `progress`
-  counts the stored tokens batch by batch; `waited` receives the seconds spent waiting for the
-  encoder (`map_batches`)."""
+                 windows=None, waited: list | None = None) -> dict[str, np.ndarray]:
+  """Encodes passages (or their `shard_windows`, made ahead); returns the shard arrays (token
+  rows in passage order, local passage rows). `progress` counts the stored tokens batch by
+  batch; `waited` receives the seconds spent waiting for the encoder (`map_batches`)."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
-  windows, packed = windows.windows, windows.packed
   keep = windows.context_mask & windows.is_max_context  # [W, L]
-  # Batches come back out of order (longest rows first): each encoded row's runs of kept tokens
-  # are copied straight to their rows in passage order (slices, no gather).
-  runs = kept_runs(keep)
-  if packed is None:  # rows are windows, batched by length (no compute on padding)
-    inputs = [windows.input_ids, windows.attention_mask]
-  else:  # rows of packed windows
-    runs = _packed_runs(runs, packed)
-    inputs = [packed.input_ids, packed.segment_ids]
-  runs = {name: array.tolist() for name, array in runs.items()}
+  # Batches of similar length (no compute on padding) come back out of order: each window's
+  # runs of kept tokens are copied straight to their rows in passage order (slices, no gather).
+  runs = {name: array.tolist() for name, array in kept_runs(keep).items()}
   total = sum(runs["length"])
   out, stored = {}, 0
-  for rows, (vectors, logits) in map_batches(encode, inputs, config.batch_size, mesh,
-                                             waited=waited, lengths=(inputs[1] > 0).sum(1),
+  for rows, (vectors, logits) in map_batches(encode, [windows.input_ids,
+                                                      windows.attention_mask],
+                                             config.batch_size, mesh, waited=waited,
+                                             lengths=windows.attention_mask.sum(1),
                                              pad_last=True):
     if not out:  # float16 from the device; [T, D] and [T, 2]
       out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
@@ -240,27 +218,15 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 
 
-def _packed_runs(runs: dict, packed: PackedRows) -> dict[str, np.ndarray]:
-  """`kept_runs` of windows as runs of the packed rows' columns (`first` per row)."""
-  row = packed.row[runs["window"]]
-  column = packed.offset[runs["window"]] + runs["column"]
-  order = np.lexsort((column, row))
-  row = row[order]
-  return {"window": row, "column": column[order], "length": runs["length"][order],
-          "destination": runs["destination"][order],
-          "first": np.searchsorted(row, np.arange(len(packed.input_ids) + 1))}
-
-
 def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
-  """Copies the kept runs of a batch's encoded rows (`rows`: windows, or packed rows; outputs
-  `width` wide) from each (batch output [B, width, ...], shard array) pair; returns the tokens
-  copied."""
+  """Copies the kept runs of a batch's windows (`rows`, outputs `width` wide) from each
+  (batch output [B, width, ...], shard array) pair; returns the tokens copied."""
   count = 0
   for b, window in enumerate(rows):
     for r in range(runs["first"][window], runs["first"][window + 1]):
       column, length = runs["column"][r], runs["length"][r]
       if column + length > width:
-        raise AssertionError(f"row {window}: kept tokens lie in padding (width {width})")
+        raise AssertionError(f"window {window}: kept tokens lie in padding (width {width})")
       destination = runs["destination"][r]
       for batch_output, shard in pairs:
         shard[destination:destination + length] = batch_output[b, column:column + length]
@@ -294,9 +260,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     made = ({0: maker.submit(head[0], thread=True)}
             if head and distributed.process_share(0) else {})
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
-                "model": model_info or {}, "settings": recorded_settings(config),
+                "model": model_info or {}, "settings": dataclasses.asdict(config),
                 "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
-    encode = dump_encoder(model, config)
+    encode = bound(model, "phrases_and_filter")
     old = _existing(out_dir, manifest)
     if old is not None and old["complete"]:
       _check_corpus(out_dir, old["shards"], chunks)
@@ -326,12 +292,6 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                   host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
                   host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
-
-
-def recorded_settings(config: DumpConfig) -> dict:
-  """The settings a dump's manifest records, that a resumed or reused dump must match (all but
-  `pack`, which moves vectors by rounding only: each shard records its own)."""
-  return {k: v for k, v in dataclasses.asdict(config).items() if k != "pack"}
 
 
 def _checked_settings(model, config: DumpConfig) -> tuple[object, DumpConfig]:
@@ -381,15 +341,13 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
                             windows=windows, waited=waited)
       for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
         done.result()
-      writing.append(write.submit(_write_and_log, out_dir, shard_name(number), arrays, chunk,
-                                  config.pack))
+      writing.append(write.submit(_write_and_log, out_dir, shard_name(number), arrays, chunk))
     for w in writing:
       w.result()
 
 
-def _write_and_log(out_dir: pathlib.Path, name: str, arrays: dict, chunk: list,
-                   packed: bool) -> None:
-  write_shard(out_dir, name, arrays, chunk, packed=packed)
+def _write_and_log(out_dir: pathlib.Path, name: str, arrays: dict, chunk: list) -> None:
+  write_shard(out_dir, name, arrays, chunk)
   log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
 
 

@@ -151,9 +151,9 @@ def _cpu_attention(q, k, v, attention_bias, dtype, dropout=None):
   batch, num_queries, heads, head_dim = q.shape
   row_bytes = 4 * heads * num_queries * k.shape[1]
   too_big, fits = CPU_ATTENTION_CHUNKING
-  if dropout is None and batch * row_bytes > too_big and batch > 1:
-    rows = max(n for n in range(1, batch + 1) if batch % n == 0 and (n * row_bytes <= fits
-                                                                      or n == 1))
+  if dropout is None and batch * row_bytes > too_big:
+    rows = max([n for n in range(1, batch + 1) if batch % n == 0 and n * row_bytes <= fits],
+               default=1)  # rows per chunk: a divisor of the batch
     if rows < batch:
       bias = jnp.broadcast_to(attention_bias, (batch, *attention_bias.shape[1:]))
       chunks = [x.reshape(batch // rows, rows, *x.shape[1:]) for x in (q, k, v, bias)]
@@ -176,32 +176,14 @@ def _cpu_attention_rows(q, k, v, attention_bias, dtype, dropout=None):
   return context.transpose(0, 2, 1, 3).astype(dtype)  # [B, Lq, H, Dh]
 
 
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
-
-def packed_attention_bias(segment_ids):
-  """(attention bias [B, 1, L, L], positions [B, L]) of packed rows (`BertModel`): a token
-  attends to the tokens of its own segment (id > 0; padding, 0, to nothing real) and its
-  position counts from its segment's first token."""
-  segment_ids = jnp.asarray(segment_ids)
-  same = ((segment_ids[:, :, None] == segment_ids[:, None, :])
-          & (segment_ids[:, None, :] > 0))[:, None]
-  index = jnp.arange(segment_ids.shape[1])[None, :]
-  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-  first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-  return jnp.where(same, 0.0, _MASKED).astype(jnp.float32), index - first
-
-
 def _fused_attention(q, k, v, attention_bias, implementation: str | None = None):
   """Attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh] with the additive padding mask
-  [B, 1, 1, L] (or a packed batch's block mask [B, 1, Lq, L]), no [B, H, Lq, L] probabilities
-  kept for the backward pass. The cuDNN kernel takes the padding mask as key lengths (the real
-  tokens of every row come first: windows and questions are padded at the end), at least 1 so
-  that an all-padding row stays finite; packed batches run XLA's attention.
+  [B, 1, 1, L], no [B, H, Lq, L] probabilities kept for the backward pass. The cuDNN kernel
+  takes the mask as key lengths (the real tokens of every row come first: windows and
+  questions are padded at the end), at least 1 so that an all-padding row stays finite.
   `implementation="lengths"`: that formulation run by XLA (what the tests compare on a CPU)."""
   implementation = implementation or attention_implementation(q.dtype)
-  if implementation == "xla" or attention_bias.shape[2] > 1:
+  if implementation == "xla":
     return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
   lengths = jnp.maximum((attention_bias[:, 0, 0, :] == 0).sum(-1), 1).astype(jnp.int32)
   return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
@@ -235,11 +217,10 @@ class BertEmbeddings(nnx.Module):
     self.dropout = Dropout(config.hidden_dropout_prob)
     self.dtype = dtype
 
-  def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None,
-               positions=None):
-    # input_ids, token_type_ids: [B, L] int; positions: [B, L] int, None: 0, 1, ... in every row
-    if positions is None:
-      positions = jnp.arange(input_ids.shape[-1])[None, :]
+  def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None):
+    # input_ids, token_type_ids: [B, L] int
+    length = input_ids.shape[-1]
+    positions = jnp.arange(length)[None, :]
     x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
          + self.token_type_embeddings(token_type_ids))
     x = self.layer_norm(x)
@@ -264,14 +245,11 @@ class BertSelfAttention(nnx.Module):
 
   def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None,
                num_queries: int | None = None):
-    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L] float32 (0 or a large negative), or
-    # [B, 1, L, L] for packed rows (`packed_attention_bias`).
+    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L] float32 (0 or a large negative).
     # num_queries: only the first positions attend (and are returned), [B, num_queries, D].
     batch, _, d = hidden.shape
     head_dim = d // self.num_heads
     attending = hidden if num_queries is None else hidden[:, :num_queries]
-    if num_queries is not None and attention_bias.shape[2] > 1:
-      attention_bias = attention_bias[:, :, :num_queries]
 
     def heads(x):  # [B, L, D] -> [B, L, H, D/H]
       return x.reshape(batch, x.shape[1], self.num_heads, head_dim)
@@ -343,30 +321,20 @@ class BertModel(nnx.Module):
       *,
       rngs: nnx.Rngs | None = None,
       first_only: bool = False,
-      segment_ids=None,  # [B, L] int: packed rows (`attention_mask` unused), see below
   ):
     """Returns the last hidden states, [B, L, D] in the compute dtype; with `first_only` only
     the first position's, [B, 1, D]: the last layer computes the other positions' keys and values
     only (for [CLS] readers; 11-13% less time for a 6-layer encoder on a CPU), and the values
-    equal the full pass's first row.
-
-    With `segment_ids`, every row packs several sequences: the tokens of sequence s > 0 are the
-    consecutive run of positions with segment id s (0: padding). Each sequence attends only to
-    itself and takes positions 0, 1, ... from its first token: its outputs are those of the same
-    sequence encoded alone (up to rounding), with no compute spent on padding between them."""
+    equal the full pass's first row."""
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(input_ids)
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
-    positions = None
-    if segment_ids is not None:
-      attention_bias, positions = packed_attention_bias(segment_ids)
-    else:
-      if attention_mask is None:
-        attention_mask = jnp.ones_like(input_ids)
-      # Additive mask as in BertModel: padded keys get the most negative float32, so their
-      # softmax weight is exactly 0 for every row that has at least one real token.
-      keep = attention_mask.astype(bool)[:, None, None, :]
-      attention_bias = jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
-    hidden = self.embeddings(input_ids, token_type_ids, rngs=rngs, positions=positions)
+    # Additive mask as in BertModel: padded keys get the most negative float32, so their
+    # softmax weight is exactly 0 for every row that has at least one real token.
+    keep = attention_mask.astype(bool)[:, None, None, :]
+    attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+    hidden = self.embeddings(input_ids, token_type_ids, rngs=rngs)
     last = len(self.layers) - 1
     for i, layer in enumerate(self.layers):
       hidden = layer(hidden, attention_bias, rngs=rngs,

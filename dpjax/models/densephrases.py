@@ -48,11 +48,9 @@ class DensePhrases(nnx.Module):
       token_type_ids=None,  # [B, L] int
       *,
       rngs: nnx.Rngs | None = None,
-      segment_ids=None,  # [B, L] int: packed rows instead of `attention_mask` (`BertModel`)
   ):
     """Token vectors h_t, [B, L, D] float32."""
-    hidden = self.phrase_encoder(input_ids, attention_mask, token_type_ids, rngs=rngs,
-                                 segment_ids=segment_ids)
+    hidden = self.phrase_encoder(input_ids, attention_mask, token_type_ids, rngs=rngs)
     return hidden.astype(jnp.float32)
 
   def encode_questions(

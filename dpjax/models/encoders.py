@@ -32,8 +32,6 @@ class Encoders(NamedTuple):
   phrases: Callable  # -> h [B, L, D]
   questions: Callable  # -> (q_start, q_end) [B, D] each
   phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2]), float16 (dumped)
-  # The same of packed rows: `fn(state, input_ids, segment_ids)` (`BertModel`'s segment_ids)
-  packed_phrases_and_filter: Callable
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,29 +49,21 @@ def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
   def questions(state, input_ids, attention_mask):
     return nnx.merge(graphdef, state).encode_questions(input_ids, attention_mask)
 
-  def dumped(state, input_ids, attention_mask=None, segment_ids=None):
+  @jax.jit
+  def phrases_and_filter(state, input_ids, attention_mask):
     model = nnx.merge(graphdef, state)
-    h = model.encode_phrases(input_ids, attention_mask, segment_ids=segment_ids)
+    h = model.encode_phrases(input_ids, attention_mask)
     # Cast on the device: half the bytes to copy back, no host conversion.
     return h.astype(jnp.float16), model.filter_logits(h).astype(jnp.float16)
 
-  @jax.jit
-  def phrases_and_filter(state, input_ids, attention_mask):
-    return dumped(state, input_ids, attention_mask)
-
-  @jax.jit
-  def packed_phrases_and_filter(state, input_ids, segment_ids):
-    return dumped(state, input_ids, segment_ids=segment_ids)
-
-  return Encoders(phrases, questions, phrases_and_filter, packed_phrases_and_filter)
+  return Encoders(phrases, questions, phrases_and_filter)
 
 
 def bound(model, encoder: str) -> Callable:
-  """`fn(input_ids, attention_mask)` of one of the model's jitted `Encoders` (by field name;
-  `fn(input_ids, segment_ids)` for the packed one)."""
+  """`fn(input_ids, attention_mask)` of one of the model's jitted `Encoders` (by field name)."""
   graphdef, state = nnx.split(model)
   jitted = getattr(make_encoders(graphdef), encoder)
-  return lambda input_ids, mask: jitted(state, input_ids, mask)
+  return lambda input_ids, attention_mask: jitted(state, input_ids, attention_mask)
 
 
 def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,

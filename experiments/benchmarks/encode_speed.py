@@ -109,8 +109,7 @@ def main(argv=None) -> int:
                                                   replace=False))]
   dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
                            doc_stride=config.data.doc_stride,
-                           include_title=config.data.include_title, batch_size=batch_size,
-                           pack=False)  # what it compares: length-bucketed vs padded batches
+                           include_title=config.data.include_title, batch_size=batch_size)
   encode_phrases = lambda i, m: encoders.phrases_and_filter(state, i, m)
 
   def one_by_one() -> list[float]:
