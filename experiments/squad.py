@@ -43,9 +43,10 @@ def get_config(arg=None):
   # to start and competes with the encoder for 2 cores: results/speed.md).
   config.index.dump_workers = 4
   # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
-  # the 2-core Xeon 1.6x float32's tokens/s, and over the full SQuAD-open small dump of `:cpu`'s
-  # model, 2,000 dev questions, EM@1 31.65 vs 31.85 (1 / 5 questions, McNemar p = 0.22), Top-20
-  # 88.40 vs 88.45 (results/dump_bf16.md). `--set index.dump_dtype=float32` for the exact one.
+  # the 2-core Xeon with AMX 1.6x float32's tokens/s (on one without AMX slower: set float32
+  # there), and over the full SQuAD-open small dump of `:cpu`'s model, 2,000 dev questions, EM@1
+  # 31.65 vs 31.85 (1 / 5 questions, McNemar p = 0.22), Top-20 88.40 vs 88.45
+  # (results/dump_bf16.md). `--set index.dump_dtype=float32` for the exact one.
   config.index.dump_dtype = "bfloat16"
   config.validation = common.validation_config()
   config.mine = common.mine_config()
