@@ -236,7 +236,7 @@ def test_attention_by_key_lengths_equals_the_additive_mask(model, monkeypatch):
                              atol=1e-5, rtol=0)
 
 
-def test_attention_implementation_is_xla_but_on_a_gpu_when_asked(monkeypatch):
+def test_attention_implementation_is_cudnn_only_on_a_gpu_when_asked(monkeypatch):
   from dpjax.models.bert import attention_implementation
   monkeypatch.setenv("DPJAX_ATTENTION", "cudnn")
   assert attention_implementation(jnp.bfloat16) == "xla"  # this is a CPU

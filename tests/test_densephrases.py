@@ -84,3 +84,20 @@ def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
                                    jnp.asarray(mask[n:n + 1, :length]))
     np.testing.assert_allclose(q_start[n], alone[0][0], atol=2e-5)
     np.testing.assert_allclose(q_end[n], alone[1][0], atol=2e-5)
+
+
+def test_phrase_calls_on_a_cpu_and_an_accelerator(monkeypatch):
+  """Windows go to the phrase encoder in calls of at most 16 rows (a multiple of the devices)
+  cut to 16-multiples on a CPU mesh; an accelerator's calls take the whole batch, 32-multiples."""
+  from dpjax.models import encoders
+  from dpjax.parallel import make_mesh
+  mesh = make_mesh()
+  assert encoders.phrase_calls(64, mesh) == (max(16, mesh.size), 16)
+  assert encoders.phrase_calls(8, mesh)[0] == 8
+
+  class Device:
+    platform = "gpu"
+
+  class Mesh:
+    devices = np.array([Device()])
+  assert encoders.phrase_calls(64, Mesh()) == (64, 32)

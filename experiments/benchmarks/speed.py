@@ -12,12 +12,13 @@ on sys.path), so old and new are the real code paths on the same inputs:
   tokens/s, the dump's host time per stored token (the main thread's time outside waiting for
   the encoder and compiling, from the manifest), the compiled shapes; the old and new vectors
   compared. Against: the bare forward (the same jitted encoder on a fixed [rows, max_seq_length]
-  batch, rows those of the dump's calls, tokens/s of the batch) and PyTorch (Hugging Face `BertModel`, the same MiniLM
-  architecture and size, in `--torch-python`, encoding the windows of today's dump in the same
-  length-sorted batches cut to 32-multiples, inference mode, all cores; its tokens/s are the
-  dump's stored tokens over its time). `--dump-dtype bfloat16`: the new dump and the bare forward
-  compute in bf16 (`index.dump_dtype`), and the new dump in the model's own dtype is timed beside
-  them (`dump_new_model_dtype_over_old`, and how far the dtype alone moves the vectors).
+  batch, rows those of the dump's calls, `phrase_calls`; tokens/s of the batch) and PyTorch
+  (Hugging Face `BertModel`, the same MiniLM architecture and size, in `--torch-python`, encoding
+  the new dump's windows in the dump's length-sorted calls, inference mode, all cores; its
+  tokens/s are the dump's stored tokens over its time). `--dump-dtype bfloat16`: the new dump and
+  the bare forward compute in bf16 (`index.dump_dtype`), and the new dump in the model's own
+  dtype is timed beside them (`dump_new_model_dtype_over_old`, and how far the dtype alone moves
+  the vectors).
 - eval: the first `--questions` SQuAD dev questions in batches of 64, what `run.py eval` does per
   batch (encode; top-10 phrases and top-20 passages from one shared index search), over Flat and
   IVF-SQ4 indexes of the new dump (every batch's questions encoded once first, untimed, so that
