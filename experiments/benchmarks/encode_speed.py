@@ -27,8 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 def padded_batches(map_batches):
   """`map_batches` as it was: every batch padded to `batch_size` rows, at full width."""
-  def run(fn, arrays, batch_size, mesh, lengths=None, length_multiple=32):
-    del lengths, length_multiple
+  def run(fn, arrays, batch_size, mesh, lengths=None, length_multiple=32, **options):
+    del lengths, length_multiple, options  # the dump's waited / pad_last: all batches are full
     n = len(arrays[0])
     extra = -n % batch_size
     full = [np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)]) for a in arrays]
