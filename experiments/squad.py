@@ -5,7 +5,7 @@ example path `../shared/data/squad` (relative to the repository root) used on ou
 
   python run.py train --config experiments/squad.py --workdir workdirs/squad   # accelerator recipe
   python run.py train --config experiments/squad.py:paper --workdir workdirs/squad-paper
-  python run.py train --config experiments/squad.py:cpu --workdir workdirs/squad-cpu  # best CPU recipe
+  python run.py train --config experiments/squad.py:cpu --workdir workdirs/squad-cpu  # CPU best
   python run.py train --config experiments/squad.py:cpu-base --workdir workdirs/recipe/base
   python run.py train --config experiments/squad.py:cpu-base --workdir workdirs/squad-cpu-original \
       --set train.loss.recipe=original
