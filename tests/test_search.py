@@ -7,7 +7,7 @@ import pytest
 from dpjax.data.squad import Passage
 from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
 from dpjax.index.faiss_index import build_index, resolve_spec
-from dpjax.index.search import UNITS, PhraseIndex
+from dpjax.index.search import UNITS, PhraseIndex, to_float32
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.
@@ -119,11 +119,12 @@ def test_clamping_and_errors(toy, tmp_path):
     build_index(tmp_path, "Flat")
 
 
-def test_rescoring_in_chunks_gives_the_same_results(toy, monkeypatch):
+@pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])
+def test_rescoring_in_chunks_gives_the_same_results(toy, index_name, monkeypatch):
   directory, q_start, q_end = toy
-  index = PhraseIndex(directory, "Flat")
+  index = PhraseIndex(directory, index_name)
   whole = index.search(q_start, q_end, k=4, unit="passage")
-  monkeypatch.setattr("dpjax.index.search._RESCORE_FLOATS", 1)  # one question per chunk
+  monkeypatch.setattr("dpjax.index.search._RESCORE_ELEMENTS", 1)  # one question per chunk
   chunked = index.search(q_start, q_end, k=4, unit="passage")
   assert [[(p.start_token, p.end_token) for p, _ in u] for u in whole] == \
       [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]
@@ -159,9 +160,10 @@ def _reference_phrases(index, q_start, q_end, starts, ends, k, max_len):
 
 
 @pytest.mark.parametrize("max_len", [1, 3, 10])
-def test_rescoring_equals_the_spelled_out_rule(toy, max_len):
+@pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])  # float32 storage, float16 dump
+def test_rescoring_equals_the_spelled_out_rule(toy, index_name, max_len):
   directory, q_start, q_end = toy
-  index = PhraseIndex(directory, "Flat")
+  index = PhraseIndex(directory, index_name)
   rng = np.random.default_rng(max_len)
   q_start = q_start + rng.normal(0, 0.3, q_start.shape).astype(np.float32)  # many near spans
   q_end = q_end + rng.normal(0, 0.3, q_end.shape).astype(np.float32)
@@ -184,6 +186,20 @@ def test_rescoring_equals_the_spelled_out_rule(toy, max_len):
     best = max((vectors[s] @ q_start[q] + vectors[e] @ q_end[q], s, e) for s in range(n)
                for e in range(s, min(s + max_len, index.passage_end[index.dump.token_passage[s]])))
     assert (phrase.start_token, phrase.end_token) == best[1:]
+
+
+def test_float16_rows_convert_exactly():
+  every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 64)  # all bit patterns
+  out = np.full(every.shape, 7.0, np.float32)
+  assert to_float32(every, out) is out
+  want = every.astype(np.float32)
+  finite = np.isfinite(want)
+  assert np.array_equal(out.view(np.uint32)[finite], want.view(np.uint32)[finite])  # subnormals,
+  assert np.array_equal(np.isnan(out), np.isnan(want))  # zeros and signs bit for bit
+  assert np.array_equal(out[np.isinf(want)], want[np.isinf(want)])
+  rows = np.arange(12, dtype=np.float64).reshape(3, 4)  # not float16: a plain copy
+  assert np.array_equal(to_float32(rows, np.empty((3, 4), np.float32)), rows)
+  assert to_float32(every[:0], out[:0]).shape == (0, 64)
 
 
 def _units_one_search_per_round(index, q_start, q_end, k, unit):
