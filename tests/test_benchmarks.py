@@ -179,6 +179,13 @@ def test_speed_report_renders_every_figure():
   assert "new 5,056 tokens/s, old 4,636" in text and "PyTorch" not in text.split("Dump (")[1]
   assert "| Flat | new | 152.8 | 43.44 | 97.58 | 0 |" in text
   assert "Flat yes" in text and text.rstrip().endswith("a note")
+  assert "waiting for the tokenizer's" not in text  # a dump without the split (an older tree)
+  summary["dump_host_pipeline_us_per_token"] = dump["host_pipeline_us_per_token"] = 0.9
+  dump["host_us_per_token"] = 2.14
+  text = speed.markdown(results, "python experiments/benchmarks/speed.py ...")
+  assert "| `dump_host_pipeline_us_per_token` | 0.90 |" in text
+  assert ("Host time 2.14 us per stored token, of which 0.90 waiting for the tokenizer's and "
+          "writer's threads") in text
   # --dump-dtype: the new dump in the model's dtype too, and what the dtype changes.
   summary["dump_new_model_dtype_over_old"] = 1.05
   dump.update(dtype="bfloat16", new_model_dtype={**tree, "tokens_per_s": 4870.0},

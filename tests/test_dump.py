@@ -1,5 +1,6 @@
 """Dumping a corpus with a (tiny) model: no padding leaks, tokens once, resumable after a crash."""
 import dataclasses
+import errno
 import json
 
 import jax.numpy as jnp
@@ -10,11 +11,13 @@ from flax import nnx
 from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
 from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
-from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, kept_runs
+from dpjax.index import dump as dump_module
+from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, encode_shard, kept_runs
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.models.densephrases import compute_dtype
+from dpjax.models.encoders import bound
 from dpjax.parallel import make_mesh
 
 TINY = BertConfig(vocab_size=30522, hidden_size=12, num_hidden_layers=1, num_attention_heads=2,
@@ -60,6 +63,7 @@ def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, t
   np.testing.assert_array_equal(np.bincount(Dump.load(tmp_path).token_passage), counts)
   assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
   assert 0 <= manifest["host_cpu_seconds"] <= manifest["seconds"]
+  assert 0 <= manifest["pipeline_wait_seconds"] <= manifest["host_seconds"]
 
 
 def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenizer, tmp_path):
@@ -75,6 +79,52 @@ def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenize
   np.testing.assert_array_equal(a.char_spans, b.char_spans)
   np.testing.assert_array_equal(a.token_passage, b.token_passage)
   assert [p.id for p in a.passages] == [p.id for p in b.passages] == [p.id for p in passages]
+
+
+def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path):
+  """Shards written batch by batch (`ShardStream`, the dump's way) hold exactly the arrays
+  `encode_shard` builds in memory (validation's way): every kept token at its row."""
+  passages = _passages(11)
+  config = dataclasses.replace(CONFIG, min_context=3)  # several runs per passage
+  dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
+  encode = bound(model, "phrases_and_filter")
+  for n, lo in enumerate(range(0, len(passages), config.shard_passages)):
+    chunk = passages[lo:lo + config.shard_passages]
+    want = encode_shard(tokenizer, chunk, config, make_mesh(), encode)
+    for key, value in want.items():
+      got = np.load(tmp_path / f"shard_{n:05d}" / f"{key}.npy")
+      assert got.dtype == value.dtype, key
+      np.testing.assert_array_equal(got, value, err_msg=key)
+  assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_failed_write_mid_shard_leaves_nothing_and_the_rerun_resumes(model, tokenizer,
+                                                                       tmp_path, monkeypatch):
+  """Disk full while a shard's rows are written: a DumpError naming the shard and the cause,
+  no unfinished shard left, the shards before it kept; the rerun finishes the same dump."""
+  passages = _passages()
+  dump_phrases(model, tokenizer, passages, tmp_path / "clean", CONFIG, mesh=make_mesh())
+  calls, pwrite = [], dump_module.os.pwrite
+
+  def full_in_the_second_shard(fd, data, offset):
+    calls.append(offset)
+    if (tmp_path / "broken" / "shard_00000").is_dir():
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return pwrite(fd, data, offset)
+
+  monkeypatch.setattr(dump_module.os, "pwrite", full_in_the_second_shard)
+  with pytest.raises(DumpError, match=r"shard_00001: could not write the shard: No space left "
+                                      r"on device \(errno 28\)"):
+    dump_phrases(model, tokenizer, passages, tmp_path / "broken", CONFIG, mesh=make_mesh())
+  assert calls and not list((tmp_path / "broken").glob("*.tmp"))
+  assert not (tmp_path / "broken" / "shard_00001").exists()
+  monkeypatch.setattr(dump_module.os, "pwrite", pwrite)
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path / "broken", CONFIG,
+                          mesh=make_mesh())
+  assert manifest["complete"]
+  a, b = Dump.load(tmp_path / "clean"), Dump.load(tmp_path / "broken")
+  np.testing.assert_array_equal(a.vectors, b.vectors)
+  np.testing.assert_array_equal(a.filter_logits, b.filter_logits)
 
 
 def test_length_bucketed_dump_equals_full_width_encoding(model, tokenizer, tmp_path):

@@ -43,8 +43,8 @@ from dpjax import distributed
 from dpjax.data.squad import Passage, build_windows, windows_worker, windows_worker_setup
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
-from dpjax.io import (Progress, atomic_directory, digest, digest_texts, remove, write_json,
-                      write_jsonl)
+from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts, remove,
+                      write_json, write_jsonl)
 from dpjax.models.encoders import bound, phrase_batches
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats
@@ -112,19 +112,122 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
                 passages: list[Passage]) -> dict:
   """Writes one shard atomically (temporary directory, then rename); returns its manifest entry.
   An unfinished shard of an older layout in its place is replaced."""
-  entry = {"name": name, "passages": len(passages), "tokens": int(len(arrays["vectors"])),
-           "passages_sha": passages_digest(passages)}
   try:
     with atomic_directory(directory / name) as tmp:
-      for key, value in arrays.items():
-        np.save(tmp / f"{key}.npy", value)
-      write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
-      write_json(tmp / SHARD_INFO, entry, indent=None)
+      return _write_shard_files(tmp, name, arrays, passages, len(arrays["vectors"]))
   except OSError as e:  # disk full, read-only, quota: name the place and the cause
-    raise DumpError(f"{directory / name}: could not write the shard: "
-                    f"{e.strerror or e} (errno {e.errno}); free space and run the dump again "
-                    "(it resumes)") from None
+    raise _write_error(directory / name, e) from None
+
+
+def _write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
+                       passages: list[Passage], tokens: int) -> dict:
+  """Writes `arrays`, the passages and the shard's info into `tmp`; returns the info."""
+  entry = {"name": name, "passages": len(passages), "tokens": int(tokens),
+           "passages_sha": passages_digest(passages)}
+  for key, value in arrays.items():
+    np.save(tmp / f"{key}.npy", value)
+  write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
+  write_json(tmp / SHARD_INFO, entry, indent=None)
   return entry
+
+
+def _write_error(shard: pathlib.Path, e: OSError) -> DumpError:
+  return DumpError(f"{shard}: could not write the shard: {e.strerror or e} (errno {e.errno}); "
+                   "free space and run the dump again (it resumes)")
+
+
+class ShardStream:
+  """One shard written batch by batch, in `write_shard`'s layout and atomicity, by a writer
+  thread: each window's kept runs go from the encoder's outputs straight to their rows in
+  `vectors.npy` / `filter_logits.npy` of `<name>.tmp` (os.pwrite at their offsets). The thread
+  that feeds the encoder neither copies the tokens into a shard-sized array nor waits at the end
+  for a shard's worth of writing; `finish` writes the small arrays and renames the directory
+  into place. A failed write is raised by the next call (a DumpError naming the shard)."""
+
+  def __init__(self, directory: pathlib.Path, name: str, runs: dict, total: int, dim: int,
+               writer: concurrent.futures.ThreadPoolExecutor):
+    self.final = directory / name
+    self.tmp = self.final.with_name(name + ".tmp")
+    self.runs, self.total, self.writer = runs, total, writer
+    self.files: list[tuple[int, int, int]] = []  # (fd, data offset, bytes a row)
+    self.stored = 0
+    self.error: BaseException | None = None
+    self.pending: list[concurrent.futures.Future] = []
+    self._submit(self._open, dim)
+
+  def add(self, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
+    """Writes the kept tokens of a batch of windows (`rows`; outputs [B, width, ...])."""
+    self._submit(self._write_batch, rows, vectors, logits)
+
+  def finish(self, arrays: dict[str, np.ndarray], passages: list[Passage]):
+    """A future of the shard's manifest entry, once `arrays` (token_passage, char_spans) and
+    the passages are written and the shard is in place."""
+    self._submit(self._finish, arrays, passages)
+    return self.pending[-1]
+
+  def close(self) -> None:
+    """After an error elsewhere: waits for the writes submitted, closes the files and removes
+    the unfinished shard."""
+    concurrent.futures.wait(self.pending)
+    self._close_files()
+    remove(self.tmp)
+
+  def _submit(self, fn, *args) -> None:
+    for done in [f for f in self.pending if f.done()]:  # a failed write stops the dump now
+      self.pending.remove(done)
+      done.result()
+    self.pending.append(self.writer.submit(self._guarded, fn, *args))
+
+  def _guarded(self, fn, *args):
+    if self.error is not None:  # writes queued behind a failed one do nothing
+      raise self.error
+    try:
+      return fn(*args)
+    except BaseException as e:  # nothing half-written left behind
+      self._close_files()
+      remove(self.tmp)
+      self.error = _write_error(self.final, e) if isinstance(e, OSError) else e
+      raise self.error from None
+
+  def _open(self, dim: int) -> None:
+    remove(self.tmp)
+    self.tmp.mkdir(parents=True)
+    for key, width in (("vectors", dim), ("filter_logits", 2)):
+      path = self.tmp / f"{key}.npy"
+      header = np.lib.format.open_memmap(path, "w+", np.float16, (self.total, width))
+      offset = header.offset
+      del header  # the file: the .npy header, then room for the rows
+      self.files.append((os.open(path, os.O_WRONLY), offset, width * 2))
+
+  def _write_batch(self, rows: np.ndarray, *outputs: np.ndarray) -> None:
+    runs, width = self.runs, outputs[0].shape[1]
+    for b, window in enumerate(rows):
+      for r in range(runs["first"][window], runs["first"][window + 1]):
+        column, length = runs["column"][r], runs["length"][r]
+        if column + length > width:
+          raise AssertionError(f"window {window}: kept tokens lie in padding (width {width})")
+        for (fd, offset, row_bytes), output in zip(self.files, outputs):
+          data = memoryview(np.ascontiguousarray(output[b, column:column + length],
+                                                 np.float16)).cast("B")
+          at = offset + runs["destination"][r] * row_bytes
+          while data:
+            written = os.pwrite(fd, data, at)
+            data, at = data[written:], at + written
+        self.stored += length
+
+  def _finish(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> dict:
+    if self.stored != self.total:  # every window comes back once
+      raise AssertionError(f"{self.total - self.stored} of {self.total} kept tokens were not "
+                           "encoded")
+    self._close_files()
+    entry = _write_shard_files(self.tmp, self.final.name, arrays, passages, self.total)
+    commit_directory(self.tmp, self.final)
+    log.info("%s: %d passages, %d tokens", self.final.name, len(passages), self.total)
+    return entry
+
+  def _close_files(self) -> None:
+    while self.files:
+      os.close(self.files.pop()[0])
 
 
 def window_settings(config: DumpConfig) -> dict:
@@ -186,10 +289,12 @@ def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
-                 windows=None, waited: list | None = None) -> dict[str, np.ndarray]:
+                 windows=None, waited: list | None = None, stream=None) -> dict[str, np.ndarray]:
   """Encodes passages (or their `shard_windows`, made ahead); returns the shard arrays (token
   rows in passage order, local passage rows). `progress` counts the stored tokens batch by
-  batch; `waited` receives the seconds spent waiting for the encoder (`map_batches`)."""
+  batch; `waited` receives the seconds spent waiting for the encoder (`map_batches`).
+  `stream(runs, total)`: a `ShardStream` maker; the vectors and filter logits then go to it
+  batch by batch, and only token_passage and char_spans are returned."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
   keep = windows.context_mask & windows.is_max_context  # [W, L]
@@ -197,16 +302,22 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   # runs of kept tokens are copied straight to their rows in passage order (slices, no gather).
   runs = {name: array.tolist() for name, array in kept_runs(keep).items()}
   total = sum(runs["length"])
+  kept = keep.sum(1)
+  sink = stream(runs, total) if stream else None
   out, stored = {}, 0
   for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
                                                 windows.attention_mask,
                                                 batch_size=config.batch_size, mesh=mesh,
                                                 waited=waited, pad_last=True):
-    if not out:  # float16 from the device; [T, D] and [T, 2]
-      out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
-             "filter_logits": np.empty((total, logits.shape[2]), np.float16)}
-    count = _place(runs, rows, vectors.shape[1], (vectors, out["vectors"]),
-                   (logits, out["filter_logits"]))
+    if sink:
+      sink.add(rows, vectors, logits)
+      count = int(kept[rows].sum())
+    else:
+      if not out:  # float16 from the device; [T, D] and [T, 2]
+        out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
+               "filter_logits": np.empty((total, logits.shape[2]), np.float16)}
+      count = _place(runs, rows, vectors.shape[1], (vectors, out["vectors"]),
+                     (logits, out["filter_logits"]))
     stored += count
     if progress:
       progress.update(count)
@@ -272,9 +383,11 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
     counts = {"shards": 0, "resumed": 0}
     waited: list[float] = []
+    pipeline: list[float] = []
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
-                      encode, out_dir, progress, waited, maker, made)
+                      encode, out_dir, progress, waited, maker, made, pipeline,
+                      model.config.hidden_size)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -285,9 +398,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   # share the cores with it, so its CPU time (`host_cpu_seconds`) is the work itself and the wall
   # time adds the waits for a core. The compiling runs in this thread: its wall time is taken
   # off, exact when nothing compiles (a warm dump), else an underestimate (at least 0).
+  # `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a shard's windows
+  # not yet tokenized, shard writes at the end): the pipeline's fill and drain, which a dump of
+  # many shards spreads thin and a one-shard dump does not.
   compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
   manifest.update(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
                   compiles=compile_stats()["count"] - compiled["count"],
+                  pipeline_wait_seconds=sum(pipeline),
                   host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
                   host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
@@ -319,10 +436,20 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
 
 
 def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
-                      progress: Progress, waited: list, maker: WindowMaker, made: dict) -> None:
+                      progress: Progress, waited: list, maker: WindowMaker, made: dict,
+                      pipeline: list, dim: int) -> None:
   """Encodes and writes shards with the host work off the encoder's path: the next shards are
-  tokenized (`maker`: as many ahead as it has workers) and the last one written by a worker
-  thread while this one is encoded. `made`: shard number -> future of its windows."""
+  tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
+  worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
+  windows. `pipeline` receives the seconds this thread waits for windows and writes."""
+
+  def wait(future: concurrent.futures.Future):
+    begin = time.perf_counter()
+    try:
+      return future.result()
+    finally:
+      pipeline.append(time.perf_counter() - begin)
+
   ahead: collections.deque = collections.deque()
 
   def top_up():
@@ -331,23 +458,28 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
 
   with concurrent.futures.ThreadPoolExecutor(1) as write:
     writing: list[concurrent.futures.Future] = []
+    current: list[ShardStream] = []  # the shard being encoded
+
+    def stream(runs: dict, total: int) -> ShardStream:
+      current.append(ShardStream(out_dir, shard_name(number), runs, total, dim, write))
+      return current[-1]
+
     top_up()
-    while ahead:
-      number, chunk, windows = ahead.popleft()
-      windows = windows.result()
-      top_up()
-      arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
-                            windows=windows, waited=waited)
-      for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
-        done.result()
-      writing.append(write.submit(_write_and_log, out_dir, shard_name(number), arrays, chunk))
-    for w in writing:
-      w.result()
-
-
-def _write_and_log(out_dir: pathlib.Path, name: str, arrays: dict, chunk: list) -> None:
-  write_shard(out_dir, name, arrays, chunk)
-  log.info("%s: %d passages, %d tokens", name, len(chunk), len(arrays["vectors"]))
+    try:
+      while ahead:
+        number, chunk, windows = ahead.popleft()
+        windows = wait(windows)
+        top_up()
+        for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
+          done.result()
+        arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
+                              windows=windows, waited=waited, stream=stream)
+        writing.append(current.pop().finish(arrays, chunk))
+      for w in writing:
+        wait(w)
+    finally:
+      for unfinished in current:  # an error while encoding it: its files closed
+        unfinished.close()
 
 
 def passages_digest(passages: Iterable[Passage]) -> str:
