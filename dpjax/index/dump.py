@@ -382,8 +382,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     _prepare(out_dir, manifest)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
     counts = {"shards": 0, "resumed": 0}
-    waited: list[float] = []
-    pipeline: list[float] = []
+    waited: list[float] = []  # seconds waiting for the encoder, batch by batch
+    pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
                       encode, out_dir, progress, waited, maker, made, pipeline,
@@ -393,21 +393,29 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
   if not counts["shards"]:
     raise DumpError(f"{out_dir}: the corpus is empty")
-  # The main thread's time outside waiting for the encoder and compiling (once per window width,
-  # `compile_seconds`): the host work per token that caps a dump. On a CPU the encoder's threads
-  # share the cores with it, so its CPU time (`host_cpu_seconds`) is the work itself and the wall
-  # time adds the waits for a core. The compiling runs in this thread: its wall time is taken
-  # off, exact when nothing compiles (a warm dump), else an underestimate (at least 0).
-  # `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a shard's windows
-  # not yet tokenized, shard writes at the end): the pipeline's fill and drain, which a dump of
-  # many shards spreads thin and a one-shard dump does not.
-  compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
-  manifest.update(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
-                  compiles=compile_stats()["count"] - compiled["count"],
-                  pipeline_wait_seconds=sum(pipeline),
-                  host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
-                  host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
+  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
+                pipeline: list) -> dict:
+  """The manifest's timings of a dump begun at `start` (perf_counter; `cpu_start`: this thread's
+  thread_time; `compiled`: compile_stats then).
+
+  `host_seconds`: the main thread's time outside waiting for the encoder and compiling (once per
+  window width, `compile_seconds`): the host work per token that caps a dump. On a CPU the
+  encoder's threads share the cores with it, so its CPU time (`host_cpu_seconds`) is the work
+  itself and the wall time adds the waits for a core. The compiling runs in this thread: its
+  wall time is taken off, exact when nothing compiles (a warm dump), else an underestimate (at
+  least 0). `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a shard's
+  windows not yet tokenized, shard writes at the end): the pipeline's fill and drain, which a
+  dump of many shards spreads thin and a one-shard dump does not."""
+  compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
+  return dict(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
+              compiles=compile_stats()["count"] - compiled["count"],
+              pipeline_wait_seconds=sum(pipeline),
+              host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
+              host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
 
 
 def _checked_settings(model, config: DumpConfig) -> tuple[object, DumpConfig]:
