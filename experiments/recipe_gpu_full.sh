@@ -18,6 +18,11 @@
 # the chain ~5-10 min (the Flat eval of 10,570 questions searched on the GPU: DeviceFlat).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${DISTILL:-0}" = 1 ]; then  # the chain would resume a candidate trained without a teacher
+  echo "recipe_gpu_full.sh: DISTILL=1 is for experiments/squad_gpu_chain.sh on a new workdir;" \
+       "the candidates here train without a teacher" >&2
+  exit 2
+fi
 R=${1:?usage: recipe_gpu_full.sh RUNS_DIR COPY_DIR [NAME ...]}
 COPY=${2:?usage: recipe_gpu_full.sh RUNS_DIR COPY_DIR [NAME ...]}
 shift 2

@@ -200,6 +200,11 @@ def test_float16_rows_convert_exactly():
   rows = np.arange(12, dtype=np.float64).reshape(3, 4)  # not float16: a plain copy
   assert np.array_equal(to_float32(rows, np.empty((3, 4), np.float32)), rows)
   assert to_float32(every[:0], out[:0]).shape == (0, 64)
+  strided = every[:, ::2]  # not contiguous: converted by numpy
+  assert np.array_equal(to_float32(strided, np.empty(strided.shape, np.float32)),
+                        strided.astype(np.float32), equal_nan=True)
+  with pytest.raises(ValueError, match="out must be a C-contiguous float32 array"):
+    to_float32(every, np.empty((1024, 64), np.float16))
 
 
 def _units_one_search_per_round(index, q_start, q_end, k, unit):

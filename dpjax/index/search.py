@@ -52,7 +52,10 @@ class Phrase:
 def to_float32(half: np.ndarray, out: np.ndarray) -> np.ndarray:
   """`half` [n, D] float16 rows into `out` [n, D] float32 (C-contiguous both), exactly: faiss's
   float16 decoder (F16C / AVX-512 where the CPU has them), several times numpy's `astype`."""
-  if half.dtype != np.float16:
+  if half.shape != out.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+    raise ValueError(f"to_float32: out must be a C-contiguous float32 array of shape "
+                     f"{half.shape}, got {out.dtype} {out.shape}")
+  if half.dtype != np.float16 or not half.flags.c_contiguous:
     np.copyto(out, half)
     return out
   n, dim = half.shape

@@ -72,8 +72,8 @@ def bound(model, encoder: str) -> Callable:
   """`fn(input_ids, attention_mask)` of one of the model's jitted `Encoders` (by field name).
 
   The model's state goes in as the tuple of its arrays, flattened once here: JAX flattens a
-  tuple of arrays in C++ at every call, an `nnx.State` in Python (~1 ms a call for MiniLM's
-  ~100 variables, host time in the thread that feeds the encoder)."""
+  tuple of arrays in C++ at every call, an `nnx.State` in Python (a call's host CPU 0.27 instead
+  of 0.72 ms for DensePhrases-MiniLM, time of the thread that feeds the encoder)."""
   graphdef, state = nnx.split(model)
   leaves, treedef = jax.tree.flatten(state)
   return functools.partial(_flat_encoder(graphdef, treedef, encoder), tuple(leaves))
