@@ -2,6 +2,7 @@
 import dataclasses
 import errno
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,9 +107,9 @@ def test_failed_write_mid_shard_leaves_nothing_and_the_rerun_resumes(model, toke
   dump_phrases(model, tokenizer, passages, tmp_path / "clean", CONFIG, mesh=make_mesh())
   calls, pwrite = [], dump_module.os.pwrite
 
-  def full_in_the_second_shard(fd, data, offset):
-    calls.append(offset)
-    if (tmp_path / "broken" / "shard_00000").is_dir():
+  def full_in_the_second_shard(fd, data, offset):  # only shard 1's files (Linux: /proc)
+    if "shard_00001.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+      calls.append(offset)
       raise OSError(errno.ENOSPC, "No space left on device")
     return pwrite(fd, data, offset)
 
