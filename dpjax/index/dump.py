@@ -200,20 +200,15 @@ class ShardStream:
       self.files.append((os.open(path, os.O_WRONLY), offset, width * 2))
 
   def _write_batch(self, rows: np.ndarray, *outputs: np.ndarray) -> None:
-    runs, width = self.runs, outputs[0].shape[1]
-    for b, window in enumerate(rows):
-      for r in range(runs["first"][window], runs["first"][window + 1]):
-        column, length = runs["column"][r], runs["length"][r]
-        if column + length > width:
-          raise AssertionError(f"window {window}: kept tokens lie in padding (width {width})")
-        for (fd, offset, row_bytes), output in zip(self.files, outputs):
-          data = memoryview(np.ascontiguousarray(output[b, column:column + length],
-                                                 np.float16)).cast("B")
-          at = offset + runs["destination"][r] * row_bytes
-          while data:
-            written = os.pwrite(fd, data, at)
-            data, at = data[written:], at + written
-        self.stored += length
+    for b, column, length, destination in _kept_slices(self.runs, rows, outputs[0].shape[1]):
+      for (fd, offset, row_bytes), output in zip(self.files, outputs):
+        data = memoryview(np.ascontiguousarray(output[b, column:column + length],
+                                               np.float16)).cast("B")
+        at = offset + destination * row_bytes
+        while data:
+          written = os.pwrite(fd, data, at)
+          data, at = data[written:], at + written
+      self.stored += length
 
   def _finish(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> dict:
     if self.stored != self.total:  # every window comes back once
@@ -328,19 +323,27 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
           "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
 
 
-def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
-  """Copies the kept runs of a batch's windows (`rows`, outputs `width` wide) from each
-  (batch output [B, width, ...], shard array) pair; returns the tokens copied."""
-  count = 0
+def _kept_slices(runs: dict, rows: np.ndarray,
+                 width: int) -> Iterator[tuple[int, int, int, int]]:
+  """(b, column, length, destination): each kept run of a batch's windows (`rows`, outputs
+  `width` wide) as columns [column, column + length) of batch row b, stored from shard row
+  `destination`."""
   for b, window in enumerate(rows):
     for r in range(runs["first"][window], runs["first"][window + 1]):
       column, length = runs["column"][r], runs["length"][r]
       if column + length > width:
         raise AssertionError(f"window {window}: kept tokens lie in padding (width {width})")
-      destination = runs["destination"][r]
-      for batch_output, shard in pairs:
-        shard[destination:destination + length] = batch_output[b, column:column + length]
-      count += length
+      yield b, column, length, runs["destination"][r]
+
+
+def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
+  """Copies the kept runs of a batch's windows (`rows`, outputs `width` wide) from each
+  (batch output [B, width, ...], shard array) pair; returns the tokens copied."""
+  count = 0
+  for b, column, length, destination in _kept_slices(runs, rows, width):
+    for batch_output, shard in pairs:
+      shard[destination:destination + length] = batch_output[b, column:column + length]
+    count += length
   return count
 
 

@@ -95,9 +95,15 @@ def phrase_calls(batch_size: int, mesh) -> tuple[int, int]:
   """(rows per phrase-encoder call, the multiple its width is rounded up to): `batch_size` and
   PHRASE_WIDTH, or on a CPU mesh at most CPU_PHRASE_CHUNK rows (a multiple of the mesh size)
   and CPU_PHRASE_WIDTH."""
+  return _calls(batch_size, mesh, (CPU_PHRASE_CHUNK, CPU_PHRASE_WIDTH), PHRASE_WIDTH)
+
+
+def _calls(batch_size: int, mesh, cpu: tuple[int, int], width: int) -> tuple[int, int]:
+  """(rows per call, width multiple): `batch_size` and `width` on an accelerator; on a CPU mesh
+  `cpu` = (at most that many rows, rounded to the mesh size; its width multiple)."""
   if mesh.devices.flat[0].platform != "cpu":
-    return batch_size, PHRASE_WIDTH
-  return min(batch_size, round_to_devices(CPU_PHRASE_CHUNK, mesh)), CPU_PHRASE_WIDTH
+    return batch_size, width
+  return min(batch_size, round_to_devices(cpu[0], mesh)), cpu[1]
 
 
 def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
@@ -120,10 +126,7 @@ def question_calls(batch_size: int, mesh) -> tuple[int, int]:
   """(rows per question-encoder call, the multiple its width is rounded up to): `batch_size` and
   QUESTION_WIDTH, or on a CPU mesh at most CPU_QUESTION_CHUNK rows (a multiple of the mesh size)
   and CPU_QUESTION_WIDTH."""
-  platform = mesh.devices.flat[0].platform
-  rows = batch_size if platform != "cpu" else min(batch_size,
-                                                  round_to_devices(CPU_QUESTION_CHUNK, mesh))
-  return rows, question_width_multiple(platform)
+  return _calls(batch_size, mesh, (CPU_QUESTION_CHUNK, CPU_QUESTION_WIDTH), QUESTION_WIDTH)
 
 
 def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
