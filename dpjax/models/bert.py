@@ -157,12 +157,15 @@ def _cpu_attention(q, k, v, attention_bias, dtype, dropout=None):
     if rows < batch:
       bias = jnp.broadcast_to(attention_bias, (batch, *attention_bias.shape[1:]))
       chunks = [x.reshape(batch // rows, rows, *x.shape[1:]) for x in (q, k, v, bias)]
-      out = jax.lax.map(lambda xs: _cpu_attention_rows(*xs, dtype), chunks)
+      out = jax.lax.map(lambda xs: _softmax_attention(*xs, dtype), chunks)
       return out.reshape(q.shape)
-  return _cpu_attention_rows(q, k, v, attention_bias, dtype, dropout)
+  return _softmax_attention(q, k, v, attention_bias, dtype, dropout)
 
 
-def _cpu_attention_rows(q, k, v, attention_bias, dtype, dropout=None):
+def _softmax_attention(q, k, v, attention_bias, dtype, dropout=None):
+  """Softmax attention with the [B, H, Lq, L] weights materialised (what dropout on them needs):
+  float32 scores and sums, the division by the exponentials' sums deferred to the context.
+  `_cpu_attention`'s rows, and the accelerators' path under dropout."""
   qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, L, Dh]
   scores = jnp.einsum("bhqd,bhkd->bhqk", qt, kt, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(q.shape[-1])) + attention_bias
@@ -267,13 +270,10 @@ class BertSelfAttention(nnx.Module):
       context = _fused_attention(q, k, v, attention_bias, implementation)
     else:  # dropout on the attention probabilities needs them materialised (and XLA:CPU's
       # kernel would sum bfloat16 products into bfloat16)
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-      probs = jax.nn.softmax(scores / jnp.sqrt(jnp.float32(head_dim)) + attention_bias, axis=-1)
-      if dropout:
-        probs = self.attention_dropout(probs, deterministic=False, rngs=rngs)
-      context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v,
-                           preferred_element_type=jnp.float32 if float32_sums else None)
-      context = context.astype(self.dtype)
+      context = _softmax_attention(
+          q, k, v, attention_bias, self.dtype,
+          (lambda w: self.attention_dropout(w, deterministic=False, rngs=rngs))
+          if dropout else None)
     context = context.reshape(attending.shape)
     out = self.output_dropout(self.output(context), deterministic=rngs is None, rngs=rngs)
     return self.layer_norm(out + attending).astype(self.dtype)  # [B, L or num_queries, D]
