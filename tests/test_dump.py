@@ -99,6 +99,37 @@ def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path
   assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_path,
+                                                          monkeypatch):
+  """Shard 0's windows made in blocks (`WindowMaker.submit_blocks`: here 2, 4, then 5 of its 11
+  passages) and encoded block by block give the shard of its windows encoded at once: the same
+  tokens at the same rows, passage rows and spans, and the same vectors (each block's calls
+  are bucketed on their own, so widths differ: equal to float16 rounding). The in-memory
+  encoding of the same blocks equals the streamed one exactly."""
+  passages = _passages(11)
+  config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
+  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 2)
+  made = []
+  submit_blocks = dump_module.WindowMaker.submit_blocks
+  monkeypatch.setattr(dump_module.WindowMaker, "submit_blocks",
+                      lambda self, ps: made.append(submit_blocks(self, ps)) or made[-1])
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
+  assert [count for count, _ in made[0]] == [2, 4, 5] and manifest["num_passages"] == 11
+  encode = bound(model, "phrases_and_filter")
+  whole = encode_shard(tokenizer, passages, config, make_mesh(), encode)
+  blocks = encode_shard(tokenizer, passages, config, make_mesh(), encode,
+                        windows=[(c, f.result()) for c, f in made[0]])
+  for key, value in whole.items():
+    got = np.load(tmp_path / "shard_00000" / f"{key}.npy")
+    assert got.dtype == value.dtype and got.shape == value.shape, key
+    np.testing.assert_array_equal(got, blocks[key], err_msg=key)
+    if key in ("vectors", "filter_logits"):
+      np.testing.assert_allclose(got.astype(np.float32), value.astype(np.float32), rtol=2e-3,
+                                 atol=2e-3, err_msg=key)
+    else:
+      np.testing.assert_array_equal(got, value, err_msg=key)
+
+
 def test_failed_write_mid_shard_leaves_nothing_and_the_rerun_resumes(model, tokenizer,
                                                                        tmp_path, monkeypatch):
   """Disk full while a shard's rows are written: a DumpError naming the shard and the cause,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import io
 import itertools
 import json
 import logging
@@ -52,6 +53,9 @@ from dpjax.parallel import compile_stats
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
+# Shard 0's windows are made in blocks of 64, 128, 256, ... passages (`WindowMaker.submit_blocks`):
+# the encoder waits for 64 passages to be tokenized, not a shard's worth, at the start of a dump.
+FIRST_BLOCK = 64
 
 
 def params_fingerprint(module) -> str:
@@ -141,28 +145,31 @@ class ShardStream:
   thread: each window's kept runs go from the encoder's outputs straight to their rows in
   `vectors.npy` / `filter_logits.npy` of `<name>.tmp` (os.pwrite at their offsets). The thread
   that feeds the encoder neither copies the tokens into a shard-sized array nor waits at the end
-  for a shard's worth of writing; `finish` writes the small arrays and renames the directory
-  into place. A failed write is raised by the next call (a DumpError naming the shard)."""
+  for a shard's worth of writing; `finish` writes the .npy headers (the number of rows, known
+  once every block of windows is made: .npy headers are 128 bytes whatever the count), the small
+  arrays, and renames the directory into place. A failed write is raised by the next call (a
+  DumpError naming the shard)."""
 
-  def __init__(self, directory: pathlib.Path, name: str, runs: dict, total: int, dim: int,
+  def __init__(self, directory: pathlib.Path, name: str, dim: int,
                writer: concurrent.futures.ThreadPoolExecutor):
     self.final = directory / name
     self.tmp = self.final.with_name(name + ".tmp")
-    self.runs, self.total, self.writer = runs, total, writer
-    self.files: list[tuple[int, int, int]] = []  # (fd, data offset, bytes a row)
+    self.writer = writer
+    self.files: list[tuple[int, int, int]] = []  # (fd, data offset, columns)
     self.stored = 0
     self.error: BaseException | None = None
     self.pending: list[concurrent.futures.Future] = []
     self._submit(self._open, dim)
 
-  def add(self, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
-    """Writes the kept tokens of a batch of windows (`rows`; outputs [B, width, ...])."""
-    self._submit(self._write_batch, rows, vectors, logits)
+  def add(self, runs: dict, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
+    """Writes the kept tokens (`runs`, `kept_runs`') of a batch of windows (`rows`; outputs
+    [B, width, ...])."""
+    self._submit(self._write_batch, runs, rows, vectors, logits)
 
-  def finish(self, arrays: dict[str, np.ndarray], passages: list[Passage]):
-    """A future of the shard's manifest entry, once `arrays` (token_passage, char_spans) and
-    the passages are written and the shard is in place."""
-    self._submit(self._finish, arrays, passages)
+  def finish(self, arrays: dict[str, np.ndarray], passages: list[Passage], total: int):
+    """A future of the shard's manifest entry, once its `total` kept tokens, `arrays`
+    (token_passage, char_spans) and the passages are written and the shard is in place."""
+    self._submit(self._finish, arrays, passages, total)
     return self.pending[-1]
 
   def close(self) -> None:
@@ -193,36 +200,49 @@ class ShardStream:
     remove(self.tmp)
     self.tmp.mkdir(parents=True)
     for key, width in (("vectors", dim), ("filter_logits", 2)):
-      path = self.tmp / f"{key}.npy"
-      header = np.lib.format.open_memmap(path, "w+", np.float16, (self.total, width))
-      offset = header.offset
-      del header  # the file: the .npy header, then room for the rows
-      self.files.append((os.open(path, os.O_WRONLY), offset, width * 2))
+      fd = os.open(self.tmp / f"{key}.npy", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      self.files.append((fd, len(_npy_header(0, width)), width))
 
-  def _write_batch(self, rows: np.ndarray, *outputs: np.ndarray) -> None:
-    for b, column, length, destination in _kept_slices(self.runs, rows, outputs[0].shape[1]):
-      for (fd, offset, row_bytes), output in zip(self.files, outputs):
-        data = memoryview(np.ascontiguousarray(output[b, column:column + length],
-                                               np.float16)).cast("B")
-        at = offset + destination * row_bytes
-        while data:
-          written = os.pwrite(fd, data, at)
-          data, at = data[written:], at + written
+  def _write_batch(self, runs: dict, rows: np.ndarray, *outputs: np.ndarray) -> None:
+    for b, column, length, destination in _kept_slices(runs, rows, outputs[0].shape[1]):
+      for (fd, offset, width), output in zip(self.files, outputs):
+        data = np.ascontiguousarray(output[b, column:column + length], np.float16)
+        _pwrite_all(fd, memoryview(data).cast("B"), offset + destination * width * 2)
       self.stored += length
 
-  def _finish(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> dict:
-    if self.stored != self.total:  # every window comes back once
-      raise AssertionError(f"{self.total - self.stored} of {self.total} kept tokens were not "
-                           "encoded")
+  def _finish(self, arrays: dict[str, np.ndarray], passages: list[Passage], total: int) -> dict:
+    if self.stored != total:  # every window comes back once
+      raise AssertionError(f"{total - self.stored} of {total} kept tokens were not encoded")
+    for fd, offset, width in self.files:
+      header = _npy_header(total, width)
+      if len(header) != offset:  # numpy keeps room for any count in a 2-D header
+        raise AssertionError(f"a .npy header of {len(header)} bytes, {offset} reserved")
+      _pwrite_all(fd, memoryview(header), 0)
+      os.ftruncate(fd, offset + total * width * 2)  # the size np.load expects (0 tokens too)
     self._close_files()
-    entry = _write_shard_files(self.tmp, self.final.name, arrays, passages, self.total)
+    entry = _write_shard_files(self.tmp, self.final.name, arrays, passages, total)
     commit_directory(self.tmp, self.final)
-    log.info("%s: %d passages, %d tokens", self.final.name, len(passages), self.total)
+    log.info("%s: %d passages, %d tokens", self.final.name, len(passages), total)
     return entry
 
   def _close_files(self) -> None:
     while self.files:
       os.close(self.files.pop()[0])
+
+
+def _npy_header(rows: int, width: int) -> bytes:
+  """The .npy (version 1.0) header of a [rows, width] float16 array."""
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(
+      header, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)),
+               "fortran_order": False, "shape": (rows, width)})
+  return header.getvalue()
+
+
+def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+  while data:
+    written = os.pwrite(fd, data, at)
+    data, at = data[written:], at + written
 
 
 def window_settings(config: DumpConfig) -> dict:
@@ -247,6 +267,17 @@ class WindowMaker:
     self.tokenizer, self.config, self.workers = tokenizer, config, workers
     self.thread = concurrent.futures.ThreadPoolExecutor(1)
     self.processes = None
+
+  def submit_blocks(self, passages: list[Passage]) -> list[tuple[int, object]]:
+    """(passages, future of their windows) of consecutive blocks of `passages` (the first
+    FIRST_BLOCK passages, each next block twice as many), made in turn by the thread: the
+    encoder starts on the first block while the next ones are made (`encode_shard`)."""
+    blocks, start, size = [], 0, FIRST_BLOCK
+    while start < len(passages):
+      block = passages[start:start + size]
+      blocks.append((len(block), self.submit(block, thread=True)))
+      start, size = start + size, 2 * size
+    return blocks
 
   def submit(self, passages: list[Passage], *, thread: bool = False):
     """A future of the windows of `passages`."""
@@ -284,28 +315,59 @@ def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
-                 windows=None, waited: list | None = None, stream=None) -> dict[str, np.ndarray]:
-  """Encodes passages (or their `shard_windows`, made ahead); returns the shard arrays (token
-  rows in passage order, local passage rows). `progress` counts the stored tokens batch by
-  batch; `waited` receives the seconds spent waiting for the encoder (`map_batches`).
-  `stream(runs, total)`: a `ShardStream` maker; the vectors and filter logits then go to it
-  batch by batch, and only token_passage and char_spans are returned."""
+                 windows=None, waited: list | None = None, stream=None,
+                 pipeline: list | None = None) -> dict[str, np.ndarray]:
+  """Encodes passages; returns the shard arrays (token rows in passage order, local passage
+  rows). `windows`: the passages' `shard_windows` made ahead, or blocks of them, a list of
+  (passages, windows or a future of them) over consecutive passages, encoded in turn (the
+  encoder starts on the first block while the next ones are made; `pipeline` receives the
+  seconds spent waiting for a block). `progress` counts the stored tokens batch by batch;
+  `waited` receives the seconds spent waiting for the encoder (`map_batches`). `stream()`: a
+  `ShardStream`; the vectors and filter logits then go to it batch by batch, and only
+  token_passage and char_spans are returned."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
-  keep = windows.context_mask & windows.is_max_context  # [W, L]
+  blocks = windows if isinstance(windows, list) else [(len(passages), windows)]
+  sink = stream() if stream else None
+  parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+  total = first_passage = 0
+  for count, block in blocks:
+    if isinstance(block, concurrent.futures.Future):
+      begin = time.perf_counter()
+      block = block.result()
+      if pipeline is not None:
+        pipeline.append(time.perf_counter() - begin)
+    keep = block.context_mask & block.is_max_context  # [W, L]
+    _encode_block(block, keep, total if sink else 0, config, mesh, encode, progress, waited,
+                  sink, parts)
+    token_window = np.nonzero(keep)[0]
+    parts["token_passage"].append(block.passage_index[token_window].astype(np.int32)
+                                  + first_passage)
+    parts["char_spans"].append(np.stack([block.char_start[keep], block.char_end[keep]], 1))
+    total += len(token_window)
+    first_passage += count
+  return {key: np.concatenate(value) for key, value in parts.items()}
+
+
+def _encode_block(windows, keep: np.ndarray, first_row: int, config: DumpConfig, mesh, encode,
+                  progress: Progress | None, waited: list | None, sink,
+                  parts: dict[str, list]) -> None:
+  """Encodes one block of windows; its kept tokens go to `sink` (from shard row `first_row`) or
+  to new arrays appended to `parts`."""
   # Batches of similar length (no compute on padding) come back out of order: each window's
   # runs of kept tokens are copied straight to their rows in passage order (slices, no gather).
-  runs = {name: array.tolist() for name, array in kept_runs(keep).items()}
+  runs = kept_runs(keep)
+  runs["destination"] = runs["destination"] + first_row
+  runs = {name: array.tolist() for name, array in runs.items()}
   total = sum(runs["length"])
   kept = keep.sum(1)
-  sink = stream(runs, total) if stream else None
   out, stored = {}, 0
   for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
                                                 windows.attention_mask,
                                                 batch_size=config.batch_size, mesh=mesh,
                                                 waited=waited, pad_last=True):
     if sink:
-      sink.add(rows, vectors, logits)
+      sink.add(runs, rows, vectors, logits)
       count = int(kept[rows].sum())
     else:
       if not out:  # float16 from the device; [T, D] and [T, 2]
@@ -318,9 +380,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
       progress.update(count)
   if stored != total:  # every window comes back once
     raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
-  token_window = np.nonzero(keep)[0]
-  return {**out, "token_passage": windows.passage_index[token_window].astype(np.int32),
-          "char_spans": np.stack([windows.char_start[keep], windows.char_end[keep]], 1)}
+  for key, value in out.items():
+    parts[key].append(value)
 
 
 def _kept_slices(runs: dict, rows: np.ndarray,
@@ -369,8 +430,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   chunks = itertools.chain(head, chunks)
   with WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
-    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done).
-    made = ({0: maker.submit(head[0], thread=True)}
+    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); in
+    # blocks, so that encoding starts after the first 64 passages, not the whole shard.
+    made = ({0: maker.submit_blocks(head[0])}
             if head and distributed.process_share(0) else {})
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
                 "model": model_info or {}, "settings": dataclasses.asdict(config),
@@ -471,21 +533,23 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
     writing: list[concurrent.futures.Future] = []
     current: list[ShardStream] = []  # the shard being encoded
 
-    def stream(runs: dict, total: int) -> ShardStream:
-      current.append(ShardStream(out_dir, shard_name(number), runs, total, dim, write))
+    def stream() -> ShardStream:
+      current.append(ShardStream(out_dir, shard_name(number), dim, write))
       return current[-1]
 
     top_up()
     try:
       while ahead:
         number, chunk, windows = ahead.popleft()
-        windows = wait(windows)
+        if not isinstance(windows, list):  # blocks (shard 0) are waited for one by one
+          windows = wait(windows)
         top_up()
         for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
           done.result()
         arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
-                              windows=windows, waited=waited, stream=stream)
-        writing.append(current.pop().finish(arrays, chunk))
+                              windows=windows, waited=waited, stream=stream,
+                              pipeline=pipeline)
+        writing.append(current.pop().finish(arrays, chunk, len(arrays["token_passage"])))
       for w in writing:
         wait(w)
     finally:
