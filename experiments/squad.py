@@ -36,11 +36,12 @@ def get_config(arg=None):
   # SQuAD-open small: every token of the 20,963 train + dev paragraphs (20,958 unique).
   config.index = common.index_config(specs=["Flat", "IVFauto,SQ4", "OPQ96,IVFauto,PQ96x8"])
   # Dump windows as few as keep 32 tokens of context around every token (10% fewer tokens encoded
-  # at 192/64): same EM@1 / Top-20 within noise on 1,280 dev questions (results/speed.md).
+  # at 192/64): same EM@1 / Top-20 within noise on 1,280 dev questions (results/speed.md,
+  # results/speed_xeon.md).
   config.index.dump_min_context = 32
   # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
   # accelerator encodes; unmeasured on a GPU). `:cpu` keeps the thread (a process costs seconds
-  # to start and competes with the encoder for 2 cores: results/speed.md).
+  # to start and competes with the encoder for 2 cores: results/speed.md at 128b361).
   config.index.dump_workers = 4
   # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
   # the 2-core Xeon with AMX 1.6x float32's tokens/s (on one without AMX slower: set float32

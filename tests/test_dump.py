@@ -101,14 +101,16 @@ def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path
 
 def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_path,
                                                           monkeypatch):
-  """Shard 0's windows made in blocks (`WindowMaker.submit_blocks`: here 2, 4, then 5 of its 11
-  passages) and encoded block by block give the shard of its windows encoded at once: the same
+  """Shard 0's windows made in blocks (an accelerator's way, `WindowMaker.submit_blocks`: here
+  2, 4, then 5 of its 11 passages) and encoded block by block give the shard of its windows encoded at once: the same
   tokens at the same rows, passage rows and spans, and the same vectors (each block's calls
   are bucketed on their own, so widths differ: equal to float16 rounding). The in-memory
   encoding of the same blocks equals the streamed one exactly."""
   passages = _passages(11)
   config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
   monkeypatch.setattr(dump_module, "FIRST_BLOCK", 2)
+  assert not dump_module._shard_0_in_blocks(make_mesh())  # on a CPU: one block
+  monkeypatch.setattr(dump_module, "_shard_0_in_blocks", lambda mesh: True)  # an accelerator's
   made = []
   submit_blocks = dump_module.WindowMaker.submit_blocks
   monkeypatch.setattr(dump_module.WindowMaker, "submit_blocks",

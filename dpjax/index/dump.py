@@ -53,9 +53,16 @@ from dpjax.parallel import compile_stats
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
-# Shard 0's windows are made in blocks of 64, 128, 256, ... passages (`WindowMaker.submit_blocks`):
-# the encoder waits for 64 passages to be tokenized, not a shard's worth, at the start of a dump.
+# On an accelerator shard 0's windows are made in blocks of 64, 128, 256, ... passages
+# (`WindowMaker.submit_blocks`): the encoder waits for 64 passages to be tokenized, not a shard's
+# worth, at the start of a dump. Not on a CPU: there each block's last call is padded (one more
+# partial call a block), which cost more than the wait saved (a 600-passage dump on 2 cores: 5.8%
+# more tokens encoded in 4 blocks against 0.15 s of waiting in ~23 s; results/speed.md).
 FIRST_BLOCK = 64
+
+
+def _shard_0_in_blocks(mesh) -> bool:
+  return mesh.devices.flat[0].platform != "cpu"
 
 
 def params_fingerprint(module) -> str:
@@ -430,9 +437,10 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   chunks = itertools.chain(head, chunks)
   with WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
-    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); in
-    # blocks, so that encoding starts after the first 64 passages, not the whole shard.
-    made = ({0: maker.submit_blocks(head[0])}
+    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); on an
+    # accelerator in blocks, so that encoding starts after 64 passages, not the whole shard.
+    made = ({0: maker.submit_blocks(head[0]) if _shard_0_in_blocks(mesh)
+                 else maker.submit(head[0], thread=True)}
             if head and distributed.process_share(0) else {})
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
                 "model": model_info or {}, "settings": dataclasses.asdict(config),
