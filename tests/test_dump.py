@@ -102,8 +102,9 @@ def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path
 def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_path,
                                                           monkeypatch):
   """Shard 0's windows made in blocks (an accelerator's way, `WindowMaker.submit_blocks`: here
-  2, 4, then 5 of its 11 passages) and encoded block by block give the shard of its windows encoded at once: the same
-  tokens at the same rows, passage rows and spans, and the same vectors (each block's calls
+  2, 4, then 5 of its 11 passages) and encoded block by block give the shard of its windows
+  encoded at once: the same tokens at the same rows, passage rows and spans, and the same
+  vectors (each block's calls
   are bucketed on their own, so widths differ: equal to float16 rounding). The in-memory
   encoding of the same blocks equals the streamed one exactly."""
   passages = _passages(11)
