@@ -340,10 +340,7 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   total = first_passage = 0
   for count, block in blocks:
     if isinstance(block, concurrent.futures.Future):
-      begin = time.perf_counter()
-      block = block.result()
-      if pipeline is not None:
-        pipeline.append(time.perf_counter() - begin)
+      block = _timed_result(block, pipeline)
     keep = block.context_mask & block.is_max_context  # [W, L]
     _encode_block(block, keep, total if sink else 0, config, mesh, encode, progress, waited,
                   sink, parts)
@@ -354,6 +351,16 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
     total += len(token_window)
     first_passage += count
   return {key: np.concatenate(value) for key, value in parts.items()}
+
+
+def _timed_result(future: concurrent.futures.Future, seconds: list | None):
+  """`future.result()`; the seconds spent waiting for it appended to `seconds` (if a list)."""
+  begin = time.perf_counter()
+  try:
+    return future.result()
+  finally:
+    if seconds is not None:
+      seconds.append(time.perf_counter() - begin)
 
 
 def _encode_block(windows, keep: np.ndarray, first_row: int, config: DumpConfig, mesh, encode,
@@ -524,13 +531,6 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
   worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
   windows. `pipeline` receives the seconds this thread waits for windows and writes."""
 
-  def wait(future: concurrent.futures.Future):
-    begin = time.perf_counter()
-    try:
-      return future.result()
-    finally:
-      pipeline.append(time.perf_counter() - begin)
-
   ahead: collections.deque = collections.deque()
 
   def top_up():
@@ -550,7 +550,7 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
       while ahead:
         number, chunk, windows = ahead.popleft()
         if not isinstance(windows, list):  # blocks (shard 0) are waited for one by one
-          windows = wait(windows)
+          windows = _timed_result(windows, pipeline)
         top_up()
         for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
           done.result()
@@ -559,7 +559,7 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
                               pipeline=pipeline)
         writing.append(current.pop().finish(arrays, chunk, len(arrays["token_passage"])))
       for w in writing:
-        wait(w)
+        _timed_result(w, pipeline)
     finally:
       for unfinished in current:  # an error while encoding it: its files closed
         unfinished.close()
