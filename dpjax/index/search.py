@@ -11,7 +11,9 @@ deduplicated and sorted. A sentence, passage or document scores as its best phra
 are fetched until k distinct units are found or `max_fetch` phrases (default 20 k; the reference
 retrieves ~2k phrases for k units) have been asked for; the index itself is searched at most
 twice per question (the first round, then once at `max_fetch` for the questions still short), and
-`DensePhrases.search_many` serves several searches of the same questions with one.
+`DensePhrases.search_many` serves several searches of the same questions with one. The hits of an
+index search (`Hits`) keep what rescoring them found: the rounds and searches they serve rescore
+each hit once.
 """
 from __future__ import annotations
 
@@ -166,12 +168,12 @@ class PhraseIndex:
   def fingerprint(self) -> str:
     return self.dump.manifest["fingerprint"]
 
-  def _hits(self, q_start: np.ndarray, q_end: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  def _hits(self, q_start: np.ndarray, q_end: np.ndarray, k: int) -> "Hits":
     """Top-k start and end token ids, [Q, k] each (-1 where fewer than k were found), from one
     faiss search of [q_start; q_end] (one pass over the vectors serves both)."""
     queries = np.ascontiguousarray(np.concatenate([q_start, q_end]), np.float32)
     _, labels = self.index.search(queries, k)
-    return labels[:len(q_start)], labels[len(q_start):]
+    return Hits(labels[:len(q_start)], labels[len(q_start):], q_start, q_end, self)
 
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
                      top_tokens: int | None = None, max_answer_length: int = 10,
@@ -188,18 +190,33 @@ class PhraseIndex:
     return [[self.phrase(int(s), int(e), float(x)) for s, e, x in zip(*(a[:k] for a in found))]
             for found in spans]
 
-  def _spans(self, q_start, q_end, top_tokens: int, max_answer_length: int, hits=None):
+  def _spans(self, q_start, q_end, top_tokens: int, max_answer_length: int, hits=None,
+             rows: np.ndarray | None = None):
     """Per question, (starts, ends, scores) of its distinct spans, best first, from its top
-    `top_tokens` start and end hits (searched, or the first columns of `hits`)."""
-    # Rescoring holds a few [queries, 2 top_tokens, max_answer_length] arrays: bound them.
-    chunk = max(1, _RESCORE_ELEMENTS // (2 * top_tokens * max_answer_length))
-    results = []
-    for lo in range(0, len(q_start), chunk):
-      part = slice(lo, lo + chunk)
-      starts, ends = (self._hits(q_start[part], q_end[part], top_tokens) if hits is None
-                      else (hits[0][part, :top_tokens], hits[1][part, :top_tokens]))
-      results += self._rescore(q_start[part], q_end[part], starts, ends, max_answer_length)
-    return results
+    `top_tokens` start and end hits: searched, or the first columns of `hits` (of these
+    questions, or with `rows` of the questions at those rows of `hits`)."""
+    if hits is None:
+      # Rescoring holds a few [queries, 2 top_tokens, max_answer_length] arrays: bound them.
+      chunk = max(1, _RESCORE_ELEMENTS // (2 * top_tokens * max_answer_length))
+      results = []
+      for lo in range(0, len(q_start), chunk):
+        part = slice(lo, lo + chunk)
+        starts, ends = self._hits(q_start[part], q_end[part], top_tokens)
+        results += _ranked(*self._rescore(q_start[part], q_end[part], starts, ends,
+                                          max_answer_length), len(self.dump.vectors))
+      return results
+    if rows is None:
+      rows = np.arange(len(q_start))
+    if not self._asked(hits, q_start, q_end, rows):
+      hits, rows = Hits(hits[0][rows], hits[1][rows], q_start, q_end, self), np.arange(len(rows))
+    return hits.rescored(max_answer_length).spans(rows, top_tokens)
+
+  def _asked(self, hits, q_start, q_end, rows: np.ndarray) -> bool:
+    """Whether `hits` are this index's search of these questions (at its `rows`): `Hits` whose
+    rescored spans these questions may share."""
+    return (isinstance(hits, Hits) and hits.index is self
+            and np.array_equal(hits.queries[0][rows], q_start)
+            and np.array_equal(hits.queries[1][rows], q_end))
 
   def _token_scores(self, tokens: np.ndarray, q_start: np.ndarray, q_end: np.ndarray):
     """(start scores, end scores) of token ids [Q, ...] under their question's vectors.
@@ -219,7 +236,10 @@ class PhraseIndex:
     queries = np.stack([q_start, q_end], -1).astype(np.float32)  # [Q, D, 2]
     scores = np.empty((len(unique), 2), np.float32)
     bounds = np.searchsorted(question, np.arange(num_q + 1))
-    gathered = np.empty((int(np.diff(bounds).max(initial=0)), source.shape[1]), source.dtype)
+    # At least two rows a product: BLAS rounds a one-row product (a gemv) differently, and a
+    # token's score must not depend on which other tokens its question's product holds.
+    gathered = np.empty((max(int(np.diff(bounds).max(initial=0)), 2), source.shape[1]),
+                        source.dtype)
     converted = gathered if source.dtype == np.float32 else np.empty(gathered.shape, np.float32)
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)  # faiss's OpenMP threads would contend with BLAS's for cores
@@ -229,7 +249,7 @@ class PhraseIndex:
         np.take(source, token[lo:hi], axis=0, out=gathered[:hi - lo], mode="clip")
         if converted is not gathered:
           to_float32(gathered[:hi - lo], converted[:hi - lo])
-        scores[lo:hi] = converted[:hi - lo] @ queries[q]
+        scores[lo:hi] = (converted[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
     finally:
       faiss.omp_set_num_threads(threads)
     inverse = inverse.reshape(tokens.shape)
@@ -250,8 +270,9 @@ class PhraseIndex:
 
   def _rescore(self, q_start, q_end, starts, ends, max_answer_length: int):
     """Every start hit paired with its best end within `max_answer_length` tokens of its passage,
-    every end hit with its best start; per question (starts, ends, scores) of the distinct
-    spans, best first."""
+    every end hit with its best start: (scores, span starts, span ends) [Q, Ks + Ke] of the
+    hits (starts, then ends), -inf where a hit is -1 or has no partner. A hit's best span
+    depends on its question and itself only."""
     offsets = np.arange(max_answer_length)
     anchors = np.concatenate([starts, ends], 1)  # [Q, 2K]
     valid = anchors >= 0
@@ -274,14 +295,7 @@ class PhraseIndex:
     scores = np.take_along_axis(total, best, -1)[..., 0]
     all_start = np.take_along_axis(span_start, best, -1)[..., 0]
     all_end = np.take_along_axis(span_end, best, -1)[..., 0]
-    results = []
-    for q in range(len(q_start)):
-      order = np.argsort(-scores[q], kind="stable")
-      order = order[np.isfinite(scores[q, order])]
-      spans = all_start[q, order].astype(np.int64) * len(self.dump.vectors) + all_end[q, order]
-      order = order[np.sort(np.unique(spans, return_index=True)[1])]  # distinct, best first
-      results.append((all_start[q, order], all_end[q, order], scores[q, order]))
-    return results
+    return scores, all_start, all_end
 
   def phrase(self, start: int, end: int, score: float) -> Phrase:
     passage = int(self.dump.token_passage[start])
@@ -341,8 +355,9 @@ class PhraseIndex:
     # the exact rescoring) without bound; it then gets fewer than k units.
     return first, min(max(max_fetch or 20 * k, first), self.num_vectors)
 
-  def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`."""
+  def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> "Hits":
+    """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`:
+    the searches given them rescore each hit once between them."""
     return self._hits(q_start, q_end, min(n, self.num_vectors))
 
   def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
@@ -363,6 +378,8 @@ class PhraseIndex:
     fetch = first
     units: list = [None] * len(q_start)
     pending = np.arange(len(q_start))
+    if hits is not None and not self._asked(hits, q_start, q_end, pending):
+      hits = Hits(hits[0], hits[1], q_start, q_end, self)  # its rounds share their rescoring
     wide, wide_row = (None, None) if hits is None else (hits, np.arange(len(q_start)))
     while len(pending):
       needed = min(fetch, self.num_vectors)
@@ -372,9 +389,8 @@ class PhraseIndex:
         wide = self.hits(q_start[pending], q_end[pending], max_fetch)
         wide_row = np.full(len(q_start), -1)
         wide_row[pending] = np.arange(len(pending))
-      rows = None if wide is None else tuple(h[wide_row[pending]] for h in wide)
-      spans = self._spans(q_start[pending], q_end[pending], min(fetch, self.num_vectors),
-                          max_answer_length, rows)
+      spans = self._spans(q_start[pending], q_end[pending], needed, max_answer_length, wide,
+                          None if wide is None else wide_row[pending])
       short = []
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
         starts, ends, scores = starts[:fetch], ends[:fetch], scores[:fetch]
@@ -398,6 +414,82 @@ class PhraseIndex:
       s, e = self.sentence_of(phrase)
       out["sentence"] = passage.text[s:e].strip()
     return out
+
+
+class Hits(tuple):
+  """(start token ids, end token ids) [Q, n] each of one index search (`PhraseIndex.hits`) of
+  questions (q_start, q_end); it keeps what rescoring them found (`rescored`), so the rounds of
+  a unit search and the searches sharing it (`retrieve`) rescore each hit once."""
+
+  def __new__(cls, starts: np.ndarray, ends: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
+              index: PhraseIndex):
+    self = super().__new__(cls, (starts, ends))
+    self.queries = (np.array(q_start, np.float32), np.array(q_end, np.float32))  # copies
+    self.index = index
+    self._rescored: dict[int, _Rescored] = {}  # by max_answer_length
+    return self
+
+  def rescored(self, max_answer_length: int) -> "_Rescored":
+    if max_answer_length not in self._rescored:
+      self._rescored[max_answer_length] = _Rescored(self, max_answer_length)
+    return self._rescored[max_answer_length]
+
+
+class _Rescored:
+  """The best span of each start and end hit of a `Hits`, each hit rescored once, the first
+  columns first, as searches ask for them. A hit's best span depends on its question and itself
+  only (`PhraseIndex._rescore`), so the first f columns rescored in pieces are exactly those
+  columns rescored at once."""
+
+  def __init__(self, hits: Hits, max_answer_length: int):
+    self.hits, self.max_answer_length = hits, max_answer_length
+    num_q, width = hits[0].shape
+    self.scores = np.full((num_q, 2, width), -np.inf, np.float32)  # of start hits, end hits
+    self.partner = np.zeros((num_q, 2, width), np.int64)  # a hit's best span's other end
+    self.done = np.zeros(num_q, np.int64)  # columns rescored, per question
+
+  def spans(self, rows: np.ndarray, width: int) -> list[tuple[np.ndarray, ...]]:
+    """Per row of `rows`, (starts, ends, scores) of its distinct spans from its first `width`
+    start and end hits, best first."""
+    width = min(width, self.hits[0].shape[1])
+    self._rescore(rows, width)
+    starts, ends = (h[rows, :width] for h in self.hits)
+    partner = self.partner[rows, :, :width]
+    return _ranked(self.scores[rows, :, :width].reshape(len(rows), -1),
+                   np.concatenate([starts, partner[:, 1]], 1),
+                   np.concatenate([partner[:, 0], ends], 1), len(self.hits.index.dump.vectors))
+
+  def _rescore(self, rows: np.ndarray, width: int) -> None:
+    todo = rows[self.done[rows] < width]
+    for done in np.unique(self.done[todo]):
+      group, new = todo[self.done[todo] == done], width - done
+      # Rescoring holds a few [queries, 2 new, max_answer_length] arrays: bound them.
+      chunk = max(1, _RESCORE_ELEMENTS // (2 * new * self.max_answer_length))
+      for lo in range(0, len(group), chunk):
+        part = group[lo:lo + chunk]
+        scores, span_start, span_end = self.hits.index._rescore(
+            self.hits.queries[0][part], self.hits.queries[1][part],
+            self.hits[0][part, done:width], self.hits[1][part, done:width],
+            self.max_answer_length)
+        self.scores[part, :, done:width] = scores.reshape(len(part), 2, new)
+        self.partner[part, 0, done:width] = span_end[:, :new]
+        self.partner[part, 1, done:width] = span_start[:, new:]
+      self.done[group] = width
+
+
+def _ranked(scores: np.ndarray, span_start: np.ndarray, span_end: np.ndarray,
+            num_tokens: int) -> list[tuple[np.ndarray, ...]]:
+  """Per question (row of the [Q, H] arrays of its hits' best spans), (starts, ends, scores) of
+  its distinct spans, best first (ties in hit order; a span several hits found, at its first
+  place); spans scored -inf left out."""
+  results = []
+  for q in range(len(scores)):
+    order = np.argsort(-scores[q], kind="stable")
+    order = order[np.isfinite(scores[q, order])]
+    spans = span_start[q, order].astype(np.int64) * num_tokens + span_end[q, order]
+    order = order[np.sort(np.unique(spans, return_index=True)[1])]  # distinct, best first
+    results.append((span_start[q, order], span_end[q, order], scores[q, order]))
+  return results
 
 
 class DensePhrases:
