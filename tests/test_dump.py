@@ -102,14 +102,15 @@ def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path
 def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_path,
                                                           monkeypatch):
   """Shard 0's windows made in blocks (an accelerator's way, `WindowMaker.submit_blocks`: here
-  2, 4, then 5 of its 11 passages) and encoded block by block give the shard of its windows
+  1, 2, 4, then 4 of its 11 passages) and encoded block by block give the shard of its windows
   encoded at once: the same tokens at the same rows, passage rows and spans, and the same
-  vectors (each block's calls
-  are bucketed on their own, so widths differ: equal to float16 rounding). The in-memory
-  encoding of the same blocks equals the streamed one exactly."""
+  vectors (the calls hold other windows, so widths differ: equal to float16 rounding), in as
+  many calls, all full but the last (a block's windows that would fill a call in part go with
+  the next block's). The in-memory encoding of the same blocks equals the streamed one
+  exactly."""
   passages = _passages(11)
   config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
-  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 2)
+  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 1)
   assert not dump_module._shard_0_in_blocks(make_mesh())  # on a CPU: one block
   monkeypatch.setattr(dump_module, "_shard_0_in_blocks", lambda mesh: True)  # an accelerator's
   made = []
@@ -117,11 +118,15 @@ def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_
   monkeypatch.setattr(dump_module.WindowMaker, "submit_blocks",
                       lambda self, ps: made.append(submit_blocks(self, ps)) or made[-1])
   manifest = dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
-  assert [count for count, _ in made[0]] == [2, 4, 5] and manifest["num_passages"] == 11
+  assert [count for count, _ in made[0]] == [1, 2, 4, 4] and manifest["num_passages"] == 11
   encode = bound(model, "phrases_and_filter")
-  whole = encode_shard(tokenizer, passages, config, make_mesh(), encode)
-  blocks = encode_shard(tokenizer, passages, config, make_mesh(), encode,
+  calls = {"whole": [], "blocks": []}
+  counted = lambda name: lambda ids, mask: calls[name].append(ids.shape) or encode(ids, mask)
+  whole = encode_shard(tokenizer, passages, config, make_mesh(), counted("whole"))
+  blocks = encode_shard(tokenizer, passages, config, make_mesh(), counted("blocks"),
                         windows=[(c, f.result()) for c, f in made[0]])
+  # 1, 3, 7 and 7 windows: the calls of the whole shard's 18, 3 of 8 (without the carry, 4)
+  assert sorted(calls["blocks"]) == sorted(calls["whole"]) and len(calls["whole"]) == 3
   for key, value in whole.items():
     got = np.load(tmp_path / "shard_00000" / f"{key}.npy")
     assert got.dtype == value.dtype and got.shape == value.shape, key
@@ -203,6 +208,32 @@ def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
                       mesh=make_mesh())["complete"]
   with pytest.raises(DumpError, match="other settings"):
     dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
+
+
+def test_a_blocks_windows_held_back_are_those_that_fill_no_call_of_one_width():
+  """`_Windows.split`: of each width's windows (lengths rounded up to 4), the longest multiple of
+  3 (a call's rows) are encoded now, the rest held; every window keeps its own kept runs through
+  `split` and `concat`, and every window is on one side once."""
+  lengths = np.array([5, 3, 8, 7, 2, 6, 4])  # widths 8: lengths 8, 7, 6, 5; 4: 4, 3, 2
+  mask = (np.arange(8) < lengths[:, None]).astype(np.int32)
+  ids = mask * np.arange(1, 8)[:, None]  # window w's tokens are w + 1
+  rng = np.random.default_rng(0)
+  keep = mask.astype(bool) & (rng.random(mask.shape) < 0.7)
+  runs = kept_runs(keep)
+  windows = dump_module._Windows(ids, mask, {k: runs[k].tolist() for k in runs}, keep.sum(1))
+  now, held = windows.split(3, 4)
+  assert now.attention_mask.sum(1).tolist() == [8, 7, 6, 4, 3, 2]
+  assert held.attention_mask.sum(1).tolist() == [5]
+
+  def slices(w):  # window (by its tokens) -> its runs as (column, length, destination)
+    return {int(w.input_ids[i, 0]): [(w.runs["column"][r], w.runs["length"][r],
+                                      w.runs["destination"][r])
+                                     for r in range(w.runs["first"][i], w.runs["first"][i + 1])]
+            for i in range(len(w.kept))}
+
+  together = held.concat(now)
+  assert slices(together) == slices(windows) == {**slices(now), **slices(held)}
+  assert together.kept.tolist() == [int(keep[w - 1].sum()) for w in together.input_ids[:, 0]]
 
 
 def test_kept_runs_copy_the_kept_tokens_in_passage_order():

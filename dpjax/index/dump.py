@@ -34,7 +34,7 @@ import multiprocessing
 import os
 import pathlib
 import time
-from typing import Iterable, Iterator
+from typing import ClassVar, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -46,7 +46,7 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts, remove,
                       write_json, write_jsonl)
-from dpjax.models.encoders import bound, phrase_batches
+from dpjax.models.encoders import bound, phrase_batches, phrase_calls
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats
 
@@ -55,9 +55,11 @@ MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
 # On an accelerator shard 0's windows are made in blocks of 64, 128, 256, ... passages
 # (`WindowMaker.submit_blocks`): the encoder waits for 64 passages to be tokenized, not a shard's
-# worth, at the start of a dump. Not on a CPU: there each block's last call is padded (one more
-# partial call a block), which cost more than the wait saved (a 600-passage dump on 2 cores: 5.8%
-# more tokens encoded in 4 blocks against 0.15 s of waiting in ~23 s; results/speed.md).
+# worth, at the start of a dump, and the blocks' calls encode about the whole shard's tokens
+# (`encode_shard`). Not on a CPU: there the tokenizer's thread then runs beside the encoder's
+# threads on the same cores, which slowed the encoder more than the wait saved (a warm 600-passage
+# dump on 2 cores, 7 pairs: median 4,016 stored tokens/s in blocks against 4,291 whole, though
+# its host time fell from 2.99 to 1.97 us/token; results/speed.md).
 FIRST_BLOCK = 64
 
 
@@ -328,29 +330,45 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   rows). `windows`: the passages' `shard_windows` made ahead, or blocks of them, a list of
   (passages, windows or a future of them) over consecutive passages, encoded in turn (the
   encoder starts on the first block while the next ones are made; `pipeline` receives the
-  seconds spent waiting for a block). `progress` counts the stored tokens batch by batch;
-  `waited` receives the seconds spent waiting for the encoder (`map_batches`). `stream()`: a
+  seconds spent waiting for a block). Of each block's windows only those that fill calls of one
+  width are encoded with it, the others with the next block's: until the shard's last calls no
+  call holds padding rows or is wider than its windows need, so the blocks encode about the
+  tokens of the whole shard at once (96,768 either way for the first 600 SQuAD dev passages in
+  blocks of 64, 128, 256 and 152). `progress` counts the stored tokens batch by batch; `waited`
+  receives the seconds spent waiting for the encoder (`map_batches`). `stream()`: a
   `ShardStream`; the vectors and filter logits then go to it batch by batch, and only
   token_passage and char_spans are returned."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
   blocks = windows if isinstance(windows, list) else [(len(passages), windows)]
   sink = stream() if stream else None
+  out: dict[str, np.ndarray] = {}  # in memory (no sink): the vectors and logits, grown by block
   parts: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-  total = first_passage = 0
-  for count, block in blocks:
+  calls = phrase_calls(config.batch_size, mesh)  # (rows, width multiple)
+  held = None  # windows carried into the next block's calls
+  total = first_passage = stored = 0
+  for number, (count, block) in enumerate(blocks):
     if isinstance(block, concurrent.futures.Future):
       block = _timed_result(block, pipeline)
     keep = block.context_mask & block.is_max_context  # [W, L]
-    _encode_block(block, keep, total if sink else 0, config, mesh, encode, progress, waited,
-                  sink, parts)
+    runs = kept_runs(keep)
+    runs["destination"] = runs["destination"] + total  # shard rows
+    todo = _Windows(block.input_ids, block.attention_mask,
+                    {name: runs[name].tolist() for name in _Windows.RUNS}, keep.sum(1))
+    if held is not None:
+      todo = held.concat(todo)
     token_window = np.nonzero(keep)[0]
     parts["token_passage"].append(block.passage_index[token_window].astype(np.int32)
                                   + first_passage)
     parts["char_spans"].append(np.stack([block.char_start[keep], block.char_end[keep]], 1))
     total += len(token_window)
     first_passage += count
-  return {key: np.concatenate(value) for key, value in parts.items()}
+    if number + 1 < len(blocks):  # windows that would share a call with wider ones wait
+      todo, held = todo.split(*calls)
+    stored += _encode_windows(todo, total, config, mesh, encode, progress, waited, sink, out)
+  if stored != total:  # every window comes back once
+    raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
+  return {**{key: np.concatenate(value) for key, value in parts.items()}, **out}
 
 
 def _timed_result(future: concurrent.futures.Future, seconds: list | None):
@@ -363,39 +381,76 @@ def _timed_result(future: concurrent.futures.Future, seconds: list | None):
       seconds.append(time.perf_counter() - begin)
 
 
-def _encode_block(windows, keep: np.ndarray, first_row: int, config: DumpConfig, mesh, encode,
-                  progress: Progress | None, waited: list | None, sink,
-                  parts: dict[str, list]) -> None:
-  """Encodes one block of windows; its kept tokens go to `sink` (from shard row `first_row`) or
-  to new arrays appended to `parts`."""
+@dataclasses.dataclass
+class _Windows:
+  """Windows to encode ([W, L] ids and mask) with their kept runs (`kept_runs`' lists, the
+  destinations shard rows) and kept tokens [W]."""
+  RUNS: ClassVar[tuple[str, ...]] = ("first", "column", "length", "destination")
+  input_ids: np.ndarray
+  attention_mask: np.ndarray
+  runs: dict[str, list]
+  kept: np.ndarray
+
+  def take(self, rows: np.ndarray) -> "_Windows":
+    runs = {name: [] for name in self.RUNS}
+    runs["first"].append(0)
+    for window in rows:
+      a, b = self.runs["first"][window], self.runs["first"][window + 1]
+      for name in ("column", "length", "destination"):
+        runs[name] += self.runs[name][a:b]
+      runs["first"].append(len(runs["column"]))
+    return _Windows(self.input_ids[rows], self.attention_mask[rows], runs, self.kept[rows])
+
+  def concat(self, other: "_Windows") -> "_Windows":
+    runs = {name: self.runs[name] + other.runs[name] for name in ("column", "length",
+                                                                  "destination")}
+    runs["first"] = self.runs["first"] + [f + len(self.runs["column"])
+                                          for f in other.runs["first"][1:]]
+    return _Windows(np.concatenate([self.input_ids, other.input_ids]),
+                    np.concatenate([self.attention_mask, other.attention_mask]), runs,
+                    np.concatenate([self.kept, other.kept]))
+
+  def split(self, rows_per_call: int, width_multiple: int) -> tuple["_Windows", "_Windows"]:
+    """(windows that fill calls of `rows_per_call` of one width, the rest): of the windows of
+    each width (their length rounded up to `width_multiple`, as `phrase_batches` cuts a call),
+    the longest multiple of `rows_per_call`; `phrase_batches` of the first makes only full
+    calls, none wider than its windows need."""
+    lengths = self.attention_mask.sum(1)
+    order = np.argsort(-lengths, kind="stable")  # as map_batches takes them
+    width = -(-lengths[order] // width_multiple)
+    full = np.zeros(len(order), bool)
+    for w in np.unique(width):
+      same = np.flatnonzero(width == w)
+      full[same[:len(same) // rows_per_call * rows_per_call]] = True
+    return self.take(order[full]), self.take(order[~full])
+
+
+def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, encode,
+                    progress: Progress | None, waited: list | None, sink,
+                    out: dict[str, np.ndarray]) -> int:
+  """Encodes windows; their kept tokens go to `sink`, or to `out`'s arrays (grown to the
+  shard's `total` kept tokens so far). Returns the tokens stored."""
   # Batches of similar length (no compute on padding) come back out of order: each window's
   # runs of kept tokens are copied straight to their rows in passage order (slices, no gather).
-  runs = kept_runs(keep)
-  runs["destination"] = runs["destination"] + first_row
-  runs = {name: array.tolist() for name, array in runs.items()}
-  total = sum(runs["length"])
-  kept = keep.sum(1)
-  out, stored = {}, 0
+  stored = 0
   for rows, (vectors, logits) in phrase_batches(encode, windows.input_ids,
                                                 windows.attention_mask,
                                                 batch_size=config.batch_size, mesh=mesh,
                                                 waited=waited, pad_last=True):
     if sink:
-      sink.add(runs, rows, vectors, logits)
-      count = int(kept[rows].sum())
+      sink.add(windows.runs, rows, vectors, logits)
+      count = int(windows.kept[rows].sum())
     else:
-      if not out:  # float16 from the device; [T, D] and [T, 2]
-        out = {"vectors": np.empty((total, vectors.shape[2]), np.float16),
-               "filter_logits": np.empty((total, logits.shape[2]), np.float16)}
-      count = _place(runs, rows, vectors.shape[1], (vectors, out["vectors"]),
+      for key, x in (("vectors", vectors), ("filter_logits", logits)):  # float16: [T, D], [T, 2]
+        have = out.get(key, np.empty((0, x.shape[2]), np.float16))
+        if len(have) < total:
+          out[key] = np.concatenate([have, np.empty((total - len(have), x.shape[2]), have.dtype)])
+      count = _place(windows.runs, rows, vectors.shape[1], (vectors, out["vectors"]),
                      (logits, out["filter_logits"]))
     stored += count
     if progress:
       progress.update(count)
-  if stored != total:  # every window comes back once
-    raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
-  for key, value in out.items():
-    parts[key].append(value)
+  return stored
 
 
 def _kept_slices(runs: dict, rows: np.ndarray,
