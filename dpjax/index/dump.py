@@ -57,9 +57,9 @@ SHARD_INFO = "shard.json"
 # (`WindowMaker.submit_blocks`): the encoder waits for 64 passages to be tokenized, not a shard's
 # worth, at the start of a dump, and the blocks' calls encode about the whole shard's tokens
 # (`encode_shard`). Not on a CPU: there the tokenizer's thread then runs beside the encoder's
-# threads on the same cores, which slowed the encoder more than the wait saved (a warm 600-passage
-# dump on 2 cores, 7 pairs: median 4,016 stored tokens/s in blocks against 4,291 whole, though
-# its host time fell from 2.99 to 1.97 us/token; results/speed.md).
+# threads on the same cores, and the dump was no faster (warm 600-passage dumps on 2 cores, medians
+# of pairs: 4,016 stored tokens/s in blocks against 4,291 whole in 7, 3,480 against 3,476 in 14
+# more), though its host time fell (1.97 against 2.99, 2.76 against 3.77 us/token; results/speed.md).
 FIRST_BLOCK = 64
 
 
