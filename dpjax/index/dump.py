@@ -396,14 +396,13 @@ class _Windows:
     runs["first"].append(0)
     for window in rows:
       a, b = self.runs["first"][window], self.runs["first"][window + 1]
-      for name in ("column", "length", "destination"):
+      for name in self.RUNS[1:]:  # a run's fields
         runs[name] += self.runs[name][a:b]
       runs["first"].append(len(runs["column"]))
     return _Windows(self.input_ids[rows], self.attention_mask[rows], runs, self.kept[rows])
 
   def concat(self, other: "_Windows") -> "_Windows":
-    runs = {name: self.runs[name] + other.runs[name] for name in ("column", "length",
-                                                                  "destination")}
+    runs = {name: self.runs[name] + other.runs[name] for name in self.RUNS[1:]}
     runs["first"] = self.runs["first"] + [f + len(self.runs["column"])
                                           for f in other.runs["first"][1:]]
     return _Windows(np.concatenate([self.input_ids, other.input_ids]),
