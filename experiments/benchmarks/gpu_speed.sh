@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 22's accelerator figures in one run on a lent GPU machine (after ../shared/gpu/README.md's
+# setup): the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
+# accelerator recipe's settings: experiments/squad.py), its Flat index, the open-domain eval of all
+# 10,570 dev questions (`run.py eval`: top-10 phrases + passage Top-k from one index search), each
+# stage's wall time; then the bf16 train step at batch 48 x 384 (experiments/benchmarks/
+# train_step.py, with dropout as the recipe trains, and without it on cuDNN attention).
+# Timing only: the encoders are MiniLM as loaded (eval.allow_untrained), since what the dump,
+# search and step compute does not depend on the weights; the eval's EM is not a result here.
+# Every stage has a time limit so that the whole fits one 10-minute device command; the summary
+# (OUT/gpu_speed.json) is written after every stage.
+# Usage: PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
+#          bash experiments/benchmarks/gpu_speed.sh WORKDIR OUT
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+W=${1:?usage: gpu_speed.sh WORKDIR OUT}
+OUT=${2:?usage: gpu_speed.sh WORKDIR OUT}
+PY=${PY:-python3}
+CONFIG=${CONFIG:-experiments/squad.py}
+mkdir -p "$W" "$OUT"
+# shellcheck disable=SC2086  # SET: --set arguments, word-split on purpose
+C=(--config "$CONFIG" --workdir "$W" --set eval.allow_untrained=True --set train.progress_bar=False
+   ${SET:-})
+T=${T_DUMP:-160},${T_INDEX:-40},${T_EVAL:-170},${T_STEP:-85}
+IFS=, read -r t_dump t_index t_eval t_step <<< "$T"
+declare -A WALL RC
+
+stage() {  # stage NAME LIMIT_S COMMAND...: runs it under a time limit, log to OUT/NAME.log
+  local name=$1 limit=$2 start
+  shift 2
+  echo "=== $(date -Is) $name (limit ${limit}s): $*"
+  start=$(date +%s.%N)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  WALL[$name]=$(awk "BEGIN{print $(date +%s.%N) - $start}")
+  tail -n 4 "$OUT/$name.log"
+  echo "=== $name: rc ${RC[$name]}, ${WALL[$name]} s"
+  summary
+}
+
+summary() {
+  local walls="" k
+  for k in "${!WALL[@]}"; do walls+="$k=${WALL[$k]}:${RC[$k]} "; done
+  "$PY" - "$W" "$OUT" "$walls" <<'EOF'
+import json, pathlib, sys
+w, out, walls = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3].split()
+s = {"stages": {k: {"wall_s": float(v.split(":")[0]), "rc": int(v.split(":")[1])}
+                for k, v in (x.split("=") for x in walls)}}
+try:
+  import jax
+  s["device"] = str(jax.devices()[0].device_kind)
+except Exception as e:  # the summary is written whatever broke
+  s["device"] = repr(e)
+dumps = sorted(w.glob("**/manifest.json"))
+for m in dumps:
+  d = json.loads(m.read_text())
+  if "num_tokens" in d and "shards" in d and d.get("complete"):
+    s["dump"] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
+                                       "compiles", "host_seconds", "encoder_wait_seconds",
+                                       "pipeline_wait_seconds", "processes", "settings")}
+    s["dump"]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]
+    s["dump"]["host_us_per_token"] = 1e6 * d["host_seconds"] / d["num_tokens"]
+for e in sorted(w.glob("open_eval_*.json")):
+  d = json.loads(e.read_text())
+  d = d.get("report", d)
+  s[e.stem] = {k: d.get(k) for k in ("questions", "search_seconds", "questions_per_sec_batch64",
+                                     "index_tokens", "index_build_seconds", "em@1", "top20")}
+for f in sorted(out.glob("step_*.log")):  # train_step.py's last stdout line is its JSON
+  lines = [x for x in f.read_text().splitlines() if x.startswith("{")]
+  if lines:
+    s[f.stem] = json.loads(lines[-1])
+(out / "gpu_speed.json").write_text(json.dumps(s, indent=1))
+EOF
+}
+
+echo "=== $(date -Is) $(git rev-parse --short HEAD 2>/dev/null) $CONFIG"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+stage dump "$t_dump" "$PY" run.py dump "${C[@]}"
+stage index "$t_index" "$PY" run.py index "${C[@]}" --set 'index.specs=["Flat"]'
+stage eval "$t_eval" "$PY" run.py eval "${C[@]}" --set index.search_index=Flat
+step() {  # step NAME [train_step.py args] (env: DPJAX_ATTENTION)
+  local name=$1
+  shift
+  stage "$name" "$t_step" "$PY" experiments/benchmarks/train_step.py --framework jax --batch 48 \
+    --dtype bfloat16 --steps 20 --warmup 3 "$@"
+}
+step step_bf16
+DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout
+cat "$OUT/gpu_speed.json"
