@@ -250,6 +250,22 @@ def test_attention_implementation_is_cudnn_only_on_a_gpu_when_asked(monkeypatch)
     attention_implementation(jnp.bfloat16)
 
 
+def test_cudnn_attention_gets_only_even_lengths(monkeypatch):
+  """cuDNN's padding-masked kernel refuses odd lengths (the first-only pass has one query): those
+  calls go to XLA with the same key lengths, the others to cuDNN."""
+  from dpjax.models import bert
+  asked = []
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda q, k, v, **kw: asked.append(kw.get("implementation")) or q)
+  bias = jnp.zeros((2, 1, 1, 64))
+  for queries in (64, 1, 63):
+    q, kv = jnp.zeros((2, queries, 2, 8)), jnp.zeros((2, 64, 2, 8))
+    bert._fused_attention(q, kv, kv, bias, "cudnn")
+  bert._fused_attention(jnp.zeros((2, 64, 2, 8)), jnp.zeros((2, 63, 2, 8)),
+                        jnp.zeros((2, 63, 2, 8)), jnp.zeros((2, 1, 1, 63)), "cudnn")
+  assert asked == ["cudnn", None, None, None]
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_cpu_attention_equals_dot_product_attention(model, monkeypatch, chunked):
   """The CPU's attention (`_cpu_attention`: deferred softmax division, chunks of rows) against

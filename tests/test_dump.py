@@ -4,6 +4,7 @@ import errno
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -208,6 +209,44 @@ def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
                       mesh=make_mesh())["complete"]
   with pytest.raises(DumpError, match="other settings"):
     dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
+
+
+def test_widths_compiled_ahead_leave_the_dump_nothing_to_compile(tokenizer, tmp_path,
+                                                                 monkeypatch):
+  """On an accelerator the dump compiles the phrase encoder for every call width before its first
+  call, all widths at once (`compile_ahead`; here 16 and 29, the windows' own width): its calls
+  then load no executable, neither compiled nor from the persistent cache, and it stores what a
+  dump that compiles as it goes stores. (A model of shapes no other test compiles.)"""
+  model = DensePhrases(dataclasses.replace(TINY, intermediate_size=11), rngs=nnx.Rngs(0))
+  config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
+  passages = _passages(11)
+  loads = []  # executables compiled or read from the persistent compilation cache
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, seconds, **kwargs: loads.append(event) if event.endswith(
+          ("backend_compile_duration", "cache_retrieval_time_sec")) else None)
+  after_ahead = []
+  compile_ahead = dump_module.compile_ahead
+
+  def counted(*args):
+    shapes = compile_ahead(*args)
+    after_ahead.append(len(loads))
+    return shapes
+  monkeypatch.setattr(dump_module, "compile_ahead", counted)
+  monkeypatch.setattr(dump_module, "_compile_ahead", lambda mesh: True)
+  ahead = dump_phrases(model, tokenizer, passages, tmp_path / "ahead", config, mesh=make_mesh())
+  assert ahead["compile_ahead_shapes"] == 2 and ahead["compile_ahead_seconds"] > 0
+  assert len(after_ahead) == 1 and after_ahead[0] >= 2 and len(loads) == after_ahead[0]
+  assert ahead["host_seconds"] > 0
+  monkeypatch.setattr(dump_module, "_compile_ahead", lambda mesh: False)  # a CPU's way
+  plain = dump_phrases(model, tokenizer, passages, tmp_path / "plain", config, mesh=make_mesh())
+  assert plain["compile_ahead_shapes"] == 0 and len(loads) == after_ahead[0]  # the same calls
+  other = dump_phrases(model, tokenizer, passages, tmp_path / "other",
+                       dataclasses.replace(config, batch_size=16), mesh=make_mesh())
+  assert len(loads) > after_ahead[0] and len(after_ahead) == 1  # 16-row calls: compiled now
+  for key in ("vectors", "filter_logits", "token_passage", "char_spans"):
+    np.testing.assert_array_equal(np.load(tmp_path / "ahead" / "shard_00000" / f"{key}.npy"),
+                                  np.load(tmp_path / "plain" / "shard_00000" / f"{key}.npy"))
+  assert ahead["num_tokens"] == plain["num_tokens"] == other["num_tokens"]
 
 
 def test_a_blocks_windows_held_back_are_those_that_fill_no_call_of_one_width():

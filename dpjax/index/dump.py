@@ -46,7 +46,7 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts, remove,
                       write_json, write_jsonl)
-from dpjax.models.encoders import bound, phrase_batches, phrase_calls
+from dpjax.models.encoders import bound, call_widths, compile_ahead, phrase_batches, phrase_calls
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats
 
@@ -64,6 +64,13 @@ FIRST_BLOCK = 64
 
 
 def _shard_0_in_blocks(mesh) -> bool:
+  return mesh.devices.flat[0].platform != "cpu"
+
+
+# On an accelerator the dump compiles the phrase encoder for every call width before its first
+# call, all widths at once (`compile_ahead`). On a CPU the widths compile as they come: there the
+# compiles are short and the cores are the tokenizer's and the encoder's.
+def _compile_ahead(mesh) -> bool:
   return mesh.devices.flat[0].platform != "cpu"
 
 
@@ -515,6 +522,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
       return old
     _prepare(out_dir, manifest)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
+    ahead = {"compile_ahead_seconds": 0.0, "compile_ahead_shapes": 0}
+    if _compile_ahead(mesh):  # while shard 0's first windows are made
+      rows, multiple = phrase_calls(config.batch_size, mesh)
+      ahead["compile_ahead_shapes"] = compile_ahead(
+          encode, rows, call_widths(multiple, config.max_seq_length), mesh)
+      ahead["compile_ahead_seconds"] = time.perf_counter() - start
+      ahead["compile_ahead_compile_seconds"] = compile_stats()["seconds"] - compiled["seconds"]
     counts = {"shards": 0, "resumed": 0}
     waited: list[float] = []  # seconds waiting for the encoder, batch by batch
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
@@ -527,29 +541,34 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
   if not counts["shards"]:
     raise DumpError(f"{out_dir}: the corpus is empty")
-  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline))
+  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline, ahead))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
 
 
 def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
-                pipeline: list) -> dict:
+                pipeline: list, ahead: dict) -> dict:
   """The manifest's timings of a dump begun at `start` (perf_counter; `cpu_start`: this thread's
-  thread_time; `compiled`: compile_stats then).
+  thread_time; `compiled`: compile_stats then; `ahead`: the widths compiled ahead, their wall
+  time and compile time).
 
   `host_seconds`: the main thread's time outside waiting for the encoder and compiling (once per
   window width, `compile_seconds`): the host work per token that caps a dump. On a CPU the
   encoder's threads share the cores with it, so its CPU time (`host_cpu_seconds`) is the work
   itself and the wall time adds the waits for a core. The compiling runs in this thread: its
   wall time is taken off, exact when nothing compiles (a warm dump), else an underestimate (at
-  least 0). `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a shard's
-  windows not yet tokenized, shard writes at the end): the pipeline's fill and drain, which a
-  dump of many shards spreads thin and a one-shard dump does not."""
+  least 0). Widths compiled ahead (`compile_ahead`) compile in other threads at once, their
+  compile times summed in `compile_seconds`: their wall time (`compile_ahead_seconds`) is taken
+  off instead. `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a
+  shard's windows not yet tokenized, shard writes at the end): the pipeline's fill and drain,
+  which a dump of many shards spreads thin and a one-shard dump does not."""
   compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
+  in_this_thread = compile_seconds - ahead.pop("compile_ahead_compile_seconds", 0.0)
   return dict(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
-              compiles=compile_stats()["count"] - compiled["count"],
+              compiles=compile_stats()["count"] - compiled["count"], **ahead,
               pipeline_wait_seconds=sum(pipeline),
-              host_seconds=time.perf_counter() - start - sum(waited) - compile_seconds,
-              host_cpu_seconds=max(time.thread_time() - cpu_start - compile_seconds, 0.0))
+              host_seconds=(time.perf_counter() - start - sum(waited) - in_this_thread
+                            - ahead["compile_ahead_seconds"]),
+              host_cpu_seconds=max(time.thread_time() - cpu_start - in_this_thread, 0.0))
 
 
 def _checked_settings(model, config: DumpConfig) -> tuple[object, DumpConfig]:

@@ -186,6 +186,11 @@ def _fused_attention(q, k, v, attention_bias, implementation: str | None = None)
   questions are padded at the end), at least 1 so that an all-padding row stays finite.
   `implementation="lengths"`: that formulation run by XLA (what the tests compare on a CPU)."""
   implementation = implementation or attention_implementation(q.dtype)
+  if implementation == "cudnn" and (q.shape[1] % 2 or k.shape[1] % 2):
+    # cuDNN's padding-masked kernel refuses odd lengths in training (NotImplementedError
+    # "Unsupported sequence length Q 1, KV 64": the question encoders' last layer, `first_only`,
+    # has one query; seen on an H200): XLA runs those calls, the same formulation.
+    implementation = "lengths"
   if implementation == "xla":
     return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
   lengths = jnp.maximum((attention_bias[:, 0, 0, :] == 0).sum(-1), 1).astype(jnp.int32)

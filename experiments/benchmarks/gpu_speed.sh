@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Issue 22's accelerator figures in one run on a lent GPU machine (after ../shared/gpu/README.md's
-# setup): the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
-# accelerator recipe's settings: experiments/squad.py), its Flat index, the open-domain eval of all
-# 10,570 dev questions (`run.py eval`: top-10 phrases + passage Top-k from one index search), each
-# stage's wall time; then the bf16 train step at batch 48 x 384 (experiments/benchmarks/
-# train_step.py, with dropout as the recipe trains, and without it on cuDNN attention).
+# setup), stages in $STAGES (default: all, in this order):
+#   dump        the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
+#               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
+#               executable compiles (no persistent compilation cache yet)
+#   dump_warm   the same dump again into another folder: its executables from that cache
+#   index, eval its Flat index; the open-domain eval of all 10,570 dev questions (`run.py eval`:
+#               top-10 phrases + passage Top-k from one index search)
+#   step_bf16, step_bf16_nodrop, step_bf16_nodrop_cudnn
+#               the bf16 train step at batch 48 x 384 (experiments/benchmarks/train_step.py):
+#               with dropout as the recipe trains; without; without, on cuDNN attention
+# Each stage's wall time and the dumps' manifests go to OUT/gpu_speed.json (written after every
+# stage; every stage has a time limit, so that the whole fits one 10-minute device command).
 # Timing only: the encoders are MiniLM as loaded (eval.allow_untrained), since what the dump,
 # search and step compute does not depend on the weights; the eval's EM is not a result here.
-# Every stage has a time limit so that the whole fits one 10-minute device command; the summary
-# (OUT/gpu_speed.json) is written after every stage.
-# Usage: PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
+# Usage: PY=python3 SET="--set data.dir=/root/gpu/data/squad" [STAGES="dump eval"] \
 #          bash experiments/benchmarks/gpu_speed.sh WORKDIR OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,6 +28,7 @@ C=(--config "$CONFIG" --workdir "$W" --set eval.allow_untrained=True --set train
    ${SET:-})
 T=${T_DUMP:-160},${T_INDEX:-40},${T_EVAL:-170},${T_STEP:-85}
 IFS=, read -r t_dump t_index t_eval t_step <<< "$T"
+STAGES=${STAGES:-dump dump_warm index eval step_bf16 step_bf16_nodrop step_bf16_nodrop_cudnn}
 declare -A WALL RC
 
 stage() {  # stage NAME LIMIT_S COMMAND...: runs it under a time limit, log to OUT/NAME.log
@@ -51,15 +57,15 @@ try:
   s["device"] = str(jax.devices()[0].device_kind)
 except Exception as e:  # the summary is written whatever broke
   s["device"] = repr(e)
-dumps = sorted(w.glob("**/manifest.json"))
-for m in dumps:
-  d = json.loads(m.read_text())
-  if "num_tokens" in d and "shards" in d and d.get("complete"):
-    s["dump"] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
+for name, m in (("dump", w / "dump" / "manifest.json"), ("dump_warm", w / "warm" / "manifest.json")):
+  d = json.loads(m.read_text()) if m.is_file() else {}
+  if d.get("complete"):
+    s[name] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
                                        "compiles", "host_seconds", "encoder_wait_seconds",
-                                       "pipeline_wait_seconds", "processes", "settings")}
-    s["dump"]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]
-    s["dump"]["host_us_per_token"] = 1e6 * d["host_seconds"] / d["num_tokens"]
+                                       "pipeline_wait_seconds", "processes", "settings",
+                                       "compile_ahead_seconds", "compile_ahead_shapes")}
+    s[name]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]
+    s[name]["host_us_per_token"] = 1e6 * d["host_seconds"] / d["num_tokens"]
 for e in sorted(w.glob("open_eval_*.json")):
   d = json.loads(e.read_text())
   d = d.get("report", d)
@@ -73,17 +79,25 @@ for f in sorted(out.glob("step_*.log")):  # train_step.py's last stdout line is 
 EOF
 }
 
-echo "=== $(date -Is) $(git rev-parse --short HEAD 2>/dev/null) $CONFIG"
+echo "=== $(date -Is) $(git rev-parse --short HEAD 2>/dev/null) $CONFIG stages: $STAGES"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
-stage dump "$t_dump" "$PY" run.py dump "${C[@]}"
-stage index "$t_index" "$PY" run.py index "${C[@]}" --set 'index.specs=["Flat"]'
-stage eval "$t_eval" "$PY" run.py eval "${C[@]}" --set index.search_index=Flat
 step() {  # step NAME [train_step.py args] (env: DPJAX_ATTENTION)
   local name=$1
   shift
   stage "$name" "$t_step" "$PY" experiments/benchmarks/train_step.py --framework jax --batch 48 \
     --dtype bfloat16 --steps 20 --warmup 3 "$@"
 }
-step step_bf16
-DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout
+for s in $STAGES; do
+  case $s in
+    dump) stage dump "$t_dump" "$PY" run.py dump "${C[@]}" ;;
+    # the same dump again in a new folder: its executables from the persistent compilation cache
+    dump_warm) stage dump_warm "$t_dump" "$PY" run.py dump "${C[@]}" --set index.dump_name=warm ;;
+    index) stage index "$t_index" "$PY" run.py index "${C[@]}" --set 'index.specs=["Flat"]' ;;
+    eval) stage eval "$t_eval" "$PY" run.py eval "${C[@]}" --set index.search_index=Flat ;;
+    step_bf16) step step_bf16 ;;
+    step_bf16_nodrop) step step_bf16_nodrop --no-dropout ;;
+    step_bf16_nodrop_cudnn) DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout ;;
+    *) echo "gpu_speed.sh: unknown stage $s" >&2; exit 2 ;;
+  esac
+done
 cat "$OUT/gpu_speed.json"
