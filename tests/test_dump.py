@@ -214,11 +214,12 @@ def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
 def test_widths_compiled_ahead_leave_the_dump_nothing_to_compile(tokenizer, tmp_path,
                                                                  monkeypatch):
   """On an accelerator the dump compiles the phrase encoder for every call width before its first
-  call, all widths at once (`compile_ahead`; here 16 and 29, the windows' own width): its calls
-  then load no executable, neither compiled nor from the persistent cache, and it stores what a
-  dump that compiles as it goes stores. (A model of shapes no other test compiles.)"""
+  call, all widths at once (`compile_ahead`; here 16 and 29, the windows' own width), when its
+  corpus fills a shard: its calls then load no executable, neither compiled nor from the persistent
+  cache, and it stores what a dump that compiles as it goes stores. (A model of shapes no other
+  test compiles.)"""
   model = DensePhrases(dataclasses.replace(TINY, intermediate_size=11), rngs=nnx.Rngs(0))
-  config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
+  config = dataclasses.replace(CONFIG, shard_passages=6, min_context=3)
   passages = _passages(11)
   loads = []  # executables compiled or read from the persistent compilation cache
   jax.monitoring.register_event_duration_secs_listener(
@@ -243,10 +244,15 @@ def test_widths_compiled_ahead_leave_the_dump_nothing_to_compile(tokenizer, tmp_
   other = dump_phrases(model, tokenizer, passages, tmp_path / "other",
                        dataclasses.replace(config, batch_size=16), mesh=make_mesh())
   assert len(loads) > after_ahead[0] and len(after_ahead) == 1  # 16-row calls: compiled now
-  for key in ("vectors", "filter_logits", "token_passage", "char_spans"):
-    np.testing.assert_array_equal(np.load(tmp_path / "ahead" / "shard_00000" / f"{key}.npy"),
-                                  np.load(tmp_path / "plain" / "shard_00000" / f"{key}.npy"))
+  for shard in ("shard_00000", "shard_00001"):
+    for key in ("vectors", "filter_logits", "token_passage", "char_spans"):
+      np.testing.assert_array_equal(np.load(tmp_path / "ahead" / shard / f"{key}.npy"),
+                                    np.load(tmp_path / "plain" / shard / f"{key}.npy"))
   assert ahead["num_tokens"] == plain["num_tokens"] == other["num_tokens"]
+  monkeypatch.setattr(dump_module, "_compile_ahead", lambda mesh: True)
+  one_shard = dump_phrases(model, tokenizer, passages, tmp_path / "one", dataclasses.replace(
+      config, shard_passages=12), mesh=make_mesh())  # 11 passages
+  assert one_shard["compile_ahead_shapes"] == 0 and len(after_ahead) == 1
 
 
 def test_a_blocks_windows_held_back_are_those_that_fill_no_call_of_one_width():

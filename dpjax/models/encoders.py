@@ -118,9 +118,9 @@ def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
                   threads: int | None = None) -> int:
   """Compiles a `bound` encoder for int32 [rows, width] batches sharded over `mesh`, every width
   at once in `threads` threads (XLA compiles outside the GIL): the calls of a long job at those
-  shapes (`map_batches` with `pad_last`) then compile nothing. A dump's first calls otherwise
-  compile one width after the other as they come: on an H200, 11 widths took 41 of a 46 s
-  SQuAD-open small dump (results/speed_gpu.md). Returns the shapes compiled."""
+  shapes (`map_batches` with `pad_last`) then compile nothing. The compiles contend (on an H200
+  the SQuAD-open small dump's 12 widths: 36.6 s at once, 323 s of compile time; 11 widths one
+  after the other as the calls came: 41.4 s; results/speed_gpu.md). Returns the shapes compiled."""
   flat, (leaves,) = encode.func, encode.args
   sharding = batch_sharding(mesh)
 

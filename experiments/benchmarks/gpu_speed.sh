@@ -57,13 +57,14 @@ try:
   s["device"] = str(jax.devices()[0].device_kind)
 except Exception as e:  # the summary is written whatever broke
   s["device"] = repr(e)
-for name, m in (("dump", w / "dump" / "manifest.json"), ("dump_warm", w / "warm" / "manifest.json")):
+for name, folder in (("dump", "dump"), ("dump_warm", "warm")):
+  m = w / folder / "manifest.json"
   d = json.loads(m.read_text()) if m.is_file() else {}
   if d.get("complete"):
     s[name] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
-                                       "compiles", "host_seconds", "encoder_wait_seconds",
-                                       "pipeline_wait_seconds", "processes", "settings",
-                                       "compile_ahead_seconds", "compile_ahead_shapes")}
+                                     "compiles", "host_seconds", "encoder_wait_seconds",
+                                     "pipeline_wait_seconds", "processes", "settings",
+                                     "compile_ahead_seconds", "compile_ahead_shapes")}
     s[name]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]
     s[name]["host_us_per_token"] = 1e6 * d["host_seconds"] / d["num_tokens"]
 for e in sorted(w.glob("open_eval_*.json")):
