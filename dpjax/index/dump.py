@@ -59,7 +59,8 @@ SHARD_INFO = "shard.json"
 # (`encode_shard`). Not on a CPU: there the tokenizer's thread then runs beside the encoder's
 # threads on the same cores, and the dump was no faster (warm 600-passage dumps on 2 cores, medians
 # of pairs: 4,016 stored tokens/s in blocks against 4,291 whole in 7, 3,480 against 3,476 in 14
-# more), though its host time fell (1.97 against 2.99, 2.76 against 3.77 us/token; results/speed.md).
+# more), though its host time fell (1.97 against 2.99, 2.76 against 3.77 us/token;
+# results/speed.md).
 FIRST_BLOCK = 64
 
 
@@ -525,16 +526,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
       return old
     _prepare(out_dir, manifest)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
-    ahead = {"compile_ahead_seconds": 0.0, "compile_ahead_shapes": 0}
     # while shard 0's first windows are made; a corpus of one shard at most compiles as it goes
-    if _compile_ahead(mesh) and head and len(head[0]) == config.shard_passages:
-      rows, multiple = phrase_calls(config.batch_size, mesh)
-      ahead["compile_ahead_shapes"] = compile_ahead(
-          encode, rows, call_widths(multiple, config.max_seq_length), mesh)
-      ahead["compile_ahead_seconds"] = time.perf_counter() - start
-      ahead["compile_ahead_compile_seconds"] = compile_stats()["seconds"] - compiled["seconds"]
-      log.info("dump: the phrase encoder compiled (or loaded from the compilation cache) for %d "
-               "widths in %.1f s", ahead["compile_ahead_shapes"], ahead["compile_ahead_seconds"])
+    ahead = _widths_ahead(encode, config, mesh,
+                          full_shard=bool(head) and len(head[0]) == config.shard_passages)
     counts = {"shards": 0, "resumed": 0}
     waited: list[float] = []  # seconds waiting for the encoder, batch by batch
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
@@ -549,6 +543,23 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     raise DumpError(f"{out_dir}: the corpus is empty")
   manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline, ahead))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> dict:
+  """Compiles the encoder for every call width now (`compile_ahead`) on an accelerator when the
+  corpus fills a shard; the manifest's record of it (and its compile time, for `_host_times`)."""
+  ahead = {"compile_ahead_seconds": 0.0, "compile_ahead_shapes": 0}
+  if not (_compile_ahead(mesh) and full_shard):
+    return ahead
+  start, compiled = time.perf_counter(), compile_stats()["seconds"]
+  rows, multiple = phrase_calls(config.batch_size, mesh)
+  ahead["compile_ahead_shapes"] = compile_ahead(encode, rows,
+                                                call_widths(multiple, config.max_seq_length), mesh)
+  ahead["compile_ahead_seconds"] = time.perf_counter() - start
+  ahead["compile_ahead_compile_seconds"] = compile_stats()["seconds"] - compiled
+  log.info("dump: the phrase encoder compiled (or loaded from the compilation cache) for %d "
+           "widths in %.1f s", ahead["compile_ahead_shapes"], ahead["compile_ahead_seconds"])
+  return ahead
 
 
 def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
