@@ -71,7 +71,8 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
-                 "serve.max_wait_ms", "index.dump_min_context", "index.dump_workers")
+                 "serve.max_wait_ms", "index.dump_min_context", "index.dump_workers",
+                 "index.dump_width_multiple")
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
@@ -320,6 +321,9 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
       # products (vectors stored float16 either way; the manifest records which).
       "dump_dtype": "",
+      # The dump's call widths: its calls' longest window rounded up to this; 0 = the
+      # platform's (32 on an accelerator, 16 on a CPU). Each width compiles once.
+      "dump_width_multiple": 0,
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

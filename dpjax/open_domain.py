@@ -38,6 +38,7 @@ def dump_settings(config, mesh) -> DumpConfig:
                     batch_size=round_to_devices(config.index.batch_size, mesh),
                     shard_passages=config.index.shard_passages,
                     min_context=config.index.get("dump_min_context", 0),
+                    width_multiple=config.index.get("dump_width_multiple", 0),
                     compute_dtype=config.index.get("dump_dtype") or config.model.dtype)
 
 

@@ -255,6 +255,36 @@ def test_widths_compiled_ahead_leave_the_dump_nothing_to_compile(tokenizer, tmp_
   assert one_shard["compile_ahead_shapes"] == 0 and len(after_ahead) == 1
 
 
+def test_dump_width_multiple_sets_the_call_widths_not_the_vectors(model, tokenizer, tmp_path):
+  """`width_multiple` rounds the calls' widths to its multiples instead of the platform's (16 on
+  a CPU); the vectors are the same up to rounding, and the manifest records the setting (a dump
+  made before it existed resumes as made with 0)."""
+  passages = _passages(11)
+  config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
+  encode = bound(model, "phrases_and_filter")
+  widths = {0: set(), 4: set()}
+  for multiple in widths:
+    counted = lambda ids, mask, m=multiple: widths[m].add(ids.shape[1]) or encode(ids, mask)
+    out = encode_shard(tokenizer, passages, dataclasses.replace(config, width_multiple=multiple),
+                       make_mesh(), counted)
+    if multiple:
+      np.testing.assert_allclose(out["vectors"].astype(np.float32),
+                                 default["vectors"].astype(np.float32), atol=2e-3, rtol=2e-3)
+    default = out
+  assert widths[0] <= {16, 29} and all(w % 4 == 0 or w == 29 for w in widths[4])
+  assert widths[4] - {16, 29}, widths  # some call is narrower than at multiples of 16
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path, dataclasses.replace(
+      config, width_multiple=4), mesh=make_mesh())
+  assert manifest["settings"]["width_multiple"] == 4
+  old = json.loads((tmp_path / "manifest.json").read_text())
+  del old["settings"]["width_multiple"]
+  (tmp_path / "manifest.json").write_text(json.dumps(old))
+  with pytest.raises(DumpError, match="width_multiple 0 \\(now 4\\)"):
+    dump_phrases(model, tokenizer, passages, tmp_path, dataclasses.replace(
+        config, width_multiple=4), mesh=make_mesh())
+  assert dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())["complete"]
+
+
 def test_a_blocks_windows_held_back_are_those_that_fill_no_call_of_one_width():
   """`_Windows.split`: of each width's windows (lengths rounded up to 4), the longest multiple of
   3 (a call's rows) are encoded now, the rest held; every window keeps its own kept runs through

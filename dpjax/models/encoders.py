@@ -93,11 +93,12 @@ def _flat_encoder(graphdef: nnx.GraphDef, treedef, encoder: str) -> Callable:
   return flat
 
 
-def phrase_calls(batch_size: int, mesh) -> tuple[int, int]:
+def phrase_calls(batch_size: int, mesh, width_multiple: int = 0) -> tuple[int, int]:
   """(rows per phrase-encoder call, the multiple its width is rounded up to): `batch_size` and
   PHRASE_WIDTH, or on a CPU mesh at most CPU_PHRASE_CHUNK rows (a multiple of the mesh size)
-  and CPU_PHRASE_WIDTH."""
-  return _calls(batch_size, mesh, (CPU_PHRASE_CHUNK, CPU_PHRASE_WIDTH), PHRASE_WIDTH)
+  and CPU_PHRASE_WIDTH; `width_multiple` (> 0) instead of either width."""
+  rows, multiple = _calls(batch_size, mesh, (CPU_PHRASE_CHUNK, CPU_PHRASE_WIDTH), PHRASE_WIDTH)
+  return rows, width_multiple or multiple
 
 
 def _calls(batch_size: int, mesh, cpu: tuple[int, int], width: int) -> tuple[int, int]:
@@ -135,11 +136,12 @@ def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
 
 
 def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
-                   batch_size: int, mesh, **options) -> Iterator[tuple[np.ndarray, object]]:
+                   batch_size: int, mesh, width_multiple: int = 0,
+                   **options) -> Iterator[tuple[np.ndarray, object]]:
   """(rows, outputs) of `encode` over windows [W, L] in length-bucketed calls of `phrase_calls`
-  rows; outputs are cut to the call's longest row (columns past it are padding). `options`:
-  more `map_batches` arguments."""
-  rows, multiple = phrase_calls(batch_size, mesh)
+  rows (and widths; `width_multiple` > 0: multiples of it); outputs are cut to the call's
+  longest row (columns past it are padding). `options`: more `map_batches` arguments."""
+  rows, multiple = phrase_calls(batch_size, mesh, width_multiple)
   return map_batches(encode, [input_ids, attention_mask], rows, mesh,
                      lengths=attention_mask.sum(1), length_multiple=multiple, **options)
 

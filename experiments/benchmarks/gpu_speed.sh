@@ -5,6 +5,8 @@
 #               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
 #               executable compiles (no persistent compilation cache yet)
 #   dump_warm   the same dump again into another folder: its executables from that cache
+#   dump_wM     the dump at call widths rounded to multiples of M (index.dump_width_multiple;
+#               the default is 32 on an accelerator), with a compilation cache of its own
 #   index, eval its Flat index; the open-domain eval of all 10,570 dev questions (`run.py eval`:
 #               top-10 phrases + passage Top-k from one index search)
 #   step_bf16, step_bf16_nodrop, step_bf16_nodrop_cudnn
@@ -57,9 +59,9 @@ try:
   s["device"] = str(jax.devices()[0].device_kind)
 except Exception as e:  # the summary is written whatever broke
   s["device"] = repr(e)
-for name, folder in (("dump", "dump"), ("dump_warm", "warm")):
-  m = w / folder / "manifest.json"
-  d = json.loads(m.read_text()) if m.is_file() else {}
+for m in sorted(w.glob("*/manifest.json")):
+  name = {"warm": "dump_warm"}.get(m.parent.name, m.parent.name)
+  d = json.loads(m.read_text())
   if d.get("complete"):
     s[name] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
                                      "compiles", "host_seconds", "encoder_wait_seconds",
@@ -93,6 +95,9 @@ for s in $STAGES; do
     dump) stage dump "$t_dump" "$PY" run.py dump "${C[@]}" ;;
     # the same dump again in a new folder: its executables from the persistent compilation cache
     dump_warm) stage dump_warm "$t_dump" "$PY" run.py dump "${C[@]}" --set index.dump_name=warm ;;
+    # dump_wM: the dump at width multiple M, with a compilation cache of its own (cold)
+    dump_w*) DPJAX_COMPILATION_CACHE=$W/xla_${s#dump_w} stage "$s" "$t_dump" "$PY" run.py dump \
+               "${C[@]}" --set "index.dump_width_multiple=${s#dump_w}" --set "index.dump_name=$s" ;;
     index) stage index "$t_index" "$PY" run.py index "${C[@]}" --set 'index.specs=["Flat"]' ;;
     eval) stage eval "$t_eval" "$PY" run.py eval "${C[@]}" --set index.search_index=Flat ;;
     step_bf16) step step_bf16 ;;
