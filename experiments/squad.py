@@ -43,6 +43,11 @@ def get_config(arg=None):
   # accelerator encodes; unmeasured on a GPU). `:cpu` keeps the thread (a process costs seconds
   # to start and competes with the encoder for 2 cores: results/speed.md at 128b361).
   config.index.dump_workers = 4
+  # The dump's call widths at multiples of 128 (3 shapes to compile, not 12 at the accelerator's
+  # default 32): on an H200 a cold SQuAD-open small dump took 19.8 s against 44.5 s (compiling
+  # 13.7 s against 37.5 s), encoding at the same ~518k stored tokens/s (MiniLM leaves the GPU
+  # idle: the host's tokenizing and copying set the pace); results/speed_gpu.md. `:cpu` keeps 16.
+  config.index.dump_width_multiple = 128
   # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
   # the 2-core Xeon with AMX 1.6x float32's tokens/s (on one without AMX slower: set float32
   # there), and over the full SQuAD-open small dump of `:cpu`'s model, 2,000 dev questions, EM@1
@@ -81,6 +86,7 @@ def get_config(arg=None):
     config.train.loss.lambda_inb = 1.0
     config.index.train_size = 262_144  # quantizer training in minutes on 2 cores
     config.index.dump_workers = 0
+    config.index.dump_width_multiple = 0  # the CPU's 16: compute there is per token
     if arg == "cpu-base":  # the study's baseline: float32 dumps, as all of its figures
       config.index.dump_dtype = "float32"
     # QSFT on a random 4,000 training questions (2 epochs), dev EM@1 on a random 2,000; the
