@@ -40,13 +40,13 @@ def get_config(arg=None):
   # results/speed_xeon.md).
   config.index.dump_min_context = 32
   # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
-  # accelerator encodes; unmeasured on a GPU). `:cpu` keeps the thread (a process costs seconds
+  # accelerator encodes; with four, an H200 dump stored ~520-610k tokens/s, results/speed_gpu.md). `:cpu` keeps the thread (a process costs seconds
   # to start and competes with the encoder for 2 cores: results/speed.md at 128b361).
   config.index.dump_workers = 4
   # The dump's call widths at multiples of 128 (3 shapes to compile, not 12 at the accelerator's
   # default 32): on an H200 a cold SQuAD-open small dump took 19.8 s against 44.5 s (compiling
   # 13.7 s against 37.5 s), encoding at the same ~518k stored tokens/s (MiniLM leaves the GPU
-  # idle: the host's tokenizing and copying set the pace); results/speed_gpu.md. `:cpu` keeps 16.
+  # idle: the host's work sets the pace); results/speed_gpu.md. `:cpu` keeps 16.
   config.index.dump_width_multiple = 128
   # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
   # the 2-core Xeon with AMX 1.6x float32's tokens/s (on one without AMX slower: set float32
