@@ -40,8 +40,9 @@ def get_config(arg=None):
   # results/speed_xeon.md).
   config.index.dump_min_context = 32
   # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
-  # accelerator encodes; with four, an H200 dump stored ~520-610k tokens/s, results/speed_gpu.md). `:cpu` keeps the thread (a process costs seconds
-  # to start and competes with the encoder for 2 cores: results/speed.md at 128b361).
+  # accelerator encodes; with four an H200 dump stored ~520-610k tokens/s: results/speed_gpu.md).
+  # `:cpu` keeps the thread (a process costs seconds to start and competes with the encoder for
+  # 2 cores: results/speed.md at 128b361).
   config.index.dump_workers = 4
   # The dump's call widths at multiples of 128 (3 shapes to compile, not 12 at the accelerator's
   # default 32): on an H200 a cold SQuAD-open small dump took 19.8 s against 44.5 s (compiling
