@@ -5,8 +5,9 @@
 #               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
 #               executable compiles (no persistent compilation cache yet)
 #   dump_warm   the same dump again into another folder: its executables from that cache
-#   dump_wM     the dump at call widths rounded to multiples of M (index.dump_width_multiple;
-#               the default is 32 on an accelerator), with a compilation cache of its own
+#   dump_wM     the dump at call widths rounded to multiples of M (index.dump_width_multiple:
+#               128 in experiments/squad.py, 0 = the accelerator's 32), with a compilation cache
+#               of its own
 #   index, eval its Flat index; the open-domain eval of all 10,570 dev questions (`run.py eval`:
 #               top-10 phrases + passage Top-k from one index search)
 #   step_bf16, step_bf16_nodrop, step_bf16_nodrop_cudnn
