@@ -103,7 +103,8 @@ class DumpConfig:
   compute_dtype: str | None = None
   # Call widths are the calls' longest window rounded up to this (0: the platform's, 32 on an
   # accelerator, 16 on a CPU: `phrase_calls`); each width compiles once. Speed only: the vectors
-  # differ by rounding at most.
+  # differ by rounding at most, so a dump resumes at another multiple (the manifest's
+  # `width_multiple` is that of the run that made it or finished it).
   width_multiple: int = 0
 
 
@@ -519,8 +520,12 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     made = ({0: maker.submit_blocks(head[0]) if _shard_0_in_blocks(mesh)
                  else maker.submit(head[0], thread=True)}
             if head and distributed.process_share(0) else {})
+    # The width multiple is speed only (the vectors differ by rounding at most): recorded, but
+    # not a setting a dump is refused or resumed by.
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
-                "model": model_info or {}, "settings": dataclasses.asdict(config),
+                "model": model_info or {}, "settings": settings,
+                "width_multiple": phrase_calls(config.batch_size, mesh, config.width_multiple)[1],
                 "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
     encode = bound(model, "phrases_and_filter")
     old = _existing(out_dir, manifest)
@@ -689,8 +694,7 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
     return None
   old = json.loads((out_dir / MANIFEST).read_text())
   # A dump from before these settings existed: doc_stride windows, float32.
-  settings = {"min_context": 0, "compute_dtype": "float32", "width_multiple": 0,
-              **old["settings"]}
+  settings = {"min_context": 0, "compute_dtype": "float32", **old["settings"]}
   if old["fingerprint"] != manifest["fingerprint"]:
     raise DumpError(f"{out_dir} holds a dump of another model; use a new directory (or delete it)")
   if settings != manifest["settings"]:

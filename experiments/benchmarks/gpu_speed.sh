@@ -67,7 +67,8 @@ for m in sorted(w.glob("*/manifest.json")):
     s[name] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
                                      "compiles", "host_seconds", "encoder_wait_seconds",
                                      "pipeline_wait_seconds", "processes", "settings",
-                                     "compile_ahead_seconds", "compile_ahead_shapes")}
+                                     "compile_ahead_seconds", "compile_ahead_shapes",
+                                     "width_multiple")}
     s[name]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]
     s[name]["host_us_per_token"] = 1e6 * d["host_seconds"] / d["num_tokens"]
 for e in sorted(w.glob("open_eval_*.json")):
