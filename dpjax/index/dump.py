@@ -537,8 +537,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     _prepare(out_dir, manifest)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
     # while shard 0's first windows are made; a corpus of one shard at most compiles as it goes
-    ahead = _widths_ahead(encode, config, mesh,
-                          full_shard=bool(head) and len(head[0]) == config.shard_passages)
+    ahead, ahead_compile = _widths_ahead(
+        encode, config, mesh, full_shard=bool(head) and len(head[0]) == config.shard_passages)
     counts = {"shards": 0, "resumed": 0}
     waited: list[float] = []  # seconds waiting for the encoder, batch by batch
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
@@ -551,32 +551,31 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
   if not counts["shards"]:
     raise DumpError(f"{out_dir}: the corpus is empty")
-  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline, ahead))
+  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline, ahead, ahead_compile))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
 
 
-def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> dict:
+def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> tuple[dict, float]:
   """Compiles the encoder for every call width now (`compile_ahead`) on an accelerator when the
-  corpus fills a shard; the manifest's record of it (and its compile time, for `_host_times`)."""
+  corpus fills a shard; (the manifest's record of it, its compile time summed over threads)."""
   ahead = {"compile_ahead_seconds": 0.0, "compile_ahead_shapes": 0}
   if not (_compile_ahead(mesh) and full_shard):
-    return ahead
+    return ahead, 0.0
   start, compiled = time.perf_counter(), compile_stats()["seconds"]
   rows, multiple = phrase_calls(config.batch_size, mesh, config.width_multiple)
   ahead["compile_ahead_shapes"] = compile_ahead(encode, rows,
                                                 call_widths(multiple, config.max_seq_length), mesh)
   ahead["compile_ahead_seconds"] = time.perf_counter() - start
-  ahead["compile_ahead_compile_seconds"] = compile_stats()["seconds"] - compiled
   log.info("dump: the phrase encoder compiled (or loaded from the compilation cache) for %d "
            "widths in %.1f s", ahead["compile_ahead_shapes"], ahead["compile_ahead_seconds"])
-  return ahead
+  return ahead, compile_stats()["seconds"] - compiled
 
 
 def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
-                pipeline: list, ahead: dict) -> dict:
+                pipeline: list, ahead: dict, ahead_compile: float) -> dict:
   """The manifest's timings of a dump begun at `start` (perf_counter; `cpu_start`: this thread's
-  thread_time; `compiled`: compile_stats then; `ahead`: the widths compiled ahead, their wall
-  time and compile time).
+  thread_time; `compiled`: compile_stats then; `ahead`: `_widths_ahead`'s record, included,
+  `ahead_compile` its compile time).
 
   `host_seconds`: the main thread's time outside waiting for the encoder and compiling (once per
   window width, `compile_seconds`): the host work per token that caps a dump. On a CPU the
@@ -589,7 +588,7 @@ def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
   shard's windows not yet tokenized, shard writes at the end): the pipeline's fill and drain,
   which a dump of many shards spreads thin and a one-shard dump does not."""
   compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
-  in_this_thread = compile_seconds - ahead.pop("compile_ahead_compile_seconds", 0.0)
+  in_this_thread = compile_seconds - ahead_compile
   return dict(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
               compiles=compile_stats()["count"] - compiled["count"], **ahead,
               pipeline_wait_seconds=sum(pipeline),
