@@ -236,7 +236,7 @@ def test_attention_by_key_lengths_equals_the_additive_mask(model, monkeypatch):
                              atol=1e-5, rtol=0)
 
 
-def test_attention_implementation_is_cudnn_only_on_a_gpu_when_asked(monkeypatch):
+def test_attention_kernels_run_only_on_a_gpu_when_asked(monkeypatch):
   from dpjax.models.bert import attention_implementation
   monkeypatch.setenv("DPJAX_ATTENTION", "cudnn")
   assert attention_implementation(jnp.bfloat16) == "xla"  # this is a CPU
@@ -245,8 +245,11 @@ def test_attention_implementation_is_cudnn_only_on_a_gpu_when_asked(monkeypatch)
   assert attention_implementation(jnp.float32) == "xla"  # cuDNN's kernel: 16-bit only
   monkeypatch.delenv("DPJAX_ATTENTION")
   assert attention_implementation(jnp.bfloat16) == "xla"
+  monkeypatch.setenv("DPJAX_ATTENTION", "pallas")
+  assert attention_implementation(jnp.bfloat16) == "pallas"
+  assert attention_implementation(jnp.float32) == "xla"  # the Pallas kernel: 16-bit on a GPU
   monkeypatch.setenv("DPJAX_ATTENTION", "cuDNN")
-  with pytest.raises(ValueError, match="DPJAX_ATTENTION='cuDNN': must be xla or cudnn"):
+  with pytest.raises(ValueError, match="DPJAX_ATTENTION='cuDNN': must be xla, cudnn or pallas"):
     attention_implementation(jnp.bfloat16)
 
 

@@ -18,7 +18,8 @@ LAYERS = [
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
      "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
      "dpjax.data.teacher_logits", "dpjax.models", "dpjax.models.reader",
-     "dpjax.models.bert", "dpjax.models.dropout", "dpjax.models.pretrained",
+     "dpjax.models.bert", "dpjax.models.dropout", "dpjax.models.flash_attention",
+     "dpjax.models.pretrained",
      "dpjax.models.densephrases",
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpjax.models import flash_attention
 from dpjax.models.dropout import Dropout
 
 _ACTIVATIONS = {
@@ -121,18 +122,22 @@ _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 def attention_implementation(dtype) -> str:
   """How attention runs (`BertSelfAttention`): "cudnn" (cuDNN's fused flash attention, through
   `jax.nn.dot_product_attention`) when `DPJAX_ATTENTION=cudnn` is set on a GPU and the compute
-  dtype is bfloat16 or float16; "cpu" (`_cpu_attention`) on a CPU unless `DPJAX_ATTENTION=xla`
-  asks for `jax.nn.dot_product_attention` there; else "xla" (JAX's own choice for
-  `implementation=None` is XLA too). cuDNN is opt-in, and runs only where nothing needs the
-  probabilities (no attention dropout): on an H200 the bf16 train step without dropout at
-  48 x 384 took 17.4 ms with it against 25.2 ms with XLA (results/speed_gpu.md); the dump and
-  search with it are unmeasured."""
+  dtype is bfloat16 or float16; "pallas" (`dpjax.models.flash_attention`: flash attention with
+  the attention dropout inside the kernel) when `DPJAX_ATTENTION=pallas` is set on a GPU with
+  those dtypes; "cpu" (`_cpu_attention`) on a CPU unless `DPJAX_ATTENTION=xla` asks for
+  `jax.nn.dot_product_attention` there; else "xla" (JAX's own choice for `implementation=None`
+  is XLA too). Both kernels are opt-in. cuDNN runs only where nothing needs the probabilities
+  (no attention dropout): on an H200 the bf16 train step without dropout at 48 x 384 took
+  17.4 ms with it against 25.2 ms with XLA (results/speed_gpu.md); the dump and search with it
+  are unmeasured. The Pallas kernel takes dropout too; it is unmeasured on a GPU (sizes it does
+  not take, e.g. one query, run as "xla")."""
   asked = os.environ.get("DPJAX_ATTENTION")
-  if asked not in (None, "xla", "cudnn"):
-    raise ValueError(f"DPJAX_ATTENTION={asked!r}: must be xla or cudnn")
+  if asked not in (None, "xla", "cudnn", "pallas"):
+    raise ValueError(f"DPJAX_ATTENTION={asked!r}: must be xla, cudnn or pallas")
   backend = jax.default_backend()
-  if asked == "cudnn" and backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-    return "cudnn"
+  if (asked in ("cudnn", "pallas") and backend == "gpu"
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+    return asked
   return "cpu" if backend == "cpu" and asked is None else "xla"
 
 
@@ -195,10 +200,15 @@ def _fused_attention(q, k, v, attention_bias, implementation: str | None = None)
     implementation = "lengths"
   if implementation == "xla":
     return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
-  lengths = jnp.maximum((attention_bias[:, 0, 0, :] == 0).sum(-1), 1).astype(jnp.int32)
-  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
-                                      implementation=None if implementation == "lengths"
-                                      else implementation)
+  return jax.nn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=_key_lengths(attention_bias),
+      implementation=None if implementation == "lengths" else implementation)
+
+
+def _key_lengths(attention_bias) -> jax.Array:
+  """The real keys of each row [B] (int32, at least 1) of an additive padding mask [B, 1, 1, L]
+  whose real tokens come first."""
+  return jnp.maximum((attention_bias[:, 0, 0, :] == 0).sum(-1), 1).astype(jnp.int32)
 
 
 def _dense(config: BertConfig, in_features: int, out_features: int, dtype, rngs: nnx.Rngs):
@@ -266,21 +276,23 @@ class BertSelfAttention(nnx.Module):
 
     q, k, v = heads(self.query(attending)), heads(self.key(hidden)), heads(self.value(hidden))
     dropout = rngs is not None and self.attention_dropout.rate > 0
-    float32_sums = _float32_sums(self.dtype)
+    drop = ((lambda w: self.attention_dropout(w, deterministic=False, rngs=rngs))
+            if dropout else None)
     implementation = attention_implementation(self.dtype)
-    if implementation == "cpu":
-      context = _cpu_attention(
-          q, k, v, attention_bias, self.dtype,
-          dropout=(lambda w: self.attention_dropout(w, deterministic=False, rngs=rngs))
-          if dropout else None)
-    elif not dropout and not float32_sums:
-      context = _fused_attention(q, k, v, attention_bias, implementation)
+    if (implementation == "pallas" and self.attention_dropout.rate < 1.0
+        and flash_attention.supported(q.shape[1], k.shape[1], batch, self.num_heads, head_dim)):
+      context = flash_attention.flash_attention(
+          q, k, v, _key_lengths(attention_bias),
+          self.attention_dropout.seed(rngs) if dropout else None,
+          rate=self.attention_dropout.rate if dropout else 0.0)
+    elif implementation == "cpu":
+      context = _cpu_attention(q, k, v, attention_bias, self.dtype, dropout=drop)
+    elif not dropout and not _float32_sums(self.dtype):
+      context = _fused_attention(q, k, v, attention_bias,
+                                 "xla" if implementation == "pallas" else implementation)
     else:  # dropout on the attention probabilities needs them materialised (and XLA:CPU's
       # kernel would sum bfloat16 products into bfloat16)
-      context = _softmax_attention(
-          q, k, v, attention_bias, self.dtype,
-          (lambda w: self.attention_dropout(w, deterministic=False, rngs=rngs))
-          if dropout else None)
+      context = _softmax_attention(q, k, v, attention_bias, self.dtype, drop)
     context = context.reshape(attending.shape)
     out = self.output_dropout(self.output(context), deterministic=rngs is None, rngs=rngs)
     return self.layer_norm(out + attending).astype(self.dtype)  # [B, L or num_queries, D]

@@ -46,18 +46,32 @@ def element_index(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
+def hash_bits_at(index: jax.Array, seed0: jax.Array, seed1: jax.Array) -> jax.Array:
+  """The 32 pseudo-random bits of the elements at row-major positions `index` (uint32) under
+  the seed (seed0, seed1): what `hash_bits` gives there (and the flash-attention kernel uses)."""
+  return _mix(_mix(index ^ seed0) + seed1)
+
+
 def hash_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """32 pseudo-random bits per element of `shape` from `seed` (uint32[2])."""
-  return _mix(_mix(element_index(shape) ^ seed[0]) + seed[1])
+  return hash_bits_at(element_index(shape), seed[0], seed[1])
+
+
+def mask_seed(key: jax.Array) -> jax.Array:
+  """The uint32[2] seed of a mask drawn with `key` (one threefry draw)."""
+  return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def drop_threshold(rate: float) -> np.uint32:
+  """An element is kept where its bits are >= this: probability 1 - round(rate 2**32) / 2**32."""
+  return np.uint32(min(round(rate * _U32), _U32 - 1))
 
 
 def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
   """True where an element is kept (probability 1 - rate) under `key` (a jax.random key)."""
   if math.prod(shape) >= _U32:
     return jax.random.bernoulli(key, 1.0 - rate, shape)
-  seed = jax.random.bits(key, (2,), jnp.uint32)
-  threshold = np.uint32(min(round(rate * _U32), _U32 - 1))
-  return hash_bits(seed, shape) >= threshold
+  return hash_bits(mask_seed(key), shape) >= drop_threshold(rate)
 
 
 class Dropout(nnx.Module):
@@ -80,3 +94,9 @@ class Dropout(nnx.Module):
       raise ValueError("Dropout needs `rngs` (with a 'dropout' stream) when not deterministic")
     keep = keep_mask(rngs[self.rng_collection](), x.shape, self.rate)
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros_like(x))
+
+  def seed(self, rngs: nnx.Rngs) -> jax.Array:
+    """The seed of the mask this call would draw next (it takes the same key from `rngs`): a
+    kernel that makes the mask itself (`dpjax.models.flash_attention`) drops what `__call__`
+    on an array of < 2**32 elements would."""
+    return mask_seed(rngs[self.rng_collection]())

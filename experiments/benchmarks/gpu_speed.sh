@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 22's accelerator figures in one run on a lent GPU machine (after ../shared/gpu/README.md's
-# setup), stages in $STAGES (default: all, in this order):
+# setup), stages in $STAGES (default: all but the last two, in this order):
 #   dump        the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
 #               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
 #               executable compiles (no persistent compilation cache yet)
@@ -13,6 +13,9 @@
 #   step_bf16, step_bf16_nodrop, step_bf16_nodrop_cudnn
 #               the bf16 train step at batch 48 x 384 (experiments/benchmarks/train_step.py):
 #               with dropout as the recipe trains; without; without, on cuDNN attention
+#   step_bf16_pallas  the same with dropout, on the Pallas flash-attention kernel
+#               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
+#   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact)
 # Each stage's wall time and the dumps' manifests go to OUT/gpu_speed.json (written after every
 # stage; every stage has a time limit, so that the whole fits one 10-minute device command).
 # Timing only: the encoders are MiniLM as loaded (eval.allow_untrained), since what the dump,
@@ -105,6 +108,11 @@ for s in $STAGES; do
     step_bf16) step step_bf16 ;;
     step_bf16_nodrop) step step_bf16_nodrop --no-dropout ;;
     step_bf16_nodrop_cudnn) DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout ;;
+    # the Pallas flash-attention kernel (dpjax/models/flash_attention.py), with dropout
+    step_bf16_pallas) DPJAX_ATTENTION=pallas step step_bf16_pallas ;;
+    # its tests compiled for the GPU (not Pallas' interpreter), float32 products exact
+    flash_tests) JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest stage flash_tests \
+                   "$t_step" "$PY" -m pytest -q -p no:cacheprovider tests/test_flash_attention.py ;;
     *) echo "gpu_speed.sh: unknown stage $s" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,275 @@
+"""Flash attention with dropout on the attention probabilities, the masks made inside the kernel.
+
+BERT's attention dropout needs the [B, H, Lq, L] probabilities, so XLA materialises them (forward
+and backward) and cuDNN's fused kernel, whose dropout seed JAX fixes at compile time, is not used
+for it (`dpjax.models.bert`). Here a Pallas kernel (Triton on a GPU) computes attention block by
+block with an online softmax (FlashAttention-2) and drops each probability where
+`dpjax.models.dropout.keep_mask` would: the mask element of [b, h, i, j] is a hash of its
+row-major index in the [B, H, Lq, L] array and a 64-bit seed, so the kernel makes the same mask
+as the materialised path from the same seed, the backward pass remakes it instead of storing it,
+and it does not depend on the block sizes.
+
+Keys at or past a row's length (`lengths` [B]: the real tokens come first) are masked, and key
+blocks wholly past it are skipped. The forward pass keeps the output and the log-sum-exp of each
+query's scores [B, H, Lq]; the backward pass recomputes the probabilities from them (one kernel
+for dK and dV over key blocks, one for dQ over query blocks), with delta = rowsum(dO * O) for the
+softmax's gradient, which holds with dropout (O is the dropped probabilities times V).
+
+Opt-in on a GPU (`DPJAX_ATTENTION=pallas`, `dpjax.models.bert.attention_implementation`), 16-bit
+compute only; on a CPU it runs in Pallas' interpreter (what the tests compare with the
+materialised path). One device's kernel: under a data-parallel jit over several devices XLA
+cannot split the call and computes it whole on each device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dpjax.models.dropout import drop_threshold, hash_bits_at
+
+BLOCKS = (64, 32, 16)  # query and key block sizes tried, largest first (Triton's dots: >= 16)
+_MASKED = -1e30  # scores of masked keys (finite: exp gives 0 without inf - inf)
+# Triton's compiler parameters pick Pallas' Triton backend on a GPU (not Mosaic GPU); JAX's own
+# attention kernel's warps and stages for heads of <= 64.
+_TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
+def supported(num_queries: int, num_keys: int, batch: int, heads: int, head_dim: int) -> bool:
+  """Whether `flash_attention` takes these sizes: lengths multiples of a block, a power-of-two
+  head size of 16 or more, and fewer than 2**32 probabilities (the masks' index range)."""
+  return (_block(num_queries) is not None and _block(num_keys) is not None
+          and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+          and batch * heads * num_queries * num_keys < 2 ** 32)
+
+
+def _block(length: int) -> int | None:
+  return next((b for b in BLOCKS if length % b == 0), None)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                    seed: jax.Array | None = None, *, rate: float = 0.0,
+                    interpret: bool | None = None) -> jax.Array:
+  """Softmax attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh], keys from `lengths[b]` on
+  masked, with dropout at `rate` on the probabilities under `seed` (uint32[2], `Dropout.seed`):
+  [B, Lq, H, Dh] in q's dtype. `interpret`: run Pallas' interpreter (default: off a GPU)."""
+  batch, num_queries, heads, head_dim = q.shape
+  if not supported(num_queries, k.shape[1], batch, heads, head_dim):
+    raise ValueError(f"flash_attention: unsupported sizes q {q.shape}, k {k.shape} "
+                     f"(see `supported`)")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"flash_attention: dropout rate {rate} is not in [0, 1)")
+  if seed is None:
+    if rate > 0:
+      raise ValueError("flash_attention: dropout needs a seed")
+    seed = jnp.zeros(2, jnp.uint32)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return _attention(q, k, v, lengths.astype(jnp.int32), seed.astype(jnp.uint32), rate,
+                    interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, lengths, seed, rate, interpret):
+  return _forward(q, k, v, lengths, seed, rate, interpret)[0]
+
+
+def _attention_fwd(q, k, v, lengths, seed, rate, interpret):
+  out, lse = _forward(q, k, v, lengths, seed, rate, interpret)
+  return out, (q, k, v, lengths, seed, out, lse)
+
+
+def _attention_bwd(rate, interpret, saved, d_out):
+  q, k, v, lengths, seed, out, lse = saved
+  # delta[b, h, i] = sum_d dO * O: the softmax gradient's row term, [B, H, Lq]
+  delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  d_out = d_out.astype(q.dtype)
+  d_k, d_v = _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret)
+  d_q = _backward_q(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret)
+  return d_q, d_k, d_v, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+class _Sizes:
+  """The static sizes a kernel needs: heads, query and key lengths, blocks, scale, dropout."""
+
+  def __init__(self, q, k, rate: float):
+    _, self.num_queries, self.heads, head_dim = q.shape
+    self.num_keys = k.shape[1]
+    self.block_q, self.block_k = _block(self.num_queries), _block(self.num_keys)
+    self.scale = 1.0 / math.sqrt(head_dim)
+    self.rate = rate
+    self.threshold = drop_threshold(rate) if rate > 0 else None
+
+
+def _keep(sizes: _Sizes, seed_ref, b, h, rows, cols):
+  """Where the probabilities of queries `rows` x keys `cols` of (b, h) are kept (None: no
+  dropout): `keep_mask`'s hash of their row-major index in [B, H, Lq, L]."""
+  if sizes.threshold is None:
+    return None
+  base = (b * sizes.heads + h).astype(jnp.uint32) * jnp.uint32(sizes.num_queries)
+  index = ((base + rows.astype(jnp.uint32))[:, None] * jnp.uint32(sizes.num_keys)
+           + cols.astype(jnp.uint32)[None, :])
+  return hash_bits_at(index, seed_ref[0], seed_ref[1]) >= jnp.uint32(sizes.threshold)
+
+
+def _dot(a, b, **transposed):
+  """a @ b (`trans_a`/`trans_b`) summed in float32; float32 operands as float32, not TF32."""
+  return plgpu.dot(a, b, allow_tf32=a.dtype != jnp.float32, **transposed)
+
+
+def _key_blocks(length, block_k: int):
+  """The key blocks that hold a row's `length` keys (a traced ceiling division: Triton's
+  lowering takes `lax.div` of the loaded length, as JAX's own attention kernel does)."""
+  return jax.lax.div(length + (block_k - 1), block_k)
+
+
+def _dropped(x, keep, rate: float):
+  return x if keep is None else jnp.where(keep, x / jnp.float32(1.0 - rate), 0.0)
+
+
+def _scores(sizes: _Sizes, q, k, cols, length):
+  """Scaled float32 scores of q [bq, Dh] against k [bk, Dh], keys `cols` >= length masked."""
+  s = _dot(q, k, trans_b=True).astype(jnp.float32) * jnp.float32(sizes.scale)
+  return jnp.where(cols[None, :] < length, s, _MASKED)
+
+
+def _specs(sizes: _Sizes, head_dim: int, blocked: str):
+  """BlockSpecs over a grid (blocks of `blocked` ("q" or "k"), B, H): the seed, lengths, a
+  blocked [B, L, H, Dh] array, a whole one, a blocked [B, H, L] row array, a whole one."""
+  block = sizes.block_q if blocked == "q" else sizes.block_k
+  whole_length = sizes.num_keys if blocked == "q" else sizes.num_queries
+  return dict(
+      seed=pl.BlockSpec((2,), lambda n, b, h: (0,)),
+      lengths=pl.BlockSpec((1,), lambda n, b, h: (b,)),
+      blocked=pl.BlockSpec((None, block, None, head_dim), lambda n, b, h: (b, n, h, 0)),
+      whole=pl.BlockSpec((None, whole_length, None, head_dim), lambda n, b, h: (b, 0, h, 0)),
+      rows_blocked=pl.BlockSpec((None, None, block), lambda n, b, h: (b, h, n)),
+      rows_whole=pl.BlockSpec((None, None, whole_length), lambda n, b, h: (b, h, 0)))
+
+
+def _launch(kernel, sizes: _Sizes, blocked: str, specs: list[str], out: list[str],
+            out_shape, interpret: bool, *inputs):
+  """Runs `kernel(sizes, *refs)` over a grid of (blocks of `blocked`, B, H) with the `_specs`
+  named in `specs` for the inputs and in `out` for the outputs."""
+  batch, _, heads, head_dim = inputs[2].shape  # q
+  spec = _specs(sizes, head_dim, blocked)
+  blocks = sizes.num_queries // sizes.block_q if blocked == "q" else (
+      sizes.num_keys // sizes.block_k)
+  return pl.pallas_call(
+      functools.partial(kernel, sizes), grid=(blocks, batch, heads),
+      in_specs=[spec[name] for name in specs], out_specs=[spec[name] for name in out],
+      out_shape=out_shape, compiler_params=_TRITON, interpret=interpret,
+      name=f"dpjax_flash_{kernel.__name__.strip('_').removesuffix('_kernel')}")(*inputs)
+
+
+def _forward(q, k, v, lengths, seed, rate, interpret):
+  batch, _, heads, _ = q.shape
+  lse = jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32)
+  return _launch(_forward_kernel, _Sizes(q, k, rate), "q",
+                 ["seed", "lengths", "blocked", "whole", "whole"], ["blocked", "rows_blocked"],
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype), lse], interpret,
+                 seed, lengths, q, k, v)
+
+
+def _forward_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = lengths_ref[0]
+  q = q_ref[...]
+  rows = n * sizes.block_q + jnp.arange(sizes.block_q)
+
+  def body(j, carry):
+    acc, top, total = carry
+    keys = pl.ds(j * sizes.block_k, sizes.block_k)
+    cols = j * sizes.block_k + jnp.arange(sizes.block_k)
+    s = _scores(sizes, q, k_ref[keys, :], cols, length)
+    new_top = jnp.maximum(top, s.max(-1))
+    p = jnp.exp(s - new_top[:, None])
+    correction = jnp.exp(top - new_top)
+    total = total * correction + p.sum(-1)  # the softmax's sums: before dropout
+    p = _dropped(p, _keep(sizes, seed_ref, b, h, rows, cols), sizes.rate)
+    v = v_ref[keys, :]
+    acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
+    return acc, new_top, total
+
+  start = (jnp.zeros((sizes.block_q, q.shape[-1]), jnp.float32),
+           jnp.full((sizes.block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((sizes.block_q,), jnp.float32))
+  acc, top, total = jax.lax.fori_loop(0, _key_blocks(length, sizes.block_k), body, start)
+  o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = top + jnp.log(total)
+
+
+def _probabilities(sizes: _Sizes, seed_ref, b, h, q, k, v, d_out, lse, delta, rows, cols,
+                   length):
+  """(dropped probabilities, d scores) of a query block x key block in the backward pass."""
+  p = jnp.exp(_scores(sizes, q, k, cols, length) - lse[:, None])
+  keep = _keep(sizes, seed_ref, b, h, rows, cols)
+  d_p = _dropped(_dot(d_out, v, trans_b=True).astype(jnp.float32), keep, sizes.rate)
+  return _dropped(p, keep, sizes.rate), p * (d_p - delta[:, None])
+
+
+def _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret):
+  return _launch(_backward_kv_kernel, _Sizes(q, k, rate), "k",
+                 ["seed", "lengths", "whole", "blocked", "blocked", "whole", "rows_whole",
+                  "rows_whole"], ["blocked", "blocked"],
+                 [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)], interpret,
+                 seed, lengths, q, k, v, d_out, lse, delta)
+
+
+def _backward_kv_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref,
+                        lse_ref, delta_ref, dk_ref, dv_ref):
+  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = lengths_ref[0]
+  k, v = k_ref[...], v_ref[...]
+  cols = n * sizes.block_k + jnp.arange(sizes.block_k)
+
+  def body(i, carry):
+    d_k, d_v = carry
+    queries = pl.ds(i * sizes.block_q, sizes.block_q)
+    rows = i * sizes.block_q + jnp.arange(sizes.block_q)
+    q, d_out = q_ref[queries, :], do_ref[queries, :]
+    p, d_s = _probabilities(sizes, seed_ref, b, h, q, k, v, d_out, lse_ref[queries],
+                            delta_ref[queries], rows, cols, length)
+    d_v = d_v + _dot(p.astype(d_out.dtype), d_out, trans_a=True).astype(jnp.float32)
+    d_k = d_k + _dot(d_s.astype(q.dtype), q, trans_a=True).astype(jnp.float32)
+    return d_k, d_v
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  blocks = jnp.where(n * sizes.block_k < length, sizes.num_queries // sizes.block_q, 0)
+  d_k, d_v = jax.lax.fori_loop(0, blocks, body, (zeros, zeros))  # keys past the length: 0
+  dk_ref[...] = (d_k * jnp.float32(sizes.scale)).astype(dk_ref.dtype)
+  dv_ref[...] = d_v.astype(dv_ref.dtype)
+
+
+def _backward_q(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret):
+  return _launch(_backward_q_kernel, _Sizes(q, k, rate), "q",
+                 ["seed", "lengths", "blocked", "whole", "whole", "blocked", "rows_blocked",
+                  "rows_blocked"], ["blocked"], [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+                 interpret, seed, lengths, q, k, v, d_out, lse, delta)[0]
+
+
+def _backward_q_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref,
+                       lse_ref, delta_ref, dq_ref):
+  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length = lengths_ref[0]
+  q, d_out, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  rows = n * sizes.block_q + jnp.arange(sizes.block_q)
+
+  def body(j, d_q):
+    keys = pl.ds(j * sizes.block_k, sizes.block_k)
+    cols = j * sizes.block_k + jnp.arange(sizes.block_k)
+    k = k_ref[keys, :]
+    _, d_s = _probabilities(sizes, seed_ref, b, h, q, k, v_ref[keys, :], d_out, lse, delta,
+                            rows, cols, length)
+    return d_q + _dot(d_s.astype(k.dtype), k).astype(jnp.float32)
+
+  d_q = jax.lax.fori_loop(0, _key_blocks(length, sizes.block_k), body,
+                          jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (d_q * jnp.float32(sizes.scale)).astype(dq_ref.dtype)
