@@ -194,3 +194,17 @@ def test_speed_report_renders_every_figure():
   assert "| `dump_new_model_dtype_over_old` | 1.05 |" in text
   assert ("new 5,056 tokens/s (computing in bfloat16; new in the model's dtype 4,870, its vectors "
           "within max |diff| 0.31, mean 0.012 of the bfloat16 ones), old 4,636") in text
+
+
+def test_attention_benchmark_checks_each_flash_setting(tmp_path):
+  """The attention micro-benchmark's CPU smoke run: each flash setting agrees with the
+  materialised path (same dropout masks) and is timed; one its sizes cannot take is reported as
+  an error, not timed, and the others still run."""
+  out = tmp_path / "attention.json"
+  assert _load("attention").main(["--small", "--tunings", "32x32x4x2", "48x64x4x2",
+                                  "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["shape"] == [2, 64, 2, 16] and result["xla_materialised"]["ms"] > 0
+  good, bad = result["flash_32x32x4x2"], result["flash_48x64x4x2"]
+  assert 0 < good["max_rel_diff"] < _load("attention").DISAGREES and good["ms"] > 0
+  assert "block_q 48 must be >= 16 and divide 64" in bad["error"] and "ms" not in bad

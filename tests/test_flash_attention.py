@@ -69,16 +69,17 @@ def test_flash_attention_bf16_is_as_close_to_float32_as_the_materialised_bf16():
     assert 0 < err <= 1.1 * ref_err, (err, ref_err)
 
 
-def test_flash_attention_masks_do_not_depend_on_the_blocks(monkeypatch):
-  """The masks are a hash of each probability's index: blocks of 16 drop what blocks of 32 do."""
+def test_flash_attention_masks_do_not_depend_on_the_blocks():
+  """The masks are a hash of each probability's index: blocks of 16 x 48 drop what the default
+  blocks (32 x 32 here) drop."""
   q, k, v, _, lengths, _ = _inputs()
   seed = mask_seed(jax.random.key(5))
-  by_32 = flash(q, k, v, lengths, seed, rate=0.5)
-  monkeypatch.setattr(flash_attention, "BLOCKS", (16,))
-  by_16 = flash(q, k, v, lengths, seed, rate=0.5)
-  np.testing.assert_allclose(np.asarray(by_16), np.asarray(by_32), atol=2e-6, rtol=0)
+  by_default = flash(q, k, v, lengths, seed, rate=0.5)
+  by_16 = flash(q, k, v, lengths, seed, rate=0.5,
+                tuning=flash_attention.Tuning(block_q=16, block_k=48))
+  np.testing.assert_allclose(np.asarray(by_16), np.asarray(by_default), atol=2e-6, rtol=0)
   other = flash(q, k, v, lengths, mask_seed(jax.random.key(6)), rate=0.5)
-  assert np.abs(np.asarray(other) - np.asarray(by_32)).max() > 0.1  # another seed, other masks
+  assert np.abs(np.asarray(other) - np.asarray(by_default)).max() > 0.1  # other seed, masks
 
 
 def test_flash_attention_refuses_what_it_cannot_compute():
@@ -93,6 +94,8 @@ def test_flash_attention_refuses_what_it_cannot_compute():
     flash(q, k, v, lengths, rate=0.1)
   with pytest.raises(ValueError, match=r"rate 1.0 is not in \[0, 1\)"):
     flash(q, k, v, lengths, mask_seed(jax.random.key(0)), rate=1.0)
+  with pytest.raises(ValueError, match="block_k 64 must be >= 16 and divide 96"):
+    flash(q, k, v, lengths, tuning=flash_attention.Tuning(block_k=64))
 
 
 def test_self_attention_with_the_kernel_drops_what_the_materialised_path_drops(monkeypatch):
@@ -135,12 +138,13 @@ def test_dropout_seed_is_the_key_its_call_takes():
   assert 0 < (np.asarray(dropped) == 0).sum() < x.size
 
 
-def test_flash_attention_lowers_to_triton_for_a_gpu():
-  """The train step's shapes (48 x 384, 12 heads of 32, bf16, with dropout), forward and
-  backward, lowered for CUDA from this CPU (`jax.export`): Pallas' Triton lowering takes every
-  operation of the three kernels (what a GPU would then compile)."""
+@pytest.mark.parametrize("length", [384, 48])
+def test_flash_attention_lowers_to_triton_for_a_gpu(length):
+  """The train step's shapes (48 x 384 passages, questions of 48: 12 heads of 32, bf16, with
+  dropout), forward and backward, lowered for CUDA from this CPU (`jax.export`): Pallas' Triton
+  lowering takes every operation of the three kernels (what a GPU would then compile)."""
   from jax import export
-  q = jax.ShapeDtypeStruct((48, 384, 12, 32), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((48, length, 12, 32), jnp.bfloat16)
   lengths, seed = jax.ShapeDtypeStruct((48,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.uint32)
 
   def loss(q, k, v, lengths, seed):

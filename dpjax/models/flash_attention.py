@@ -22,6 +22,7 @@ cannot split the call and computes it whole on each device.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -34,9 +35,18 @@ from dpjax.models.dropout import drop_threshold, hash_bits_at
 
 BLOCKS = (64, 32, 16)  # query and key block sizes tried, largest first (Triton's dots: >= 16)
 _MASKED = -1e30  # scores of masked keys (finite: exp gives 0 without inf - inf)
-# Triton's compiler parameters pick Pallas' Triton backend on a GPU (not Mosaic GPU); JAX's own
-# attention kernel's warps and stages for heads of <= 64.
-_TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """The kernels' launch settings: query and key blocks (None: the largest of BLOCKS that
+  divides the length) and Triton's warps and pipeline stages (JAX's own attention kernel's for
+  heads of <= 64). Triton's compiler parameters also pick Pallas' Triton backend on a GPU (not
+  Mosaic GPU)."""
+  block_q: int | None = None
+  block_k: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
 
 
 def supported(num_queries: int, num_keys: int, batch: int, heads: int, head_dim: int) -> bool:
@@ -53,7 +63,7 @@ def _block(length: int) -> int | None:
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                     seed: jax.Array | None = None, *, rate: float = 0.0,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, tuning: Tuning = Tuning()) -> jax.Array:
   """Softmax attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh], keys from `lengths[b]` on
   masked, with dropout at `rate` on the probabilities under `seed` (uint32[2], `Dropout.seed`):
   [B, Lq, H, Dh] in q's dtype. `interpret`: run Pallas' interpreter (default: off a GPU)."""
@@ -61,6 +71,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
   if not supported(num_queries, k.shape[1], batch, heads, head_dim):
     raise ValueError(f"flash_attention: unsupported sizes q {q.shape}, k {k.shape} "
                      f"(see `supported`)")
+  for name, block, length in (("block_q", tuning.block_q, num_queries),
+                              ("block_k", tuning.block_k, k.shape[1])):
+    if block is not None and (block < 16 or length % block):
+      raise ValueError(f"flash_attention: {name} {block} must be >= 16 and divide {length}")
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"flash_attention: dropout rate {rate} is not in [0, 1)")
   if seed is None:
@@ -69,27 +83,27 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
     seed = jnp.zeros(2, jnp.uint32)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  return _attention(q, k, v, lengths.astype(jnp.int32), seed.astype(jnp.uint32), rate,
-                    interpret)
+  return _attention(q, k, v, lengths.astype(jnp.int32), seed.astype(jnp.uint32),
+                    (rate, interpret, tuning))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, lengths, seed, rate, interpret):
-  return _forward(q, k, v, lengths, seed, rate, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, lengths, seed, static):
+  return _forward(q, k, v, lengths, seed, static)[0]
 
 
-def _attention_fwd(q, k, v, lengths, seed, rate, interpret):
-  out, lse = _forward(q, k, v, lengths, seed, rate, interpret)
+def _attention_fwd(q, k, v, lengths, seed, static):
+  out, lse = _forward(q, k, v, lengths, seed, static)
   return out, (q, k, v, lengths, seed, out, lse)
 
 
-def _attention_bwd(rate, interpret, saved, d_out):
+def _attention_bwd(static, saved, d_out):
   q, k, v, lengths, seed, out, lse = saved
   # delta[b, h, i] = sum_d dO * O: the softmax gradient's row term, [B, H, Lq]
   delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
   d_out = d_out.astype(q.dtype)
-  d_k, d_v = _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret)
-  d_q = _backward_q(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret)
+  d_k, d_v = _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, static)
+  d_q = _backward_q(q, k, v, lengths, seed, d_out, lse, delta, static)
   return d_q, d_k, d_v, None, None
 
 
@@ -97,15 +111,17 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class _Sizes:
-  """The static sizes a kernel needs: heads, query and key lengths, blocks, scale, dropout."""
+  """The static sizes a kernel needs: heads, query and key lengths, blocks, scale, dropout, and
+  how it is launched (`static`: (rate, interpret, Tuning))."""
 
-  def __init__(self, q, k, rate: float):
+  def __init__(self, q, k, static: tuple[float, bool, Tuning]):
+    self.rate, self.interpret, self.tuning = static
     _, self.num_queries, self.heads, head_dim = q.shape
     self.num_keys = k.shape[1]
-    self.block_q, self.block_k = _block(self.num_queries), _block(self.num_keys)
+    self.block_q = self.tuning.block_q or _block(self.num_queries)
+    self.block_k = self.tuning.block_k or _block(self.num_keys)
     self.scale = 1.0 / math.sqrt(head_dim)
-    self.rate = rate
-    self.threshold = drop_threshold(rate) if rate > 0 else None
+    self.threshold = drop_threshold(self.rate) if self.rate > 0 else None
 
 
 def _keep(sizes: _Sizes, seed_ref, b, h, rows, cols):
@@ -154,8 +170,8 @@ def _specs(sizes: _Sizes, head_dim: int, blocked: str):
       rows_whole=pl.BlockSpec((None, None, whole_length), lambda n, b, h: (b, h, 0)))
 
 
-def _launch(kernel, sizes: _Sizes, blocked: str, specs: list[str], out: list[str],
-            out_shape, interpret: bool, *inputs):
+def _launch(kernel, sizes: _Sizes, blocked: str, specs: list[str], out: list[str], out_shape,
+            *inputs):
   """Runs `kernel(sizes, *refs)` over a grid of (blocks of `blocked`, B, H) with the `_specs`
   named in `specs` for the inputs and in `out` for the outputs."""
   batch, _, heads, head_dim = inputs[2].shape  # q
@@ -165,17 +181,18 @@ def _launch(kernel, sizes: _Sizes, blocked: str, specs: list[str], out: list[str
   return pl.pallas_call(
       functools.partial(kernel, sizes), grid=(blocks, batch, heads),
       in_specs=[spec[name] for name in specs], out_specs=[spec[name] for name in out],
-      out_shape=out_shape, compiler_params=_TRITON, interpret=interpret,
+      out_shape=out_shape, interpret=sizes.interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=sizes.tuning.num_warps,
+                                           num_stages=sizes.tuning.num_stages),
       name=f"dpjax_flash_{kernel.__name__.strip('_').removesuffix('_kernel')}")(*inputs)
 
 
-def _forward(q, k, v, lengths, seed, rate, interpret):
+def _forward(q, k, v, lengths, seed, static):
   batch, _, heads, _ = q.shape
   lse = jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32)
-  return _launch(_forward_kernel, _Sizes(q, k, rate), "q",
+  return _launch(_forward_kernel, _Sizes(q, k, static), "q",
                  ["seed", "lengths", "blocked", "whole", "whole"], ["blocked", "rows_blocked"],
-                 [jax.ShapeDtypeStruct(q.shape, q.dtype), lse], interpret,
-                 seed, lengths, q, k, v)
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype), lse], seed, lengths, q, k, v)
 
 
 def _forward_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
@@ -215,11 +232,11 @@ def _probabilities(sizes: _Sizes, seed_ref, b, h, q, k, v, d_out, lse, delta, ro
   return _dropped(p, keep, sizes.rate), p * (d_p - delta[:, None])
 
 
-def _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret):
-  return _launch(_backward_kv_kernel, _Sizes(q, k, rate), "k",
+def _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, static):
+  return _launch(_backward_kv_kernel, _Sizes(q, k, static), "k",
                  ["seed", "lengths", "whole", "blocked", "blocked", "whole", "rows_whole",
                   "rows_whole"], ["blocked", "blocked"],
-                 [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)], interpret,
+                 [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)],
                  seed, lengths, q, k, v, d_out, lse, delta)
 
 
@@ -248,11 +265,11 @@ def _backward_kv_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_re
   dv_ref[...] = d_v.astype(dv_ref.dtype)
 
 
-def _backward_q(q, k, v, lengths, seed, d_out, lse, delta, rate, interpret):
-  return _launch(_backward_q_kernel, _Sizes(q, k, rate), "q",
+def _backward_q(q, k, v, lengths, seed, d_out, lse, delta, static):
+  return _launch(_backward_q_kernel, _Sizes(q, k, static), "q",
                  ["seed", "lengths", "blocked", "whole", "whole", "blocked", "rows_blocked",
                   "rows_blocked"], ["blocked"], [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-                 interpret, seed, lengths, q, k, v, d_out, lse, delta)[0]
+                 seed, lengths, q, k, v, d_out, lse, delta)[0]
 
 
 def _backward_q_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 22's accelerator figures in one run on a lent GPU machine (after ../shared/gpu/README.md's
-# setup), stages in $STAGES (default: all but the last two, in this order):
+# setup), stages in $STAGES (default: all but the last three, in this order):
 #   dump        the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
 #               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
 #               executable compiles (no persistent compilation cache yet)
@@ -16,6 +16,9 @@
 #   step_bf16_pallas  the same with dropout, on the Pallas flash-attention kernel
 #               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
 #   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact)
+#   attention   one layer's attention, forward + backward, at the step's shapes: the flash
+#               kernel's launch settings against XLA's materialised softmax and cuDNN
+#               (experiments/benchmarks/attention.py)
 # Each stage's wall time and the dumps' manifests go to OUT/gpu_speed.json (written after every
 # stage; every stage has a time limit, so that the whole fits one 10-minute device command).
 # Timing only: the encoders are MiniLM as loaded (eval.allow_untrained), since what the dump,
@@ -79,6 +82,8 @@ for e in sorted(w.glob("open_eval_*.json")):
   d = d.get("report", d)
   s[e.stem] = {k: d.get(k) for k in ("questions", "search_seconds", "questions_per_sec_batch64",
                                      "index_tokens", "index_build_seconds", "em@1", "top20")}
+if (out / "attention.json").is_file():  # experiments/benchmarks/attention.py's own JSON
+  s["attention"] = json.loads((out / "attention.json").read_text())
 for f in sorted(out.glob("step_*.log")):  # train_step.py's last stdout line is its JSON
   lines = [x for x in f.read_text().splitlines() if x.startswith("{")]
   if lines:
@@ -110,6 +115,9 @@ for s in $STAGES; do
     step_bf16_nodrop_cudnn) DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout ;;
     # the Pallas flash-attention kernel (dpjax/models/flash_attention.py), with dropout
     step_bf16_pallas) DPJAX_ATTENTION=pallas step step_bf16_pallas ;;
+    # attention alone, forward + backward: flash settings against XLA's materialised softmax
+    attention) stage attention "$t_step" "$PY" experiments/benchmarks/attention.py \
+                 --out "$OUT/attention.json" ;;
     # its tests compiled for the GPU (not Pallas' interpreter), float32 products exact
     flash_tests) JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest stage flash_tests \
                    "$t_step" "$PY" -m pytest -q -p no:cacheprovider tests/test_flash_attention.py ;;
