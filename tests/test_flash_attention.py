@@ -157,3 +157,28 @@ def test_flash_attention_lowers_to_triton_for_a_gpu(length):
   for kernel in ("dpjax_flash_forward", "dpjax_flash_backward_kv", "dpjax_flash_backward_q"):
     assert f'name = "{kernel}"' in lowered
   assert lowered.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_flash_attention_data_parallel_equals_one_device():
+  """The batch sharded over the 8 test devices (the train step's data parallelism): the kernels
+  run on each device's rows (no all-gather of the batch in the compiled program) and give the
+  one-device output and gradients, dropout masks included (each row's global index)."""
+  from dpjax.parallel import batch_sharding, make_mesh
+  rng = np.random.default_rng(2)
+  q, k, v, w = (jnp.asarray(rng.normal(size=(8, 32, 2, 16)), jnp.float32) for _ in range(4))
+  lengths = jnp.asarray(rng.integers(1, 33, 8), jnp.int32)
+  seed = mask_seed(jax.random.key(4))
+
+  def step(q, k, v, lengths):
+    loss = lambda q, k, v: (flash(q, k, v, lengths, seed, rate=0.2) * w).sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  one = jax.jit(step)(q, k, v, lengths)
+  sharding = batch_sharding(make_mesh())
+  assert sharding.mesh.size == 8
+  args = [jax.device_put(x, sharding) for x in (q, k, v, lengths)]
+  sharded = jax.jit(step, out_shardings=(None, (sharding,) * 3))
+  many = sharded(*args)
+  for a, b in zip(jax.tree.leaves(many), jax.tree.leaves(one)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+  assert "all-gather" not in sharded.lower(*args).compile().as_text()

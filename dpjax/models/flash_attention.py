@@ -17,8 +17,9 @@ softmax's gradient, which holds with dropout (O is the dropped probabilities tim
 
 Opt-in on a GPU (`DPJAX_ATTENTION=pallas`, `dpjax.models.bert.attention_implementation`), 16-bit
 compute only; on a CPU it runs in Pallas' interpreter (what the tests compare with the
-materialised path). One device's kernel: under a data-parallel jit over several devices XLA
-cannot split the call and computes it whole on each device.
+materialised path). With the batch sharded over devices (the train step's data parallelism) each
+kernel is a `custom_partitioning` op that runs on each device's rows, the masks those of the
+whole batch (each row carries its global index).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plgpu
 
 from dpjax.models.dropout import drop_threshold, hash_bits_at
@@ -83,27 +86,28 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
     seed = jnp.zeros(2, jnp.uint32)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  return _attention(q, k, v, lengths.astype(jnp.int32), seed.astype(jnp.uint32),
-                    (rate, interpret, tuning))
+  # Each row's index in the whole batch (the masks' index; sharded with the batch) and length.
+  row = jnp.stack([jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32)], 1)
+  return _attention(q, k, v, row, seed.astype(jnp.uint32), (rate, interpret, tuning))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, lengths, seed, static):
-  return _forward(q, k, v, lengths, seed, static)[0]
+def _attention(q, k, v, row, seed, static):
+  return _launch("forward", static, seed, row, q, k, v)[0]
 
 
-def _attention_fwd(q, k, v, lengths, seed, static):
-  out, lse = _forward(q, k, v, lengths, seed, static)
-  return out, (q, k, v, lengths, seed, out, lse)
+def _attention_fwd(q, k, v, row, seed, static):
+  out, lse = _launch("forward", static, seed, row, q, k, v)
+  return out, (q, k, v, row, seed, out, lse)
 
 
 def _attention_bwd(static, saved, d_out):
-  q, k, v, lengths, seed, out, lse = saved
+  q, k, v, row, seed, out, lse = saved
   # delta[b, h, i] = sum_d dO * O: the softmax gradient's row term, [B, H, Lq]
   delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
   d_out = d_out.astype(q.dtype)
-  d_k, d_v = _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, static)
-  d_q = _backward_q(q, k, v, lengths, seed, d_out, lse, delta, static)
+  d_k, d_v = _launch("backward_kv", static, seed, row, q, k, v, d_out, lse, delta)
+  (d_q,) = _launch("backward_q", static, seed, row, q, k, v, d_out, lse, delta)
   return d_q, d_k, d_v, None, None
 
 
@@ -124,12 +128,12 @@ class _Sizes:
     self.threshold = drop_threshold(self.rate) if self.rate > 0 else None
 
 
-def _keep(sizes: _Sizes, seed_ref, b, h, rows, cols):
-  """Where the probabilities of queries `rows` x keys `cols` of (b, h) are kept (None: no
-  dropout): `keep_mask`'s hash of their row-major index in [B, H, Lq, L]."""
+def _keep(sizes: _Sizes, seed_ref, example, h, rows, cols):
+  """Where the probabilities of queries `rows` x keys `cols` of head h of batch row `example`
+  are kept (None: no dropout): `keep_mask`'s hash of their row-major index in [B, H, Lq, L]."""
   if sizes.threshold is None:
     return None
-  base = (b * sizes.heads + h).astype(jnp.uint32) * jnp.uint32(sizes.num_queries)
+  base = (example * sizes.heads + h).astype(jnp.uint32) * jnp.uint32(sizes.num_queries)
   index = ((base + rows.astype(jnp.uint32))[:, None] * jnp.uint32(sizes.num_keys)
            + cols.astype(jnp.uint32)[None, :])
   return hash_bits_at(index, seed_ref[0], seed_ref[1]) >= jnp.uint32(sizes.threshold)
@@ -163,41 +167,79 @@ def _specs(sizes: _Sizes, head_dim: int, blocked: str):
   whole_length = sizes.num_keys if blocked == "q" else sizes.num_queries
   return dict(
       seed=pl.BlockSpec((2,), lambda n, b, h: (0,)),
-      lengths=pl.BlockSpec((1,), lambda n, b, h: (b,)),
+      row=pl.BlockSpec((None, 2), lambda n, b, h: (b, 0)),
       blocked=pl.BlockSpec((None, block, None, head_dim), lambda n, b, h: (b, n, h, 0)),
       whole=pl.BlockSpec((None, whole_length, None, head_dim), lambda n, b, h: (b, 0, h, 0)),
       rows_blocked=pl.BlockSpec((None, None, block), lambda n, b, h: (b, h, n)),
       rows_whole=pl.BlockSpec((None, None, whole_length), lambda n, b, h: (b, h, 0)))
 
 
-def _launch(kernel, sizes: _Sizes, blocked: str, specs: list[str], out: list[str], out_shape,
-            *inputs):
-  """Runs `kernel(sizes, *refs)` over a grid of (blocks of `blocked`, B, H) with the `_specs`
-  named in `specs` for the inputs and in `out` for the outputs."""
-  batch, _, heads, head_dim = inputs[2].shape  # q
+# Their arrays' axes for the SPMD partitioner: only the batch (b) may be split across devices.
+_RULES = {
+    "forward": "s, b t, b i h d, b j h d, b j h d -> b i h d, b h i",
+    "backward_kv": ("s, b t, b i h d, b j h d, b j h d, b i h d, b h i, b h i "
+                    "-> b j h d, b j h d"),
+    "backward_q": "s, b t, b i h d, b j h d, b j h d, b i h d, b h i, b h i -> b i h d",
+}
+
+
+def _launch(kind: str, static, seed, row, q, k, *arrays) -> list[jax.Array]:
+  """Runs kernel `kind` on the inputs (seed, row, q, k, ...): on each device's rows of the batch
+  when the batch is sharded (`_partitioned`)."""
+  return _partitioned(kind, static)(seed, row, q, k, *arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(kind: str, static):
+  """Kernel `kind` as a `custom_partitioning` op: XLA's partitioner runs it on each device's
+  rows of the batch (the seed whole, every other axis whole) instead of gathering the batch;
+  the masks stay those of the whole batch (`row` holds each row's global index)."""
+  op = custom_partitioning(functools.partial(_local, kind, static))
+
+  def shardings(mesh, arg_shapes):
+    spec = arg_shapes[2].sharding.spec  # q's
+    batch = NamedSharding(mesh, P(spec[0] if len(spec) else None))
+    return (NamedSharding(mesh, P()),) + (batch,) * (len(arg_shapes) - 1), batch
+
+  def infer(mesh, arg_shapes, result_shape):
+    return jax.tree.map(lambda _: shardings(mesh, arg_shapes)[1], result_shape)
+
+  def partition(mesh, arg_shapes, result_shape):
+    args, batch = shardings(mesh, arg_shapes)
+    return (mesh, functools.partial(_local, kind, static),
+            jax.tree.map(lambda _: batch, result_shape), args)
+
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=_RULES[kind],  # factors in the order they first appear
+                   need_replication_factors=("s", "t", "i", "h", "d", "j"))
+  return op
+
+
+def _local(kind: str, static, seed, row, q, k, *arrays) -> list[jax.Array]:
+  """Kernel `kind` over these rows: a grid of (blocks of its blocked length, B, H)."""
+  kernel, blocked, specs, outs = _KERNELS[kind]
+  sizes = _Sizes(q, k, static)
+  batch, _, heads, head_dim = q.shape
   spec = _specs(sizes, head_dim, blocked)
-  blocks = sizes.num_queries // sizes.block_q if blocked == "q" else (
-      sizes.num_keys // sizes.block_k)
+  blocks = (sizes.num_queries // sizes.block_q if blocked == "q"
+            else sizes.num_keys // sizes.block_k)
+  lse = jax.ShapeDtypeStruct((batch, heads, sizes.num_queries), jnp.float32)
+  out_shape = {"forward": [jax.ShapeDtypeStruct(q.shape, q.dtype), lse],
+               "backward_kv": [jax.ShapeDtypeStruct(k.shape, k.dtype),
+                               jax.ShapeDtypeStruct(arrays[0].shape, arrays[0].dtype)],
+               "backward_q": [jax.ShapeDtypeStruct(q.shape, q.dtype)]}[kind]
   return pl.pallas_call(
       functools.partial(kernel, sizes), grid=(blocks, batch, heads),
-      in_specs=[spec[name] for name in specs], out_specs=[spec[name] for name in out],
+      in_specs=[spec[n] for n in specs], out_specs=[spec[n] for n in outs],
       out_shape=out_shape, interpret=sizes.interpret,
       compiler_params=plgpu.CompilerParams(num_warps=sizes.tuning.num_warps,
                                            num_stages=sizes.tuning.num_stages),
-      name=f"dpjax_flash_{kernel.__name__.strip('_').removesuffix('_kernel')}")(*inputs)
+      name=f"dpjax_flash_{kind}")(seed, row, q, k, *arrays)
 
 
-def _forward(q, k, v, lengths, seed, static):
-  batch, _, heads, _ = q.shape
-  lse = jax.ShapeDtypeStruct((batch, heads, q.shape[1]), jnp.float32)
-  return _launch(_forward_kernel, _Sizes(q, k, static), "q",
-                 ["seed", "lengths", "blocked", "whole", "whole"], ["blocked", "rows_blocked"],
-                 [jax.ShapeDtypeStruct(q.shape, q.dtype), lse], seed, lengths, q, k, v)
-
-
-def _forward_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  length = lengths_ref[0]
+def _forward_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  n, h = pl.program_id(0), pl.program_id(2)
+  example, length = row_ref[0], row_ref[1]  # the row's index in the whole batch, its keys
   q = q_ref[...]
   rows = n * sizes.block_q + jnp.arange(sizes.block_q)
 
@@ -210,7 +252,7 @@ def _forward_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, o
     p = jnp.exp(s - new_top[:, None])
     correction = jnp.exp(top - new_top)
     total = total * correction + p.sum(-1)  # the softmax's sums: before dropout
-    p = _dropped(p, _keep(sizes, seed_ref, b, h, rows, cols), sizes.rate)
+    p = _dropped(p, _keep(sizes, seed_ref, example, h, rows, cols), sizes.rate)
     v = v_ref[keys, :]
     acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
     return acc, new_top, total
@@ -223,27 +265,19 @@ def _forward_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, o
   lse_ref[...] = top + jnp.log(total)
 
 
-def _probabilities(sizes: _Sizes, seed_ref, b, h, q, k, v, d_out, lse, delta, rows, cols,
+def _probabilities(sizes: _Sizes, seed_ref, example, h, q, k, v, d_out, lse, delta, rows, cols,
                    length):
   """(dropped probabilities, d scores) of a query block x key block in the backward pass."""
   p = jnp.exp(_scores(sizes, q, k, cols, length) - lse[:, None])
-  keep = _keep(sizes, seed_ref, b, h, rows, cols)
+  keep = _keep(sizes, seed_ref, example, h, rows, cols)
   d_p = _dropped(_dot(d_out, v, trans_b=True).astype(jnp.float32), keep, sizes.rate)
   return _dropped(p, keep, sizes.rate), p * (d_p - delta[:, None])
 
 
-def _backward_kv(q, k, v, lengths, seed, d_out, lse, delta, static):
-  return _launch(_backward_kv_kernel, _Sizes(q, k, static), "k",
-                 ["seed", "lengths", "whole", "blocked", "blocked", "whole", "rows_whole",
-                  "rows_whole"], ["blocked", "blocked"],
-                 [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)],
-                 seed, lengths, q, k, v, d_out, lse, delta)
-
-
-def _backward_kv_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref,
+def _backward_kv_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, do_ref,
                         lse_ref, delta_ref, dk_ref, dv_ref):
-  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  length = lengths_ref[0]
+  n, h = pl.program_id(0), pl.program_id(2)
+  example, length = row_ref[0], row_ref[1]  # the row's index in the whole batch, its keys
   k, v = k_ref[...], v_ref[...]
   cols = n * sizes.block_k + jnp.arange(sizes.block_k)
 
@@ -252,7 +286,7 @@ def _backward_kv_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_re
     queries = pl.ds(i * sizes.block_q, sizes.block_q)
     rows = i * sizes.block_q + jnp.arange(sizes.block_q)
     q, d_out = q_ref[queries, :], do_ref[queries, :]
-    p, d_s = _probabilities(sizes, seed_ref, b, h, q, k, v, d_out, lse_ref[queries],
+    p, d_s = _probabilities(sizes, seed_ref, example, h, q, k, v, d_out, lse_ref[queries],
                             delta_ref[queries], rows, cols, length)
     d_v = d_v + _dot(p.astype(d_out.dtype), d_out, trans_a=True).astype(jnp.float32)
     d_k = d_k + _dot(d_s.astype(q.dtype), q, trans_a=True).astype(jnp.float32)
@@ -265,17 +299,10 @@ def _backward_kv_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_re
   dv_ref[...] = d_v.astype(dv_ref.dtype)
 
 
-def _backward_q(q, k, v, lengths, seed, d_out, lse, delta, static):
-  return _launch(_backward_q_kernel, _Sizes(q, k, static), "q",
-                 ["seed", "lengths", "blocked", "whole", "whole", "blocked", "rows_blocked",
-                  "rows_blocked"], ["blocked"], [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-                 seed, lengths, q, k, v, d_out, lse, delta)[0]
-
-
-def _backward_q_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref, do_ref,
+def _backward_q_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, do_ref,
                        lse_ref, delta_ref, dq_ref):
-  n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  length = lengths_ref[0]
+  n, h = pl.program_id(0), pl.program_id(2)
+  example, length = row_ref[0], row_ref[1]  # the row's index in the whole batch, its keys
   q, d_out, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   rows = n * sizes.block_q + jnp.arange(sizes.block_q)
 
@@ -283,10 +310,23 @@ def _backward_q_kernel(sizes: _Sizes, seed_ref, lengths_ref, q_ref, k_ref, v_ref
     keys = pl.ds(j * sizes.block_k, sizes.block_k)
     cols = j * sizes.block_k + jnp.arange(sizes.block_k)
     k = k_ref[keys, :]
-    _, d_s = _probabilities(sizes, seed_ref, b, h, q, k, v_ref[keys, :], d_out, lse, delta,
+    _, d_s = _probabilities(sizes, seed_ref, example, h, q, k, v_ref[keys, :], d_out, lse, delta,
                             rows, cols, length)
     return d_q + _dot(d_s.astype(k.dtype), k).astype(jnp.float32)
 
   d_q = jax.lax.fori_loop(0, _key_blocks(length, sizes.block_k), body,
                           jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (d_q * jnp.float32(sizes.scale)).astype(dq_ref.dtype)
+
+
+# Each kernel (`_local`): its function, its blocked length, the `_specs` of its inputs, outputs.
+_KERNELS = {
+    "forward": (_forward_kernel, "q", ["seed", "row", "blocked", "whole", "whole"],
+                ["blocked", "rows_blocked"]),
+    "backward_kv": (_backward_kv_kernel, "k",
+                    ["seed", "row", "whole", "blocked", "blocked", "whole", "rows_whole",
+                     "rows_whole"], ["blocked", "blocked"]),
+    "backward_q": (_backward_q_kernel, "q",
+                   ["seed", "row", "blocked", "whole", "whole", "blocked", "rows_blocked",
+                    "rows_blocked"], ["blocked"]),
+}
