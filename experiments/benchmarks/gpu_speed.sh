@@ -15,12 +15,14 @@
 #               with dropout as the recipe trains; without; without, on cuDNN attention
 #   step_bf16_pallas  the same with dropout, on the Pallas flash-attention kernel
 #               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
-#   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact)
+#   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact;
+#               needs pytest on the machine)
 #   attention   one layer's attention, forward + backward, at the step's shapes: the flash
 #               kernel's launch settings against XLA's materialised softmax and cuDNN
 #               (experiments/benchmarks/attention.py)
 # Each stage's wall time and the dumps' manifests go to OUT/gpu_speed.json (written after every
-# stage; every stage has a time limit, so that the whole fits one 10-minute device command).
+# stage; every stage has a time limit, so that the whole fits one 10-minute device command:
+# T_DUMP, T_INDEX, T_EVAL, T_STEP (each step_* stage), T_ATTENTION, T_FLASH_TESTS seconds).
 # Timing only: the encoders are MiniLM as loaded (eval.allow_untrained), since what the dump,
 # search and step compute does not depend on the weights; the eval's EM is not a result here.
 # Usage: PY=python3 SET="--set data.dir=/root/gpu/data/squad" [STAGES="dump eval"] \
@@ -116,11 +118,11 @@ for s in $STAGES; do
     # the Pallas flash-attention kernel (dpjax/models/flash_attention.py), with dropout
     step_bf16_pallas) DPJAX_ATTENTION=pallas step step_bf16_pallas ;;
     # attention alone, forward + backward: flash settings against XLA's materialised softmax
-    attention) stage attention "$t_step" "$PY" experiments/benchmarks/attention.py \
+    attention) stage attention "${T_ATTENTION:-150}" "$PY" experiments/benchmarks/attention.py \
                  --out "$OUT/attention.json" ;;
     # its tests compiled for the GPU (not Pallas' interpreter), float32 products exact
     flash_tests) JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest stage flash_tests \
-                   "$t_step" "$PY" -m pytest -q -p no:cacheprovider tests/test_flash_attention.py ;;
+                   "${T_FLASH_TESTS:-150}" "$PY" -m pytest -q -p no:cacheprovider tests/test_flash_attention.py ;;
     *) echo "gpu_speed.sh: unknown stage $s" >&2; exit 2 ;;
   esac
 done
