@@ -96,6 +96,9 @@ def test_flash_attention_refuses_what_it_cannot_compute():
     flash(q, k, v, lengths, mask_seed(jax.random.key(0)), rate=1.0)
   with pytest.raises(ValueError, match="block_k 64 must be >= 16 and divide 96"):
     flash(q, k, v, lengths, tuning=flash_attention.Tuning(block_k=64))
+  # A row of 0 keys (an all-padding row) attends to its first key, as `_key_lengths` makes it.
+  np.testing.assert_array_equal(np.asarray(flash(q, k, v, jnp.asarray([96, 37, 0]))),
+                                np.asarray(flash(q, k, v, lengths)))
 
 
 def test_self_attention_with_the_kernel_drops_what_the_materialised_path_drops(monkeypatch):

@@ -68,8 +68,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
                     seed: jax.Array | None = None, *, rate: float = 0.0,
                     interpret: bool | None = None, tuning: Tuning = Tuning()) -> jax.Array:
   """Softmax attention of q [B, Lq, H, Dh] over k, v [B, L, H, Dh], keys from `lengths[b]` on
-  masked, with dropout at `rate` on the probabilities under `seed` (uint32[2], `Dropout.seed`):
-  [B, Lq, H, Dh] in q's dtype. `interpret`: run Pallas' interpreter (default: off a GPU)."""
+  masked (a row keeps at least its first key), with dropout at `rate` on the probabilities
+  under `seed` (uint32[2], `Dropout.seed`): [B, Lq, H, Dh] in q's dtype. `interpret`: run Pallas'
+  interpreter (default: off a GPU)."""
   batch, num_queries, heads, head_dim = q.shape
   if not supported(num_queries, k.shape[1], batch, heads, head_dim):
     raise ValueError(f"flash_attention: unsupported sizes q {q.shape}, k {k.shape} "
@@ -87,7 +88,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   # Each row's index in the whole batch (the masks' index; sharded with the batch) and length.
-  row = jnp.stack([jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32)], 1)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 1, k.shape[1])  # no row of 0 keys (0 / 0)
+  row = jnp.stack([jnp.arange(batch, dtype=jnp.int32), lengths], 1)
   return _attention(q, k, v, row, seed.astype(jnp.uint32), (rate, interpret, tuning))
 
 
