@@ -208,3 +208,4 @@ def test_attention_benchmark_checks_each_flash_setting(tmp_path):
   good, bad = result["flash_32x32x4x2"], result["flash_48x64x4x2"]
   assert 0 < good["max_rel_diff"] < _load("attention").DISAGREES and good["ms"] > 0
   assert "block_q 48 must be >= 16 and divide 64" in bad["error"] and "ms" not in bad
+  assert result["best"] == "32x32x4x2"

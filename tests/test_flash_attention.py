@@ -186,3 +186,17 @@ def test_flash_attention_data_parallel_equals_one_device():
   for a, b in zip(jax.tree.leaves(many), jax.tree.leaves(one)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
   assert "all-gather" not in sharded.lower(*args).compile().as_text()
+
+
+def test_flash_tuning_from_the_environment(monkeypatch):
+  """`DPJAX_FLASH_TUNING` names the model's launch settings as the benchmark names them; a block
+  that does not divide a width is left to the default there."""
+  monkeypatch.delenv("DPJAX_FLASH_TUNING", raising=False)
+  assert flash_attention.tuning_from_env() == flash_attention.Tuning()
+  monkeypatch.setenv("DPJAX_FLASH_TUNING", "128x0x8x3")
+  tuning = flash_attention.tuning_from_env()
+  assert tuning == flash_attention.Tuning(block_q=128, block_k=None, num_warps=8, num_stages=3)
+  assert tuning.fitted(384, 384).block_q == 128 and tuning.fitted(48, 48).block_q is None
+  monkeypatch.setenv("DPJAX_FLASH_TUNING", "128x64")
+  with pytest.raises(ValueError, match="DPJAX_FLASH_TUNING='128x64': expected BQxBKxWARPSxSTAGES"):
+    flash_attention.tuning_from_env()

@@ -284,7 +284,8 @@ class BertSelfAttention(nnx.Module):
       context = flash_attention.flash_attention(
           q, k, v, _key_lengths(attention_bias),
           self.attention_dropout.seed(rngs) if dropout else None,
-          rate=self.attention_dropout.rate if dropout else 0.0)
+          rate=self.attention_dropout.rate if dropout else 0.0,
+          tuning=flash_attention.tuning_from_env().fitted(q.shape[1], k.shape[1]))
     elif implementation == "cpu":
       context = _cpu_attention(q, k, v, attention_bias, self.dtype, dropout=drop)
     elif not dropout and not _float32_sums(self.dtype):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,28 @@ class Tuning:
   block_k: int | None = None
   num_warps: int = 4
   num_stages: int = 2
+
+  def fitted(self, num_queries: int, num_keys: int) -> "Tuning":
+    """These settings with a block that does not divide its length (or is under 16) left to
+    the default: one setting for every width a model meets."""
+    fits = lambda block, length: block if block and block >= 16 and length % block == 0 else None
+    return dataclasses.replace(self, block_q=fits(self.block_q, num_queries),
+                               block_k=fits(self.block_k, num_keys))
+
+
+def tuning_from_env() -> Tuning:
+  """The launch settings named by `DPJAX_FLASH_TUNING` ("BQxBKxWARPSxSTAGES", e.g. "128x64x4x2",
+  as `experiments/benchmarks/attention.py` names them; blocks of 0: the default), else the
+  defaults: what the model's attention uses (`dpjax.models.bert`)."""
+  text = os.environ.get("DPJAX_FLASH_TUNING")
+  if not text:
+    return Tuning()
+  try:
+    block_q, block_k, warps, stages = (int(x) for x in text.split("x"))
+  except ValueError:
+    raise ValueError(f"DPJAX_FLASH_TUNING={text!r}: expected BQxBKxWARPSxSTAGES, e.g. "
+                     "128x64x4x2") from None
+  return Tuning(block_q or None, block_k or None, warps, stages)
 
 
 def supported(num_queries: int, num_keys: int, batch: int, heads: int, head_dim: int) -> bool:

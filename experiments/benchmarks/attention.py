@@ -6,7 +6,8 @@ rows of 192 to 384 real tokens), the gradient of sum(out * w) with respect to q,
 as the median of `--steps` calls after compiling. Each flash setting (`--tunings`, query block x
 key block x warps x stages) is checked against the materialised path with the same dropout
 masks (largest |difference| of the output and the gradients, relative to their largest value):
-a setting that fails to compile or disagrees is reported so, not timed. Run it where the time
+a setting that fails to compile or disagrees is reported so, not timed; `best` names the fastest
+of the others (`DPJAX_FLASH_TUNING` takes it). Run it where the time
 goes: on a GPU (`gpu_speed.sh` stage `attention`); on a CPU the kernel runs in Pallas'
 interpreter (`--small` shapes: a smoke run, not a timing).
 
@@ -108,6 +109,11 @@ def run(args) -> dict:
       result = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     out[f"flash_{name}"] = result
     print(name, result, flush=True)
+  timed = {name: out[f"flash_{name}"]["ms"] for name in args.tunings
+           if "ms" in out[f"flash_{name}"]}
+  # The fastest setting that agrees (DPJAX_FLASH_TUNING for the model; gpu_speed.sh's
+  # step_bf16_pallas_best), None if none ran.
+  out["best"] = min(timed, key=timed.get) if timed else None
   return out
 
 

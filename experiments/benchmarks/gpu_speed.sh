@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22's accelerator figures in one run on a lent GPU machine (after ../shared/gpu/README.md's
-# setup), stages in $STAGES (default: all but the last three, in this order):
+# setup), the stages named in $STAGES, in that order (default: dump dump_warm index eval
+# step_bf16 step_bf16_nodrop step_bf16_nodrop_cudnn):
 #   dump        the SQuAD-open small dump (every token of the 20,958 train + dev paragraphs, the
 #               accelerator recipe's settings: experiments/squad.py); a fresh machine, so every
 #               executable compiles (no persistent compilation cache yet)
@@ -15,6 +16,8 @@
 #               with dropout as the recipe trains; without; without, on cuDNN attention
 #   step_bf16_pallas  the same with dropout, on the Pallas flash-attention kernel
 #               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
+#   step_bf16_pallas_best  the same at the `attention` stage's fastest setting
+#               (DPJAX_FLASH_TUNING; its default settings if that stage did not run)
 #   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact;
 #               needs pytest on the machine)
 #   attention   one layer's attention, forward + backward, at the step's shapes: the flash
@@ -117,6 +120,12 @@ for s in $STAGES; do
     step_bf16_nodrop_cudnn) DPJAX_ATTENTION=cudnn step step_bf16_nodrop_cudnn --no-dropout ;;
     # the Pallas flash-attention kernel (dpjax/models/flash_attention.py), with dropout
     step_bf16_pallas) DPJAX_ATTENTION=pallas step step_bf16_pallas ;;
+    # the same with the attention stage's fastest setting (after `attention`)
+    step_bf16_pallas_best)
+      best=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' \
+             "$OUT/attention.json" 2>/dev/null)
+      echo "=== attention's best setting: ${best:-none}"
+      DPJAX_ATTENTION=pallas DPJAX_FLASH_TUNING=$best step step_bf16_pallas_best ;;
     # attention alone, forward + backward: flash settings against XLA's materialised softmax
     attention) stage attention "${T_ATTENTION:-150}" "$PY" experiments/benchmarks/attention.py \
                  --out "$OUT/attention.json" ;;
