@@ -186,8 +186,9 @@ def _scores(sizes: _Sizes, q, k, cols, length):
 
 
 def _specs(sizes: _Sizes, head_dim: int, blocked: str):
-  """BlockSpecs over a grid (blocks of `blocked` ("q" or "k"), B, H): the seed, lengths, a
-  blocked [B, L, H, Dh] array, a whole one, a blocked [B, H, L] row array, a whole one."""
+  """BlockSpecs over a grid (blocks of `blocked` ("q" or "k"), B, H): the seed, a row's (index
+  in the whole batch, key length), a blocked [B, L, H, Dh] array, a whole one, a blocked
+  [B, H, L] array of per-query values, a whole one."""
   block = sizes.block_q if blocked == "q" else sizes.block_k
   whole_length = sizes.num_keys if blocked == "q" else sizes.num_queries
   return dict(
@@ -199,7 +200,7 @@ def _specs(sizes: _Sizes, head_dim: int, blocked: str):
       rows_whole=pl.BlockSpec((None, None, whole_length), lambda n, b, h: (b, h, 0)))
 
 
-# Their arrays' axes for the SPMD partitioner: only the batch (b) may be split across devices.
+# The kernels' arrays' axes for the SPMD partitioner: only the batch (b) is split across devices.
 _RULES = {
     "forward": "s, b t, b i h d, b j h d, b j h d -> b i h d, b h i",
     "backward_kv": ("s, b t, b i h d, b j h d, b j h d, b i h d, b h i, b h i "
