@@ -11,8 +11,9 @@ and it does not depend on the block sizes.
 
 Keys at or past a row's length (`lengths` [B]: the real tokens come first) are masked, and key
 blocks wholly past it are skipped. The forward pass keeps the output and the log-sum-exp of each
-query's scores [B, H, Lq]; the backward pass recomputes the probabilities from them (one kernel
-for dK and dV over key blocks, one for dQ over query blocks), with delta = rowsum(dO * O) for the
+query's scores [B, H, Lq] (base 2: the exponentials are exp2 of scores scaled by log2 e, GPUs'
+native exponential); the backward pass recomputes the probabilities from them (one kernel for
+dK and dV over key blocks, one for dQ over query blocks), with delta = rowsum(dO * O) for the
 softmax's gradient, which holds with dropout (O is the dropped probabilities times V).
 
 Opt-in on a GPU (`DPJAX_ATTENTION=pallas`, `dpjax.models.bert.attention_implementation`), 16-bit
@@ -180,8 +181,9 @@ def _dropped(x, keep, rate: float):
 
 
 def _scores(sizes: _Sizes, q, k, cols, length):
-  """Scaled float32 scores of q [bq, Dh] against k [bk, Dh], keys `cols` >= length masked."""
-  s = _dot(q, k, trans_b=True).astype(jnp.float32) * jnp.float32(sizes.scale)
+  """Float32 scores of q [bq, Dh] against k [bk, Dh], scaled by 1/sqrt(Dh) and log2 e (for
+  exp2), keys `cols` >= length masked."""
+  s = _dot(q, k, trans_b=True).astype(jnp.float32) * jnp.float32(sizes.scale * math.log2(math.e))
   return jnp.where(cols[None, :] < length, s, _MASKED)
 
 
@@ -275,8 +277,8 @@ def _forward_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, o_ref
     cols = j * sizes.block_k + jnp.arange(sizes.block_k)
     s = _scores(sizes, q, k_ref[keys, :], cols, length)
     new_top = jnp.maximum(top, s.max(-1))
-    p = jnp.exp(s - new_top[:, None])
-    correction = jnp.exp(top - new_top)
+    p = jnp.exp2(s - new_top[:, None])
+    correction = jnp.exp2(top - new_top)
     total = total * correction + p.sum(-1)  # the softmax's sums: before dropout
     p = _dropped(p, _keep(sizes, seed_ref, example, h, rows, cols), sizes.rate)
     v = v_ref[keys, :]
@@ -288,13 +290,13 @@ def _forward_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, o_ref
            jnp.zeros((sizes.block_q,), jnp.float32))
   acc, top, total = jax.lax.fori_loop(0, _key_blocks(length, sizes.block_k), body, start)
   o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = top + jnp.log(total)
+  lse_ref[...] = top + jnp.log2(total)  # base 2, as the scores
 
 
 def _probabilities(sizes: _Sizes, seed_ref, example, h, q, k, v, d_out, lse, delta, rows, cols,
                    length):
   """(dropped probabilities, d scores) of a query block x key block in the backward pass."""
-  p = jnp.exp(_scores(sizes, q, k, cols, length) - lse[:, None])
+  p = jnp.exp2(_scores(sizes, q, k, cols, length) - lse[:, None])
   keep = _keep(sizes, seed_ref, example, h, rows, cols)
   d_p = _dropped(_dot(d_out, v, trans_b=True).astype(jnp.float32), keep, sizes.rate)
   return _dropped(p, keep, sizes.rate), p * (d_p - delta[:, None])
