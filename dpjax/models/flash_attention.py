@@ -222,7 +222,8 @@ def _partitioned(kind: str, static):
   """Kernel `kind` as a `custom_partitioning` op: XLA's partitioner runs it on each device's
   rows of the batch (the seed whole, every other axis whole) instead of gathering the batch;
   the masks stay those of the whole batch (`row` holds each row's global index)."""
-  op = custom_partitioning(functools.partial(_local, kind, static))
+  local = functools.partial(_local, kind, static)
+  op = custom_partitioning(local)
 
   def shardings(mesh, arg_shapes):
     spec = arg_shapes[2].sharding.spec  # q's
@@ -234,8 +235,7 @@ def _partitioned(kind: str, static):
 
   def partition(mesh, arg_shapes, result_shape):
     args, batch = shardings(mesh, arg_shapes)
-    return (mesh, functools.partial(_local, kind, static),
-            jax.tree.map(lambda _: batch, result_shape), args)
+    return mesh, local, jax.tree.map(lambda _: batch, result_shape), args
 
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=_RULES[kind],  # factors in the order they first appear
@@ -251,11 +251,9 @@ def _local(kind: str, static, seed, row, q, k, *arrays) -> list[jax.Array]:
   spec = _specs(sizes, head_dim, blocked)
   blocks = (sizes.num_queries // sizes.block_q if blocked == "q"
             else sizes.num_keys // sizes.block_k)
-  lse = jax.ShapeDtypeStruct((batch, heads, sizes.num_queries), jnp.float32)
-  out_shape = {"forward": [jax.ShapeDtypeStruct(q.shape, q.dtype), lse],
-               "backward_kv": [jax.ShapeDtypeStruct(k.shape, k.dtype),
-                               jax.ShapeDtypeStruct(arrays[0].shape, arrays[0].dtype)],
-               "backward_q": [jax.ShapeDtypeStruct(q.shape, q.dtype)]}[kind]
+  like = {"q": q, "k": k, "v": arrays[0],
+          "lse": jax.ShapeDtypeStruct((batch, heads, sizes.num_queries), jnp.float32)}
+  out_shape = [jax.ShapeDtypeStruct(like[n].shape, like[n].dtype) for n in _OUTPUTS[kind]]
   return pl.pallas_call(
       functools.partial(kernel, sizes), grid=(blocks, batch, heads),
       in_specs=[spec[n] for n in specs], out_specs=[spec[n] for n in outs],
@@ -347,6 +345,8 @@ def _backward_q_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, do
   dq_ref[...] = (d_q * jnp.float32(sizes.scale)).astype(dq_ref.dtype)
 
 
+# Each kernel's outputs (`_local`), shaped like these inputs (lse: [B, H, Lq] float32).
+_OUTPUTS = {"forward": ("q", "lse"), "backward_kv": ("k", "v"), "backward_q": ("q",)}
 # Each kernel (`_local`): its function, its blocked length, the `_specs` of its inputs, outputs.
 _KERNELS = {
     "forward": (_forward_kernel, "q", ["seed", "row", "blocked", "whole", "whole"],
