@@ -507,7 +507,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
   `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
   """
-  model, config = _checked_settings(model, config)
+  model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   chunks = _batches(passages, config.shard_passages)
@@ -525,7 +525,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
                 "model": model_info or {}, "settings": settings,
-                "width_multiple": phrase_calls(config.batch_size, mesh, config.width_multiple)[1],
+                "width_multiple": config.width_multiple,
                 "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
     encode = bound(model, "phrases_and_filter")
     old = _existing(out_dir, manifest)
@@ -597,14 +597,17 @@ def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
               host_cpu_seconds=max(time.thread_time() - cpu_start - in_this_thread, 0.0))
 
 
-def _checked_settings(model, config: DumpConfig) -> tuple[object, DumpConfig]:
+def _checked_settings(model, config: DumpConfig, mesh) -> tuple[object, DumpConfig]:
   """Refuses sizes below 1; returns the model computing in the dump's dtype (its own when none
-  is set) and the settings naming that dtype (recorded in the manifest)."""
+  is set) and the settings naming that dtype (recorded in the manifest) and the width multiple
+  the calls on `mesh` round to (`phrase_calls`: the platform's when none is set)."""
   if config.shard_passages < 1 or config.batch_size < 1:
     raise DumpError(f"shard_passages ({config.shard_passages}) and batch_size "
                     f"({config.batch_size}) of a dump must be at least 1")
   model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
-  return model, dataclasses.replace(config, compute_dtype=compute_dtype(model))
+  return model, dataclasses.replace(
+      config, compute_dtype=compute_dtype(model),
+      width_multiple=phrase_calls(config.batch_size, mesh, config.width_multiple)[1])
 
 
 def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dict):
