@@ -153,10 +153,14 @@ def test_flash_attention_lowers_to_triton_for_a_gpu(length):
   def loss(q, k, v, lengths, seed):
     return flash(q, k, v, lengths, seed, rate=0.1, interpret=False).astype(jnp.float32).sum()
 
-  lowered = export.export(
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
-      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-  )(q, q, q, lengths, seed).mlir_module()
+  # The GPU to lower for: JAX 0.11's Triton lowering reads it from the abstract mesh's device and
+  # refuses without one on a CPU (0.10 took compute capability 9.0 by itself).
+  gpu = jax.sharding.AbstractDevice("NVIDIA H100", None, "gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+    lowered = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, q, q, lengths, seed).mlir_module()
   for kernel in ("dpjax_flash_forward", "dpjax_flash_backward_kv", "dpjax_flash_backward_q"):
     assert f'name = "{kernel}"' in lowered
   assert lowered.count("__gpu$xla.gpu.triton") == 3
