@@ -8,7 +8,7 @@ from flax import nnx
 
 from dpjax.models import bert, flash_attention
 from dpjax.models.bert import BertConfig, BertSelfAttention, _softmax_attention
-from dpjax.models.dropout import Dropout, drop_threshold, hash_bits, keep_mask, mask_seed
+from dpjax.models.dropout import Dropout, drop_threshold, dropped, hash_bits, mask_seed
 from dpjax.models.flash_attention import flash_attention as flash
 
 LENGTHS = [96, 37, 1]  # a full row, one ending inside the second of three key blocks, one token
@@ -29,8 +29,7 @@ def _both(rate: float, dtype=jnp.float32):
   key = jax.random.key(3)
 
   def reference(q, k, v):
-    drop = (lambda x: jnp.where(keep_mask(key, x.shape, rate), x / jnp.float32(1 - rate), 0.0)
-            ) if rate else None
+    drop = (lambda x: dropped(key, x, rate)) if rate else None
     return _softmax_attention(q, k, v, bias, dtype, drop)
 
   def kernel(q, k, v):

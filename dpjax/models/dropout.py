@@ -74,6 +74,13 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
   return hash_bits(mask_seed(key), shape) >= drop_threshold(rate)
 
 
+def dropped(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
+  """`x` with the elements `keep_mask(key, x.shape, rate)` drops zeroed and the others scaled by
+  1 / (1 - rate): what `Dropout` computes with that key."""
+  keep = keep_mask(key, x.shape, rate)
+  return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+
+
 class Dropout(nnx.Module):
   """`nnx.Dropout(rate)` with `keep_mask`'s hash masks; same call: `(x, deterministic=, rngs=)`
   (the key comes from the `dropout` stream of `rngs`)."""
@@ -92,8 +99,7 @@ class Dropout(nnx.Module):
       return jnp.zeros_like(x)
     if rngs is None:
       raise ValueError("Dropout needs `rngs` (with a 'dropout' stream) when not deterministic")
-    keep = keep_mask(rngs[self.rng_collection](), x.shape, self.rate)
-    return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros_like(x))
+    return dropped(rngs[self.rng_collection](), x, self.rate)
 
   def seed(self, rngs: nnx.Rngs) -> jax.Array:
     """The seed of the mask this call would draw next (it takes the same key from `rngs`): a

@@ -77,14 +77,13 @@ def _max_rel_diff(a, b) -> float:
 def run(args) -> dict:
   import jax
   from dpjax.models.bert import _fused_attention, _softmax_attention
-  from dpjax.models.dropout import keep_mask, mask_seed
+  from dpjax.models.dropout import dropped, mask_seed
   from dpjax.models.flash_attention import Tuning, flash_attention
   q, k, v, w, lengths, bias = _inputs(args.batch, args.length, args.heads, args.head_dim)
   key, rate = jax.random.key(1), args.rate
 
   def materialised(q, k, v):
-    drop = lambda x: jax.numpy.where(keep_mask(key, x.shape, rate), x / (1 - rate), 0.0)
-    return _softmax_attention(q, k, v, bias, q.dtype, drop)
+    return _softmax_attention(q, k, v, bias, q.dtype, lambda x: dropped(key, x, rate))
   reference = _step(materialised, w)
   out = {"device": str(jax.devices()[0].device_kind), "shape": list(q.shape), "rate": rate,
          "xla_materialised": _timed(reference, (q, k, v), args.steps)}
