@@ -8,10 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dpjax", "dpjax.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     entry_points={"console_scripts": ["dpjax = dpjax.cli:main"]},
     install_requires=[
-        "jax>=0.8,<0.11",
+        "jax>=0.8,<0.12",
         "flax>=0.12,<0.13",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
@@ -38,6 +38,6 @@ setup(
         # CUDA 12 JAX plugin; the faiss GPU build is not on PyPI under a stable name, so it is
         # taken from conda (`conda install -c pytorch faiss-gpu`) when wanted: dpjax uses it
         # automatically when `faiss.StandardGpuResources` exists.
-        "gpu": ["jax[cuda12]>=0.8,<0.11", "faiss-gpu-cu12>=1.9,<1.16"],
+        "gpu": ["jax[cuda12]>=0.8,<0.12", "faiss-gpu-cu12>=1.9,<1.16"],
     },
 )

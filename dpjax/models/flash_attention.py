@@ -21,6 +21,10 @@ compute only; on a CPU it runs in Pallas' interpreter (what the tests compare wi
 materialised path). With the batch sharded over devices (the train step's data parallelism) each
 kernel is a `custom_partitioning` op that runs on each device's rows, the masks those of the
 whole batch (each row carries its global index).
+
+JAX 0.11 deprecates Pallas' Triton backend (a DeprecationWarning at each lowering; it is still in
+JAX 0.12, and setup.py keeps JAX below 0.12); its successor, Mosaic GPU, would need this kernel
+rewritten. The tests pass on JAX 0.10.2 and 0.11.2 (the GPU image's).
 """
 from __future__ import annotations
 
