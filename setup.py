@@ -22,6 +22,7 @@ setup(
         "numpy>=1.26,<3",
         "ml_collections>=1.0,<2",
         "tqdm>=4.66,<5",
+        "threadpoolctl>=3.1,<4",  # BLAS held at one thread while the rescoring threads run
         "matplotlib>=3.8,<4",  # figures of the result notebooks
         "bm25s>=0.2,<0.4",  # the BM25 peer of experiments/benchmarks/passage_retrieval.py
         "PyStemmer>=2.2,<4",  # its English (Porter2) stemmer; Pyserini stems too

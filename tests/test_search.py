@@ -207,6 +207,54 @@ def test_float16_rows_convert_exactly():
     to_float32(every, np.empty((1024, 64), np.float16))
 
 
+@pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])
+def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
+  """The rescoring's token scores split over threads (4 here, each a contiguous group of
+  questions) are one thread's, bit for bit: from the Flat index's float32 storage and from the
+  dump's float16 rows (IVF); and so are the searches' phrases. Without threadpoolctl one thread
+  scores them."""
+  import threading
+  import faiss
+  from dpjax.index import search
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, index_name)
+  rng = np.random.default_rng(5)
+  queries = [rng.normal(size=(24, DIM)).astype(np.float32) for _ in range(2)]
+  tokens = rng.integers(0, len(index.dump.vectors), (24, 30, 4))
+
+  def run(threads):
+    monkeypatch.setattr(search, "_RESCORE_THREADS", threads)
+    groups.clear()
+    scores = index._token_scores(tokens, *queries)
+    parts = sorted(groups)
+    return scores, parts, index.search(*queries, k=3, unit="phrase")
+
+  groups, idents = [], set()
+  score_questions = search._score_questions
+
+  def spy(*args):
+    groups.append(args[-2:])
+    idents.add(threading.get_ident())
+    return score_questions(*args)
+  monkeypatch.setattr(search, "_score_questions", spy)
+  monkeypatch.setattr(search, "_RESCORE_ROWS_PER_THREAD", 1)
+  omp = faiss.omp_get_max_threads()
+  faiss.omp_set_num_threads(4)
+  try:
+    (one, one_parts, found_one), (four, parts, found_four) = run(1), run(16)
+  finally:
+    faiss.omp_set_num_threads(omp)
+  for a, b in zip(one, four):
+    assert np.array_equal(a, b)
+  assert [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in found_one] == \
+      [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in found_four]
+  assert one_parts == [(0, 24)] and len(parts) == 4 and len(idents) > 2  # this thread + 4
+  assert parts[0][0] == 0 and parts[-1][1] == 24 and all(
+      a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous groups, every question once
+  monkeypatch.setattr(search, "_BLAS", False)  # threadpoolctl missing
+  assert search._scoring_threads(10 ** 6) == 1
+
+
 def _units_one_search_per_round(index, q_start, q_end, k, unit):
   """The unit search as a fresh index search of every round (what the cached hits must equal)."""
   fetch, max_fetch = 2 * k, min(20 * k, index.num_vectors)

@@ -17,7 +17,10 @@ each hit once.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -37,6 +40,11 @@ from dpjax.parallel import make_mesh, round_to_devices
 UNITS = ("phrase", "sentence", "passage", "document")
 _FP16_DECODERS: dict[int, faiss.ScalarQuantizer] = {}  # by dimension
 _RESCORE_ELEMENTS = 1 << 22  # bounds the (question, hit, partner) arrays of one rescoring
+# The threads that score a rescoring's tokens: at most this many, each given this many rows at
+# least (~1.5 ms of float16 decoding), so that a few questions' rescoring stays in one thread.
+_RESCORE_THREADS = 16
+_RESCORE_ROWS_PER_THREAD = 2048
+_BLAS = None  # threadpoolctl's controller (`_blas_controller`), False without threadpoolctl
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -66,6 +74,66 @@ def to_float32(half: np.ndarray, out: np.ndarray) -> np.ndarray:
       _FP16_DECODERS[dim] = faiss.ScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16)
     _FP16_DECODERS[dim].decode_c(faiss.swig_ptr(half.view(np.uint8)), faiss.swig_ptr(out), n)
   return out
+
+
+def _scoring_threads(rows: int) -> int:
+  """How many threads score `rows` distinct tokens (`PhraseIndex._token_scores`): as many as
+  faiss may use (OpenMP's count: the cores, or OMP_NUM_THREADS), at most _RESCORE_THREADS and one
+  per _RESCORE_ROWS_PER_THREAD rows; one without threadpoolctl (BLAS then keeps its threads)."""
+  if _blas_controller() is None:
+    return 1
+  return max(1, min(faiss.omp_get_max_threads(), _RESCORE_THREADS,
+                    rows // _RESCORE_ROWS_PER_THREAD))
+
+
+def _blas_controller():
+  """threadpoolctl's controller of the loaded BLAS libraries (numpy's, faiss's), made once;
+  None where threadpoolctl is not installed."""
+  global _BLAS
+  if _BLAS is None:
+    try:
+      import threadpoolctl
+    except ImportError:
+      _BLAS = False
+    else:
+      _BLAS = threadpoolctl.ThreadpoolController()
+  return _BLAS or None
+
+
+def _one_blas_thread():
+  """A context in which BLAS runs in the calling thread only (process-wide while it lasts)."""
+  controller = _blas_controller()
+  return (controller.limit(limits=1, user_api="blas") if controller is not None
+          else contextlib.nullcontext())
+
+
+def _balanced_groups(bounds: np.ndarray, count: int) -> list[tuple[int, int]]:
+  """At most `count` contiguous (first, last) question ranges of about equal rows each
+  (question q's rows are bounds[q]:bounds[q + 1])."""
+  cuts = np.searchsorted(bounds, np.linspace(0, bounds[-1], max(count, 1) + 1)[1:-1])
+  edges = np.unique(np.concatenate([[0], np.clip(cuts, 0, len(bounds) - 1), [len(bounds) - 1]]))
+  return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
+                     bounds: np.ndarray, scores: np.ndarray, first: int, last: int) -> None:
+  """`scores[bounds[q]:bounds[q + 1]]` of questions first..last-1 under `queries[q]` [D, 2]:
+  each question's distinct tokens' vectors gathered into a buffer reused across its questions
+  (float32 from an exact index's own storage when it holds every token, else the dump's
+  float16 converted by faiss's SIMD decoder, ~1.9x numpy's), then one [U_q, D] x [D, 2]
+  product. The rows stay in cache for their product: no [U, D] copy of every question's vectors
+  goes through memory."""
+  sizes = np.diff(bounds[first:last + 1])
+  # At least two rows a product: BLAS rounds a one-row product (a gemv) differently, and a
+  # token's score must not depend on which other tokens its question's product holds.
+  gathered = np.empty((max(int(sizes.max(initial=0)), 2), source.shape[1]), source.dtype)
+  converted = gathered if source.dtype == np.float32 else np.empty(gathered.shape, np.float32)
+  for q in range(first, last):
+    lo, hi = bounds[q], bounds[q + 1]
+    np.take(source, token[lo:hi], axis=0, out=gathered[:hi - lo], mode="clip")
+    if converted is not gathered:
+      to_float32(gathered[:hi - lo], converted[:hi - lo])
+    scores[lo:hi] = (converted[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
 
 
 class PhraseIndex:
@@ -222,11 +290,11 @@ class PhraseIndex:
     """(start scores, end scores) of token ids [Q, ...] under their question's vectors.
 
     Hits of one question crowd into few passages, so each distinct (question, token) is scored
-    once, a question at a time: its distinct tokens' vectors gathered into a buffer reused across
-    questions (float32 from an exact index's own storage when it holds every token, else the
-    dump's float16 converted by faiss's SIMD decoder, ~1.9x numpy's), then one [U_q, D] x [D, 2]
-    product. The rows stay in cache for their product: no [U, D] copy of every question's
-    vectors goes through memory, and no [Q, k, L, D] gather per side."""
+    once, a question at a time (`_score_questions`). The questions are split into contiguous
+    groups scored in as many threads as faiss may use (`_scoring_threads`), each with one
+    OpenMP thread (faiss's decoder) and BLAS held at one thread: their idle threads would spin
+    on the cores the others need. A question's scores come from the same product, bit for bit,
+    whichever thread computes it."""
     num_q, n = len(q_start), len(self.dump.vectors)
     keys = np.arange(num_q)[:, None] * n + tokens.reshape(num_q, -1)
     unique, inverse = np.unique(keys, return_inverse=True)
@@ -236,20 +304,22 @@ class PhraseIndex:
     queries = np.stack([q_start, q_end], -1).astype(np.float32)  # [Q, D, 2]
     scores = np.empty((len(unique), 2), np.float32)
     bounds = np.searchsorted(question, np.arange(num_q + 1))
-    # At least two rows a product: BLAS rounds a one-row product (a gemv) differently, and a
-    # token's score must not depend on which other tokens its question's product holds.
-    gathered = np.empty((max(int(np.diff(bounds).max(initial=0)), 2), source.shape[1]),
-                        source.dtype)
-    converted = gathered if source.dtype == np.float32 else np.empty(gathered.shape, np.float32)
+    if source.dtype != np.float32 and source.shape[1] not in _FP16_DECODERS:
+      _FP16_DECODERS[source.shape[1]] = faiss.ScalarQuantizer(source.shape[1],
+                                                              faiss.ScalarQuantizer.QT_fp16)
+    groups = _balanced_groups(bounds, _scoring_threads(len(unique)))
+    score = functools.partial(_score_questions, source, token, queries, bounds, scores)
     threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)  # faiss's OpenMP threads would contend with BLAS's for cores
+    faiss.omp_set_num_threads(1)  # this thread's count; each worker sets its own
     try:
-      for q in range(num_q):
-        lo, hi = bounds[q], bounds[q + 1]
-        np.take(source, token[lo:hi], axis=0, out=gathered[:hi - lo], mode="clip")
-        if converted is not gathered:
-          to_float32(gathered[:hi - lo], converted[:hi - lo])
-        scores[lo:hi] = (converted[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
+      with _one_blas_thread():
+        if len(groups) == 1:
+          score(*groups[0])
+        else:
+          with concurrent.futures.ThreadPoolExecutor(
+              len(groups), initializer=faiss.omp_set_num_threads, initargs=(1,)) as pool:
+            for done in [pool.submit(score, *group) for group in groups]:
+              done.result()
     finally:
       faiss.omp_set_num_threads(threads)
     inverse = inverse.reshape(tokens.shape)
