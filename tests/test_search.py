@@ -255,6 +255,25 @@ def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
   assert search._scoring_threads(10 ** 6) == 1
 
 
+def test_blas_held_at_one_thread_until_the_last_search_leaves():
+  """Searches in several threads (here two, one inside the other's span) hold BLAS at one
+  thread until the last leaves, which restores BLAS's own count."""
+  from dpjax.index import search
+  controller = search._blas_controller()
+  if controller is None:
+    pytest.skip("threadpoolctl is not installed")
+  blas = lambda: {d["num_threads"] for d in controller.info() if d["user_api"] == "blas"}
+  with controller.limit(limits=2, user_api="blas"):
+    first, second = search._one_blas_thread(), search._one_blas_thread()
+    first.__enter__()
+    second.__enter__()
+    assert blas() == {1}
+    first.__exit__(None, None, None)
+    assert blas() == {1}
+    second.__exit__(None, None, None)
+    assert blas() == {2}
+
+
 def _units_one_search_per_round(index, q_start, q_end, k, unit):
   """The unit search as a fresh index search of every round (what the cached hits must equal)."""
   fetch, max_fetch = 2 * k, min(20 * k, index.num_vectors)

@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import re
+import threading
 from typing import Sequence
 
 import faiss
@@ -45,6 +46,9 @@ _RESCORE_ELEMENTS = 1 << 22  # bounds the (question, hit, partner) arrays of one
 _RESCORE_THREADS = 16
 _RESCORE_ROWS_PER_THREAD = 2048
 _BLAS = None  # threadpoolctl's controller (`_blas_controller`), False without threadpoolctl
+_BLAS_LOCK = threading.Lock()  # guards the two below (`_one_blas_thread`)
+_BLAS_USERS = 0  # searches holding BLAS at one thread
+_BLAS_LIMIT = None  # their limit, restored by the last
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -100,11 +104,28 @@ def _blas_controller():
   return _BLAS or None
 
 
+@contextlib.contextmanager
 def _one_blas_thread():
-  """A context in which BLAS runs in the calling thread only (process-wide while it lasts)."""
+  """A context in which BLAS runs in the calling thread only: process-wide while any search is
+  in one (counted, so that searches in several threads restore BLAS's own count once, when the
+  last leaves)."""
+  global _BLAS_USERS, _BLAS_LIMIT
   controller = _blas_controller()
-  return (controller.limit(limits=1, user_api="blas") if controller is not None
-          else contextlib.nullcontext())
+  if controller is None:
+    yield
+    return
+  with _BLAS_LOCK:
+    if not _BLAS_USERS:
+      _BLAS_LIMIT = controller.limit(limits=1, user_api="blas")
+    _BLAS_USERS += 1
+  try:
+    yield
+  finally:
+    with _BLAS_LOCK:
+      _BLAS_USERS -= 1
+      if not _BLAS_USERS:
+        _BLAS_LIMIT.restore_original_limits()
+        _BLAS_LIMIT = None
 
 
 def _balanced_groups(bounds: np.ndarray, count: int) -> list[tuple[int, int]]:
