@@ -325,9 +325,6 @@ class PhraseIndex:
     queries = np.stack([q_start, q_end], -1).astype(np.float32)  # [Q, D, 2]
     scores = np.empty((len(unique), 2), np.float32)
     bounds = np.searchsorted(question, np.arange(num_q + 1))
-    if source.dtype != np.float32 and source.shape[1] not in _FP16_DECODERS:
-      _FP16_DECODERS[source.shape[1]] = faiss.ScalarQuantizer(source.shape[1],
-                                                              faiss.ScalarQuantizer.QT_fp16)
     groups = _balanced_groups(bounds, _scoring_threads(len(unique)))
     score = functools.partial(_score_questions, source, token, queries, bounds, scores)
     threads = faiss.omp_get_max_threads()
