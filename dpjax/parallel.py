@@ -142,8 +142,7 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
   for start in range(0, total, batch_size):
     rows = order[start:start + batch_size]
     n = len(rows)
-    padded = batch_size if pad_last else min(
-        batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
+    padded = batch_size if pad_last else padded_rows(n, batch_size, mesh)
     batch = [a[rows] for a in arrays]
     if lengths is not None:
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
@@ -159,6 +158,12 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
       yield _read(*pending.popleft(), waited)
   while pending:
     yield _read(*pending.popleft(), waited)
+
+
+def padded_rows(n: int, batch_size: int, mesh: jax.sharding.Mesh) -> int:
+  """The rows `map_batches` pads a batch of `n` rows to: `batch_size`, or for a short last batch
+  the smallest power-of-two multiple of the mesh size that holds it."""
+  return min(batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
 
 
 def _read(rows: np.ndarray, outputs: Any, waited: list | None) -> tuple[np.ndarray, Any]:

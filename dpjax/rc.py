@@ -19,7 +19,7 @@ from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.io import write_json
-from dpjax.models.encoders import bound, phrase_batches, question_vectors
+from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
@@ -60,7 +60,7 @@ def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.nd
 def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
                batch_size: int = 32, max_answer_length: int = 10) -> dict[int, str]:
   """Predicts an answer for every question of `features`; returns {question index: text}."""
-  q_start, q_end = question_vectors(bound(model, "questions"), features.question_input_ids,
+  q_start, q_end = question_vectors(bound_questions(model), features.question_input_ids,
                                     features.question_attention_mask, batch_size=batch_size,
                                     mesh=mesh)
   windows = features.windows

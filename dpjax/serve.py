@@ -36,7 +36,6 @@ from starlette.exceptions import HTTPException
 
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS
-from dpjax.models.encoders import question_calls
 from dpjax.workdir import load_searcher
 
 log = logging.getLogger("dpjax.serve")
@@ -332,14 +331,9 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   the question encoder compiled ahead for every micro-batch size."""
   sc = config.serve
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
-  start = time.perf_counter()
-  sizes = sorted({min(2 ** i, sc.max_batch) for i in range(int(np.log2(sc.max_batch)) + 2)})
-  longest, multiple = config.data.max_query_length, question_calls(sc.max_batch, searcher.mesh)[1]
-  for width in range(multiple, longest + multiple, multiple):
-    words = min(width, longest) - 2  # + [CLS] and [SEP]: each width the encoder calls are cut to
-    for size in sizes:  # and each batch size they are padded to: no compile while serving
-      searcher.encode([" ".join(["what"] * words)] * size)
-  log.info("question encoder compiled for %d batch sizes up to %d in %.1f s", len(sizes),
+  start = time.perf_counter()  # every shape of its calls: no compile while serving
+  shapes = searcher.compile(sc.max_batch)
+  log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,
            sc.max_batch, time.perf_counter() - start)
   if isinstance(searcher.index.index, DeviceFlat):  # the exact index on the accelerator: each width
     start = time.perf_counter()  # a search of up to max_k units may fetch, compiled ahead

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from dpjax.models import BertConfig, DensePhrases, load_dense_phrases
+from dpjax.models.encoders import question_vectors
 
 TINY = BertConfig(vocab_size=31, hidden_size=15, num_hidden_layers=2, num_attention_heads=3,
                   intermediate_size=23, max_position_embeddings=19)
@@ -55,10 +56,12 @@ def test_shared_query_encoders():
   np.testing.assert_array_equal(q_start, q_end)
 
 
-def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
-  """On a CPU mesh, questions are encoded in calls of at most 16 rows sorted by length, each cut
-  to its own width; every vector equals the question encoded alone, unpadded, in its place."""
-  from dpjax.models.encoders import bound, question_calls, question_vectors
+def test_question_vectors_in_packed_rows(model, tokenizer):
+  """On a CPU mesh, questions are packed several to a row (at most 8, rows of 64 tokens), in
+  calls of at most 16 rows cut to 8-multiples, longest rows first; every vector equals the
+  question's own in a padded batch (one question a row), in its place."""
+  from dpjax.models.encoders import (PACKED_QUESTIONS, QuestionEncoders, bound, question_calls,
+                                     question_vectors)
   from dpjax.parallel import make_mesh
   mesh = make_mesh()
   words = ["what", "year", "did", "the", "french", "army", "reach", "moscow"]
@@ -66,24 +69,84 @@ def test_question_vectors_in_length_sorted_chunks(model, tokenizer):
   questions = [" ".join(rng.choice(words, n)) + "?" for n in rng.integers(1, 30, 40)]
   ids, mask = tokenizer.encode(questions, 32)
   calls = []
-  encode = bound(model, "questions")
+  packed = bound(model, "packed_questions")
 
-  def recording(i, m):
-    calls.append(i.shape)
-    return encode(i, m)
+  def recording(i, s, p):
+    calls.append((i.shape, np.asarray(s)))
+    return packed(i, s, p)
 
-  q_start, q_end = question_vectors(recording, ids, mask, batch_size=64, mesh=mesh)
+  encoders = QuestionEncoders(lambda i, m: pytest.fail("a CPU packs its questions"), recording)
+  q_start, q_end = question_vectors(encoders, ids, mask, batch_size=64, mesh=mesh)
   rows, multiple = question_calls(64, mesh)
-  assert (rows, multiple) == (16, 8) and len(calls) == 3 and all(c[0] <= rows for c in calls)
-  widths = [c[1] for c in calls]
-  assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
-  assert all(w % multiple == 0 or w == 32 for w in widths)
-  for n in (0, 17, 39):
-    length = int(mask[n].sum())
-    alone = model.encode_questions(jnp.asarray(ids[n:n + 1, :length]),
-                                   jnp.asarray(mask[n:n + 1, :length]))
-    np.testing.assert_allclose(q_start[n], alone[0][0], atol=2e-5)
-    np.testing.assert_allclose(q_end[n], alone[1][0], atol=2e-5)
+  assert (rows, multiple) == (max(16, mesh.size), 8) and all(c[0] <= rows for c, _ in calls)
+  widths = [c[1] for c, _ in calls]
+  assert widths == sorted(widths, reverse=True) and all(w % multiple == 0 for w in widths)
+  tokens = int(mask.sum())
+  assert sum(int((s > 0).sum()) for _, s in calls) == tokens  # every token once
+  assert all(s.max() <= PACKED_QUESTIONS for _, s in calls)
+  assert sum(c[0] for c, _ in calls) < len(questions) // 2  # several questions a row
+  alone = model.encode_questions(jnp.asarray(ids), jnp.asarray(mask))
+  np.testing.assert_allclose(q_start, alone[0], atol=2e-5)
+  np.testing.assert_allclose(q_end, alone[1], atol=2e-5)
+  assert np.ptp(q_start, axis=0).max() > 1e-3  # the questions' vectors differ
+
+
+def test_pack_rows_places_each_sequence_once_best_fit_longest_first():
+  """`pack_rows`: no two sequences share a column, none passes the width or the row's count;
+  the rows are as few as the tokens allow for sizes that tile them, and within 5% of that for
+  random sizes; sizes out of 1..width are refused."""
+  from dpjax.models.encoders import pack_rows
+  rng = np.random.default_rng(1)
+  for lengths, width, most in ((rng.integers(3, 33, 500), 64, 8), (np.full(40, 16), 64, 8),
+                               (rng.integers(1, 9, 300), 64, 4), (np.array([64, 1, 63]), 64, 8)):
+    row, offset, slot = pack_rows(lengths, width, most)
+    taken = np.zeros((row.max() + 1, width), int)
+    for r, o, n in zip(row, offset, lengths):
+      assert o + n <= width
+      taken[r, o:o + n] += 1
+    assert taken.max() == 1
+    assert len(set(zip(row, slot))) == len(lengths) and slot.max() < most
+    assert np.bincount(row).max() <= most
+    least = max(-(-lengths.sum() // width), -(-len(lengths) // most))
+    assert row.max() + 1 <= 1.05 * least + 1, (row.max() + 1, least)  # next fit: 164 vs 140
+    if (lengths == 16).all():
+      assert row.max() + 1 == least
+  with pytest.raises(ValueError, match="1..64"):
+    pack_rows(np.array([65]), 64, 8)
+
+
+def test_compiled_question_shapes_cover_every_call(tokenizer):
+  """`compile_questions` compiles every shape `question_vectors` then calls the encoder with, for
+  any number of questions (up to its bound) of any length: the calls compile nothing. On a CPU
+  the packed encoder's rows (powers of two) x widths (8-multiples up to 64); on an accelerator
+  the padded encoder's, 16-multiples up to the longest question. (A model of shapes no other
+  test compiles.)"""
+  from dpjax.models.encoders import bound_questions, compile_questions, question_call_shapes
+  from dpjax.parallel import compile_stats, make_mesh
+  config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=37, max_position_embeddings=64)
+  tiny = DensePhrases(config, rngs=nnx.Rngs(0))
+  mesh = make_mesh(1)
+  assert question_call_shapes(64, mesh, 32) == ([1, 2, 4, 8, 16], list(range(8, 65, 8)))
+  assert question_call_shapes(64, mesh, 72, max_questions=3) == ([1, 2, 4],
+                                                                  list(range(8, 73, 8)))
+  encoders = bound_questions(tiny)
+  assert compile_questions(encoders, 64, mesh, 20, max_questions=3) == 3 * 8
+  before = compile_stats()["count"]
+  rng = np.random.default_rng(0)
+  words = ["what", "year", "did", "the", "french", "army", "reach", "moscow"]
+  for _ in range(20):
+    texts = [" ".join(rng.choice(words, n)) for n in rng.integers(1, 30, rng.integers(1, 4))]
+    ids, mask = tokenizer.encode(texts, 20)
+    question_vectors(encoders, ids, mask, batch_size=64, mesh=mesh)
+  assert compile_stats()["count"] == before
+
+  class Device:
+    platform = "gpu"
+
+  class Mesh:
+    devices, size = np.array([Device()]), 1
+  assert question_call_shapes(64, Mesh(), 40) == ([1, 2, 4, 8, 16, 32, 64], [16, 32, 40])
 
 
 def test_phrase_calls_on_a_cpu_and_an_accelerator(monkeypatch):

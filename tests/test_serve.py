@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, load_script
@@ -18,7 +19,8 @@ import run
 
 CONFIG = "experiments/demo.py:tiny"
 # The untrained tiny encoder (the service, not the model, is under test); micro-batches of up to
-# 8 questions, so the warm-up compiles 4 batch sizes x 3 widths (8, 16, 24 tokens).
+# 8 questions, so the warm-up compiles the packed question encoder (a CPU's) for calls of 8 rows
+# (one a device) x 8 widths (8 to 64 tokens).
 SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8"]
 load_test = load_script("experiments/benchmarks/serve_load.py")
 
@@ -130,6 +132,10 @@ def test_no_question_encoder_compile_while_serving(service):
   texts = questions + [" ".join(["what"] * n) for n in (1, 7, 15, 40)]  # 40: truncated to 24
   for size in range(1, config.serve.max_batch + 1):
     batcher.searcher.encode(texts[size:size * 2 - 1] + texts[-size:][:1])  # size questions
+  rng = np.random.default_rng(0)
+  for _ in range(30):  # any number of questions of any lengths
+    batcher.searcher.encode([" ".join(["what"] * n) for n in rng.integers(
+        1, 40, rng.integers(1, config.serve.max_batch + 1))])
   assert compile_stats()["count"] == before
 
 

@@ -35,7 +35,7 @@ from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
-from dpjax.models.encoders import bound, question_vectors
+from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
 from dpjax.parallel import make_mesh, round_to_devices
 
 UNITS = ("phrase", "sentence", "passage", "document")
@@ -593,7 +593,13 @@ class DensePhrases:
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
     self.batch_size = round_to_devices(batch_size, self.mesh)
-    self._encode = bound(model, "questions")
+    self._encode = bound_questions(model)
+
+  def compile(self, max_questions: int | None = None) -> int:
+    """Compiles the question encoder for every call `encode` makes with at most `max_questions`
+    questions at once (`compile_questions`), in threads; returns the shapes."""
+    return compile_questions(self._encode, self.batch_size, self.mesh, self.max_query_length,
+                             max_questions)
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)

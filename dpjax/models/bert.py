@@ -237,11 +237,12 @@ class BertEmbeddings(nnx.Module):
     self.dropout = Dropout(config.hidden_dropout_prob)
     self.dtype = dtype
 
-  def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None):
-    # input_ids, token_type_ids: [B, L] int
-    length = input_ids.shape[-1]
-    positions = jnp.arange(length)[None, :]
-    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+  def __call__(self, input_ids, token_type_ids, *, rngs: nnx.Rngs | None = None,
+               position_ids=None):
+    # input_ids, token_type_ids: [B, L] int; position_ids [B, L] int, None: 0..L-1 in each row
+    if position_ids is None:
+      position_ids = jnp.arange(input_ids.shape[-1])[None, :]
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
          + self.token_type_embeddings(token_type_ids))
     x = self.layer_norm(x)
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
@@ -264,12 +265,14 @@ class BertSelfAttention(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None,
-               num_queries: int | None = None):
-    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L] float32 (0 or a large negative).
-    # num_queries: only the first positions attend (and are returned), [B, num_queries, D].
+               num_queries: int | None = None, query_positions=None):
+    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L] float32 (0 or a large negative), or
+    # [B, 1, L, L] (each query's own keys: packed rows, `BertModel`'s segment_ids).
+    # num_queries: only the first positions attend (and are returned), [B, num_queries, D];
+    # query_positions [B, S] int: only those positions, [B, S, D].
     batch, _, d = hidden.shape
     head_dim = d // self.num_heads
-    attending = hidden if num_queries is None else hidden[:, :num_queries]
+    attending, attention_bias = _attending(hidden, attention_bias, num_queries, query_positions)
 
     def heads(x):  # [B, L, D] -> [B, L, H, D/H]
       return x.reshape(batch, x.shape[1], self.num_heads, head_dim)
@@ -279,6 +282,8 @@ class BertSelfAttention(nnx.Module):
     drop = ((lambda w: self.attention_dropout(w, deterministic=False, rngs=rngs))
             if dropout else None)
     implementation = attention_implementation(self.dtype)
+    if attention_bias.shape[2] > 1 and implementation in ("cudnn", "pallas"):
+      implementation = "xla"  # the kernels take key lengths: one mask for all of a row's queries
     if (implementation == "pallas" and self.attention_dropout.rate < 1.0
         and flash_attention.supported(q.shape[1], k.shape[1], batch, self.num_heads, head_dim)):
       context = flash_attention.flash_attention(
@@ -299,6 +304,21 @@ class BertSelfAttention(nnx.Module):
     return self.layer_norm(out + attending).astype(self.dtype)  # [B, L or num_queries, D]
 
 
+def _attending(hidden, attention_bias, num_queries: int | None, query_positions):
+  """(the rows of `hidden` that attend, their rows of a per-query `attention_bias`): all of them,
+  the first `num_queries`, or those at `query_positions` [B, S]."""
+  per_query = attention_bias.shape[2] > 1
+  if query_positions is not None:
+    rows = jnp.take_along_axis(hidden, query_positions[:, :, None], axis=1)
+    if per_query:
+      attention_bias = jnp.take_along_axis(attention_bias, query_positions[:, None, :, None],
+                                           axis=2)
+    return rows, attention_bias
+  if num_queries is not None:
+    return hidden[:, :num_queries], attention_bias[:, :, :num_queries]
+  return hidden, attention_bias
+
+
 class BertLayer(nnx.Module):
   """Post-LN transformer layer: attention block, then GELU feed-forward block."""
 
@@ -312,9 +332,10 @@ class BertLayer(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, hidden, attention_bias, *, rngs: nnx.Rngs | None = None,
-               num_queries: int | None = None):
-    # hidden: [B, L, D]; attention_bias: [B, 1, 1, L]; num_queries as in BertSelfAttention
-    attended = self.attention(hidden, attention_bias, rngs=rngs, num_queries=num_queries)
+               num_queries: int | None = None, query_positions=None):
+    # hidden: [B, L, D]; attention_bias, num_queries, query_positions as in BertSelfAttention
+    attended = self.attention(hidden, attention_bias, rngs=rngs, num_queries=num_queries,
+                              query_positions=query_positions)
     ff = self.output(self.activation(self.intermediate(attended)))
     ff = self.dropout(ff, deterministic=rngs is None, rngs=rngs)
     return self.layer_norm(ff + attended).astype(self.dtype)  # [B, L or num_queries, D]
@@ -341,11 +362,19 @@ class BertModel(nnx.Module):
       *,
       rngs: nnx.Rngs | None = None,
       first_only: bool = False,
+      segment_ids=None,  # [B, L] int: packed rows, see below
+      position_ids=None,  # [B, L] int; None means 0..L-1 in every row
+      query_positions=None,  # [B, S] int: the only outputs wanted, see below
   ):
     """Returns the last hidden states, [B, L, D] in the compute dtype; with `first_only` only
     the first position's, [B, 1, D]: the last layer computes the other positions' keys and values
     only (for [CLS] readers; 11-13% less time for a 6-layer encoder on a CPU), and the values
-    equal the full pass's first row."""
+    equal the full pass's first row; with `query_positions` those positions' likewise, [B, S, D].
+
+    Packed rows (several sequences in one row, no padding between them): `segment_ids` numbers
+    each token's sequence (> 0; 0 marks padding) and a token attends to its own sequence's tokens
+    only; with `position_ids` counting from 0 in each sequence, every sequence's vectors are
+    those of its own row (up to float rounding)."""
     if attention_mask is None:
       attention_mask = jnp.ones_like(input_ids)
     if token_type_ids is None:
@@ -353,10 +382,14 @@ class BertModel(nnx.Module):
     # Additive mask as in BertModel: padded keys get the most negative float32, so their
     # softmax weight is exactly 0 for every row that has at least one real token.
     keep = attention_mask.astype(bool)[:, None, None, :]
+    if segment_ids is not None:  # [B, 1, L, L]: a query's keys are its segment's tokens
+      keep = keep & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]) & (
+          segment_ids[:, None, None, :] > 0)
     attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-    hidden = self.embeddings(input_ids, token_type_ids, rngs=rngs)
+    hidden = self.embeddings(input_ids, token_type_ids, rngs=rngs, position_ids=position_ids)
     last = len(self.layers) - 1
     for i, layer in enumerate(self.layers):
       hidden = layer(hidden, attention_bias, rngs=rngs,
-                     num_queries=1 if first_only and i == last else None)
+                     num_queries=1 if first_only and i == last else None,
+                     query_positions=query_positions if i == last else None)
     return hidden

@@ -67,6 +67,27 @@ class DensePhrases(nnx.Module):
     q_end = self.query_end_encoder(input_ids, attention_mask, rngs=rngs, first_only=True)[:, 0]
     return q_start.astype(jnp.float32), q_end.astype(jnp.float32)
 
+  def encode_packed_questions(
+      self,
+      input_ids,  # [B, L] int: several questions a row, each `[CLS] ... [SEP]`
+      segment_ids,  # [B, L] int: each token's question in its row (1, 2, ...), 0 for padding
+      position_ids,  # [B, L] int: positions from 0 in each question
+      max_segments: int,  # S: the most questions a row holds
+  ):
+    """Question vectors (q_start, q_end), each [B, S, D] float32, of packed rows (row b's
+    question s + 1 at [b, s]; zeros-or-anything where a row holds fewer): those of the questions
+    encoded one a row (`encode_questions`) up to float rounding, without the compute on padding
+    that short questions take in rows as wide as the longest one."""
+    starts = (position_ids == 0) & (segment_ids > 0)  # each question's [CLS]
+    numbers = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)[None, :, None]
+    first_positions = jnp.argmax(starts[:, None, :] & (segment_ids[:, None, :] == numbers), -1)
+    kwargs = dict(attention_mask=(segment_ids > 0).astype(input_ids.dtype),
+                  segment_ids=segment_ids, position_ids=position_ids,
+                  query_positions=first_positions)
+    q_start = self.query_start_encoder(input_ids, **kwargs)
+    q_end = q_start if self.share_query_encoders else self.query_end_encoder(input_ids, **kwargs)
+    return q_start.astype(jnp.float32), q_end.astype(jnp.float32)
+
   def filter_logits(self, token_vectors):
     """Start and end filter logits, [B, L, 2], from token vectors [B, L, D]."""
     return self.filter_head(token_vectors)

@@ -2,7 +2,8 @@
 
 Everything that encodes many passages or questions (RC evaluation, search, the dump, the token
 filter, validation) goes through `phrase_batches` / `question_vectors`: length-bucketed batches
-sharded over the mesh, padding dropped, each result put back at its rows.
+(on a CPU, questions packed several to a row) sharded over the mesh, padding dropped, each
+result put back at its rows.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpjax.parallel import batch_sharding, make_mesh, map_batches, round_to_devices
+from dpjax.parallel import (batch_sharding, make_mesh, map_batches, padded_rows,
+                            round_to_devices)
 
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
 # rounded up to a multiple of a few tokens. On a CPU, where compute is per token, the calls take
@@ -27,6 +29,15 @@ from dpjax.parallel import batch_sharding, make_mesh, map_batches, round_to_devi
 QUESTION_WIDTH = 16
 CPU_QUESTION_WIDTH = 8
 CPU_QUESTION_CHUNK = 16
+# On a CPU the questions are also packed, several to a row of CPU_PACKED_WIDTH tokens (or the
+# longest question's width) and at most PACKED_QUESTIONS a row, each attending to its own tokens
+# only (`DensePhrases.encode_packed_questions`): SQuAD dev's first 1,280 questions
+# (max_query_length 32) take 1.42x their tokens in the sorted chunks above (in batches of 64)
+# and 1.03x packed all at once (1.14x a batch of 64 at a time: 16-row calls); encoding them all
+# at once took 0.31 instead of 0.42 s per 64 questions on 2 cores, 64 at a time 0.37-0.42
+# instead of 0.41-0.45 (MiniLM, float32; question vectors within 3e-6 of the unpacked ones).
+CPU_PACKED_WIDTH = 64
+PACKED_QUESTIONS = 8
 # Passage windows likewise (the dump, RC evaluation, the token filter): on a CPU at most
 # CPU_PHRASE_CHUNK rows per call at multiples of CPU_PHRASE_WIDTH: the phrase encoder's forward
 # at 16 x 192 runs 1.2x the tokens/s of 64 x 192 (the 2-core Xeon, float32: 8.9k vs 7.5k), and
@@ -43,6 +54,16 @@ class Encoders(NamedTuple):
   phrases: Callable  # -> h [B, L, D]
   questions: Callable  # -> (q_start, q_end) [B, D] each
   phrases_and_filter: Callable  # -> (h [B, L, D], filter logits [B, L, 2]), float16 (dumped)
+  # fn(state, input_ids, segment_ids, position_ids) of packed rows -> (q_start, q_end)
+  # [B, PACKED_QUESTIONS, D] each
+  packed_questions: Callable
+
+
+class QuestionEncoders(NamedTuple):
+  """A model's two `bound` question encoders (`bound_questions`): `padded(input_ids,
+  attention_mask)`, a question a row, and `packed(input_ids, segment_ids, position_ids)`."""
+  padded: Callable
+  packed: Callable
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,7 +88,12 @@ def make_encoders(graphdef: nnx.GraphDef) -> Encoders:
     # Cast on the device: half the bytes to copy back, no host conversion.
     return h.astype(jnp.float16), model.filter_logits(h).astype(jnp.float16)
 
-  return Encoders(phrases, questions, phrases_and_filter)
+  @jax.jit
+  def packed_questions(state, input_ids, segment_ids, position_ids):
+    return nnx.merge(graphdef, state).encode_packed_questions(
+        input_ids, segment_ids, position_ids, PACKED_QUESTIONS)
+
+  return Encoders(phrases, questions, phrases_and_filter, packed_questions)
 
 
 def bound(model, encoder: str) -> Callable:
@@ -81,14 +107,19 @@ def bound(model, encoder: str) -> Callable:
   return functools.partial(_flat_encoder(graphdef, treedef, encoder), tuple(leaves))
 
 
+def bound_questions(model) -> QuestionEncoders:
+  """The model's question encoders, `bound` (what `question_vectors` takes)."""
+  return QuestionEncoders(bound(model, "questions"), bound(model, "packed_questions"))
+
+
 @functools.lru_cache(maxsize=8)
 def _flat_encoder(graphdef: nnx.GraphDef, treedef, encoder: str) -> Callable:
   """`jit(fn(leaves, input_ids, attention_mask))`: an `Encoders` field on a flattened state."""
   jitted = getattr(make_encoders(graphdef), encoder)
 
   @jax.jit
-  def flat(leaves, input_ids, attention_mask):
-    return jitted(jax.tree.unflatten(treedef, leaves), input_ids, attention_mask)
+  def flat(leaves, *arrays):
+    return jitted(jax.tree.unflatten(treedef, leaves), *arrays)
 
   return flat
 
@@ -116,18 +147,19 @@ def call_widths(multiple: int, max_length: int) -> list[int]:
 
 
 def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
-                  threads: int | None = None) -> int:
-  """Compiles a `bound` encoder for int32 [rows, width] batches sharded over `mesh`, every width
-  at once in `threads` threads (XLA compiles outside the GIL): the calls of a long job at those
-  shapes (`map_batches` with `pad_last`) then compile nothing. The compiles contend (on an H200
-  the SQuAD-open small dump's 12 widths: 36.6 s at once, 323 s of compile time; 11 widths one
-  after the other as the calls came: 41.4 s; results/speed_gpu.md). Returns the shapes compiled."""
+                  threads: int | None = None, inputs: int = 2) -> int:
+  """Compiles a `bound` encoder for `inputs` int32 [rows, width] batches sharded over `mesh`,
+  every width at once in `threads` threads (XLA compiles outside the GIL): the calls of a long
+  job at those shapes (`map_batches` with `pad_last`) then compile nothing. The compiles contend
+  (on an H200 the SQuAD-open small dump's 12 widths: 36.6 s at once, 323 s of compile time; 11
+  widths one after the other as the calls came: 41.4 s; results/speed_gpu.md). Returns the
+  shapes compiled."""
   flat, (leaves,) = encode.func, encode.args
   sharding = batch_sharding(mesh)
 
   def compile_width(width: int) -> None:
     spec = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=sharding)
-    flat.lower(leaves, spec, spec).compile()
+    flat.lower(leaves, *[spec] * inputs).compile()
 
   threads = max(1, min(len(widths), threads or os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -159,21 +191,115 @@ def question_calls(batch_size: int, mesh) -> tuple[int, int]:
   return _calls(batch_size, mesh, (CPU_QUESTION_CHUNK, CPU_QUESTION_WIDTH), QUESTION_WIDTH)
 
 
-def question_vectors(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
-                     batch_size: int, mesh) -> tuple[np.ndarray, np.ndarray]:
-  """(q_start, q_end) [Q, D] of tokenised questions by `encode` (a bound question encoder), in
-  calls of `question_calls` rows sorted by length, each cut to its own width."""
+def question_vectors(encoders: QuestionEncoders, input_ids: np.ndarray,
+                     attention_mask: np.ndarray, *, batch_size: int,
+                     mesh) -> tuple[np.ndarray, np.ndarray]:
+  """(q_start, q_end) [Q, D] of tokenised questions (`[CLS] ... [SEP]`, padding last) by a
+  model's `bound_questions`: on an accelerator `padded` in calls of `batch_size` rows sorted by
+  length, each cut to its own width; on a CPU `packed` in calls of `question_calls` rows of
+  several questions each (`pack_rows`)."""
+  if not len(input_ids):
+    raise ValueError("no questions to encode")
+  lengths = np.asarray(attention_mask).sum(1)
+  rows_per_call, multiple = question_calls(batch_size, mesh)
+  if mesh.devices.flat[0].platform == "cpu":
+    packed, questions = _packed_questions(input_ids, lengths,
+                                          _packed_width(int(lengths.max()), multiple))
+    arrays, lengths = packed[:3], packed[3]
+    encode = encoders.packed
+  else:
+    arrays, encode, questions = [input_ids, attention_mask], encoders.padded, None
   q_start = q_end = None
-  rows_per_call, width = question_calls(batch_size, mesh)
-  for rows, (qs, qe) in map_batches(encode, [input_ids, attention_mask], rows_per_call, mesh,
-                                    lengths=attention_mask.sum(1), length_multiple=width):
+  for rows, (qs, qe) in map_batches(encode, arrays, rows_per_call, mesh,
+                                    lengths=lengths, length_multiple=multiple):
+    if questions is not None:  # packed: [n, S, D] -> the rows' questions
+      held = questions[rows] >= 0
+      rows, qs, qe = questions[rows][held], qs[held], qe[held]
     if q_start is None:
-      q_start = np.zeros((len(input_ids), qs.shape[1]), qs.dtype)
+      q_start = np.zeros((len(input_ids), qs.shape[-1]), qs.dtype)
       q_end = np.zeros_like(q_start)
     q_start[rows], q_end[rows] = qs, qe
-  if q_start is None:
-    raise ValueError("no questions to encode")
   return q_start, q_end
+
+
+def question_call_shapes(batch_size: int, mesh, max_query_length: int,
+                         max_questions: int | None = None) -> tuple[list[int], list[int]]:
+  """(row counts, widths): every [rows, width] shape of the encoder calls `question_vectors`
+  makes for questions of at most `max_query_length` tokens (the tokenizer's truncation), at most
+  `max_questions` at once (default: any number)."""
+  rows_per_call, multiple = question_calls(batch_size, mesh)
+  longest = max_query_length
+  if mesh.devices.flat[0].platform == "cpu":
+    longest = _packed_width(max_query_length, multiple)
+  calls = range(1, min(rows_per_call, max_questions or rows_per_call) + 1)  # rows of a call
+  rows = sorted({padded_rows(n, rows_per_call, mesh) for n in calls})
+  return rows, call_widths(multiple, longest)
+
+
+def compile_questions(encoders: QuestionEncoders, batch_size: int, mesh, max_query_length: int,
+                      max_questions: int | None = None) -> int:
+  """Compiles the question encoder `question_vectors` calls for every shape it may call it
+  with (`question_call_shapes`): then no call compiles (a service's). Returns the shapes."""
+  rows, widths = question_call_shapes(batch_size, mesh, max_query_length, max_questions)
+  packed = mesh.devices.flat[0].platform == "cpu"
+  encode, inputs = (encoders.packed, 3) if packed else (encoders.padded, 2)
+  return sum(compile_ahead(encode, n, widths, mesh, inputs=inputs) for n in rows)
+
+
+def _packed_width(longest: int, multiple: int) -> int:
+  """The rows questions of at most `longest` tokens are packed into: CPU_PACKED_WIDTH, or
+  `longest` rounded up to `multiple` if that is more."""
+  return max(CPU_PACKED_WIDTH, -(-longest // multiple) * multiple)
+
+
+def pack_rows(lengths: np.ndarray, width: int,
+              max_per_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Sequences of `lengths` (each at most `width`) packed into rows of `width`, at most
+  `max_per_row` a row: best fit, longest first (each goes to the fullest row it fits).
+  Returns (row, offset, slot) [N]: its row, its first column there, its place among the row's."""
+  lengths = np.asarray(lengths, np.int64)
+  if len(lengths) and (lengths.max() > width or lengths.min() < 1):
+    raise ValueError(f"pack_rows: lengths must be 1..{width}, got {lengths.min()}..{lengths.max()}")
+  row, offset, slot = (np.zeros(len(lengths), np.int64) for _ in range(3))
+  by_room: list[list[int]] = [[] for _ in range(width + 1)]  # open rows by free columns
+  used: list[int] = []  # per row: columns taken
+  held: list[int] = []  # per row: sequences
+  for n in np.argsort(-lengths, kind="stable"):
+    size = int(lengths[n])
+    room = next((r for r in range(size, width + 1) if by_room[r]), None)
+    if room is None:
+      r = len(used)
+      used.append(0)
+      held.append(0)
+    else:
+      r = by_room[room].pop()
+    row[n], offset[n], slot[n] = r, used[r], held[r]
+    used[r] += size
+    held[r] += 1
+    if held[r] < max_per_row and used[r] < width:
+      by_room[width - used[r]].append(r)
+  return row, offset, slot
+
+
+def _packed_questions(input_ids: np.ndarray, lengths: np.ndarray,
+                      width: int) -> tuple[list[np.ndarray], np.ndarray]:
+  """Questions packed into rows of `width` (`pack_rows`, at most PACKED_QUESTIONS a row):
+  ([input_ids, segment_ids, position_ids [R, width], tokens per row [R]], the question at each
+  row's place [R, PACKED_QUESTIONS], -1 where none)."""
+  row, offset, slot = pack_rows(lengths, width, PACKED_QUESTIONS)
+  count = int(row.max()) + 1
+  token_row = np.repeat(row, lengths)
+  within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  column = np.repeat(offset, lengths) + within
+  ids = np.zeros((count, width), input_ids.dtype)
+  segments = np.zeros((count, width), np.int32)
+  positions = np.zeros((count, width), np.int32)
+  ids[token_row, column] = input_ids[np.repeat(np.arange(len(lengths)), lengths), within]
+  segments[token_row, column] = np.repeat(slot + 1, lengths)
+  positions[token_row, column] = within
+  questions = np.full((count, PACKED_QUESTIONS), -1, np.int64)
+  questions[row, slot] = np.arange(len(lengths))
+  return [ids, segments, positions, np.bincount(row, lengths, count).astype(np.int64)], questions
 
 
 def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,
@@ -181,5 +307,5 @@ def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_le
   """(q_start, q_end) [Q, D] of question texts by the model's question encoders."""
   mesh = mesh or make_mesh()
   ids, mask = tokenizer.encode(list(questions), max_query_length)
-  return question_vectors(bound(model, "questions"), ids, mask,
+  return question_vectors(bound_questions(model), ids, mask,
                           batch_size=round_to_devices(batch_size, mesh), mesh=mesh)

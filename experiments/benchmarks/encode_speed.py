@@ -111,14 +111,20 @@ def main(argv=None) -> int:
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title, batch_size=batch_size)
   encode_phrases = lambda i, m: encoders.phrases_and_filter(state, i, m)
+  question_encoders = encoders_module.QuestionEncoders(
+      lambda i, m: encoders.questions(state, i, m),
+      lambda i, s, p: encoders.packed_questions(state, i, s, p))
 
   def one_by_one() -> list[float]:
     times = []
     for q in questions:
       start = time.perf_counter()
       ids, mask = tokenizer.encode([q], config.data.max_query_length)
-      encoders_module.question_vectors(lambda i, m: encoders.questions(state, i, m), ids, mask,
-                                       batch_size=batch_size, mesh=mesh)
+      if parallel.map_batches is padded:  # as it was: a batch of rows at full width
+        list(padded(question_encoders.padded, [ids, mask], batch_size, mesh))
+      else:
+        encoders_module.question_vectors(question_encoders, ids, mask, batch_size=batch_size,
+                                         mesh=mesh)
       times.append(time.perf_counter() - start)
     return times
 
