@@ -214,6 +214,40 @@ def test_first_only_equals_the_full_pass_first_row(model):
   np.testing.assert_allclose(np.asarray(first)[:, 0], full[:, 0], atol=1e-5, rtol=0)
 
 
+def test_packed_rows_equal_each_sequence_alone(model):
+  """Sequences packed in one row (`segment_ids`, `position_ids` from 0 in each, padding after)
+  give every token the vector it gets in its own row, and `query_positions` the rows of the
+  full pass at those positions."""
+  ids, mask, types = _inputs()
+  lengths = mask.sum(1)  # 13, 7, 2: packed as [13 | 7 | 2 | 3 padding] and [7 | 2 | 16 padding]
+  alone = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types)))
+  rows = [[0, 1, 2], [1, 2]]
+  width = 25
+  packed = {k: np.zeros((2, width), np.int32) for k in ("ids", "types", "segments", "positions")}
+  places = []
+  for r, members in enumerate(rows):
+    at = 0
+    for s, n in enumerate(members):
+      span = slice(at, at + lengths[n])
+      packed["ids"][r, span], packed["types"][r, span] = ids[n, :lengths[n]], types[n, :lengths[n]]
+      packed["segments"][r, span], packed["positions"][r, span] = s + 1, np.arange(lengths[n])
+      places.append((r, at, n))
+      at += lengths[n]
+  args = [jnp.asarray(packed[k]) for k in ("ids", "segments", "types")]
+  out = np.asarray(model(args[0], (args[1] > 0).astype(jnp.int32), args[2], segment_ids=args[1],
+                         position_ids=jnp.asarray(packed["positions"])))
+  for r, at, n in places:
+    np.testing.assert_allclose(out[r, at:at + lengths[n]], alone[n, :lengths[n]], atol=1e-5,
+                               rtol=0)
+  assert np.isfinite(out).all()  # padding attends to nothing and stays finite
+  firsts = jnp.asarray([[0, 13, 20], [0, 7, 0]])
+  picked = model(args[0], (args[1] > 0).astype(jnp.int32), args[2], segment_ids=args[1],
+                 position_ids=jnp.asarray(packed["positions"]), query_positions=firsts)
+  assert picked.shape == (2, 3, CONFIG.hidden_size)
+  np.testing.assert_allclose(np.asarray(picked), np.take_along_axis(out, np.asarray(firsts)[
+      ..., None], 1), atol=1e-5, rtol=0)
+
+
 def test_attention_by_key_lengths_equals_the_additive_mask(model, monkeypatch):
   """The formulation the cuDNN kernel gets (`DPJAX_ATTENTION=cudnn` on a GPU): the padding mask
   as key lengths, run here by XLA; every real token's vector and the first-only pass as with the

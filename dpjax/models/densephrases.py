@@ -75,9 +75,9 @@ class DensePhrases(nnx.Module):
       max_segments: int,  # S: the most questions a row holds
   ):
     """Question vectors (q_start, q_end), each [B, S, D] float32, of packed rows (row b's
-    question s + 1 at [b, s]; zeros-or-anything where a row holds fewer): those of the questions
-    encoded one a row (`encode_questions`) up to float rounding, without the compute on padding
-    that short questions take in rows as wide as the longest one."""
+    question s + 1 at [b, s]; where a row holds fewer, its first question's again): those of
+    the questions encoded one a row (`encode_questions`) up to float rounding, without the
+    compute on padding that short questions take in rows as wide as the longest one."""
     starts = (position_ids == 0) & (segment_ids > 0)  # each question's [CLS]
     numbers = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)[None, :, None]
     first_positions = jnp.argmax(starts[:, None, :] & (segment_ids[:, None, :] == numbers), -1)
