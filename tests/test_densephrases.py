@@ -89,6 +89,9 @@ def test_question_vectors_in_packed_rows(model, tokenizer):
   np.testing.assert_allclose(q_start, alone[0], atol=2e-5)
   np.testing.assert_allclose(q_end, alone[1], atol=2e-5)
   assert np.ptp(q_start, axis=0).max() > 1e-3  # the questions' vectors differ
+  mask[7] = 0
+  with pytest.raises(ValueError, match="question 7 has no tokens"):
+    question_vectors(encoders, ids, mask, batch_size=64, mesh=mesh)
 
 
 def test_pack_rows_places_each_sequence_once_best_fit_longest_first():

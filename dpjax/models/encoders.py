@@ -201,6 +201,9 @@ def question_vectors(encoders: QuestionEncoders, input_ids: np.ndarray,
   if not len(input_ids):
     raise ValueError("no questions to encode")
   lengths = np.asarray(attention_mask).sum(1)
+  if lengths.min() < 1:
+    raise ValueError(f"question {int(np.argmin(lengths))} has no tokens (its attention_mask "
+                     "is all 0): a question is at least `[CLS] [SEP]`")
   rows_per_call, multiple = question_calls(batch_size, mesh)
   if mesh.devices.flat[0].platform == "cpu":
     packed, questions = _packed_questions(input_ids, lengths,
