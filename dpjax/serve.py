@@ -328,7 +328,7 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
 
 def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
-  the question encoder compiled ahead for every micro-batch size."""
+  the question encoder compiled ahead for every call shape a micro-batch may take."""
   sc = config.serve
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
   start = time.perf_counter()  # every shape of its calls: no compile while serving
