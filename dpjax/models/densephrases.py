@@ -81,9 +81,8 @@ class DensePhrases(nnx.Module):
     starts = (position_ids == 0) & (segment_ids > 0)  # each question's [CLS]
     numbers = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)[None, :, None]
     first_positions = jnp.argmax(starts[:, None, :] & (segment_ids[:, None, :] == numbers), -1)
-    kwargs = dict(attention_mask=(segment_ids > 0).astype(input_ids.dtype),
-                  segment_ids=segment_ids, position_ids=position_ids,
-                  query_positions=first_positions)
+    kwargs = dict(segment_ids=segment_ids, position_ids=position_ids,
+                  query_positions=first_positions)  # segment 0: padding, masked
     q_start = self.query_start_encoder(input_ids, **kwargs)
     q_end = q_start if self.share_query_encoders else self.query_end_encoder(input_ids, **kwargs)
     return q_start.astype(jnp.float32), q_end.astype(jnp.float32)

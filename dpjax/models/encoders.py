@@ -135,9 +135,14 @@ def phrase_calls(batch_size: int, mesh, width_multiple: int = 0) -> tuple[int, i
 def _calls(batch_size: int, mesh, cpu: tuple[int, int], width: int) -> tuple[int, int]:
   """(rows per call, width multiple): `batch_size` and `width` on an accelerator; on a CPU mesh
   `cpu` = (at most that many rows, rounded to the mesh size; its width multiple)."""
-  if mesh.devices.flat[0].platform != "cpu":
+  if not _on_cpu(mesh):
     return batch_size, width
   return min(batch_size, round_to_devices(cpu[0], mesh)), cpu[1]
+
+
+def _on_cpu(mesh) -> bool:
+  """Whether the mesh's devices are CPUs (encoder calls of a few rows, questions packed)."""
+  return mesh.devices.flat[0].platform == "cpu"
 
 
 def call_widths(multiple: int, max_length: int) -> list[int]:
@@ -205,10 +210,9 @@ def question_vectors(encoders: QuestionEncoders, input_ids: np.ndarray,
     raise ValueError(f"question {int(np.argmin(lengths))} has no tokens (its attention_mask "
                      "is all 0): a question is at least `[CLS] [SEP]`")
   rows_per_call, multiple = question_calls(batch_size, mesh)
-  if mesh.devices.flat[0].platform == "cpu":
-    packed, questions = _packed_questions(input_ids, lengths,
-                                          _packed_width(int(lengths.max()), multiple))
-    arrays, lengths = packed[:3], packed[3]
+  if _on_cpu(mesh):
+    arrays, lengths, questions = _packed_questions(input_ids, lengths,
+                                                   _packed_width(int(lengths.max()), multiple))
     encode = encoders.packed
   else:
     arrays, encode, questions = [input_ids, attention_mask], encoders.padded, None
@@ -232,7 +236,7 @@ def question_call_shapes(batch_size: int, mesh, max_query_length: int,
   `max_questions` at once (default: any number)."""
   rows_per_call, multiple = question_calls(batch_size, mesh)
   longest = max_query_length
-  if mesh.devices.flat[0].platform == "cpu":
+  if _on_cpu(mesh):
     longest = _packed_width(max_query_length, multiple)
   calls = range(1, min(rows_per_call, max_questions or rows_per_call) + 1)  # rows of a call
   rows = sorted({padded_rows(n, rows_per_call, mesh) for n in calls})
@@ -244,8 +248,7 @@ def compile_questions(encoders: QuestionEncoders, batch_size: int, mesh, max_que
   """Compiles the question encoder `question_vectors` calls for every shape it may call it
   with (`question_call_shapes`): then no call compiles (a service's). Returns the shapes."""
   rows, widths = question_call_shapes(batch_size, mesh, max_query_length, max_questions)
-  packed = mesh.devices.flat[0].platform == "cpu"
-  encode, inputs = (encoders.packed, 3) if packed else (encoders.padded, 2)
+  encode, inputs = (encoders.packed, 3) if _on_cpu(mesh) else (encoders.padded, 2)
   return sum(compile_ahead(encode, n, widths, mesh, inputs=inputs) for n in rows)
 
 
@@ -285,9 +288,9 @@ def pack_rows(lengths: np.ndarray, width: int,
 
 
 def _packed_questions(input_ids: np.ndarray, lengths: np.ndarray,
-                      width: int) -> tuple[list[np.ndarray], np.ndarray]:
+                      width: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
   """Questions packed into rows of `width` (`pack_rows`, at most PACKED_QUESTIONS a row):
-  ([input_ids, segment_ids, position_ids [R, width], tokens per row [R]], the question at each
+  ([input_ids, segment_ids, position_ids] [R, width], tokens per row [R], the question at each
   row's place [R, PACKED_QUESTIONS], -1 where none)."""
   row, offset, slot = pack_rows(lengths, width, PACKED_QUESTIONS)
   count = int(row.max()) + 1
@@ -302,7 +305,7 @@ def _packed_questions(input_ids: np.ndarray, lengths: np.ndarray,
   positions[token_row, column] = within
   questions = np.full((count, PACKED_QUESTIONS), -1, np.int64)
   questions[row, slot] = np.arange(len(lengths))
-  return [ids, segments, positions, np.bincount(row, lengths, count).astype(np.int64)], questions
+  return [ids, segments, positions], np.bincount(row, lengths, count).astype(np.int64), questions
 
 
 def encode_questions(model, tokenizer, questions: Sequence[str], *, max_query_length: int = 64,
