@@ -100,10 +100,39 @@ def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path
   assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_shard_tables_are_written_before_the_last_blocks_vectors(model, tokenizer, monkeypatch):
+  """A streamed shard's tables (token rows, spans, passages) go to the writer as soon as its last
+  block of windows is made, before that block's vectors: finishing the shard then only writes
+  the .npy headers and renames it (the end of a dump waits for no shard-sized write)."""
+  passages = _passages(40)
+  config = dataclasses.replace(CONFIG, shard_passages=40, min_context=3)
+  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 4)  # blocks of 4, 8, 16 and 12 passages
+  maker = dump_module.WindowMaker(tokenizer, config)
+  with maker:
+    blocks = [(count, future.result()) for count, future in maker.submit_blocks(passages)]
+  events = []
+
+  class Sink:
+    def add(self, runs, rows, vectors, logits):
+      events.append(("add", len(rows)))
+
+    def tables(self, arrays, passages_):
+      events.append(("tables", {k: v.copy() for k, v in arrays.items()}, len(passages_)))
+
+  out = encode_shard(tokenizer, passages, config, make_mesh(), bound(model, "phrases_and_filter"),
+                     windows=blocks, stream=Sink)
+  tables = [i for i, e in enumerate(events) if e[0] == "tables"]
+  assert len(tables) == 1 and 0 < tables[0] < len(events) - 1, events  # adds before and after
+  _, arrays, count = events[tables[0]]
+  assert count == 40 and sorted(arrays) == sorted(out) == ["char_spans", "token_passage"]
+  for key, value in out.items():
+    np.testing.assert_array_equal(arrays[key], value, err_msg=key)
+
+
 def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_path,
                                                           monkeypatch):
-  """Shard 0's windows made in blocks (an accelerator's way, `WindowMaker.submit_blocks`: here
-  1, 2, 4, then 4 of its 11 passages) and encoded block by block give the shard of its windows
+  """Shard 0's windows made in blocks (`WindowMaker.submit_blocks`: here 1, 2, 4, then 4 of
+  its 11 passages) and encoded block by block give the shard of its windows
   encoded at once: the same tokens at the same rows, passage rows and spans, and the same
   vectors (the calls hold other windows, so widths differ: equal to float16 rounding), in as
   many calls, all full but the last (a block's windows that would fill a call in part go with
@@ -112,8 +141,6 @@ def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_
   passages = _passages(11)
   config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
   monkeypatch.setattr(dump_module, "FIRST_BLOCK", 1)
-  assert not dump_module._shard_0_in_blocks(make_mesh())  # on a CPU: one block
-  monkeypatch.setattr(dump_module, "_shard_0_in_blocks", lambda mesh: True)  # an accelerator's
   made = []
   submit_blocks = dump_module.WindowMaker.submit_blocks
   monkeypatch.setattr(dump_module.WindowMaker, "submit_blocks",
@@ -340,7 +367,11 @@ def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):
   assert not json.loads((broken / "manifest.json").read_text())["complete"]
   with pytest.raises(DumpError, match="incomplete"):
     Dump.load(broken)
-  (broken / "shard_00001.tmp").mkdir()  # a half-written shard
+  # A half-written shard: its tables and info are written before its last vectors are
+  # (`ShardStream.tables`), so a kill can leave them in the temporary directory.
+  (broken / "shard_00001.tmp").mkdir()
+  (broken / "shard_00001.tmp" / "shard.json").write_text(
+      json.dumps({"name": "shard_00001", "passages": 5, "tokens": 1, "passages_sha": "x"}))
   dump_phrases(model, tokenizer, passages, broken, CONFIG, mesh=make_mesh())
   a, b = Dump.load(tmp_path / "straight"), Dump.load(broken)
   np.testing.assert_array_equal(a.vectors, b.vectors)

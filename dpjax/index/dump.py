@@ -53,19 +53,15 @@ from dpjax.parallel import compile_stats
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 SHARD_INFO = "shard.json"
-# On an accelerator shard 0's windows are made in blocks of 64, 128, 256, ... passages
-# (`WindowMaker.submit_blocks`): the encoder waits for 64 passages to be tokenized, not a shard's
-# worth, at the start of a dump, and the blocks' calls encode about the whole shard's tokens
-# (`encode_shard`). Not on a CPU: there the tokenizer's thread then runs beside the encoder's
-# threads on the same cores, and the dump was no faster (warm 600-passage dumps on 2 cores, medians
-# of pairs: 4,016 stored tokens/s in blocks against 4,291 whole in 7, 3,480 against 3,476 in 14
-# more), though its host time fell (1.97 against 2.99, 2.76 against 3.77 us/token;
-# results/speed.md).
+# Shard 0's windows are made in blocks of 64, 128, 256, ... passages (`WindowMaker.submit_blocks`):
+# the encoder waits for 64 passages to be tokenized, not a shard's worth, at the start of a dump,
+# and the blocks' calls encode about the whole shard's tokens (`encode_shard`). On a CPU the
+# tokenizer's thread then runs beside the encoder's threads on the same cores, yet warm 600-passage
+# SQuAD dumps on 2 cores were as fast in blocks as whole (the two alternating in one process,
+# medians of pairs: 3,480 against 3,476 stored tokens/s in 14, 3,574 against 3,567 in 6; 4,016
+# against 4,291 in 7 earlier ones), and the main thread's host time fell (2.62 against 3.46, 2.76
+# against 3.77, 1.97 against 2.99 us/token).
 FIRST_BLOCK = 64
-
-
-def _shard_0_in_blocks(mesh) -> bool:
-  return mesh.devices.flat[0].platform != "cpu"
 
 
 # On an accelerator a dump of a full shard or more compiles the phrase encoder for every call width
@@ -170,10 +166,11 @@ class ShardStream:
   thread: each window's kept runs go from the encoder's outputs straight to their rows in
   `vectors.npy` / `filter_logits.npy` of `<name>.tmp` (os.pwrite at their offsets). The thread
   that feeds the encoder neither copies the tokens into a shard-sized array nor waits at the end
-  for a shard's worth of writing; `finish` writes the .npy headers (the number of rows, known
-  once every block of windows is made: .npy headers are 128 bytes whatever the count), the small
-  arrays, and renames the directory into place. A failed write is raised by the next call (a
-  DumpError naming the shard)."""
+  for a shard's worth of writing. `tables` writes the small arrays, the passages and the shard's
+  info as soon as the last block of windows is made (while its tokens are encoded); `finish`
+  writes the .npy headers (the number of rows, known then too: .npy headers are 128 bytes
+  whatever the count) and renames the directory into place. A failed write is raised by the next
+  call (a DumpError naming the shard)."""
 
   def __init__(self, directory: pathlib.Path, name: str, dim: int,
                writer: concurrent.futures.ThreadPoolExecutor):
@@ -184,6 +181,8 @@ class ShardStream:
     self.stored = 0
     self.error: BaseException | None = None
     self.pending: list[concurrent.futures.Future] = []
+    self.entry: dict | None = None  # the shard's info, once `tables` wrote it
+    self._tables_sent = False
     self._submit(self._open, dim)
 
   def add(self, runs: dict, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
@@ -191,10 +190,19 @@ class ShardStream:
     [B, width, ...])."""
     self._submit(self._write_batch, runs, rows, vectors, logits)
 
+  def tables(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> None:
+    """Writes `arrays` (token_passage, char_spans: one row per kept token), the passages and
+    the shard's info, before the last tokens' vectors come (`finish` then only completes)."""
+    self._tables_sent = True
+    self._submit(self._tables, arrays, passages)
+
   def finish(self, arrays: dict[str, np.ndarray], passages: list[Passage], total: int):
     """A future of the shard's manifest entry, once its `total` kept tokens, `arrays`
-    (token_passage, char_spans) and the passages are written and the shard is in place."""
-    self._submit(self._finish, arrays, passages, total)
+    (token_passage, char_spans) and the passages are written (by `tables`, or now) and the shard
+    is in place."""
+    if not self._tables_sent:
+      self.tables(arrays, passages)
+    self._submit(self._finish, total)
     return self.pending[-1]
 
   def close(self) -> None:
@@ -235,9 +243,14 @@ class ShardStream:
         _pwrite_all(fd, memoryview(data).cast("B"), offset + destination * width * 2)
       self.stored += length
 
-  def _finish(self, arrays: dict[str, np.ndarray], passages: list[Passage], total: int) -> dict:
-    if self.stored != total:  # every window comes back once
-      raise AssertionError(f"{total - self.stored} of {total} kept tokens were not encoded")
+  def _tables(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> None:
+    self.entry = _write_shard_files(self.tmp, self.final.name, arrays, passages,
+                                    len(arrays["token_passage"]))
+
+  def _finish(self, total: int) -> dict:
+    if self.stored != total or self.entry["tokens"] != total:  # every window comes back once
+      raise AssertionError(f"{total - self.stored} of {total} kept tokens were not encoded "
+                           f"({self.entry['tokens']} in the shard's tables)")
     for fd, offset, width in self.files:
       header = _npy_header(total, width)
       if len(header) != offset:  # numpy keeps room for any count in a 2-D header
@@ -245,10 +258,9 @@ class ShardStream:
       _pwrite_all(fd, memoryview(header), 0)
       os.ftruncate(fd, offset + total * width * 2)  # the size np.load expects (0 tokens too)
     self._close_files()
-    entry = _write_shard_files(self.tmp, self.final.name, arrays, passages, total)
     commit_directory(self.tmp, self.final)
-    log.info("%s: %d passages, %d tokens", self.final.name, len(passages), total)
-    return entry
+    log.info("%s: %d passages, %d tokens", self.final.name, self.entry["passages"], total)
+    return self.entry
 
   def _close_files(self) -> None:
     while self.files:
@@ -381,10 +393,14 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
     first_passage += count
     if number + 1 < len(blocks):  # windows that would share a call with wider ones wait
       todo, held = todo.split(*calls)
+    else:  # the shard's tables are complete: written while its last tokens are encoded
+      tables = {key: np.concatenate(value) for key, value in parts.items()}
+      if sink:
+        sink.tables(tables, passages)
     stored += _encode_windows(todo, total, config, mesh, encode, progress, waited, sink, out)
   if stored != total:  # every window comes back once
     raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
-  return {**{key: np.concatenate(value) for key, value in parts.items()}, **out}
+  return {**tables, **out}
 
 
 def _timed_result(future: concurrent.futures.Future, seconds: list | None):
@@ -515,11 +531,9 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   chunks = itertools.chain(head, chunks)
   with WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
-    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); on an
-    # accelerator in blocks, so that encoding starts after 64 passages, not the whole shard.
-    made = ({0: maker.submit_blocks(head[0]) if _shard_0_in_blocks(mesh)
-                 else maker.submit(head[0], thread=True)}
-            if head and distributed.process_share(0) else {})
+    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); in
+    # blocks, so that encoding starts after 64 passages, not the whole shard.
+    made = {0: maker.submit_blocks(head[0])} if head and distributed.process_share(0) else {}
     # The width multiple is speed only (the vectors differ by rounding at most): recorded, but
     # not a setting a dump is refused or resumed by.
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
