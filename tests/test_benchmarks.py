@@ -142,6 +142,26 @@ def test_encode_speed_benchmark_tiny(tmp_path, monkeypatch):
   assert "| dump encoding" in out.with_suffix(".md").read_text()
 
 
+def test_eval_cores_benchmark_tiny(tmp_path, monkeypatch, squad_dir):
+  """The eval loop timed in two pinned child processes (one core, all cores): its dump and
+  indexes made once in the scratch directory, the bound its one-core time implies."""
+  if squad_dir.resolve() != (REPO / "../shared/data/squad").resolve():
+    pytest.skip("speed.py's SQuAD questions are read from ../shared/data")
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path / "w")]
+  assert run.main(["train"] + base) == 0
+  monkeypatch.chdir(REPO)
+  out = tmp_path / "cores.json"
+  args = base + ["--scratch", str(tmp_path / "s"), "--passages", "6", "--questions", "8",
+                 "--repeats", "1", "--out", str(out)]
+  assert _load("eval_cores").main(args) == 0
+  r = json.loads(out.read_text())
+  assert (tmp_path / "s" / "dump" / "indexes" / "IVF_SQ4").is_dir()
+  assert len(r["one_core"]["cores"]) == 1 and r["cores"] == len(r["all_cores"]["cores"])
+  assert r["one_core"]["per_batch"]["encode"] > 0 and r["all_cores"]["per_batch"]["retrieve"] > 0
+  assert r["bound_questions_per_s"] == pytest.approx(
+      64 * r["cores"] / r["one_core"]["batch_seconds"])
+
+
 def test_report_command_line_is_runnable():
   """The command a report names re-parses to the arguments given; notes show as `--note ...`."""
   import shlex
