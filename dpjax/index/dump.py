@@ -182,7 +182,6 @@ class ShardStream:
     self.error: BaseException | None = None
     self.pending: list[concurrent.futures.Future] = []
     self.entry: dict | None = None  # the shard's info, once `tables` wrote it
-    self._tables_sent = False
     self._submit(self._open, dim)
 
   def add(self, runs: dict, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
@@ -193,15 +192,11 @@ class ShardStream:
   def tables(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> None:
     """Writes `arrays` (token_passage, char_spans: one row per kept token), the passages and
     the shard's info, before the last tokens' vectors come (`finish` then only completes)."""
-    self._tables_sent = True
     self._submit(self._tables, arrays, passages)
 
-  def finish(self, arrays: dict[str, np.ndarray], passages: list[Passage], total: int):
-    """A future of the shard's manifest entry, once its `total` kept tokens, `arrays`
-    (token_passage, char_spans) and the passages are written (by `tables`, or now) and the shard
-    is in place."""
-    if not self._tables_sent:
-      self.tables(arrays, passages)
+  def finish(self, total: int):
+    """A future of the shard's manifest entry, once its `total` kept tokens and its tables
+    (`tables`, sent before) are written and the shard is in place."""
     self._submit(self._finish, total)
     return self.pending[-1]
 
@@ -248,6 +243,8 @@ class ShardStream:
                                     len(arrays["token_passage"]))
 
   def _finish(self, total: int) -> dict:
+    if self.entry is None:
+      raise AssertionError(f"{self.final.name}: finished before its tables were written")
     if self.stored != total or self.entry["tokens"] != total:  # every window comes back once
       raise AssertionError(f"{total - self.stored} of {total} kept tokens were not encoded "
                            f"({self.entry['tokens']} in the shard's tables)")
@@ -673,7 +670,7 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
         arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
                               windows=windows, waited=waited, stream=stream,
                               pipeline=pipeline)
-        writing.append(current.pop().finish(arrays, chunk, len(arrays["token_passage"])))
+        writing.append(current.pop().finish(len(arrays["token_passage"])))
       for w in writing:
         _timed_result(w, pipeline)
     finally:

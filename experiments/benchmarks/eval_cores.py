@@ -72,11 +72,8 @@ def make_dump(args) -> None:
     return
   config, model, tokenizer = speed._model(args)
   passages, _ = speed.squad_dev(args.passages, 0)
-  dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
-                           doc_stride=config.data.doc_stride,
-                           include_title=config.data.include_title,
-                           batch_size=config.index.batch_size,
-                           shard_passages=config.index.shard_passages, min_context=32)
+  dump_config = speed.dump_settings(DumpConfig, config, config.index.shard_passages,
+                                    min_context=32)
   dump_phrases(model, tokenizer, [Passage(**p) for p in passages], out, dump_config,
                mesh=make_mesh(local=True))
   build_index(out, "Flat")
@@ -95,6 +92,7 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out")
   parser.add_argument("--cpus", help=argparse.SUPPRESS)  # a child: pinned to these cores
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
   if args.cpus:
     os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -104,15 +102,13 @@ def main(argv=None) -> int:
   cores = sorted(os.sched_getaffinity(0))
   runs = {}
   for pinned in (cores[:1], cores):
-    command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-               "--cpus", ",".join(map(str, pinned))]
+    command = [sys.executable, __file__, *argv, "--cpus", ",".join(map(str, pinned))]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     runs[len(pinned)] = json.loads(output.strip().splitlines()[-1])
   one, every = runs[1]["batch_seconds"], runs[len(cores)]["batch_seconds"]
   commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
-  result = {"command": " ".join(["python", "experiments/benchmarks/eval_cores.py",
-                                 *(argv if argv is not None else sys.argv[1:])]),
+  result = {"command": " ".join(["python", "experiments/benchmarks/eval_cores.py", *argv]),
             "commit": commit, "index": args.index, "questions": args.questions, "batch": BATCH,
             "cores": len(cores), "one_core": runs[1], "all_cores": runs[len(cores)],
             "questions_per_s": BATCH / every, "one_core_questions_per_s": BATCH / one,

@@ -71,13 +71,13 @@ try:
   s["device"] = str(jax.devices()[0].device_kind)
 except Exception as e:  # the summary is written whatever broke
   s["device"] = repr(e)
-try:  # the eval's rescoring runs in faiss's thread count only with threadpoolctl (else one)
-  import faiss
-  s["faiss_threads"] = faiss.omp_get_max_threads()
-  import threadpoolctl  # noqa: F401
-  s["threadpoolctl"] = True
-except ImportError as e:
-  s["threadpoolctl"] = repr(e)
+# the eval's rescoring runs in faiss's thread count only with threadpoolctl (else in one)
+for key, module, value in (("faiss_threads", "faiss", lambda m: m.omp_get_max_threads()),
+                           ("threadpoolctl", "threadpoolctl", bool)):
+  try:
+    s[key] = value(__import__(module))
+  except ImportError as e:
+    s[key] = repr(e)
 for m in sorted(w.glob("*/manifest.json")):
   name = {"warm": "dump_warm"}.get(m.parent.name, m.parent.name)
   d = json.loads(m.read_text())

@@ -79,12 +79,7 @@ def role_dump(args) -> dict:
   if args.compute_dtype:  # the new tree's dump dtype (the old tree computes in the model's)
     extra["compute_dtype"] = args.compute_dtype
   shard_passages = int(args.shard_passages or 0) or config.index.shard_passages  # 0: config's
-  dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
-                           doc_stride=config.data.doc_stride,
-                           include_title=config.data.include_title,
-                           batch_size=config.index.batch_size,
-                           shard_passages=shard_passages,
-                           **extra)
+  dump_config = dump_settings(DumpConfig, config, shard_passages, **extra)
   # The new tree's tokenizing processes (the old tree has none).
   workers = {} if args.workers is None else {"workers": int(args.workers)}
   mesh = make_mesh(local=True)
@@ -105,6 +100,16 @@ def role_dump(args) -> dict:
           "host_cpu_seconds": manifest.get("host_cpu_seconds"),
           "pipeline_wait_seconds": manifest.get("pipeline_wait_seconds"),
           "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
+
+
+def dump_settings(dump_config_class, config, shard_passages: int, **extra):
+  """The dump's settings from an experiment config (`dump_config_class`: the DumpConfig of the
+  tree measured), `extra` fields of the new tree's added."""
+  return dump_config_class(max_seq_length=config.data.max_seq_length,
+                           doc_stride=config.data.doc_stride,
+                           include_title=config.data.include_title,
+                           batch_size=config.index.batch_size,
+                           shard_passages=shard_passages, **extra)
 
 
 def role_bare(args) -> dict:
