@@ -143,13 +143,12 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     rows = order[start:start + batch_size]
     n = len(rows)
     padded = batch_size if pad_last else padded_rows(n, batch_size, mesh)
-    batch = [a[rows] for a in arrays]
-    if lengths is not None:
+    if lengths is None:
+      batch = [a[rows] for a in arrays]
+    else:  # the rows' columns up to the width only are copied
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
-      batch = [a[:, :width] if a.ndim > 1 else a for a in batch]
-    mine = local_rows(sharding, padded)
-    batch = global_batch([pad_to_multiple(a, padded)[mine] for a in batch], sharding, padded)
-    outputs = fn(*batch)
+      batch = [a[rows, :width] if a.ndim > 1 else a[rows] for a in arrays]
+    outputs = fn(*_placed(batch, sharding, padded))
     for x in jax.tree.leaves(outputs):
       if x.is_fully_addressable:
         x.copy_to_host_async()
@@ -158,6 +157,26 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
       yield _read(*pending.popleft(), waited)
   while pending:
     yield _read(*pending.popleft(), waited)
+
+
+def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int) -> list:
+  """A batch's arrays padded to `padded` rows, as `fn`'s inputs: on one device of a single
+  process the numpy arrays themselves (jit places them on its parameters' device in its C++
+  dispatch: a call of the CPU dump's phrase encoder then takes 0.65 instead of 1.5 ms of the
+  host thread's CPU), else global arrays of this process's rows (`global_batch`)."""
+  batch = [pad_to_multiple(a, padded) for a in batch]
+  if _one_device(sharding):
+    return batch
+  mine = local_rows(sharding, padded)
+  return global_batch([a[mine] for a in batch], sharding, padded)
+
+
+def _one_device(sharding: NamedSharding) -> bool:
+  """Whether `sharding` is the default device of the only process (where jit puts numpy
+  inputs that no committed argument places elsewhere)."""
+  return (sharding.num_devices == 1 and jax.process_count() == 1
+          and next(iter(sharding.device_set)) == jax.local_devices()[0]
+          and jax.config.jax_default_device is None)
 
 
 def padded_rows(n: int, batch_size: int, mesh: jax.sharding.Mesh) -> int:

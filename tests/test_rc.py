@@ -82,3 +82,29 @@ def test_map_batches_by_length_cuts_each_batch_to_its_longest_row():
   assert widths == [64, 16, 16]
   with pytest.raises(ValueError, match="lengths has shape"):
     next(map_batches(fn, [ids, flags], 4, mesh, lengths=lengths[:3]))
+
+
+def test_map_batches_on_one_device_passes_numpy_and_equals_the_sharded_path():
+  """On one device of one process the padded numpy batch goes to jit as it is (no global
+  array is built); the outputs, rows and padding cut are those of the sharded path."""
+  rng = np.random.default_rng(0)
+  ids, mask = rng.integers(0, 100, (21, 40)).astype(np.int32), np.ones((21, 40), np.int32)
+  lengths = rng.integers(1, 41, 21)
+  seen_types = []
+
+  def fn(ids, mask):
+    seen_types.append(isinstance(ids, jax.Array) or type(ids))
+    return jitted(ids, mask)
+
+  jitted = jax.jit(lambda ids, mask: (ids * 3 + mask, ids.sum(1)))
+  runs = {}
+  for devices in (1, 8):
+    seen_types.clear()
+    runs[devices] = list(map_batches(fn, [ids, mask], 8, make_mesh(devices), lengths=lengths,
+                                     length_multiple=16, pad_last=True))
+    assert set(seen_types) == ({np.ndarray} if devices == 1 else {True}), devices
+  for (rows1, out1), (rows8, out8) in zip(runs[1], runs[8], strict=True):
+    np.testing.assert_array_equal(rows1, rows8)
+    for a, b in zip(out1, out8, strict=True):
+      assert a.shape[0] == len(rows1)  # padding rows cut
+      np.testing.assert_array_equal(a, b)
