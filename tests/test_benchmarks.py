@@ -162,6 +162,34 @@ def test_eval_cores_benchmark_tiny(tmp_path, monkeypatch, squad_dir):
       64 * r["cores"] / r["one_core"]["batch_seconds"])
 
 
+def test_speed_dump_role_times_rounds_and_the_bare_forward_between_them(tmp_path, monkeypatch):
+  """speed.py's dump role (the new tree's): a cold dump, then `--rounds` warm ones, each into a
+  fresh directory (the last kept, complete), with `--repeats` bare forward calls timed after
+  each; the reported times are the rounds' medians."""
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path / "w")]
+  assert run.main(["train"] + base) == 0
+  monkeypatch.chdir(REPO)
+  speed = _load("speed")
+  passages = [{"id": f"p{i}", "title": "T", "text": f"passage {i} " + "word " * (7 * i + 3)}
+              for i in range(12)]
+  (tmp_path / "passages.json").write_text(json.dumps(passages))
+  result = tmp_path / "dump.json"
+  assert speed.main(base + ["--role", "dump", "--tree", str(REPO), "--result", str(result),
+                            "--passages-file", str(tmp_path / "passages.json"),
+                            "--out-dir", str(tmp_path / "dump"), "--rounds", "3",
+                            "--repeats", "2", "--bare", "1"]) == 0
+  r = json.loads(result.read_text())
+  assert len(r["rounds"]) == 3 and len(r["bare"]["seconds"]) == 3 * 2
+  assert r["seconds"] == sorted(x["seconds"] for x in r["rounds"])[1]
+  assert r["host_seconds"] == sorted(x["host_seconds"] for x in r["rounds"])[1]
+  assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+  rows, width = r["bare"]["shape"]
+  middle = sorted(r["bare"]["seconds"])[2:4]  # the median of 6 calls: the middle two's mean
+  assert r["bare"]["tokens_per_s"] == pytest.approx(rows * width / (sum(middle) / 2))
+  manifest = json.loads((tmp_path / "dump" / "manifest.json").read_text())
+  assert manifest["complete"] and manifest["num_tokens"] == r["tokens"]
+
+
 def test_report_command_line_is_runnable():
   """The command a report names re-parses to the arguments given; notes show as `--note ...`."""
   import shlex

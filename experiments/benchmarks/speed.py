@@ -8,11 +8,13 @@
 b78bcf3`); each code tree runs in its own interpreter (`--role ...`, this file with the tree first
 on sys.path), so old and new are the real code paths on the same inputs:
 - dump: `dump_phrases` of the first `--passages` SQuAD dev passages with the workdir's model and the
-  config's window settings, twice (cold: compilations counted; then warm: timed); stored
-  tokens/s, the dump's host time per stored token (the main thread's time outside waiting for
-  the encoder and compiling, from the manifest), the compiled shapes; the old and new vectors
-  compared. Against: the bare forward (the same jitted encoder on a fixed [rows, max_seq_length]
-  batch, rows those of the dump's calls, `phrase_calls`; tokens/s of the batch) and PyTorch
+  config's window settings, cold (compilations counted), then `--rounds` times warm (timed;
+  medians); stored tokens/s, the dump's host time per stored token (the main thread's time
+  outside waiting for the encoder and compiling, from the manifest), the compiled shapes; the
+  old and new vectors compared. Against: the bare forward (the same jitted encoder on a fixed
+  [rows, max_seq_length] batch, rows those of the dump's calls, `phrase_calls`; tokens/s of the
+  batch, `--repeats` calls after each of the new tree's warm dumps, in its process: both parts
+  of the ratio see the same machine, round by round; the median call) and PyTorch
   (Hugging Face `BertModel`, the same MiniLM architecture and size, in `--torch-python`, encoding
   the new dump's windows in the dump's length-sorted calls, inference mode, all cores; its
   tokens/s are the dump's stored tokens over its time). `--dump-dtype bfloat16`: the new dump and
@@ -67,7 +69,12 @@ def _model(args):
 
 
 def role_dump(args) -> dict:
-  """One tree's dump of the passages twice: cold (compiling), then warm (timed)."""
+  """One tree's dump of the passages: cold (compiling), then `--rounds` warm ones (timed; each
+  into a fresh directory, the last one kept), with `--bare` the bare forward (`_bare_forward`)
+  timed after each, in this process: the two ratios' parts see the same machine, round by
+  round. Times are the rounds' medians."""
+  import shutil
+
   from dpjax.data.squad import Passage
   from dpjax.index.dump import DumpConfig, dump_phrases
   from dpjax.parallel import make_mesh
@@ -88,18 +95,31 @@ def role_dump(args) -> dict:
   dump_phrases(model, tokenizer, passages, pathlib.Path(args.out_dir) / "cold", dump_config,
                mesh=mesh, **workers)
   cold, compiles = time.perf_counter() - start, counter["compiles"]
-  start = time.perf_counter()
-  manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh,
-                          **workers)
-  seconds = time.perf_counter() - start
-  return {"seconds": seconds, "tokens": manifest["num_tokens"], "compiles": compiles,
+  bare = _bare_forward(args, config, model) if args.bare else None
+  rounds, bare_seconds = [], []
+  for _ in range(args.rounds):
+    shutil.rmtree(args.out_dir, ignore_errors=True)
+    start = time.perf_counter()
+    manifest = dump_phrases(model, tokenizer, passages, args.out_dir, dump_config, mesh=mesh,
+                            **workers)
+    rounds.append({"seconds": time.perf_counter() - start,
+                   **{key: manifest.get(key) for key in _DUMP_TIMES}})
+    if bare:
+      bare_seconds += bare["time"]()
+  median = {key: (statistics.median(r[key] for r in rounds)
+                  if rounds[0][key] is not None else None) for key in rounds[0]}
+  return {**median, "rounds": rounds, "tokens": manifest["num_tokens"], "compiles": compiles,
           "compiles_warm": counter["compiles"] - compiles, "cold_seconds": cold,
-          "tokens_per_s": manifest["num_tokens"] / seconds,
+          "tokens_per_s": manifest["num_tokens"] / median["seconds"],
           "shard_passages": dump_config.shard_passages, "shards": len(manifest["shards"]),
-          "host_seconds": manifest.get("host_seconds"),
-          "host_cpu_seconds": manifest.get("host_cpu_seconds"),
-          "pipeline_wait_seconds": manifest.get("pipeline_wait_seconds"),
-          "encoder_wait_seconds": manifest.get("encoder_wait_seconds")}
+          "bare": bare and {"shape": bare["shape"], "seconds": bare_seconds,
+                            "tokens_per_s": (bare["shape"][0] * bare["shape"][1]
+                                             / statistics.median(bare_seconds))}}
+
+
+# The dump manifest's timings a round records (medians over the rounds reported).
+_DUMP_TIMES = ("host_seconds", "host_cpu_seconds", "pipeline_wait_seconds",
+               "encoder_wait_seconds")
 
 
 def dump_settings(dump_config_class, config, shard_passages: int, **extra):
@@ -112,19 +132,17 @@ def dump_settings(dump_config_class, config, shard_passages: int, **extra):
                            shard_passages=shard_passages, **extra)
 
 
-def role_bare(args) -> dict:
-  """The dump's jitted encoder on one fixed [batch, max_seq_length] batch, all tokens real."""
+def _bare_forward(args, config, model) -> dict:
+  """The dump's jitted encoder on one fixed [rows, max_seq_length] batch, all tokens real, rows
+  those of the dump's calls on this platform (`phrase_calls`: on a CPU fewer than the batch
+  size), compiled: {"shape", "time": a function timing `--repeats` calls, their seconds}."""
   import numpy as np
 
-  from dpjax.models.encoders import bound
-  config, model, _ = _model(args)
+  from dpjax.models.encoders import bound, phrase_calls
+  from dpjax.parallel import make_mesh
   if args.compute_dtype:  # the dump's dtype, when it is not the model's
     from dpjax.models.densephrases import with_compute_dtype
     model = with_compute_dtype(model, args.compute_dtype)
-  # The rows of the dump's encoder calls on this platform (`phrase_calls`: on a CPU fewer than
-  # the batch size).
-  from dpjax.models.encoders import phrase_calls
-  from dpjax.parallel import make_mesh
   rows, _ = phrase_calls(config.index.batch_size, make_mesh(local=True))
   shape = (rows, config.data.max_seq_length)
   rng = np.random.default_rng(0)
@@ -132,13 +150,15 @@ def role_bare(args) -> dict:
   mask = np.ones(shape, np.int32)
   encode = bound(model, "phrases_and_filter")
   [np.asarray(x) for x in encode(ids, mask)]
-  times = []
-  for _ in range(args.repeats):
-    start = time.perf_counter()
-    [np.asarray(x) for x in encode(ids, mask)]
-    times.append(time.perf_counter() - start)
-  return {"shape": list(shape), "tokens_per_s": shape[0] * shape[1] / statistics.median(times),
-          "seconds": times}
+
+  def timed() -> list[float]:
+    times = []
+    for _ in range(args.repeats):
+      start = time.perf_counter()
+      [np.asarray(x) for x in encode(ids, mask)]
+      times.append(time.perf_counter() - start)
+    return times
+  return {"shape": list(shape), "time": timed}
 
 
 def role_windows(args) -> dict:
@@ -220,7 +240,7 @@ def role_eval(args) -> dict:
           "passages": passages, "compiles_timed": counter["compiles"]}
 
 
-ROLES = {"dump": role_dump, "bare": role_bare, "windows": role_windows, "torch": role_torch,
+ROLES = {"dump": role_dump, "windows": role_windows, "torch": role_torch,
          "eval": role_eval}
 
 
@@ -229,7 +249,7 @@ def run_role(python: str, tree: pathlib.Path, role: str, args, **extra) -> dict:
   with tempfile.NamedTemporaryFile(suffix=".json") as out:
     command = [python, str(pathlib.Path(__file__).resolve()), "--role", role, "--tree", str(tree),
                "--config", args.config, "--workdir", str(pathlib.Path(args.workdir).resolve()),
-               "--result", out.name, "--repeats", str(args.repeats)]
+               "--result", out.name, "--repeats", str(args.repeats), "--rounds", str(args.rounds)]
     for key, value in extra.items():
       command += [f"--{key.replace('_', '-')}", str(value)]
     print(f"--- {role} ({tree})", flush=True)
@@ -262,13 +282,13 @@ def measure_dump(args, old: pathlib.Path, scratch: pathlib.Path) -> dict:
             "shard_passages": args.dump_shard_passages or 0}  # 0: the config's
   dtype = {"compute_dtype": args.dump_dtype} if args.dump_dtype else {}
   new = run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new", **common,
-                 min_context=args.dump_min_context, workers=args.dump_workers, **dtype)
+                 min_context=args.dump_min_context, workers=args.dump_workers, bare=1, **dtype)
+  bare = new.pop("bare")
   # The new code in the model's own dtype too, when the dump takes another one.
   same_dtype = (run_role(py, REPO, "dump", args, out_dir=scratch / "dump_new_model_dtype",
                          **common, min_context=args.dump_min_context, workers=args.dump_workers)
                 if dtype else None)
   was = run_role(py, old, "dump", args, out_dir=scratch / "dump_old", **common)
-  bare = run_role(py, REPO, "bare", args, **dtype)
   run_role(py, REPO, "windows", args, out_dir=scratch / "windows", **common,
            min_context=args.dump_min_context)
   torch = (run_role(args.torch_python, REPO, "torch", args, out_dir=scratch / "windows")
@@ -333,8 +353,11 @@ def _dump_text(d: dict) -> str:
            f"{other['tokens_per_s']:,.0f}, its vectors within max |diff| "
            f"{d['dtype_max_abs_diff']:.2g}, mean {d['dtype_mean_abs_diff']:.2g} of the "
            f"{d['dtype']} ones)" if other else "")
+  rounds = (f" (medians of {len(d['new']['rounds'])} warm dumps a tree, the bare forward's "
+            f"{len(d['bare']['seconds'])} calls timed after the new tree's)"
+            if "rounds" in d["new"] else "")
   return (f"Dump ({d['passages']} SQuAD dev passages{shards}, {d['new']['tokens']:,} stored "
-          f"tokens): new {d['new']['tokens_per_s']:,.0f} tokens/s{dtype}, old "
+          f"tokens{rounds}): new {d['new']['tokens_per_s']:,.0f} tokens/s{dtype}, old "
           f"{d['old']['tokens_per_s']:,.0f}; bare forward {d['bare']['tokens_per_s']:,.0f} "
           f"tokens/s at {d['bare']['shape']}"
           + (f"; PyTorch {d['torch']['tokens_per_s']:,.0f}" if d.get("torch") else "")
@@ -391,7 +414,10 @@ def main(argv=None) -> int:
   parser.add_argument("--torch-python", help="an interpreter with torch + transformers")
   parser.add_argument("--passages", type=int, default=600)
   parser.add_argument("--questions", type=int, default=1280)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=5,
+                      help="bare forward calls timed after each warm dump")
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="warm dumps timed per tree (medians reported)")
   parser.add_argument("--out")
   parser.add_argument("--note", action="append", default=[])
   parser.add_argument("--role", choices=sorted(ROLES))
@@ -409,7 +435,7 @@ def main(argv=None) -> int:
                            "index.shard_passages, as `run.py dump`; the runs before 2026-11-25 "
                            "used 100)")
   for name in ("out-dir", "passages-file", "questions-file", "index", "min-context", "workers",
-               "shard-passages", "compute-dtype"):
+               "shard-passages", "compute-dtype", "bare"):
     parser.add_argument(f"--{name}")
   args = parser.parse_args(argv)
   if args.role:  # a child: this tree's code, one measurement
