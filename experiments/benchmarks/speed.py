@@ -71,7 +71,7 @@ def _model(args):
 def role_dump(args) -> dict:
   """One tree's dump of the passages: cold (compiling), then `--rounds` warm ones (timed; each
   into a fresh directory, the last one kept), with `--bare` the bare forward (`_bare_forward`)
-  timed after each, in this process: the two ratios' parts see the same machine, round by
+  timed after each, in this process: the ratio's two parts see the same machine, round by
   round. Times are the rounds' medians."""
   import shutil
 
