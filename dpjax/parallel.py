@@ -171,6 +171,16 @@ def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int) -> li
   return global_batch([a[mine] for a in batch], sharding, padded)
 
 
+def batch_spec(shape: tuple[int, ...], dtype, mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
+  """A `map_batches` call's input as its calls pass it (`_placed`), to compile them ahead: on one
+  device numpy arrays (no sharding: a spec sharded on that device lowers another program, and
+  the calls would compile again), else sharded over the mesh's batch axis."""
+  sharding = batch_sharding(mesh)
+  if _one_device(sharding):
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
 def _one_device(sharding: NamedSharding) -> bool:
   """Whether `sharding` is the default device of the only process (where jit puts numpy
   inputs that no committed argument places elsewhere)."""

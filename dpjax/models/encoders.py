@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpjax.parallel import (batch_sharding, make_mesh, map_batches, padded_rows,
+from dpjax.parallel import (batch_spec, make_mesh, map_batches, padded_rows,
                             round_to_devices)
 
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
@@ -153,17 +153,17 @@ def call_widths(multiple: int, max_length: int) -> list[int]:
 
 def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
                   threads: int | None = None, inputs: int = 2) -> int:
-  """Compiles a `bound` encoder for `inputs` int32 [rows, width] batches sharded over `mesh`,
-  every width at once in `threads` threads (XLA compiles outside the GIL): the calls of a long
-  job at those shapes (`map_batches` with `pad_last`) then compile nothing. The compiles contend
+  """Compiles a `bound` encoder for `inputs` int32 [rows, width] batches on `mesh` (as
+  `map_batches` passes them: `batch_spec`), every width at once in `threads` threads (XLA
+  compiles outside the GIL): the calls of a long job at those shapes (`map_batches` with
+  `pad_last`) then compile nothing. The compiles contend
   (on an H200 the SQuAD-open small dump's 12 widths: 36.6 s at once, 323 s of compile time; 11
   widths one after the other as the calls came: 41.4 s; results/speed_gpu.md). Returns the
   shapes compiled."""
   flat, (leaves,) = encode.func, encode.args
-  sharding = batch_sharding(mesh)
 
   def compile_width(width: int) -> None:
-    spec = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=sharding)
+    spec = batch_spec((rows, width), np.int32, mesh)  # as map_batches passes its inputs
     flat.lower(leaves, *[spec] * inputs).compile()
 
   threads = max(1, min(len(widths), threads or os.cpu_count() or 1))
