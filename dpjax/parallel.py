@@ -106,7 +106,9 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
                 mesh: jax.sharding.Mesh, *, lengths: np.ndarray | None = None,
                 length_multiple: int = 32, in_flight: int = 2, pad_last: bool = False,
                 waited: list | None = None) -> Iterator[tuple[np.ndarray, Any]]:
-  """Applies a jitted `fn(*batch)` to batches of `arrays`' rows, sharded over the mesh.
+  """Applies a jitted `fn(*batch)` to batches of `arrays`' rows, sharded over the mesh (on one
+  device of one process the batch's numpy arrays, which jit places: `_placed`; shapes compiled
+  ahead take `batch_spec` inputs).
 
   Batches hold `batch_size` rows; the last one is padded only to the smallest power-of-two
   multiple of the mesh size that holds it (one question is encoded as a batch of one, not 64),
