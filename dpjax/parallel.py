@@ -140,6 +140,7 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
       raise ValueError(f"lengths has shape {lengths.shape}, expected ({total},)")
     order = np.argsort(-lengths, kind="stable")
   sharding = batch_sharding(mesh)
+  numpy_inputs = _one_device(sharding)  # `_placed`
   pending: collections.deque = collections.deque()
   for start in range(0, total, batch_size):
     rows = order[start:start + batch_size]
@@ -150,7 +151,7 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     else:  # the rows' columns up to the width only are copied
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
       batch = [a[rows, :width] if a.ndim > 1 else a[rows] for a in arrays]
-    outputs = fn(*_placed(batch, sharding, padded))
+    outputs = fn(*_placed(batch, sharding, padded, numpy_inputs))
     for x in jax.tree.leaves(outputs):
       if x.is_fully_addressable:
         x.copy_to_host_async()
@@ -161,13 +162,15 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     yield _read(*pending.popleft(), waited)
 
 
-def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int) -> list:
-  """A batch's arrays padded to `padded` rows, as `fn`'s inputs: on one device of a single
-  process the numpy arrays themselves (jit places them on its parameters' device in its C++
-  dispatch: a call of the CPU dump's phrase encoder then takes 0.65 instead of 1.5 ms of the
-  host thread's CPU), else global arrays of this process's rows (`global_batch`)."""
+def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int,
+            numpy_inputs: bool) -> list:
+  """A batch's arrays padded to `padded` rows, as `fn`'s inputs: with `numpy_inputs`
+  (`_one_device(sharding)`: one device of a single process) the numpy arrays themselves (jit
+  places them on its parameters' device in its C++ dispatch: a call of the CPU dump's phrase
+  encoder then takes 0.65 instead of 1.5 ms of the host thread's CPU), else global arrays of
+  this process's rows (`global_batch`)."""
   batch = [pad_to_multiple(a, padded) for a in batch]
-  if _one_device(sharding):
+  if numpy_inputs:
     return batch
   mine = local_rows(sharding, padded)
   return global_batch([a[mine] for a in batch], sharding, padded)
