@@ -141,11 +141,23 @@ def test_dropout_seed_is_the_key_its_call_takes():
 
 
 @pytest.mark.parametrize("length", [384, 48])
-def test_flash_attention_lowers_to_triton_for_a_gpu(length):
+def test_flash_attention_lowers_to_triton_for_a_gpu(length, monkeypatch):
   """The train step's shapes (48 x 384 passages, questions of 48: 12 heads of 32, bf16, with
   dropout), forward and backward, lowered for CUDA from this CPU (`jax.export`): Pallas' Triton
-  lowering takes every operation of the three kernels (what a GPU would then compile)."""
+  lowering takes every operation of the three kernels, and each kernel's Triton module passes
+  MLIR's verifier (what the GPU's parser checks first: an H100 rejected a loop bound of type i1
+  that the lowering alone let through)."""
   from jax import export
+  from jax._src.pallas.triton import lowering
+  verified, lower = [], lowering.lower_jaxpr_to_triton_module
+
+  def lower_and_verify(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    result.module.operation.verify()  # raises MLIRError naming the op that fails
+    verified.append(result)
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
   q = jax.ShapeDtypeStruct((48, length, 12, 32), jnp.bfloat16)
   lengths, seed = jax.ShapeDtypeStruct((48,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.uint32)
 
@@ -163,6 +175,7 @@ def test_flash_attention_lowers_to_triton_for_a_gpu(length):
   for kernel in ("dpjax_flash_forward", "dpjax_flash_backward_kv", "dpjax_flash_backward_q"):
     assert f'name = "{kernel}"' in lowered
   assert lowered.count("__gpu$xla.gpu.triton") == 3
+  assert len(verified) == 3
 
 
 def test_flash_attention_data_parallel_equals_one_device():

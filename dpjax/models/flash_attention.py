@@ -323,8 +323,12 @@ def _backward_kv_kernel(sizes: _Sizes, seed_ref, row_ref, q_ref, k_ref, v_ref, d
     return d_k, d_v
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  blocks = jnp.where(n * sizes.block_k < length, sizes.num_queries // sizes.block_q, 0)
-  d_k, d_v = jax.lax.fori_loop(0, blocks, body, (zeros, zeros))  # keys past the length: 0
+  # every query block if this key block holds keys of the row, else none (its d k, d v are 0);
+  # integer arithmetic: Triton's lowering gave a `jnp.where` of a comparison an i1 loop bound,
+  # which its parser rejects ('scf.for' bounds of different types)
+  real = jnp.clip(length - n * sizes.block_k, 0, 1)
+  d_k, d_v = jax.lax.fori_loop(0, real * (sizes.num_queries // sizes.block_q), body,
+                               (zeros, zeros))
   dk_ref[...] = (d_k * jnp.float32(sizes.scale)).astype(dk_ref.dtype)
   dv_ref[...] = d_v.astype(dv_ref.dtype)
 
