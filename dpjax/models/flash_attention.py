@@ -60,9 +60,15 @@ class Tuning:
   def fitted(self, num_queries: int, num_keys: int) -> "Tuning":
     """These settings with a block that does not divide its length (or is under 16) left to
     the default: one setting for every width a model meets."""
-    fits = lambda block, length: block if block and block >= 16 and length % block == 0 else None
+    fits = lambda block, length: block if block and _fits(block, length) else None
     return dataclasses.replace(self, block_q=fits(self.block_q, num_queries),
                                block_k=fits(self.block_k, num_keys))
+
+
+def _fits(block: int, length: int) -> bool:
+  """A block Triton can launch over `length`: a power of two (Triton's tensor sizes; Pallas'
+  interpreter would take others, a GPU not), >= 16 (its dots), dividing the length."""
+  return block >= 16 and block & (block - 1) == 0 and length % block == 0
 
 
 def tuning_from_env() -> Tuning:
@@ -105,8 +111,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
                      f"(see `supported`)")
   for name, block, length in (("block_q", tuning.block_q, num_queries),
                               ("block_k", tuning.block_k, k.shape[1])):
-    if block is not None and (block < 16 or length % block):
-      raise ValueError(f"flash_attention: {name} {block} must be >= 16 and divide {length}")
+    if block is not None and not _fits(block, length):
+      raise ValueError(f"flash_attention: {name} {block} must be a power of two >= 16 that "
+                       f"divides {length}")
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"flash_attention: dropout rate {rate} is not in [0, 1)")
   if seed is None:
