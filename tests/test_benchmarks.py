@@ -257,3 +257,37 @@ def test_attention_benchmark_checks_each_flash_setting(tmp_path):
   assert 0 < good["max_rel_diff"] < _load("attention").DISAGREES and good["ms"] > 0
   assert "block_q 48 must be >= 16 and divide 64" in bad["error"] and "ms" not in bad
   assert result["best"] == "32x32x4x2"
+
+
+def test_profile_summary_accounts_for_a_traced_program(tmp_path):
+  """A trace of 3 calls of a jitted program on this CPU: its XLA operations (the host plane's,
+  no device plane here), per call, each op's count and time, kinds summing to the ops' time, and
+  the busy time (their intervals' union) within the traced window."""
+  import jax
+  import jax.numpy as jnp
+  summary = _load("profile_summary")
+  f = jax.jit(lambda x: jnp.tanh(x @ x) + 1.0)
+  x = jnp.ones((256, 256))
+  f(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path / "trace")):
+    for _ in range(3):
+      f(x).block_until_ready()
+  s = summary.summarise(tmp_path / "trace", steps=3)
+  assert s["plane"] == "/host:CPU" and s["device_planes"] == 0 and s["steps"] == 3
+  assert s["operations"] >= 1 and sum(op["count"] for op in s["top"]) == s["operations"]
+  ops_ms = sum(op["ms"] for op in s["top"])
+  assert ops_ms > 0 and sum(s["kinds_ms"].values()) == pytest.approx(ops_ms, abs=1e-3)
+  assert 0 < s["busy_ms"] <= ops_ms + 1e-3 and s["busy_ms"] <= s["window_ms"]
+  assert s["idle_ms"] == pytest.approx(s["window_ms"] - s["busy_ms"], abs=1e-3)
+  assert [op["ms"] for op in s["top"]] == sorted((op["ms"] for op in s["top"]), reverse=True)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="no \\*.xplane.pb under .*empty"):
+    summary.summarise(tmp_path / "empty")
+  # the GPU's kernel names (as an H100's traces name them) by kind
+  assert [summary.kind_of(n) for n in (
+      "dpjax_flash_backward_kv custom-call.3", "nvjet_tst_128x64_64x8_1x1_h_bz_TNN",
+      "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm_fusion_dot.12",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "loop_multiply_fusion.7",
+      "input_reduce_fusion.2", "copy_fusion", "memset32")] == [
+      "flash attention", "matmul", "matmul", "matmul", "cudnn attention", "fusion", "reduce",
+      "copy/transpose", "other"]

@@ -18,6 +18,11 @@
 #               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
 #   step_bf16_pallas_best  the same at the `attention` stage's fastest setting
 #               (DPJAX_FLASH_TUNING; its default settings if that stage did not run)
+#   step_bf16_profile, step_bf16_pallas_profile
+#               the bf16 step with dropout on XLA's attention / on the kernel at that setting,
+#               with --steps more traced: per step, the device's busy and idle ms and its time
+#               by operation and kind (experiments/benchmarks/profile_summary.py; the JSON
+#               line in the stage's log; the traces stay in WORKDIR)
 #   flash_tests tests/test_flash_attention.py compiled for the GPU (float32 products exact;
 #               needs pytest on the machine)
 #   attention   one layer's attention, forward + backward, at the step's shapes: the flash
@@ -112,6 +117,13 @@ step() {  # step NAME [train_step.py args] (env: DPJAX_ATTENTION)
   stage "$name" "$t_step" "$PY" experiments/benchmarks/train_step.py --framework jax --batch 48 \
     --dtype bfloat16 --steps 20 --warmup 3 "$@"
 }
+flash_best() {  # the attention stage's fastest flash setting ("": the kernel's defaults)
+  local best
+  best=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' \
+         "$OUT/attention.json" 2>/dev/null)
+  echo "=== attention's best setting: ${best:-none}" >&2
+  echo "$best"
+}
 for s in $STAGES; do
   case $s in
     dump) stage dump "$t_dump" "$PY" run.py dump "${C[@]}" ;;
@@ -129,10 +141,12 @@ for s in $STAGES; do
     step_bf16_pallas) DPJAX_ATTENTION=pallas step step_bf16_pallas ;;
     # the same with the attention stage's fastest setting (after `attention`)
     step_bf16_pallas_best)
-      best=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' \
-             "$OUT/attention.json" 2>/dev/null)
-      echo "=== attention's best setting: ${best:-none}"
-      DPJAX_ATTENTION=pallas DPJAX_FLASH_TUNING=$best step step_bf16_pallas_best ;;
+      DPJAX_ATTENTION=pallas DPJAX_FLASH_TUNING=$(flash_best) step step_bf16_pallas_best ;;
+    # the step with dropout, traced: where its device time goes (profile_summary.py), on XLA's
+    # attention and on the kernel at the attention stage's best setting
+    step_bf16_profile) step step_bf16_profile --profile "$W/trace_xla" ;;
+    step_bf16_pallas_profile) DPJAX_ATTENTION=pallas DPJAX_FLASH_TUNING=$(flash_best) \
+                                step step_bf16_pallas_profile --profile "$W/trace_pallas" ;;
     # attention alone, forward + backward: flash settings against XLA's materialised softmax
     attention) stage attention "${T_ATTENTION:-150}" "$PY" experiments/benchmarks/attention.py \
                  --out "$OUT/attention.json" ;;

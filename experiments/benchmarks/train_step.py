@@ -55,7 +55,32 @@ def summarize(name: str, times: list[float]) -> dict:
           "tokens_per_s": tokens / median, "timed_steps": len(times), "all_step_s": times}
 
 
-def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = True) -> dict:
+def _pipelined_and_profiled(step_fn, state, batch, steps: int, profile: str | None) -> dict:
+  """After the timed steps: `steps` more dispatched back to back (no wait for each, as a
+  training loop that logs now and then runs them), their mean; with `profile`, `steps` more
+  under `jax.profiler.trace(profile)` and where their device time went (profile_summary.py)."""
+  import jax
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step_fn(state, batch)
+  jax.block_until_ready((state, metrics))
+  out = {"pipelined_step_s": (time.perf_counter() - start) / steps}
+  if profile:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import profile_summary
+    with jax.profiler.trace(profile):
+      for _ in range(steps):
+        state, metrics = step_fn(state, batch)
+      jax.block_until_ready((state, metrics))
+    try:  # a trace without the device's kernels (no CUPTI) must not cost the timings above
+      out["profile"] = profile_summary.summarise(profile, steps=steps)
+    except (OSError, ValueError) as e:
+      out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+  return out
+
+
+def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = True,
+              profile: str | None = None) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -86,6 +111,7 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
                 dtype=dtype, dropout=dropout,
                 attention=os.environ.get("DPJAX_ATTENTION", "xla"))
+  result.update(_pipelined_and_profiled(step_fn, state, batch, steps, profile))
   return result
 
 
@@ -157,10 +183,14 @@ def main():
                       help="passages (and questions) per step (48: the accelerator recipe's)")
   parser.add_argument("--no-dropout", action="store_true",
                       help="dpjax's step without dropout (DPJAX_ATTENTION=cudnn then applies)")
+  parser.add_argument("--profile", metavar="DIR",
+                      help="trace --steps more of dpjax's steps into DIR and report where their "
+                           "device time went (experiments/benchmarks/profile_summary.py)")
   args = parser.parse_args()
   BATCH = args.batch
   if args.framework == "jax":
-    print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout)))
+    print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout,
+                               args.profile)))
     return
   if args.framework == "torch":
     print(json.dumps(bench_torch(args.steps, args.warmup)))
