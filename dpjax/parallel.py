@@ -105,7 +105,7 @@ def pad_to_multiple(array: np.ndarray, multiple: int) -> np.ndarray:
 def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size: int,
                 mesh: jax.sharding.Mesh, *, lengths: np.ndarray | None = None,
                 length_multiple: int = 32, in_flight: int = 2, pad_last: bool = False,
-                waited: list | None = None) -> Iterator[tuple[np.ndarray, Any]]:
+                timings: dict | None = None) -> Iterator[tuple[np.ndarray, Any]]:
   """Applies a jitted `fn(*batch)` to batches of `arrays`' rows, sharded over the mesh (on one
   device of one process the batch's numpy arrays, which jit places: `_placed`; shapes compiled
   ahead take `batch_spec` inputs).
@@ -122,8 +122,10 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
 
   `in_flight` batches are dispatched before the oldest one's outputs are read (their host
   copies started at dispatch), so the device never waits for the host between batches. With
-  `waited` (a list), the seconds spent blocked on each batch's outputs are appended to it: the
-  rest of a caller's time is host work.
+  `timings` (a dict), the calling thread's seconds are added up under "dispatch" (placing each
+  batch and launching `fn`; on one device, jit's own placing of the numpy arrays), "wait"
+  (blocked until a batch's outputs are computed: the device's work) and "fetch" (copying the
+  computed outputs into numpy arrays): the rest of a caller's time is its own host work.
 
   Yields:
     (rows, outputs): the indices of the batch's input rows and `fn`'s outputs for them, as
@@ -151,15 +153,17 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     else:  # the rows' columns up to the width only are copied
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
       batch = [a[rows, :width] if a.ndim > 1 else a[rows] for a in arrays]
+    begin = time.perf_counter()
     outputs = fn(*_placed(batch, sharding, padded, numpy_inputs))
     for x in jax.tree.leaves(outputs):
       if x.is_fully_addressable:
         x.copy_to_host_async()
+    _add(timings, "dispatch", begin)
     pending.append((rows, outputs))
     if len(pending) >= max(in_flight, 1):
-      yield _read(*pending.popleft(), waited)
+      yield _read(*pending.popleft(), timings)
   while pending:
-    yield _read(*pending.popleft(), waited)
+    yield _read(*pending.popleft(), timings)
 
 
 def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int,
@@ -200,10 +204,18 @@ def padded_rows(n: int, batch_size: int, mesh: jax.sharding.Mesh) -> int:
   return min(batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
 
 
-def _read(rows: np.ndarray, outputs: Any, waited: list | None) -> tuple[np.ndarray, Any]:
+def _add(timings: dict | None, key: str, begin: float) -> None:
+  if timings is not None:
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - begin
+
+
+def _read(rows: np.ndarray, outputs: Any, timings: dict | None) -> tuple[np.ndarray, Any]:
   """(rows, outputs on the host, padding rows cut)."""
-  if waited is not None:
-    start = time.perf_counter()
+  begin = time.perf_counter()
+  if timings is not None:
     jax.block_until_ready(outputs)
-    waited.append(time.perf_counter() - start)
-  return rows, jax.tree.map(lambda x: to_host(x)[:len(rows)], outputs)
+    _add(timings, "wait", begin)
+    begin = time.perf_counter()
+  outputs = jax.tree.map(lambda x: to_host(x)[:len(rows)], outputs)
+  _add(timings, "fetch", begin)
+  return rows, outputs

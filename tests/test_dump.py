@@ -66,6 +66,9 @@ def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, t
   assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
   assert 0 <= manifest["host_cpu_seconds"] <= manifest["seconds"]
   assert 0 <= manifest["pipeline_wait_seconds"] <= manifest["host_seconds"]
+  # the encoder calls' host side, parts of the host time (dispatch: placing and launching)
+  assert manifest["dispatch_seconds"] >= 0 and manifest["fetch_seconds"] > 0
+  assert manifest["dispatch_seconds"] + manifest["fetch_seconds"] <= manifest["host_seconds"]
 
 
 def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenizer, tmp_path):

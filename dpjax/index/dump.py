@@ -349,7 +349,7 @@ def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
 
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
-                 windows=None, waited: list | None = None, stream=None,
+                 windows=None, timings: dict | None = None, stream=None,
                  pipeline: list | None = None) -> dict[str, np.ndarray]:
   """Encodes passages; returns the shard arrays (token rows in passage order, local passage
   rows). `windows`: the passages' `shard_windows` made ahead, or blocks of them, a list of
@@ -359,8 +359,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   width are encoded with it, the others with the next block's: until the shard's last calls no
   call holds padding rows or is wider than its windows need, so the blocks encode about the
   tokens of the whole shard at once (96,768 either way for the first 600 SQuAD dev passages in
-  blocks of 64, 128, 256 and 152). `progress` counts the stored tokens batch by batch; `waited`
-  receives the seconds spent waiting for the encoder (`map_batches`). `stream()`: a
+  blocks of 64, 128, 256 and 152). `progress` counts the stored tokens batch by batch; `timings`
+  (a dict) adds up `map_batches`' dispatch, wait and fetch seconds. `stream()`: a
   `ShardStream`; the vectors and filter logits then go to it batch by batch, and only
   token_passage and char_spans are returned."""
   if windows is None:
@@ -394,7 +394,7 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
       tables = {key: np.concatenate(value) for key, value in parts.items()}
       if sink:
         sink.tables(tables, passages)
-    stored += _encode_windows(todo, total, config, mesh, encode, progress, waited, sink, out)
+    stored += _encode_windows(todo, total, config, mesh, encode, progress, timings, sink, out)
   if stored != total:  # every window comes back once
     raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
   return {**tables, **out}
@@ -454,7 +454,7 @@ class _Windows:
 
 
 def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, encode,
-                    progress: Progress | None, waited: list | None, sink,
+                    progress: Progress | None, timings: dict | None, sink,
                     out: dict[str, np.ndarray]) -> int:
   """Encodes windows; their kept tokens go to `sink`, or to `out`'s arrays (grown to the
   shard's `total` kept tokens so far). Returns the tokens stored."""
@@ -465,7 +465,7 @@ def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, enc
                                                 windows.attention_mask,
                                                 batch_size=config.batch_size, mesh=mesh,
                                                 width_multiple=config.width_multiple,
-                                                waited=waited, pad_last=True):
+                                                timings=timings, pad_last=True):
     if sink:
       sink.add(windows.runs, rows, vectors, logits)
       count = int(windows.kept[rows].sum())
@@ -551,18 +551,18 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     ahead, ahead_compile = _widths_ahead(
         encode, config, mesh, full_shard=bool(head) and len(head[0]) == config.shard_passages)
     counts = {"shards": 0, "resumed": 0}
-    waited: list[float] = []  # seconds waiting for the encoder, batch by batch
+    timings: dict[str, float] = {}  # map_batches': dispatching, waiting for the encoder, fetching
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
-                      encode, out_dir, progress, waited, maker, made, pipeline,
+                      encode, out_dir, progress, timings, maker, made, pipeline,
                       model.config.hidden_size)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
   if not counts["shards"]:
     raise DumpError(f"{out_dir}: the corpus is empty")
-  manifest.update(_host_times(start, cpu_start, compiled, waited, pipeline, ahead, ahead_compile))
+  manifest.update(_host_times(start, cpu_start, compiled, timings, pipeline, ahead, ahead_compile))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
 
 
@@ -582,7 +582,7 @@ def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> tuple[d
   return ahead, compile_stats()["seconds"] - compiled
 
 
-def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
+def _host_times(start: float, cpu_start: float, compiled: dict, timings: dict,
                 pipeline: list, ahead: dict, ahead_compile: float) -> dict:
   """The manifest's timings of a dump begun at `start` (perf_counter; `cpu_start`: this thread's
   thread_time; `compiled`: compile_stats then; `ahead`: `_widths_ahead`'s record, included,
@@ -597,13 +597,19 @@ def _host_times(start: float, cpu_start: float, compiled: dict, waited: list,
   compile times summed in `compile_seconds`: their wall time (`compile_ahead_seconds`) is taken
   off instead. `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a
   shard's windows not yet tokenized, shard writes at the end): the pipeline's fill and drain,
-  which a dump of many shards spreads thin and a one-shard dump does not."""
+  which a dump of many shards spreads thin and a one-shard dump does not. Two more parts of it,
+  the encoder calls' host side (`map_batches`' timings): `dispatch_seconds`, placing the batches
+  and launching the encoder (compiles taken off, as above), and `fetch_seconds`, copying its
+  computed outputs into numpy arrays (from an accelerator: the device-to-host copies' tail)."""
   compile_seconds = compile_stats()["seconds"] - compiled["seconds"]
   in_this_thread = compile_seconds - ahead_compile
-  return dict(encoder_wait_seconds=sum(waited), compile_seconds=compile_seconds,
+  waited = timings.get("wait", 0.0)
+  return dict(encoder_wait_seconds=waited, compile_seconds=compile_seconds,
               compiles=compile_stats()["count"] - compiled["count"], **ahead,
               pipeline_wait_seconds=sum(pipeline),
-              host_seconds=(time.perf_counter() - start - sum(waited) - in_this_thread
+              dispatch_seconds=max(timings.get("dispatch", 0.0) - in_this_thread, 0.0),
+              fetch_seconds=timings.get("fetch", 0.0),
+              host_seconds=(time.perf_counter() - start - waited - in_this_thread
                             - ahead["compile_ahead_seconds"]),
               host_cpu_seconds=max(time.thread_time() - cpu_start - in_this_thread, 0.0))
 
@@ -637,7 +643,7 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
 
 
 def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
-                      progress: Progress, waited: list, maker: WindowMaker, made: dict,
+                      progress: Progress, timings: dict, maker: WindowMaker, made: dict,
                       pipeline: list, dim: int) -> None:
   """Encodes and writes shards with the host work off the encoder's path: the next shards are
   tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
@@ -668,7 +674,7 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
         for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
           done.result()
         arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
-                              windows=windows, waited=waited, stream=stream,
+                              windows=windows, timings=timings, stream=stream,
                               pipeline=pipeline)
         writing.append(current.pop().finish(len(arrays["token_passage"])))
       for w in writing:

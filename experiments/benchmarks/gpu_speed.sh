@@ -89,7 +89,8 @@ for m in sorted(w.glob("*/manifest.json")):
   if d.get("complete"):
     s[name] = {k: d.get(k) for k in ("num_passages", "num_tokens", "seconds", "compile_seconds",
                                      "compiles", "host_seconds", "encoder_wait_seconds",
-                                     "pipeline_wait_seconds", "processes", "settings",
+                                     "pipeline_wait_seconds", "host_cpu_seconds",
+                                     "dispatch_seconds", "fetch_seconds", "processes", "settings",
                                      "compile_ahead_seconds", "compile_ahead_shapes",
                                      "width_multiple")}
     s[name]["stored_tokens_per_s"] = d["num_tokens"] / d["seconds"]

@@ -119,7 +119,7 @@ def role_dump(args) -> dict:
 
 # The dump manifest's timings a round records (medians over the rounds reported).
 _DUMP_TIMES = ("host_seconds", "host_cpu_seconds", "pipeline_wait_seconds",
-               "encoder_wait_seconds")
+               "encoder_wait_seconds", "dispatch_seconds", "fetch_seconds")
 
 
 def dump_settings(dump_config_class, config, shard_passages: int, **extra):
