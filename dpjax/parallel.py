@@ -8,6 +8,7 @@ back to every process with `to_host`.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -153,13 +154,8 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     else:  # the rows' columns up to the width only are copied
       width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
       batch = [a[rows, :width] if a.ndim > 1 else a[rows] for a in arrays]
-    begin = time.perf_counter()
-    outputs = fn(*_placed(batch, sharding, padded, numpy_inputs))
-    for x in jax.tree.leaves(outputs):
-      if x.is_fully_addressable:
-        x.copy_to_host_async()
-    _add(timings, "dispatch", begin)
-    pending.append((rows, outputs))
+    place = functools.partial(_placed, batch, sharding, padded, numpy_inputs)
+    pending.append((rows, _dispatch(fn, place, timings)))
     if len(pending) >= max(in_flight, 1):
       yield _read(*pending.popleft(), timings)
   while pending:
@@ -202,6 +198,17 @@ def padded_rows(n: int, batch_size: int, mesh: jax.sharding.Mesh) -> int:
   """The rows `map_batches` pads a batch of `n` rows to: `batch_size`, or for a short last batch
   the smallest power-of-two multiple of the mesh size that holds it."""
   return min(batch_size, mesh.size * 2 ** int(np.ceil(np.log2(-(-n // mesh.size)))))
+
+
+def _dispatch(fn: Callable[..., Any], place: Callable[[], list], timings: dict | None) -> Any:
+  """`fn(*place())`, its outputs' host copies started (timed under "dispatch")."""
+  begin = time.perf_counter()
+  outputs = fn(*place())
+  for x in jax.tree.leaves(outputs):
+    if x.is_fully_addressable:
+      x.copy_to_host_async()
+  _add(timings, "dispatch", begin)
+  return outputs
 
 
 def _add(timings: dict | None, key: str, begin: float) -> None:
