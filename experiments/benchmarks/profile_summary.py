@@ -64,12 +64,13 @@ def summarise(trace_dir: str | pathlib.Path, steps: int = 1, top: int = 25) -> d
   """Per step (the trace holds `steps` steps): the busy and idle ms of the plane that ran the
   operations, ms by kind, and the `top` operations by time (count, ms, their kernel's name)."""
   import jax
-  data = jax.profiler.ProfileData.from_file(str(trace_file(trace_dir)))
-  planes = [(p.name, _ops(p)) for p in data.planes]
-  device = [(name, ops) for name, ops in planes if name.startswith("/device:") and ops]
-  name, ops = (device or [(n, o) for n, o in planes if o] or [("none", [])])[0]
-  if not ops:
-    raise ValueError(f"{trace_file(trace_dir)}: no XLA operations in the trace")
+  path = trace_file(trace_dir)
+  planes = [(p.name, _ops(p)) for p in jax.profiler.ProfileData.from_file(str(path)).planes]
+  planes = [(name, ops) for name, ops in planes if ops]
+  device = [(name, ops) for name, ops in planes if name.startswith("/device:")]
+  if not planes:
+    raise ValueError(f"{path}: no XLA operations in the trace")
+  name, ops = (device or planes)[0]
   window = max(o[3] for o in ops) - min(o[2] for o in ops)
   busy = _busy_ns([(o[2], o[3]) for o in ops])
   by_op, kinds = collections.defaultdict(lambda: [0, 0, ""]), collections.Counter()
