@@ -300,12 +300,13 @@ def make_hooks(run: Run, stop: int, validator: Validator | None,
   return hooks
 
 
-def _new_epoch_queue(run: Run, step: int, state):
+def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
   """A new epoch revisits the same passages: the pre-batch queue starts afresh."""
-  if (run.batches.position(step)[1] == 0 and step > 0 and state.queue
-      and run.config.train.loss.clear_prebatch_each_epoch):
-    state = state.replace(queue={**state.queue, "valid": jnp.zeros_like(state.queue["valid"])})
-  return state
+  if (run.batches.position(step)[1] == 0 and step > 0
+      and run.config.train.loss.clear_prebatch_each_epoch and trainer.state.queue):
+    state = trainer.state
+    trainer.state = state.replace(queue={**state.queue,
+                                         "valid": jnp.zeros_like(state.queue["valid"])})
 
 
 def train_and_evaluate(config, workdir: str, spec: Spec = PHRASE) -> dict:

@@ -52,6 +52,52 @@ def test_eight_devices_match_one(tiny, recipe):
   assert bool(state_8.queue["valid"].all())
 
 
+def test_loop_on_flat_leaves_is_the_pytree_step(tiny):
+  """`run_steps` steps the state's flat leaves (`Trainer.advance`); a `before` that sets
+  `trainer.state` (the pre-batch queue emptied at step 2) takes effect; the losses and
+  parameters equal those of `Trainer.step` on the state as a pytree, bit for bit (one
+  executable). `state` is built once a step; a state of another structure is refused."""
+  config, batches = tiny
+  config = config.copy_and_resolve_references()
+  config.train.loss.prebatch_warmup_steps = 1  # step 2 uses the queue: emptying it matters
+  mesh = make_mesh(8)
+
+  def build():
+    model = create_model(config.model)
+    objective = make_objective(config.train.loss, batch_size=config.train.batch_size,
+                               length=config.data.max_seq_length, dim=model.config.hidden_size)
+    return trainer.build_trainer(model, config.train, objective, total_steps=10, mesh=mesh)
+
+  def emptied(state):
+    return state.replace(queue={**state.queue, "valid": jax.numpy.zeros_like(
+        state.queue["valid"])})
+
+  def before(step, built):
+    if step == 2:
+      assert built.state is built.state  # built from the leaves once, then kept
+      built.state = emptied(built.state)
+
+  batch = lambda step: jax.device_put(batches(step), batch_sharding(mesh))
+  loop, losses = build(), []
+  trainer.run_steps(loop, range(3), batch,
+                    [trainer.Hook(lambda d: True, lambda d, m: losses.append(float(m["loss"])))],
+                    before=before)
+  expected, params = {}, {}
+  for empty in (True, False):
+    reference = build()
+    state, expected[empty] = reference.state, []
+    for step in range(3):
+      state = emptied(state) if step == 2 and empty else state
+      state, metrics = reference.step(state, batch(step))
+      expected[empty].append(float(metrics["loss"]))
+    params[empty] = jax.device_get(state.params)
+  assert losses == expected[True] and losses[2] != expected[False][2]
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loop.state.params), params[True])
+  assert int(loop.state.step) == 3 and loop.state.queue["valid"].any()
+  with pytest.raises(ValueError, match="another structure"):
+    loop.state = loop.state.replace(queue={})
+
+
 def test_frozen_parameters_do_not_move(tiny):
   config, batches = tiny
   config = config.copy_and_resolve_references()

@@ -13,7 +13,10 @@
 #               top-10 phrases + passage Top-k from one index search)
 #   step_bf16, step_bf16_nodrop, step_bf16_nodrop_cudnn
 #               the bf16 train step at batch 48 x 384 (experiments/benchmarks/train_step.py):
-#               with dropout as the recipe trains; without; without, on cuDNN attention
+#               with dropout as the recipe trains; without; without, on cuDNN attention.
+#               Every step stage times the loop's own step (the state's flat leaves,
+#               `Trainer.advance`), the time each call took to return (host_step_s), and 20
+#               steps on the state as a pytree as before (`--pytree`: pytree_step_s)
 #   step_bf16_pallas  the same with dropout, on the Pallas flash-attention kernel
 #               (DPJAX_ATTENTION=pallas: the masks of the XLA path, made inside the kernel)
 #   step_bf16_pallas_best  the same at the `attention` stage's fastest setting
@@ -116,7 +119,7 @@ step() {  # step NAME [train_step.py args] (env: DPJAX_ATTENTION)
   local name=$1
   shift
   stage "$name" "$t_step" "$PY" experiments/benchmarks/train_step.py --framework jax --batch 48 \
-    --dtype bfloat16 --steps 20 --warmup 3 "$@"
+    --dtype bfloat16 --steps 20 --warmup 3 --pytree "$@"
 }
 flash_best() {  # the attention stage's fastest flash setting ("": the kernel's defaults)
   local best

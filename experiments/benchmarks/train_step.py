@@ -55,23 +55,23 @@ def summarize(name: str, times: list[float]) -> dict:
           "tokens_per_s": tokens / median, "timed_steps": len(times), "all_step_s": times}
 
 
-def _pipelined_and_profiled(step_fn, state, batch, steps: int, profile: str | None) -> dict:
+def _pipelined_and_profiled(trainer, batch, steps: int, profile: str | None) -> dict:
   """After the timed steps: `steps` more dispatched back to back (no wait for each, as a
   training loop that logs now and then runs them), their mean; with `profile`, `steps` more
   under `jax.profiler.trace(profile)` and where their device time went (profile_summary.py)."""
   import jax
   start = time.perf_counter()
   for _ in range(steps):
-    state, metrics = step_fn(state, batch)
-  jax.block_until_ready((state, metrics))
+    metrics = trainer.advance(batch)
+  jax.block_until_ready((trainer.leaves, metrics))
   out = {"pipelined_step_s": (time.perf_counter() - start) / steps}
   if profile:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import profile_summary
     with jax.profiler.trace(profile):
       for _ in range(steps):
-        state, metrics = step_fn(state, batch)
-      jax.block_until_ready((state, metrics))
+        metrics = trainer.advance(batch)
+      jax.block_until_ready((trainer.leaves, metrics))
     try:  # a trace without the device's kernels (no CUPTI) must not cost the timings above
       out["profile"] = profile_summary.summarise(profile, steps=steps)
     except (OSError, ValueError) as e:
@@ -80,7 +80,7 @@ def _pipelined_and_profiled(step_fn, state, batch, steps: int, profile: str | No
 
 
 def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = True,
-              profile: str | None = None) -> dict:
+              profile: str | None = None, pytree: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -97,22 +97,44 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
   objective = make_objective(config.loss, batch_size=BATCH, length=LENGTH,
                              dim=model.config.hidden_size)
   trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh)
-  state, step_fn = trainer.state, trainer.step
   batch = jax.device_put(make_batch(), batch_sharding(mesh))
-  times = []
-  for i in range(warmup + steps):
+  times, host = [], []
+  for i in range(warmup + steps):  # each step as the training loop runs it (run_steps)
     start = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    jax.block_until_ready((state, metrics))
+    metrics = trainer.advance(batch)
+    returned = time.perf_counter()
+    jax.block_until_ready((trainer.leaves, metrics))
     if i >= warmup:
       times.append(time.perf_counter() - start)
+      host.append(returned - start)
   result = summarize("dpjax (JAX, jit)" + (f", {dtype}" if dtype != "float32" else "")
                      + ("" if dropout else ", no dropout"), times)
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
                 dtype=dtype, dropout=dropout,
-                attention=os.environ.get("DPJAX_ATTENTION", "xla"))
-  result.update(_pipelined_and_profiled(step_fn, state, batch, steps, profile))
+                attention=os.environ.get("DPJAX_ATTENTION", "xla"),
+                host_step_s=statistics.median(host))
+  if pytree:
+    result.update(_pytree_steps(trainer, batch, steps))
+  result.update(_pipelined_and_profiled(trainer, batch, steps, profile))
   return result
+
+
+def _pytree_steps(trainer, batch, steps: int) -> dict:
+  """`steps` more steps on the state as a pytree (`Trainer.step`: its `nnx.State`s flattened and
+  rebuilt in Python every call, as every step was before the loop kept the flat leaves), timed
+  as the timed steps: the medians of the whole step and of the time to its call's return."""
+  import jax
+  state, times, host = trainer.state, [], []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = trainer.step(state, batch)
+    returned = time.perf_counter()
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+    host.append(returned - start)
+  trainer.state = state
+  return {"pytree_step_s": statistics.median(times), "pytree_host_step_s": statistics.median(host),
+          "pytree_all_step_s": times}
 
 
 def bench_torch(steps: int, warmup: int) -> dict:
@@ -186,11 +208,15 @@ def main():
   parser.add_argument("--profile", metavar="DIR",
                       help="trace --steps more of dpjax's steps into DIR and report where their "
                            "device time went (experiments/benchmarks/profile_summary.py)")
+  parser.add_argument("--pytree", action="store_true",
+                      help="also time --steps of dpjax's steps on the state as a pytree "
+                           "(`Trainer.step`, flattened in Python each call: the loop before "
+                           "it kept the flat leaves), in the same process")
   args = parser.parse_args()
   BATCH = args.batch
   if args.framework == "jax":
     print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout,
-                               args.profile)))
+                               args.profile, args.pytree)))
     return
   if args.framework == "torch":
     print(json.dumps(bench_torch(args.steps, args.warmup)))
