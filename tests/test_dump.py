@@ -2,6 +2,7 @@
 import dataclasses
 import errno
 import json
+import multiprocessing
 import os
 
 import jax
@@ -84,6 +85,24 @@ def test_dump_with_tokenizing_processes_equals_the_threaded_dump(model, tokenize
   np.testing.assert_array_equal(a.char_spans, b.char_spans)
   np.testing.assert_array_equal(a.token_passage, b.token_passage)
   assert [p.id for p in a.passages] == [p.id for p in b.passages] == [p.id for p in passages]
+
+
+def test_window_maker_starts_every_worker_from_its_own_thread(tokenizer):
+  """`WindowMaker.start` starts all the worker processes from a thread of its own (a spawn
+  blocks the thread that starts it while the child imports the main module), so the shards
+  submitted afterwards start none. Their windows are the thread's."""
+  passages = _passages(5)
+  before = len(multiprocessing.active_children())
+  with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
+    maker.start()
+    maker.starting.join()
+    assert len(multiprocessing.active_children()) == before + 2
+    assert all(ready.result(timeout=60) > 0 for ready in maker.ready)
+    got = maker.submit(passages).result(timeout=60)
+    assert len(multiprocessing.active_children()) == before + 2
+  want = dump_module.shard_windows(tokenizer, passages, CONFIG)
+  np.testing.assert_array_equal(got.input_ids, want.input_ids)
+  np.testing.assert_array_equal(got.is_max_context, want.is_max_context)
 
 
 def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path):

@@ -317,12 +317,21 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
 _WORKER: dict = {}
 
 
-def windows_worker_setup(tokenizer: Tokenizer, settings: dict) -> None:
-  _WORKER.update(tokenizer=tokenizer, settings=settings)
+def windows_worker_setup(tokenizer: Tokenizer, settings: dict, started=None) -> None:
+  _WORKER.update(tokenizer=tokenizer, settings=settings, started=started)
 
 
 def windows_worker(passages: Sequence[Passage]) -> PassageWindows:
   return build_windows(_WORKER["tokenizer"], passages, **_WORKER["settings"])[0]
+
+
+def windows_worker_ready() -> int:
+  """A worker's first task when the workers are started ahead of their work: its process id,
+  once every worker has started (the `started` event set): while these tasks wait, no worker is
+  idle, so the pool starts a new process for each of them."""
+  if _WORKER.get("started") is not None:
+    _WORKER["started"].wait(60)
+  return os.getpid()
 
 
 def _window_starts(length: int, room: int, doc_stride: int, min_context: int) -> list[int]:
