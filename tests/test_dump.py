@@ -105,6 +105,25 @@ def test_window_maker_starts_every_worker_from_its_own_thread(tokenizer):
   np.testing.assert_array_equal(got.is_max_context, want.is_max_context)
 
 
+def test_window_maker_reports_workers_that_cannot_start(tokenizer, monkeypatch):
+  """A failure to start the workers ahead (in `start`'s thread) is raised by the next submit,
+  in the dump's thread, as a DumpError that names the fallback."""
+  class Refusing:
+    def submit(self, *args):
+      raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    def shutdown(self, **kwargs):
+      pass
+
+  monkeypatch.setattr(dump_module.WindowMaker, "_pool", lambda self, started=None: Refusing())
+  with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
+    maker.start()
+    maker.starting.join()
+    with pytest.raises(DumpError, match=r"2 tokenizing processes did not start \(BlockingIOError.*"
+                                        r"index.dump_workers=0"):
+      maker.submit(_passages(2))
+
+
 def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path):
   """Shards written batch by batch (`ShardStream`, the dump's way) hold exactly the arrays
   `encode_shard` builds in memory (validation's way): every kept token at its row."""

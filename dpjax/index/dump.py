@@ -305,6 +305,7 @@ class WindowMaker:
     self.processes = None
     self.starting: threading.Thread | None = None
     self.ready: list[concurrent.futures.Future] = []  # `start`'s first tasks: the workers' pids
+    self.start_error: Exception | None = None
 
   def start(self) -> None:
     """Starts the worker processes now, from a thread of their own (a dump: while the encoder
@@ -322,6 +323,8 @@ class WindowMaker:
         try:  # no first task returns before the last is submitted: each starts a process
           for _ in range(self.workers):
             self.ready.append(self.processes.submit(windows_worker_ready))
+        except Exception as e:  # raised by the next `submit`, in the dump's thread
+          self.start_error = e
         finally:
           started.set()
 
@@ -351,6 +354,10 @@ class WindowMaker:
       return self.thread.submit(shard_windows, self.tokenizer, passages, self.config)
     if self.processes is None:
       self.processes = self._pool()
+    if self.start_error is not None:
+      raise DumpError(f"the dump's {self.workers} tokenizing processes did not start "
+                      f"({type(self.start_error).__name__}: {self.start_error}); try "
+                      "index.dump_workers=0 (one thread)") from self.start_error
     return self.processes.submit(windows_worker, passages)
 
   def __enter__(self):
