@@ -95,7 +95,7 @@ def test_window_maker_starts_every_worker_from_its_own_thread(tokenizer):
   before = len(multiprocessing.active_children())
   with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
     maker.start()
-    maker.starting.join()
+    maker.handing.submit(lambda: None).result(timeout=60)  # after `start`'s submits
     assert len(multiprocessing.active_children()) == before + 2
     assert all(ready.result(timeout=60) > 0 for ready in maker.ready)
     got = maker.submit(passages).result(timeout=60)
@@ -106,8 +106,8 @@ def test_window_maker_starts_every_worker_from_its_own_thread(tokenizer):
 
 
 def test_window_maker_reports_workers_that_cannot_start(tokenizer, monkeypatch):
-  """A failure to start the workers ahead (in `start`'s thread) is raised by the next submit,
-  in the dump's thread, as a DumpError that names the fallback."""
+  """Workers that cannot start (the pool refuses in the thread that hands it the jobs): the
+  windows' future raises a DumpError that names the fallback, in the dump's thread."""
   class Refusing:
     def submit(self, *args):
       raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
@@ -118,10 +118,9 @@ def test_window_maker_reports_workers_that_cannot_start(tokenizer, monkeypatch):
   monkeypatch.setattr(dump_module.WindowMaker, "_pool", lambda self, started=None: Refusing())
   with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
     maker.start()
-    maker.starting.join()
-    with pytest.raises(DumpError, match=r"2 tokenizing processes did not start \(BlockingIOError.*"
-                                        r"index.dump_workers=0"):
-      maker.submit(_passages(2))
+    with pytest.raises(DumpError, match=r"2 tokenizing processes did not start or died "
+                                        r"\(BlockingIOError.*index.dump_workers=0"):
+      maker.submit(_passages(2)).result(timeout=60)
 
 
 def test_streamed_shards_equal_the_in_memory_encoding(model, tokenizer, tmp_path):

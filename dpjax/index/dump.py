@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -33,7 +34,6 @@ import logging
 import multiprocessing
 import os
 import pathlib
-import threading
 import time
 from typing import ClassVar, Iterable, Iterator
 
@@ -297,24 +297,25 @@ class WindowMaker:
   outputs, packing the windows), which stalls the thread that feeds the encoder, and one thread
   tokenizes ~100k tokens/s: an accelerator's dump needs processes. A process takes a second or
   two to start (it imports the tokenizer and the SQuAD module, not JAX), so small dumps (and
-  shard 0, made while the parameters are hashed) use the thread."""
+  shard 0, made while the parameters are hashed) use the thread.
+
+  Only a thread of its own hands jobs to the processes (`submit` returns at once): starting a
+  process blocks the thread that starts it until the child has imported the program's main
+  module and read its setup (~0.3 s on a 2-core CPU for a main module that imports only
+  dpjax.cli, 2.2 s for one that imports JAX). When the first `workers` shards' `submit` started
+  them from the thread that feeds the encoder, that thread waited once per worker: in a 5-shard
+  dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s in 3 starts."""
 
   def __init__(self, tokenizer: Tokenizer, config: DumpConfig, workers: int = 0):
     self.tokenizer, self.config, self.workers = tokenizer, config, workers
     self.thread = concurrent.futures.ThreadPoolExecutor(1)
+    self.handing = concurrent.futures.ThreadPoolExecutor(1)  # the one thread that submits
     self.processes = None
-    self.starting: threading.Thread | None = None
     self.ready: list[concurrent.futures.Future] = []  # `start`'s first tasks: the workers' pids
-    self.start_error: Exception | None = None
 
   def start(self) -> None:
-    """Starts the worker processes now, from a thread of their own (a dump: while the encoder
-    compiles). Starting one blocks the thread that starts it until the new process has read its
-    setup, after importing the program's main module: ~0.3 s on a 2-core CPU for a main module
-    that imports only dpjax.cli, 2.2 s for one that imports JAX. Started by the first `workers`
-    shards' `submit`, that was the thread that feeds the encoder, which then waited once per
-    worker: in a 5-shard dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s
-    in 3 starts, and now none (host time 0.40-0.83 s against 1.63-1.76 s)."""
+    """Starts the worker processes now, in the background (a dump: while the encoder
+    compiles), so that the shards submitted next find them started."""
     if self.workers and self.processes is None:
       started = multiprocessing.get_context("spawn").Event()
       self.processes = self._pool(started)
@@ -323,13 +324,10 @@ class WindowMaker:
         try:  # no first task returns before the last is submitted: each starts a process
           for _ in range(self.workers):
             self.ready.append(self.processes.submit(windows_worker_ready))
-        except Exception as e:  # raised by the next `submit`, in the dump's thread
-          self.start_error = e
         finally:
           started.set()
 
-      self.starting = threading.Thread(target=start_all, name="dump-workers-start")
-      self.starting.start()
+      self.handing.submit(start_all)
 
   def _pool(self, started=None) -> concurrent.futures.ProcessPoolExecutor:
     return concurrent.futures.ProcessPoolExecutor(
@@ -349,26 +347,44 @@ class WindowMaker:
     return blocks
 
   def submit(self, passages: list[Passage], *, thread: bool = False):
-    """A future of the windows of `passages`."""
+    """A future of the windows of `passages` (a process that cannot start: a DumpError)."""
     if thread or not self.workers:
       return self.thread.submit(shard_windows, self.tokenizer, passages, self.config)
-    if self.processes is None:
-      self.processes = self._pool()
-    if self.start_error is not None:
-      raise DumpError(f"the dump's {self.workers} tokenizing processes did not start "
-                      f"({type(self.start_error).__name__}: {self.start_error}); try "
-                      "index.dump_workers=0 (one thread)") from self.start_error
-    return self.processes.submit(windows_worker, passages)
+    windows: concurrent.futures.Future = concurrent.futures.Future()
+
+    def hand_over():
+      if self.processes is None:
+        self.processes = self._pool()
+      try:
+        job = self.processes.submit(windows_worker, passages)
+      except Exception as e:  # e.g. a process that could not start
+        windows.set_exception(DumpError(
+            f"the dump's {self.workers} tokenizing processes did not start or died "
+            f"({type(e).__name__}: {e}); try index.dump_workers=0 (one thread)"))
+        return
+      job.add_done_callback(functools.partial(_forward, windows))
+
+    self.handing.submit(hand_over)
+    return windows
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
-    if self.starting is not None:
-      self.starting.join()
+    self.handing.shutdown(wait=True)
     for pool in (self.thread, self.processes):
       if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _forward(to: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+  """`to` gets the result (or exception) of the finished `done`."""
+  if done.cancelled():
+    to.cancel()
+  elif done.exception() is not None:
+    to.set_exception(done.exception())
+  else:
+    to.set_result(done.result())
 
 
 def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
@@ -585,18 +601,18 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
       return old
     _prepare(out_dir, manifest)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
+    counts = {"shards": 0, "resumed": 0}
+    todo = _shards_to_encode(out_dir, chunks, counts)
     full_shard = bool(head) and len(head[0]) == config.shard_passages
-    if full_shard:  # more shards may follow: their workers start while the encoder compiles
-      maker.start()
+    if full_shard and maker.workers:  # more shards may follow: tokenized while it compiles
+      todo = _first_shards_ahead(maker, todo, made)
     # while shard 0's first windows are made; a corpus of one shard at most compiles as it goes
     ahead, ahead_compile = _widths_ahead(encode, config, mesh, full_shard=full_shard)
-    counts = {"shards": 0, "resumed": 0}
     timings: dict[str, float] = {}  # map_batches': dispatching, waiting for the encoder, fetching
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
-    _encode_pipelined(_shards_to_encode(out_dir, chunks, counts), tokenizer, config, mesh,
-                      encode, out_dir, progress, timings, maker, made, pipeline,
-                      model.config.hidden_size)
+    _encode_pipelined(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker,
+                      made, pipeline, model.config.hidden_size)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -604,6 +620,17 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     raise DumpError(f"{out_dir}: the corpus is empty")
   manifest.update(_host_times(start, cpu_start, compiled, timings, pipeline, ahead, ahead_compile))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+def _first_shards_ahead(maker: WindowMaker, todo: Iterator, made: dict) -> Iterator:
+  """Starts the workers and hands them the first `workers` shards after shard 0 (and shard 0
+  unless `made` has it) now, so that they are tokenized while the encoder compiles; returns
+  the shards to encode, these first. (Handed over as the encoder took them, the first shards
+  after shard 0 were begun after the compiles, and the encoder then waited for them.)"""
+  maker.start()
+  first = list(itertools.islice(todo, maker.workers + 1))
+  made.update({number: maker.submit(chunk) for number, chunk in first if number not in made})
+  return itertools.chain(first, todo)
 
 
 def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> tuple[dict, float]:
