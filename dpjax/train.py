@@ -302,9 +302,11 @@ def make_hooks(run: Run, stop: int, validator: Validator | None,
 
 def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
   """A new epoch revisits the same passages: the pre-batch queue starts afresh."""
-  if (run.batches.position(step)[1] == 0 and step > 0
-      and run.config.train.loss.clear_prebatch_each_epoch and trainer.state.queue):
-    state = trainer.state
+  if not (run.batches.position(step)[1] == 0 and step > 0
+          and run.config.train.loss.clear_prebatch_each_epoch):
+    return
+  state = trainer.state  # built from the step's leaves only here, at an epoch's start
+  if state.queue:
     trainer.state = state.replace(queue={**state.queue,
                                          "valid": jnp.zeros_like(state.queue["valid"])})
 

@@ -115,7 +115,7 @@ def test_window_maker_reports_workers_that_cannot_start(tokenizer, monkeypatch):
     def shutdown(self, **kwargs):
       pass
 
-  monkeypatch.setattr(dump_module.WindowMaker, "_pool", lambda self, started=None: Refusing())
+  monkeypatch.setattr(dump_module.WindowMaker, "_pool", lambda self, started: Refusing())
   with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
     maker.start()
     with pytest.raises(DumpError, match=r"2 tokenizing processes did not start or died "

@@ -299,10 +299,10 @@ class WindowMaker:
   two to start (it imports the tokenizer and the SQuAD module, not JAX), so small dumps (and
   shard 0, made while the parameters are hashed) use the thread.
 
-  Only a thread of its own hands jobs to the processes (`submit` returns at once): starting a
-  process blocks the thread that starts it until the child has imported the program's main
-  module and read its setup (~0.3 s on a 2-core CPU for a main module that imports only
-  dpjax.cli, 2.2 s for one that imports JAX). When the first `workers` shards' `submit` started
+  Only a thread of its own (`handing`) creates the process pool and hands it jobs (`submit`
+  returns at once): starting a process blocks the thread that starts it until the child has
+  imported the program's main module and read its setup (~0.3 s on a 2-core CPU for a main
+  module that imports only dpjax.cli, 2.2 s for one that imports JAX). When the first `workers` shards' `submit` started
   them from the thread that feeds the encoder, that thread waited once per worker: in a 5-shard
   dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s in 3 starts."""
 
@@ -316,20 +316,23 @@ class WindowMaker:
   def start(self) -> None:
     """Starts the worker processes now, in the background (a dump: while the encoder
     compiles), so that the shards submitted next find them started."""
-    if self.workers and self.processes is None:
-      started = multiprocessing.get_context("spawn").Event()
-      self.processes = self._pool(started)
+    if self.workers:
+      self.handing.submit(self._start_all)
 
-      def start_all():
-        try:  # no first task returns before the last is submitted: each starts a process
-          for _ in range(self.workers):
-            self.ready.append(self.processes.submit(windows_worker_ready))
-        finally:
-          started.set()
+  def _start_all(self) -> None:
+    """(In the handing thread, which alone touches the pool.) The pool, if none yet, with every
+    worker started: no first task returns before the last is submitted, so each starts one."""
+    if self.processes is not None:
+      return
+    started = multiprocessing.get_context("spawn").Event()
+    self.processes = self._pool(started)
+    try:
+      for _ in range(self.workers):
+        self.ready.append(self.processes.submit(windows_worker_ready))
+    finally:
+      started.set()
 
-      self.handing.submit(start_all)
-
-  def _pool(self, started=None) -> concurrent.futures.ProcessPoolExecutor:
+  def _pool(self, started) -> concurrent.futures.ProcessPoolExecutor:
     return concurrent.futures.ProcessPoolExecutor(
         self.workers, mp_context=multiprocessing.get_context("spawn"),
         initializer=windows_worker_setup,
@@ -353,9 +356,8 @@ class WindowMaker:
     windows: concurrent.futures.Future = concurrent.futures.Future()
 
     def hand_over():
-      if self.processes is None:
-        self.processes = self._pool()
       try:
+        self._start_all()
         job = self.processes.submit(windows_worker, passages)
       except Exception as e:  # e.g. a process that could not start
         windows.set_exception(DumpError(

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 BATCH, LENGTH, QUERY_LENGTH = 8, 384, 64
 LAMBDA_INB = 256.0
@@ -98,15 +99,14 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
                              dim=model.config.hidden_size)
   trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh)
   batch = jax.device_put(make_batch(), batch_sharding(mesh))
-  times, host = [], []
-  for i in range(warmup + steps):  # each step as the training loop runs it (run_steps)
-    start = time.perf_counter()
-    metrics = trainer.advance(batch)
-    returned = time.perf_counter()
-    jax.block_until_ready((trainer.leaves, metrics))
-    if i >= warmup:
-      times.append(time.perf_counter() - start)
-      host.append(returned - start)
+  last = {}
+
+  def step():  # as the training loop runs it (run_steps)
+    last["metrics"] = trainer.advance(batch)
+    return trainer.leaves, last["metrics"]
+
+  times, host = _timed_steps(step, warmup, steps)
+  metrics = last["metrics"]
   result = summarize("dpjax (JAX, jit)" + (f", {dtype}" if dtype != "float32" else "")
                      + ("" if dropout else ", no dropout"), times)
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
@@ -119,20 +119,34 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
   return result
 
 
+def _timed_steps(step: Callable[[], Any], warmup: int, steps: int) -> tuple[list, list]:
+  """(whole seconds, seconds until the call returned) of `steps` calls of `step` after `warmup`
+  untimed ones; each call's outputs (what `step` returns) waited for before the next."""
+  import jax
+  times, host = [], []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    outputs = step()
+    returned = time.perf_counter()
+    jax.block_until_ready(outputs)
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+      host.append(returned - start)
+  return times, host
+
+
 def _pytree_steps(trainer, batch, steps: int) -> dict:
   """`steps` more steps on the state as a pytree (`Trainer.step`: its `nnx.State`s flattened and
   rebuilt in Python every call, as every step was before the loop kept the flat leaves), timed
   as the timed steps: the medians of the whole step and of the time to its call's return."""
-  import jax
-  state, times, host = trainer.state, [], []
-  for _ in range(steps):
-    start = time.perf_counter()
-    state, metrics = trainer.step(state, batch)
-    returned = time.perf_counter()
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-    host.append(returned - start)
-  trainer.state = state
+  state = [trainer.state]
+
+  def step():
+    state[0], metrics = trainer.step(state[0], batch)
+    return state[0], metrics
+
+  times, host = _timed_steps(step, 0, steps)
+  trainer.state = state[0]
   return {"pytree_step_s": statistics.median(times), "pytree_host_step_s": statistics.median(host),
           "pytree_all_step_s": times}
 
