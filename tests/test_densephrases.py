@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from dpjax.models import BertConfig, DensePhrases, load_dense_phrases
+from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.models.encoders import question_vectors
 
 TINY = BertConfig(vocab_size=31, hidden_size=15, num_hidden_layers=2, num_attention_heads=3,
@@ -54,6 +55,28 @@ def test_shared_query_encoders():
   ids = jnp.array([[1, 5, 7, 2]])
   q_start, q_end = shared.encode_questions(ids, jnp.ones_like(ids))
   np.testing.assert_array_equal(q_start, q_end)
+
+
+def test_compute_dtype_shares_parameters_and_builds_its_graph_once(monkeypatch):
+  """`with_compute_dtype`: the model's own parameters computing in bfloat16, the same as a model
+  built in bfloat16 with them; the bfloat16 graph is built once (a second call traces nothing)."""
+  for share in (False, True):
+    model = DensePhrases(TINY, share_query_encoders=share, rngs=nnx.Rngs(0))
+    assert with_compute_dtype(model, "float32") is model
+    first = with_compute_dtype(model, "bfloat16")
+    built = DensePhrases(TINY, share_query_encoders=share, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    nnx.update(built, nnx.state(model))
+    ids = jnp.array([[1, 5, 7, 2, 0]])
+    mask = (ids > 0).astype(jnp.int32)
+    np.testing.assert_array_equal(first.encode_phrases(ids, mask), built.encode_phrases(ids, mask))
+    with monkeypatch.context() as patch:
+      patch.setattr(nnx, "eval_shape", lambda *a, **k: pytest.fail("graph built again"))
+      again = with_compute_dtype(model, "bfloat16")
+    assert compute_dtype(again) == "bfloat16" and compute_dtype(model) == "float32"
+    assert nnx.graphdef(again) == nnx.graphdef(first)
+    assert (again.query_start_encoder is again.query_end_encoder) == share
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
+                 nnx.state(again, nnx.Param), nnx.state(model, nnx.Param))
 
 
 def test_question_vectors_in_packed_rows(model, tokenizer):
