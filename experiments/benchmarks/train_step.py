@@ -87,6 +87,7 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
 
   from dpjax.config import train_config
   from dpjax.models import load_dense_phrases
+  from dpjax.models.bert import attention_implementation
   from dpjax.objectives import make_objective
   from dpjax.parallel import batch_sharding, make_mesh
   from dpjax.trainer import build_trainer
@@ -111,7 +112,7 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
                      + ("" if dropout else ", no dropout"), times)
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
                 dtype=dtype, dropout=dropout,
-                attention=os.environ.get("DPJAX_ATTENTION", "xla"),
+                attention=attention_implementation(dtype),  # what ran ("cpu" on a CPU)
                 host_step_s=statistics.median(host))
   if pytree:
     result.update(_pytree_steps(trainer, batch, steps))
