@@ -302,9 +302,10 @@ class WindowMaker:
   Only a thread of its own (`handing`) creates the process pool and hands it jobs (`submit`
   returns at once): starting a process blocks the thread that starts it until the child has
   imported the program's main module and read its setup (~0.3 s on a 2-core CPU for a main
-  module that imports only dpjax.cli, 2.2 s for one that imports JAX). When the first `workers` shards' `submit` started
-  them from the thread that feeds the encoder, that thread waited once per worker: in a 5-shard
-  dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s in 3 starts."""
+  module that imports only dpjax.cli, 2.2 s for one that imports JAX). When the first `workers`
+  shards' `submit` started them from the thread that feeds the encoder, that thread waited once
+  per worker: in a 5-shard dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s
+  in 3 starts."""
 
   def __init__(self, tokenizer: Tokenizer, config: DumpConfig, workers: int = 0):
     self.tokenizer, self.config, self.workers = tokenizer, config, workers
