@@ -35,9 +35,10 @@ def get_config(arg=None):
   config.train.loss.lambda_inb = 1.0
   # SQuAD-open small: every token of the 20,963 train + dev paragraphs (20,958 unique).
   config.index = common.index_config(specs=["Flat", "IVFauto,SQ4", "OPQ96,IVFauto,PQ96x8"])
-  # Dump windows as few as keep 32 tokens of context around every token (10% fewer tokens encoded
-  # at 192/64): same EM@1 / Top-20 within noise on 1,280 dev questions (results/speed.md,
-  # results/speed_xeon.md).
+  # Dump windows as few as keep 32 tokens of context around every token: on all of SQuAD dev at
+  # 192/64, 1.175 tokens encoded per stored token instead of 1.368, EM@1 / Top-20 within noise of
+  # windows every doc_stride; 16 or 8 encode fewer but lose EM@1 (p < 0.05), 24 loses Top-20
+  # against 32 (results/dump_windows.md).
   config.index.dump_min_context = 32
   # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
   # accelerator encodes; with four an H200 dump stored ~520-610k tokens/s: results/speed_gpu.md).

@@ -423,8 +423,9 @@ def main(argv=None) -> int:
   parser.add_argument("--role", choices=sorted(ROLES))
   parser.add_argument("--tree")
   parser.add_argument("--result")
-  parser.add_argument("--dump-min-context", type=int, default=0,
-                      help="the new dump's index.dump_min_context (0: windows as before)")
+  parser.add_argument("--dump-min-context", type=int,
+                      help="the new dump's index.dump_min_context (default: the config's; "
+                           "0: windows every data.doc_stride tokens, as the old code cuts them)")
   parser.add_argument("--dump-dtype", default="",
                       help="the new dump's index.dump_dtype (e.g. bfloat16; also the bare "
                            "forward's; the new dump in the model's dtype is measured too)")
@@ -468,6 +469,9 @@ def run_all(args) -> int:
   if args.torch_python:
     check_torch_python(args.torch_python)
   old = pathlib.Path(args.old_tree).resolve()
+  if args.dump_min_context is None:  # what the config ships
+    from dpjax.config import load_config
+    args.dump_min_context = load_config(args.config).index.get("dump_min_context", 0)
   git = lambda tree: subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                                     capture_output=True, text=True).stdout.strip()
   passages, questions = squad_dev(args.passages, args.questions)
