@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 def dump_settings(config, mesh) -> DumpConfig:
   """The dump settings of a config (`run.py dump`; a dump made with other ones is refused)."""
-  return DumpConfig(max_seq_length=config.data.max_seq_length,
+  return DumpConfig(max_seq_length=(config.index.get("dump_max_seq_length", 0)
+                                    or config.data.max_seq_length),
                     doc_stride=config.data.doc_stride,
                     include_title=config.data.include_title,
                     batch_size=round_to_devices(config.index.batch_size, mesh),

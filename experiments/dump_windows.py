@@ -1,30 +1,33 @@
-"""How far apart the dump's windows are (`index.dump_min_context`): the tokens a dump encodes
-against what its stored vectors and the retrieval over them become.
+"""How long and how far apart the dump's windows are (`index.dump_max_seq_length`,
+`index.dump_min_context`): the tokens a dump encodes against what its stored vectors and the
+retrieval over them become.
 
   python experiments/dump_windows.py --config experiments/squad.py:cpu-base --workdir W \\
-      --corpus ../shared/data/squad/dev-v1.1.json --min-context 0 8 16 24 32 \\
-      --out results/dump_windows.json
+      --corpus ../shared/data/squad/dev-v1.1.json --max-seq-length 192 256 384 \\
+      --min-context 0 32 --out results/dump_windows.json
 
-For each `--min-context` value the corpus (default: the config's, `index.corpus`) is dumped by
-`run.py dump`'s code with the workdir's model into W/dump_windows_mc<N> (`index.dump_name`; a
-complete dump of the same settings is reused), a Flat index is built over it, and every
-evaluation question (`index.questions`, default the dev split; `eval.limit`) is answered as
-`run.py eval` answers it: EM@1 / EM@10 of the top-10 phrases, passage Top-1 / Top-20.
-Reported per value:
+For each window length and `--min-context` value (every pair; default length: the config's)
+the corpus (default: the config's, `index.corpus`) is dumped by `run.py dump`'s code with the
+workdir's model into W/dump_windows_<length>_mc<N> (`index.dump_name`; a complete dump of the
+same settings is reused), a Flat index is built over it, and every evaluation question
+(`index.questions`, default the dev split; `eval.limit`) is answered as `run.py eval` answers
+it: EM@1 / EM@10 of the top-10 phrases, passage Top-1 / Top-20. Reported per pair:
 - windows: the windows the dump encodes and their real tokens ([CLS], title, [SEP] and context)
-  per stored token (`build_windows` with the dump's settings): a dump's speed per stored token
-  is at most 1 / that of the encoder's per encoded token;
-- the stored vectors against those of the first value (`--min-context 0`: a window every
-  `data.doc_stride` tokens, as the model was trained): max and mean |diff| and the share of
-  tokens whose vector moved by more than 0.01 anywhere (float16 storage moves none that far);
-- the retrieval figures, each paired with the first value's over the same questions (McNemar's
-  exact test on the questions only one of the two answers right).
+  per stored token (`build_windows` with the dump's settings): at the encoder's speed per
+  encoded token, a dump stores at most stored / encoded of it;
+- the stored vectors against those of the first pair (e.g. the trained length with
+  `--min-context 0`: a window every `data.doc_stride` tokens, as the model was trained): max
+  and mean |diff| and the share of tokens whose vector moved by more than 0.01 anywhere;
+- the retrieval figures, each paired with the first pair's and with the config's own pair's
+  over the same questions (McNemar's exact test on the questions only one of the two answers
+  right).
 The dump's seconds are recorded too, but the dump's speed is `experiments/benchmarks/speed.py`'s
-(a timed warm dump on an idle machine); here each value is dumped once.
+(a timed warm dump on an idle machine); here each pair is dumped once.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import pathlib
 import sys
 
@@ -37,8 +40,8 @@ METRICS = ("em@1", "em@10", "top1", "top20")
 CHANGED = 0.01  # a stored vector "moved" when a component moved by more than this
 
 
-def dump_name(min_context: int) -> str:
-  return f"dump_windows_mc{min_context}"
+def dump_name(length: int, min_context: int) -> str:
+  return f"dump_windows_{length}_mc{min_context}"
 
 
 def window_tokens(config, tokenizer, passages, mesh) -> dict:
@@ -64,8 +67,8 @@ def vector_changes(a, b, chunk: int = 65536) -> dict:
           "tokens_moved": moved / max(len(a), 1)}
 
 
-def measure(args, min_context: int, questions, vectors, tokenizer, mesh) -> dict:
-  """One value: dump (or reuse), Flat index, the questions answered; its figures and hits."""
+def measure(args, length: int, min_context: int, questions, vectors, tokenizer, mesh) -> dict:
+  """One pair: dump (or reuse), Flat index, the questions answered; its figures and hits."""
   from dpjax.config import load_config
   from dpjax.data.corpus import read_corpus
   from dpjax.index.dump import Dump
@@ -75,7 +78,8 @@ def measure(args, min_context: int, questions, vectors, tokenizer, mesh) -> dict
   from dpjax.open_domain import run_dump
   from dpjax.workdir import data_paths
   sets = list(args.set) + [f"index.dump_min_context={min_context}",
-                           f"index.dump_name={dump_name(min_context)!r}"]
+                           f"index.dump_max_seq_length={length}",
+                           f"index.dump_name={dump_name(length, min_context)!r}"]
   if args.corpus:
     sets.append(f"index.corpus={[str(pathlib.Path(c).resolve()) for c in args.corpus]!r}")
   config = load_config(args.config, sets)
@@ -88,7 +92,8 @@ def measure(args, min_context: int, questions, vectors, tokenizer, mesh) -> dict
                             per_question=True, shared_hits=True)
   passages = list(read_corpus(data_paths(config, args.workdir)["corpus"]))
   seconds = manifest.get("seconds")
-  return {"min_context": min_context, **window_tokens(config, tokenizer, passages, mesh),
+  return {"max_seq_length": length, "min_context": min_context,
+          **window_tokens(config, tokenizer, passages, mesh),
           "tokens_stored": manifest["num_tokens"], "passages": manifest["num_passages"],
           "dump_seconds": seconds, "dump_dir": str(dump_dir),
           **{m: scores[m] for m in METRICS}, "hits": scores["hits"],
@@ -96,7 +101,7 @@ def measure(args, min_context: int, questions, vectors, tokenizer, mesh) -> dict
 
 
 def study(args) -> dict:
-  """Every `--min-context` value measured; the figures (JSON-ready)."""
+  """Every (window length, `--min-context`) pair measured; the figures (JSON-ready)."""
   from dpjax.config import load_config
   from dpjax.data import Tokenizer
   from dpjax.data.questions import read_questions
@@ -113,9 +118,10 @@ def study(args) -> dict:
                              max_query_length=config.data.max_query_length,
                              batch_size=config.eval.batch_size, mesh=mesh)
   del model
+  lengths = args.max_seq_length or [_dump_length(config)]
   runs, first = [], None
-  for min_context in args.min_context:
-    run = measure(args, min_context, questions, vectors, tokenizer, mesh)
+  for length, min_context in itertools.product(lengths, args.min_context):
+    run = measure(args, length, min_context, questions, vectors, tokenizer, mesh)
     stored = run.pop("vectors")
     first = stored if first is None else first
     run["vectors_vs_first"] = vector_changes(first, stored)
@@ -123,15 +129,25 @@ def study(args) -> dict:
     runs.append(run)
   results = {"config": args.config, "overrides": args.set, "workdir": str(args.workdir),
              "model_step": step, "corpus": ", ".join(args.corpus) or "the config's",
-             "questions": len(questions), "shipped_min_context": config.index.dump_min_context,
+             "questions": len(questions),
+             "shipped": {"max_seq_length": _dump_length(config),
+                         "min_context": config.index.dump_min_context},
              "runs": runs, "notes": args.note}
   add_paired(results)
   return results
 
 
+def _dump_length(config) -> int:
+  return config.index.get("dump_max_seq_length", 0) or config.data.max_seq_length
+
+
+def _pair(run: dict) -> str:
+  return f"{run['max_seq_length']} / {run['min_context']}"
+
+
 def add_paired(results: dict) -> None:
   """Each run's EM@1 / Top-20 paired with the first value's (`vs_first`) and, when it is
-  measured too (and not first), with the config's own value's (`vs_shipped`): the questions
+  measured too (and not first), with the config's own pair's (`vs_shipped`): the questions
   only this run answers right, only that one, McNemar's p."""
   runs = results["runs"]
   for key, reference in (("vs_first", runs[0]), ("vs_shipped", _shipped(results))):
@@ -150,16 +166,16 @@ def markdown(results: dict, command: str) -> str:
            f"Model: `{results['workdir']}` (step {results['model_step']}), config "
            f"`{results['config']}`{sets}; corpus: {results['corpus']}; "
            f"{first['passages']:,} passages, {first['tokens_stored']:,} stored tokens; "
-           f"{results['questions']:,} questions, exact (Flat) index. The config ships "
-           f"`index.dump_min_context = {results['shipped_min_context']}`.", "",
-           "| min_context | windows | encoded tokens | per stored token | cap of dump / forward "
-           "| vectors vs first: max / mean abs diff, tokens moved > 0.01 | dump s | "
-           + " | ".join(METRICS) + " |",
+           f"{results['questions']:,} questions, exact (Flat) index. The config's dump "
+           f"windows: {_pair(results['shipped'])} (length / min_context).", "",
+           "| length / min_context | windows | encoded tokens | per stored token "
+           "| stored / encoded | vectors vs first: max / mean abs diff, tokens moved > 0.01 "
+           "| dump s | " + " | ".join(METRICS) + " |",
            "|" + "---|" * (7 + len(METRICS))]
   for run in runs:
     v = run["vectors_vs_first"]
     lines.append(
-        f"| {run['min_context']} | {run['windows']:,} | {run['tokens_encoded']:,} | "
+        f"| {_pair(run)} | {run['windows']:,} | {run['tokens_encoded']:,} | "
         f"{run['encoded_per_stored']:.3f} | {1 / run['encoded_per_stored']:.3f} | "
         f"{v['max_abs_diff']:.3g} / {v['mean_abs_diff']:.2g}, {100 * v['tokens_moved']:.2f}% | "
         f"{run['dump_seconds'] or 0:.0f} | " + " | ".join(f"{run[m]:.2f}" for m in METRICS)
@@ -171,15 +187,15 @@ def markdown(results: dict, command: str) -> str:
 
 
 def _shipped(results: dict) -> dict | None:
-  """The run of the config's own value, unless it is the first (its table is the first's)."""
-  runs = [r for r in results["runs"][1:] if r["min_context"] == results["shipped_min_context"]]
+  """The run of the config's own pair, unless it is the first (its table is the first's)."""
+  runs = [r for r in results["runs"][1:] if _pair(r) == _pair(results["shipped"])]
   return runs[0] if runs else None
 
 
 def _paired_table(runs: list, key: str, reference: dict) -> list[str]:
-  lines = [f"Paired with min_context {reference['min_context']} (the same questions; McNemar's "
+  lines = [f"Paired with {_pair(reference)} (the same questions; McNemar's "
            "exact test on the questions only one of the two gets right):", "",
-           "| min_context | EM@1 diff | this only / that only | p | Top-20 diff | "
+           "| length / min_context | EM@1 diff | this only / that only | p | Top-20 diff | "
            "this only / that only | p |", "|---|---|---|---|---|---|---|"]
   for run in runs:
     if key not in run:
@@ -189,7 +205,7 @@ def _paired_table(runs: list, key: str, reference: dict) -> list[str]:
       t = run[key][metric]
       cells += [f"{run[metric] - reference[metric]:+.2f}",
                 f"{t['only_this']} / {t['only_that']}", p_text(t["p"])]
-    lines.append(f"| {run['min_context']} | " + " | ".join(cells) + " |")
+    lines.append(f"| {_pair(run)} | " + " | ".join(cells) + " |")
   return lines
 
 
@@ -200,7 +216,10 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True, type=pathlib.Path,
                       help="a trained workdir; the dumps go into it")
   parser.add_argument("--min-context", type=int, nargs="+", required=True,
-                      help="index.dump_min_context values; the first is the reference")
+                      help="index.dump_min_context values")
+  parser.add_argument("--max-seq-length", type=int, nargs="*", default=[],
+                      help="window lengths (index.dump_max_seq_length; default: the config's); "
+                           "the first length with the first min_context is the reference")
   parser.add_argument("--corpus", nargs="*", default=[],
                       help="corpus files (SQuAD JSON or JSONL; default: the config's)")
   parser.add_argument("--out", required=True, help="results JSON (the .md goes beside it)")
@@ -208,8 +227,10 @@ def main(argv=None) -> int:
                       help="a paragraph printed after the tables")
   parser.add_argument("--set", action="append", default=[])
   args = parser.parse_args(argv)
-  if len(set(args.min_context)) != len(args.min_context) or min(args.min_context) < 0:
-    raise SystemExit(f"--min-context {args.min_context}: distinct values >= 0 expected")
+  for name, values, least in (("--min-context", args.min_context, 0),
+                              ("--max-seq-length", args.max_seq_length, 1)):
+    if len(set(values)) != len(values) or min(values, default=least) < least:
+      raise SystemExit(f"{name} {values}: distinct values >= {least} expected")
   from dpjax.config import setup_logging
   setup_logging(fmt="%(asctime)s %(message)s")
   from experiments.report import elide_notes, save_results

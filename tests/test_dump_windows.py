@@ -23,7 +23,8 @@ def test_dump_windows_study_tiny(tmp_path, monkeypatch):
   assert study.main(base + ["--min-context", "0", "4", "12", "--out", str(out)] + SHORT) == 0
   results = json.loads(out.read_text())
   first, *others = results["runs"]
-  assert [r["min_context"] for r in results["runs"]] == [0, 4, 12]
+  assert [(r["max_seq_length"], r["min_context"]) for r in results["runs"]] == [
+      (40, 0), (40, 4), (40, 12)]  # the config's window length
   # Every value stores the same tokens, fewer windows re-encode fewer of them.
   assert len({r["tokens_stored"] for r in results["runs"]}) == 1
   assert first["tokens_encoded"] > max(r["tokens_encoded"] for r in others)
@@ -40,12 +41,12 @@ def test_dump_windows_study_tiny(tmp_path, monkeypatch):
                                                         / n)
       assert 0 <= t["p"] <= 1
   # The questions are answered as `run.py eval` answers them over the same dump.
-  assert run.main(["eval"] + base + SHORT + ["--set", "index.dump_name='dump_windows_mc4'"]) == 0
-  report = json.loads((tmp_path / "open_eval_dump_windows_mc4_Flat.json").read_text())
+  assert run.main(["eval"] + base + SHORT + ["--set", "index.dump_name='dump_windows_40_mc4'"]) == 0
+  report = json.loads((tmp_path / "open_eval_dump_windows_40_mc4_Flat.json").read_text())
   for metric in ("em@1", "em@10", "top1", "top20"):
     assert others[0][metric] == pytest.approx(report[metric])
   text = out.with_suffix(".md").read_text()
-  assert "| 12 | " in text and "--set data.doc_stride=8" in text
+  assert "| 40 / 12 | " in text and "--set data.doc_stride=8" in text
   assert all("vs_shipped" not in r for r in results["runs"])  # the config ships 0, the first
   # Run again, the complete dumps are reused (same figures); the config's own value (0) not
   # first: each other one is paired with it too.
@@ -55,9 +56,21 @@ def test_dump_windows_study_tiny(tmp_path, monkeypatch):
   for key in ("tokens_encoded", "tokens_stored", "windows", "dump_seconds", "hits", *METRICS):
     assert four[key] == others[0][key] and zero[key] == first[key]
   assert four["vs_shipped"] == others[0]["vs_first"] and "vs_shipped" not in zero
-  assert "Paired with min_context 0" in again.with_suffix(".md").read_text()
+  assert "Paired with 40 / 0" in again.with_suffix(".md").read_text()
+  # Longer windows (index.dump_max_seq_length, up to the model's positions) split fewer
+  # passages: fewer windows, fewer tokens encoded, the same tokens stored.
+  longer = tmp_path / "longer.json"
+  assert study.main(base + ["--max-seq-length", "40", "64", "--min-context", "4",
+                            "--out", str(longer)] + SHORT) == 0
+  short, wide = json.loads(longer.read_text())["runs"]
+  assert short["hits"] == others[0]["hits"] and wide["max_seq_length"] == 64
+  assert wide["windows"] < short["windows"] and wide["tokens_encoded"] < short["tokens_encoded"]
+  assert wide["tokens_stored"] == short["tokens_stored"]
+  with pytest.raises(Exception, match="windows of 1000 tokens .* exceed the model's 512 "):
+    study.main(base + ["--max-seq-length", "1000", "--min-context", "4", "--out", str(longer)])
   # A dump of other settings under the same name is refused, naming it.
-  with pytest.raises(Exception, match="dump_windows_mc0 holds a dump with other settings"):
-    study.main(base + ["--min-context", "0", "--out", str(again)])
+  with pytest.raises(Exception, match="dump_windows_40_mc0 holds a dump with other settings"):
+    study.main(base + ["--min-context", "0", "--out", str(again), "--set",
+                       "data.max_seq_length=40", "--set", "data.doc_stride=16"])
   with pytest.raises(SystemExit, match="distinct values"):
     study.main(base + ["--min-context", "4", "4", "--out", str(again)])

@@ -685,12 +685,17 @@ def _host_times(start: float, cpu_start: float, compiled: dict, timings: dict,
 
 
 def _checked_settings(model, config: DumpConfig, mesh) -> tuple[object, DumpConfig]:
-  """Refuses sizes below 1; returns the model computing in the dump's dtype (its own when none
-  is set) and the settings naming that dtype (recorded in the manifest) and the width multiple
-  the calls on `mesh` round to (`phrase_calls`: the platform's when none is set)."""
+  """Refuses sizes below 1 and windows longer than the model's positions; returns the model
+  computing in the dump's dtype (its own when none is set) and the settings naming that dtype
+  (recorded in the manifest) and the width multiple the calls on `mesh` round to
+  (`phrase_calls`: the platform's when none is set)."""
   if config.shard_passages < 1 or config.batch_size < 1:
     raise DumpError(f"shard_passages ({config.shard_passages}) and batch_size "
                     f"({config.batch_size}) of a dump must be at least 1")
+  positions = model.config.max_position_embeddings
+  if config.max_seq_length > positions:  # positions past the table embed as NaN (jnp.take)
+    raise DumpError(f"dump windows of {config.max_seq_length} tokens (index.dump_max_seq_length "
+                    f"or data.max_seq_length) exceed the model's {positions} positions")
   model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
   return model, dataclasses.replace(
       config, compute_dtype=compute_dtype(model),

@@ -12,7 +12,7 @@ on sys.path), so old and new are the real code paths on the same inputs:
   medians); stored tokens/s, the dump's host time per stored token (the main thread's time
   outside waiting for the encoder and compiling, from the manifest), the compiled shapes; the
   old and new vectors compared. Against: the bare forward (the same jitted encoder on a fixed
-  [rows, max_seq_length] batch, rows those of the dump's calls, `phrase_calls`; tokens/s of the
+  [rows, window length] batch (`dump_length`), rows those of the dump's calls, `phrase_calls`; tokens/s of the
   batch, `--repeats` calls after each of the new tree's warm dumps, in its process: both parts
   of the ratio see the same machine, round by round; the median call) and PyTorch
   (Hugging Face `BertModel`, the same MiniLM architecture and size, in `--torch-python`, encoding
@@ -122,10 +122,16 @@ _DUMP_TIMES = ("host_seconds", "host_cpu_seconds", "pipeline_wait_seconds",
                "encoder_wait_seconds", "dispatch_seconds", "fetch_seconds")
 
 
+def dump_length(config) -> int:
+  """The dump's window length: `index.dump_max_seq_length` where the tree's config has it (the
+  old tree's has not), else `data.max_seq_length`."""
+  return config.index.get("dump_max_seq_length", 0) or config.data.max_seq_length
+
+
 def dump_settings(dump_config_class, config, shard_passages: int, **extra):
   """The dump's settings from an experiment config (`dump_config_class`: the DumpConfig of the
   tree measured), `extra` fields of the new tree's added."""
-  return dump_config_class(max_seq_length=config.data.max_seq_length,
+  return dump_config_class(max_seq_length=dump_length(config),
                            doc_stride=config.data.doc_stride,
                            include_title=config.data.include_title,
                            batch_size=config.index.batch_size,
@@ -133,7 +139,7 @@ def dump_settings(dump_config_class, config, shard_passages: int, **extra):
 
 
 def _bare_forward(args, config, model) -> dict:
-  """The dump's jitted encoder on one fixed [rows, max_seq_length] batch, all tokens real, rows
+  """The dump's jitted encoder on one fixed [rows, window length] batch, all tokens real, rows
   those of the dump's calls on this platform (`phrase_calls`: on a CPU fewer than the batch
   size), compiled: {"shape", "time": a function timing `--repeats` calls, their seconds}."""
   import numpy as np
@@ -144,7 +150,7 @@ def _bare_forward(args, config, model) -> dict:
     from dpjax.models.densephrases import with_compute_dtype
     model = with_compute_dtype(model, args.compute_dtype)
   rows, _ = phrase_calls(config.index.batch_size, make_mesh(local=True))
-  shape = (rows, config.data.max_seq_length)
+  shape = (rows, dump_length(config))
   rng = np.random.default_rng(0)
   ids = rng.integers(1000, 30000, shape).astype(np.int32)
   mask = np.ones(shape, np.int32)
@@ -170,7 +176,7 @@ def role_windows(args) -> dict:
   from dpjax.parallel import make_mesh
   config, _, tokenizer = _model(args)
   passages = [Passage(**p) for p in json.loads(pathlib.Path(args.passages_file).read_text())]
-  windows, _ = build_windows(tokenizer, passages, max_seq_length=config.data.max_seq_length,
+  windows, _ = build_windows(tokenizer, passages, max_seq_length=dump_length(config),
                              doc_stride=config.data.doc_stride,
                              include_title=config.data.include_title,
                              min_context=int(args.min_context or 0))
