@@ -28,7 +28,7 @@ from dpjax.data.batches import GroupedBatches, TrainBatches
 from dpjax.data.teacher_logits import TeacherLogits
 from dpjax.io import write_json
 from dpjax.mining import HardNegatives, read_hard_negatives
-from dpjax.models import create_model
+from dpjax.models import model_for_data
 from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
@@ -170,8 +170,7 @@ class Spec:
   batches: Callable  # (config, the train RCSplit, workdir, data fingerprint) -> batch source
 
 
-PHRASE = Spec("phrase model", "", lambda config: create_model(config.model), _phrase_objective,
-              _batches)
+PHRASE = Spec("phrase model", "", model_for_data, _phrase_objective, _batches)
 
 
 def _hard_negatives(tc, train) -> HardNegatives | None:

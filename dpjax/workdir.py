@@ -21,7 +21,7 @@ from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import Dump
 from dpjax.index.search import DensePhrases, PhraseIndex
-from dpjax.models import create_model
+from dpjax.models import model_for_data
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
@@ -60,8 +60,8 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
       raise DataError(f"{workdir} has no checkpoints: train into it first (or check --workdir); "
                       f"--set eval.allow_untrained=True uses the untrained {weights} weights")
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir, weights)
-    return create_model(config.model), None
-  model = create_model(config.model)
+    return model_for_data(config), None
+  model = model_for_data(config)
   restored = restore_params(checkpoints, model, step)  # a DataError for a missing step
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")

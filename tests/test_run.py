@@ -52,6 +52,19 @@ def straight(tmp_path_factory):
   return workdir
 
 
+def test_lengths_past_the_encoders_positions_are_refused(tmp_path, straight, caplog):
+  """Windows or questions longer than the encoder's 512 positions would embed as NaN: training
+  and every command that restores the model refuse them (exit 2), naming the field."""
+  assert run.main(BASE + ["--workdir", str(tmp_path / "w"), "--set",
+                          "data.max_seq_length=600"]) == 2
+  assert "data.max_seq_length = 600: the encoder (random) has only 512 positions" in caplog.text
+  assert not (tmp_path / "w" / "checkpoints").exists()
+  search = ["search", "--config", "experiments/demo.py:tiny", "--workdir", str(straight),
+            "--query", "who?", "--set", "data.max_query_length=513"]
+  assert run.main(search) == 2
+  assert "data.max_query_length = 513: the encoder (random) has only 512" in caplog.text
+
+
 def test_train_resume_gives_the_same_losses(tmp_path, straight):
   """A run stopped after a checkpoint and resumed logs exactly the losses of an unbroken run."""
   base = BASE

@@ -127,6 +127,20 @@ def create_model(model_config) -> DensePhrases:
   raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")
 
 
+def model_for_data(config) -> DensePhrases:
+  """`create_model(config.model)`, refusing (a ConfigError) a `data.max_seq_length` or
+  `data.max_query_length` past the encoder's positions: those positions would embed as NaN
+  (`jnp.take` fills out of range) and every vector of the window with them."""
+  model = create_model(config.model)
+  positions = model.config.max_position_embeddings
+  for key in ("max_seq_length", "max_query_length"):
+    if (config.data.get(key) or 0) > positions:
+      source = config.model.name if config.model.init == "pretrained" else "random"
+      raise ConfigError(f"data.{key} = {config.data[key]}: the encoder ({source}) has only "
+                        f"{positions} positions")
+  return model
+
+
 def compute_dtype(model: DensePhrases) -> str:
   """The name of the dtype the model's matrix products are computed in ("float32", ...)."""
   return jnp.dtype(model.phrase_encoder.embeddings.dtype).name
