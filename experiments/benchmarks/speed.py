@@ -12,11 +12,11 @@ on sys.path), so old and new are the real code paths on the same inputs:
   medians); stored tokens/s, the dump's host time per stored token (the main thread's time
   outside waiting for the encoder and compiling, from the manifest), the compiled shapes; the
   old and new vectors compared. Against: the bare forward (the same jitted encoder on a fixed
-  [rows, window length] batch (`dump_length`), rows those of the dump's calls, `phrase_calls`; tokens/s of the
-  batch, `--repeats` calls after each of the new tree's warm dumps, in its process: both parts
-  of the ratio see the same machine, round by round; the median call) and PyTorch
-  (Hugging Face `BertModel`, the same MiniLM architecture and size, in `--torch-python`, encoding
-  the new dump's windows in the dump's length-sorted calls, inference mode, all cores; its
+  [rows, window length] batch, `dump_length`, rows those of the dump's calls, `phrase_calls`;
+  tokens/s of the batch, `--repeats` calls after each of the new tree's warm dumps, in its
+  process: both parts of the ratio see the same machine, round by round; the median call) and
+  PyTorch (Hugging Face `BertModel`, the same MiniLM architecture and size, in `--torch-python`,
+  encoding the new dump's windows in the dump's length-sorted calls, inference mode, all cores; its
   tokens/s are the dump's stored tokens over its time). `--dump-dtype bfloat16`: the new dump and
   the bare forward compute in bf16 (`index.dump_dtype`), and the new dump in the model's own
   dtype is timed beside them (`dump_new_model_dtype_over_old`, and how far the dtype alone moves
