@@ -67,22 +67,26 @@ def vector_changes(a, b, chunk: int = 65536) -> dict:
           "tokens_moved": moved / max(len(a), 1)}
 
 
-def measure(args, length: int, min_context: int, questions, vectors, tokenizer, mesh) -> dict:
-  """One pair: dump (or reuse), Flat index, the questions answered; its figures and hits."""
+def load(args, *sets: str):
+  """The config with `--set`, `--corpus` and then `sets` applied."""
   from dpjax.config import load_config
-  from dpjax.data.corpus import read_corpus
+  corpus = ([f"index.corpus={[str(pathlib.Path(c).resolve()) for c in args.corpus]!r}"]
+            if args.corpus else [])
+  return load_config(args.config, [*args.set, *corpus, *sets])
+
+
+def measure(args, length: int, min_context: int, passages, questions, vectors, tokenizer,
+            mesh) -> dict:
+  """One pair: dump (or reuse), Flat index, the questions answered; its figures and hits."""
   from dpjax.index.dump import Dump
   from dpjax.index.evaluate import retrieval_scores
   from dpjax.index.faiss_index import build_index
   from dpjax.index.search import PhraseIndex
   from dpjax.open_domain import run_dump
   from dpjax.workdir import data_paths
-  sets = list(args.set) + [f"index.dump_min_context={min_context}",
-                           f"index.dump_max_seq_length={length}",
-                           f"index.dump_name={dump_name(length, min_context)!r}"]
-  if args.corpus:
-    sets.append(f"index.corpus={[str(pathlib.Path(c).resolve()) for c in args.corpus]!r}")
-  config = load_config(args.config, sets)
+  config = load(args, f"index.dump_min_context={min_context}",
+                f"index.dump_max_seq_length={length}",
+                f"index.dump_name={dump_name(length, min_context)!r}")
   manifest = run_dump(config, args.workdir)
   dump_dir = data_paths(config, args.workdir)["dump"]
   build_index(dump_dir, "Flat")
@@ -90,7 +94,6 @@ def measure(args, length: int, min_context: int, questions, vectors, tokenizer, 
   scores = retrieval_scores(index, *vectors, [q.answers for q in questions],
                             max_answer_length=config.eval.max_answer_length, passage_k=20,
                             per_question=True, shared_hits=True)
-  passages = list(read_corpus(data_paths(config, args.workdir)["corpus"]))
   seconds = manifest.get("seconds")
   return {"max_seq_length": length, "min_context": min_context,
           **window_tokens(config, tokenizer, passages, mesh),
@@ -102,13 +105,15 @@ def measure(args, length: int, min_context: int, questions, vectors, tokenizer, 
 
 def study(args) -> dict:
   """Every (window length, `--min-context`) pair measured; the figures (JSON-ready)."""
-  from dpjax.config import load_config
   from dpjax.data import Tokenizer
+  from dpjax.data.corpus import read_corpus
   from dpjax.data.questions import read_questions
   from dpjax.models.encoders import encode_questions
+  from dpjax.open_domain import dump_settings
   from dpjax.parallel import make_mesh
   from dpjax.workdir import data_paths, restore_model
-  config = load_config(args.config, args.set)
+  config = load(args)
+  passages = list(read_corpus(data_paths(config, args.workdir)["corpus"]))  # for the windows
   questions = read_questions(data_paths(config, args.workdir)["questions"])
   questions = questions[:config.eval.limit or None]
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
@@ -118,10 +123,12 @@ def study(args) -> dict:
                              max_query_length=config.data.max_query_length,
                              batch_size=config.eval.batch_size, mesh=mesh)
   del model
-  lengths = args.max_seq_length or [_dump_length(config)]
+  settings = dump_settings(config, mesh)  # the config's own windows
+  shipped = {"max_seq_length": settings.max_seq_length, "min_context": settings.min_context}
+  lengths = args.max_seq_length or [shipped["max_seq_length"]]
   runs, first = [], None
   for length, min_context in itertools.product(lengths, args.min_context):
-    run = measure(args, length, min_context, questions, vectors, tokenizer, mesh)
+    run = measure(args, length, min_context, passages, questions, vectors, tokenizer, mesh)
     stored = run.pop("vectors")
     first = stored if first is None else first
     run["vectors_vs_first"] = vector_changes(first, stored)
@@ -129,16 +136,10 @@ def study(args) -> dict:
     runs.append(run)
   results = {"config": args.config, "overrides": args.set, "workdir": str(args.workdir),
              "model_step": step, "corpus": ", ".join(args.corpus) or "the config's",
-             "questions": len(questions),
-             "shipped": {"max_seq_length": _dump_length(config),
-                         "min_context": config.index.dump_min_context},
-             "runs": runs, "notes": args.note}
+             "questions": len(questions), "shipped": shipped, "runs": runs,
+             "notes": args.note}
   add_paired(results)
   return results
-
-
-def _dump_length(config) -> int:
-  return config.index.get("dump_max_seq_length", 0) or config.data.max_seq_length
 
 
 def _pair(run: dict) -> str:
