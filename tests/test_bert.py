@@ -197,6 +197,21 @@ def test_config_validation():
                                "unknown_key": 1}).hidden_size == 12
 
 
+def test_inputs_wider_than_the_positions_are_refused(model):
+  """Positions past the table would embed as NaN (jnp.take fills out of range) and spread to
+  every vector of the row: a width past max_position_embeddings (17) is refused when traced;
+  packed rows (position_ids given) may be wider than the table."""
+  ids = np.ones((1, CONFIG.max_position_embeddings + 1), np.int32)
+  with pytest.raises(ValueError, match="18 tokens wide exceed the encoder's 17 positions"):
+    model(jnp.asarray(ids), jnp.ones_like(ids), jnp.zeros_like(ids))
+  fits = ids[:, :CONFIG.max_position_embeddings]
+  assert np.isfinite(np.asarray(model(jnp.asarray(fits), jnp.ones_like(fits),
+                                      jnp.zeros_like(fits)))).all()
+  positions = np.arange(ids.shape[1])[None] % 9  # two packed sequences of 9
+  assert np.isfinite(np.asarray(model(jnp.asarray(ids), jnp.ones_like(ids), jnp.zeros_like(ids),
+                                      position_ids=jnp.asarray(positions)))).all()
+
+
 def test_first_only_equals_the_full_pass_first_row(model):
   """`first_only` (what [CLS] readers use) skips the last layer's other rows, values unchanged,
   on the fused attention and on the materialised-probabilities (dropout) path."""

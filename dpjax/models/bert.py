@@ -243,7 +243,11 @@ class BertEmbeddings(nnx.Module):
                position_ids=None):
     # input_ids, token_type_ids: [B, L] int; position_ids [B, L] int, None: 0..L-1 in each row
     if position_ids is None:
-      position_ids = jnp.arange(input_ids.shape[-1])[None, :]
+      width, positions = input_ids.shape[-1], self.position_embeddings.num_embeddings
+      if width > positions:  # (at trace time) positions past the table embed as NaN (jnp.take)
+        raise ValueError(f"inputs {width} tokens wide exceed the encoder's {positions} "
+                         "positions")
+      position_ids = jnp.arange(width)[None, :]
     x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
          + self.token_type_embeddings(token_type_ids))
     x = self.layer_norm(x)
