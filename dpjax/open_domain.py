@@ -61,8 +61,11 @@ def run_dump(config, workdir: str) -> dict:
                                                  for f in paths["corpus"]]})
   if summary.total:
     log.warning("%s", summary)
-  log.info("dump %s: %d passages, %d tokens", paths["dump"], manifest["num_passages"],
-           manifest["num_tokens"])
+  encoded = manifest.get("encoded_tokens")
+  log.info("dump %s: %d passages, %d tokens%s", paths["dump"], manifest["num_passages"],
+           manifest["num_tokens"],
+           f" (encoded {encoded / max(manifest['num_tokens'], 1):.3f} tokens per stored one: "
+           "titles, [CLS]/[SEP] and overlapping windows' contexts)" if encoded else "")
   return manifest
 
 

@@ -44,8 +44,11 @@ def dump_name(length: int, min_context: int) -> str:
   return f"dump_windows_{length}_mc{min_context}"
 
 
-def window_tokens(config, tokenizer, passages, mesh) -> dict:
-  """The dump's windows of the passages (as `run.py dump` cuts them): count and real tokens."""
+def window_tokens(config, tokenizer, passages, mesh, manifest: dict) -> dict:
+  """The dump's windows of the passages: count and real tokens, as its manifest records them, or
+  (a dump made before it counted them) cut again as `run.py dump` cuts them."""
+  if manifest.get("encoded_tokens") is not None:
+    return {"windows": manifest["num_windows"], "tokens_encoded": manifest["encoded_tokens"]}
   from dpjax.index.dump import shard_windows
   from dpjax.open_domain import dump_settings
   windows = shard_windows(tokenizer, passages, dump_settings(config, mesh))
@@ -96,7 +99,7 @@ def measure(args, length: int, min_context: int, passages, questions, vectors, t
                             per_question=True, shared_hits=True)
   seconds = manifest.get("seconds")
   return {"max_seq_length": length, "min_context": min_context,
-          **window_tokens(config, tokenizer, passages, mesh),
+          **window_tokens(config, tokenizer, passages, mesh, manifest),
           "tokens_stored": manifest["num_tokens"], "passages": manifest["num_passages"],
           "dump_seconds": seconds, "dump_dir": str(dump_dir),
           **{m: scores[m] for m in METRICS}, "hits": scores["hits"],

@@ -15,7 +15,8 @@ from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
 from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
 from dpjax.index import dump as dump_module
-from dpjax.index.dump import Dump, DumpConfig, DumpError, dump_phrases, encode_shard, kept_runs
+from dpjax.index.dump import (Dump, DumpConfig, DumpError, dump_phrases, encode_shard, kept_runs,
+                              shard_windows)
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
 from dpjax.models import BertConfig, DensePhrases
@@ -63,6 +64,13 @@ def test_dump_with_min_context_windows_keeps_each_token_once(model, tokenizer, t
   manifest = dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
   counts = [len(tokenizer.tokenize([p.text])[0][0]) for p in passages]
   assert manifest["num_tokens"] == sum(counts)
+  # the windows encoded (shard 0 in blocks), counted as each shard's windows are cut
+  cut = [shard_windows(tokenizer, passages[i:i + 3], config) for i in range(0, 8, 3)]
+  assert [(s["windows"], s["encoded_tokens"]) for s in manifest["shards"]] == [
+      (len(w.input_ids), w.attention_mask.sum()) for w in cut]
+  assert manifest["num_windows"] == sum(len(w.input_ids) for w in cut) > len(passages)
+  # each window's title ("title", "k") and [CLS]/[SEP]/[SEP], and the re-encoded contexts
+  assert manifest["encoded_tokens"] > manifest["num_tokens"] + 5 * manifest["num_windows"]
   np.testing.assert_array_equal(np.bincount(Dump.load(tmp_path).token_passage), counts)
   assert manifest["host_seconds"] >= 0 and manifest["encoder_wait_seconds"] >= 0
   assert 0 <= manifest["host_cpu_seconds"] <= manifest["seconds"]
@@ -156,15 +164,18 @@ def test_shard_tables_are_written_before_the_last_blocks_vectors(model, tokenize
     def add(self, runs, rows, vectors, logits):
       events.append(("add", len(rows)))
 
-    def tables(self, arrays, passages_):
-      events.append(("tables", {k: v.copy() for k, v in arrays.items()}, len(passages_)))
+    def tables(self, arrays, passages_, windows):
+      events.append(("tables", {k: v.copy() for k, v in arrays.items()}, len(passages_),
+                     windows))
 
   out = encode_shard(tokenizer, passages, config, make_mesh(), bound(model, "phrases_and_filter"),
                      windows=blocks, stream=Sink)
   tables = [i for i, e in enumerate(events) if e[0] == "tables"]
   assert len(tables) == 1 and 0 < tables[0] < len(events) - 1, events  # adds before and after
-  _, arrays, count = events[tables[0]]
+  _, arrays, count, windows = events[tables[0]]
   assert count == 40 and sorted(arrays) == sorted(out) == ["char_spans", "token_passage"]
+  assert windows == {"windows": sum(len(b.input_ids) for _, b in blocks),  # all 4 blocks'
+                     "encoded_tokens": sum(b.attention_mask.sum() for _, b in blocks)}
   for key, value in out.items():
     np.testing.assert_array_equal(arrays[key], value, err_msg=key)
 

@@ -147,10 +147,11 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
 
 
 def _write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
-                       passages: list[Passage], tokens: int) -> dict:
-  """Writes `arrays`, the passages and the shard's info into `tmp`; returns the info."""
+                       passages: list[Passage], tokens: int, windows: dict | None = None) -> dict:
+  """Writes `arrays`, the passages and the shard's info into `tmp`; returns the info.
+  `windows`: the count of the windows encoded and of their real tokens (`encode_shard`)."""
   entry = {"name": name, "passages": len(passages), "tokens": int(tokens),
-           "passages_sha": passages_digest(passages)}
+           "passages_sha": passages_digest(passages), **(windows or {})}
   for key, value in arrays.items():
     np.save(tmp / f"{key}.npy", value)
   write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
@@ -191,10 +192,12 @@ class ShardStream:
     [B, width, ...])."""
     self._submit(self._write_batch, runs, rows, vectors, logits)
 
-  def tables(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> None:
+  def tables(self, arrays: dict[str, np.ndarray], passages: list[Passage],
+             windows: dict | None = None) -> None:
     """Writes `arrays` (token_passage, char_spans: one row per kept token), the passages and
-    the shard's info, before the last tokens' vectors come (`finish` then only completes)."""
-    self._submit(self._tables, arrays, passages)
+    the shard's info (with `windows`' counts), before the last tokens' vectors come (`finish`
+    then only completes)."""
+    self._submit(self._tables, arrays, passages, windows)
 
   def finish(self, total: int):
     """A future of the shard's manifest entry, once its `total` kept tokens and its tables
@@ -240,9 +243,10 @@ class ShardStream:
         _pwrite_all(fd, memoryview(data).cast("B"), offset + destination * width * 2)
       self.stored += length
 
-  def _tables(self, arrays: dict[str, np.ndarray], passages: list[Passage]) -> None:
+  def _tables(self, arrays: dict[str, np.ndarray], passages: list[Passage],
+              windows: dict | None) -> None:
     self.entry = _write_shard_files(self.tmp, self.final.name, arrays, passages,
-                                    len(arrays["token_passage"]))
+                                    len(arrays["token_passage"]), windows)
 
   def _finish(self, total: int) -> dict:
     if self.entry is None:
@@ -419,7 +423,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   blocks of 64, 128, 256 and 152). `progress` counts the stored tokens batch by batch; `timings`
   (a dict) adds up `map_batches`' dispatch, wait and fetch seconds. `stream()`: a
   `ShardStream`; the vectors and filter logits then go to it batch by batch, and only
-  token_passage and char_spans are returned."""
+  token_passage and char_spans are returned (its shard info counts the windows and their real
+  tokens: `windows`, `encoded_tokens`)."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
   blocks = windows if isinstance(windows, list) else [(len(passages), windows)]
@@ -429,9 +434,12 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   calls = phrase_calls(config.batch_size, mesh, config.width_multiple)  # (rows, width multiple)
   held = None  # windows carried into the next block's calls
   total = first_passage = stored = 0
+  encoded = {"windows": 0, "encoded_tokens": 0}  # the windows' real tokens, re-encoded ones too
   for number, (count, block) in enumerate(blocks):
     if isinstance(block, concurrent.futures.Future):
       block = _timed_result(block, pipeline)
+    encoded["windows"] += len(block.input_ids)
+    encoded["encoded_tokens"] += int(block.attention_mask.sum())
     keep = block.context_mask & block.is_max_context  # [W, L]
     runs = kept_runs(keep)
     runs["destination"] = runs["destination"] + total  # shard rows
@@ -450,7 +458,7 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
     else:  # the shard's tables are complete: written while its last tokens are encoded
       tables = {key: np.concatenate(value) for key, value in parts.items()}
       if sink:
-        sink.tables(tables, passages)
+        sink.tables(tables, passages, encoded)
     stored += _encode_windows(todo, total, config, mesh, encode, progress, timings, sink, out)
   if stored != total:  # every window comes back once
     raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
@@ -817,6 +825,9 @@ def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: flo
     manifest.update(complete=True,
                     num_passages=sum(s["passages"] for s in manifest["shards"]),
                     num_tokens=sum(s["tokens"] for s in manifest["shards"]),
+                    # the windows' real tokens (None: a shard made before they were counted)
+                    encoded_tokens=_total(manifest["shards"], "encoded_tokens"),
+                    num_windows=_total(manifest["shards"], "windows"),
                     seconds=seconds, processes=jax.process_count())
     # What an index built from this dump records, to be refused against any other dump.
     manifest["dump_id"] = digest_texts(manifest["fingerprint"], json.dumps(manifest["settings"]),
@@ -824,6 +835,11 @@ def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: flo
     write_manifest(out_dir, manifest)
   distributed.barrier("dump-manifest")
   return read_manifest(out_dir)
+
+
+def _total(shards: list[dict], key: str) -> int | None:
+  """The shards' `key` summed (None if a shard lacks it)."""
+  return sum(s[key] for s in shards) if all(key in s for s in shards) else None
 
 
 def shard_name(number: int) -> str:
