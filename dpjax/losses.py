@@ -85,13 +85,13 @@ def in_batch_loss(queries, gold_vectors, gold_ids, extra_vectors=None, extra_ids
 
   Question b's positive is its gold token vector; its negatives are the gold token vectors of
   the other examples and the `extra_vectors` (pre-batch negatives: gold tokens of previous
-  batches, no gradient). A negative with the same id as the positive (the same token of the same
-  passage window) is not a negative and is masked.
+  batches, no gradient). A negative with the same id as the positive (e.g. the same passage:
+  `objectives`' original recipe) is not a negative and is masked.
 
   Args:
     queries: [B, D] q_start (or q_end).
     gold_vectors: [B, D] h at each example's gold start (or end) token.
-    gold_ids: [B] int, an id of each gold token (e.g. window id * L + position).
+    gold_ids: [B] int, an id of each gold token (e.g. its passage's).
     extra_vectors: [M, D] or None.
     extra_ids: [M] int ids of the extra vectors.
     extra_mask: [M] bool, valid extra vectors (an empty queue slot is invalid).

@@ -137,7 +137,7 @@ def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
   if encoded["windows"] is not None:
     raise ValueError("passage-grouped batches (train.questions_per_window > 1) need the unified "
                      "loss")
-  b, length, dim = h.shape
+  b, _, dim = h.shape
   mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
   pids = batch["passage_ids"]
   single = losses.single_passage_loss(encoded["start_logits"], encoded["end_logits"], mask, start,
@@ -149,10 +149,12 @@ def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
   queue_valid = jnp.broadcast_to(queue_on[:, None], queue["passage_ids"].shape).reshape(-1)
 
   def side(queries, gold, queue_gold):
+    # Ids are passages, as in the unified recipe: no token of an example's passage is its
+    # negative. (Passage * length + window position named neither the same token seen in two
+    # windows of a passage nor told apart two tokens at one position of two windows.)
     queue_vectors = qv[c_rows, b_rows, queue_gold].reshape(-1, dim)
-    queue_ids = (queue["passage_ids"] * length + queue_gold).reshape(-1)
-    return losses.in_batch_loss(queries, h[rows, gold], pids * length + gold, queue_vectors,
-                                queue_ids, queue_valid)
+    return losses.in_batch_loss(queries, h[rows, gold], pids, queue_vectors,
+                                queue["passage_ids"].reshape(-1), queue_valid)
 
   negatives = 0.5 * (side(q_start, start, queue["start"]) + side(q_end, end, queue["end"]))
   per_example = loss_config.weight_single * single + loss_config.weight_negatives * negatives

@@ -204,3 +204,30 @@ def test_gradients_finite_for_fully_masked_rows():
   logits = jnp.einsum("bd,bld->bl", q, h)
   assert float(losses.single_passage_loss(logits, logits, mask, gold, gold)[1]) == 0.0
   assert np.isfinite(np.asarray(losses.unified_loss(q, h, mask, gold, pids))).all()
+
+
+def test_original_recipe_never_takes_a_token_of_the_examples_passage_as_a_negative():
+  """The original recipe's in-batch / pre-batch ids are passages (as the unified recipe's): the
+  same answer token seen in two windows of its passage (two examples, the gold vector at other
+  window positions) is not a negative of either, and neither is any token of that passage."""
+  from types import SimpleNamespace
+
+  from dpjax import objectives
+  length, dim = 4, 2
+  h = np.zeros((3, length, dim), np.float32)
+  h[0, 1] = h[1, 3] = [10.0, 0.0]  # one token of passage 7, in two windows
+  h[2, 1] = [0.0, 10.0]  # passage 9's gold, at window position 1 like example 0's
+  q = np.float32([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+  batch = {"context_mask": np.ones((3, length), bool), "passage_ids": np.int32([7, 7, 9]),
+           "start_positions": np.int32([1, 3, 1]), "end_positions": np.int32([1, 3, 1])}
+  encoded = {"h": jnp.asarray(h), "q_start": jnp.asarray(q), "q_end": jnp.asarray(q),
+             "start_logits": jnp.zeros((3, length)), "end_logits": jnp.zeros((3, length)),
+             "windows": None}
+  queue = objectives.init_queue(1, 3, length, dim)
+  config = SimpleNamespace(weight_single=0.0, weight_negatives=1.0)
+  per_example, metrics = objectives._original(None, batch, encoded, queue, jnp.zeros(1, bool),
+                                               config, None)
+  # each its own logit 10 against one at 0 (examples 0, 1: the other passage) or two (example 2);
+  # with window-position ids example 1 was example 0's negative at 10 (loss log 2)
+  want = [math.log1p(math.exp(-10.0))] * 2 + [math.log1p(2 * math.exp(-10.0))]
+  np.testing.assert_allclose(per_example, want, rtol=0, atol=2e-6)  # float32 sums at 10
