@@ -17,6 +17,7 @@ setup(
         "orbax-checkpoint>=0.11,<0.13",
         "transformers>=5.0,<6",
         "tokenizers>=0.22,<0.24",
+        "regex>=2023.0",  # \p{L} classes: DPR's tokenizer for passage Top-k (metrics.has_answer)
         "safetensors>=0.5,<0.9",
         "faiss-cpu>=1.9,<1.16",
         "numpy>=1.26,<3",

@@ -222,7 +222,11 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
       "limit": 0,  # only the first N questions (0: all)
       "every_steps": 0,  # RC evaluation during training (0: at the end only)
       "checkpoint": "latest",  # latest, best (validation) or qsft
-      "passage_k": 100,  # passage Top-1/5/20/100 up to k, MRR@k, P@k
+      "passage_k": 100,  # passage Top-1/5/20/100 up to k, MRR and P@ at 20 (or k if less)
+      # The questions' answers are regular expressions (CuratedTREC): `run.py eval` and QSFT's
+      # dev scores match them as DrQA / DPR do (EM: matched at the prediction's start; no F1;
+      # passages: searched). Training and QSFT's positives take answers as text.
+      "regex": False,
       # dump / index / search / eval refuse a workdir without checkpoints (a mistyped --workdir
       # would otherwise use the untrained weights) unless this is set.
       "allow_untrained": False,

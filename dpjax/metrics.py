@@ -3,6 +3,7 @@
 `normalize_answer`, `exact_match` and `f1` follow the official SQuAD v1.1 evaluation script
 exactly (lower-case, drop punctuation, drop the articles a/an/the, collapse white space; token
 F1 over the bag of normalised tokens; max over the gold answers; unanswered questions score 0).
+Passage Top-k decides whether a passage holds an answer as DPR does (`has_answer`).
 """
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import collections
 import functools
 import re
 import string
+import unicodedata
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+import regex as unicode_regex
 
 _PUNCTUATION = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -71,23 +74,45 @@ def squad_em_f1(predictions: Mapping[str, str],
   return {"exact_match": 100.0 * em / n, "f1": 100.0 * f1_total / n, "count": len(gold_answers)}
 
 
-def has_answer(text: str, answers: Sequence[str], regex: bool = False) -> bool:
-  """Whether a passage contains an answer: normalised token-sequence match (or a regex search).
+# DPR's `SimpleTokenizer` (DrQA's; Pyserini's and Tevatron's passage evaluation use it too): a
+# token is a run of letters, digits and combining marks, or any other single character that is
+# neither a separator nor a control character.
+_DPR_TOKEN = unicode_regex.compile(
+    r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])",
+    flags=unicode_regex.IGNORECASE | unicode_regex.UNICODE | unicode_regex.MULTILINE)
 
-  Text and answers are normalised as for EM (lower-case, no punctuation/articles) and the
-  answer's token sequence must occur contiguously in the passage's token sequence.
+
+def dpr_tokens(text: str) -> list[str]:
+  """The lower-cased tokens DPR's `has_answer` compares: Unicode NFD, then `SimpleTokenizer`."""
+  return [m.group().lower() for m in _DPR_TOKEN.finditer(unicodedata.normalize("NFD", text))]
+
+
+def has_answer(text: str, answers: Sequence[str], regex: bool = False) -> bool:
+  """Whether a passage contains an answer, as DPR's `has_answer` decides it (the passage
+  Top-k of DPR, DensePhrases, Pyserini and Tevatron): the answer's tokens (`dpr_tokens`) occur
+  contiguously in the passage's; with `regex`, a pattern is searched anywhere in the passage
+  (both NFD-normalised), case-insensitively. Punctuation is a token of its own, so "Obama" is
+  found in "Obama's" and "1911" in "1911-1912"; articles are kept, so "The Beatles" is not found
+  in "Beatles". An answer without tokens (or an invalid pattern) matches nothing (DPR's would
+  match every passage).
   """
   if regex:
-    return any(_regex_search(pattern, text) for pattern in answers)
-  # Normalised texts are tokens joined by single spaces, so a contiguous token sequence is a
+    return any(_regex_search(unicodedata.normalize("NFD", pattern), _nfd(text))
+               for pattern in answers)
+  # Tokens joined by single spaces (no token holds a space): a contiguous token sequence is a
   # substring bounded by spaces; the passage side is cached (passages recur across questions).
-  padded = _padded_normal_form(text)
-  return any(target != "  " and target in padded for target in map(_padded_normal_form, answers))
+  padded = _padded_tokens(text)
+  return any(target != "  " and target in padded for target in map(_padded_tokens, answers))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _padded_normal_form(text: str) -> str:
-  return f" {normalize_answer(text)} "
+def _padded_tokens(text: str) -> str:
+  return f" {' '.join(dpr_tokens(text))} "
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _nfd(text: str) -> str:
+  return unicodedata.normalize("NFD", text)
 
 
 def _regex_search(pattern: str, text: str) -> bool:

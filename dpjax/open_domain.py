@@ -112,7 +112,7 @@ def run_eval_open(config, workdir: str) -> dict:
   scores = retrieval_scores(index, *searcher.encode(texts), [q.answers for q in questions],
                             max_answer_length=config.eval.max_answer_length, passage_k=passage_k,
                             passage_ks=(1, 5, 20, 100), shared_hits=True, found=found,
-                            progress=True)
+                            progress=True, regex=config.eval.get("regex", False))
   seconds = time.perf_counter() - start
   batch64_qps, timed = _batch64_throughput(searcher, texts, config)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
@@ -179,12 +179,11 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
       f"{q.id} Q0 {pid} {rank} {score:.6f} dpjax\n"
       for q, passages in zip(questions, ranked) for rank, (pid, score) in enumerate(passages, 1)))
   write_json(workdir / f"open_eval_{name}{tag}.json", report)
-  log.info("open-domain (%s, %d questions): EM@1 %.2f EM@10 %.2f; passage top1 %.2f top20 %.2f",
-           name, len(questions), report["em@1"], report["em@10"], report["top1"],
-           report["top20"])
-  print(f"open-domain EM@1 {report['em@1']:.2f}  EM@10 {report['em@10']:.2f}  "
-        f"passage Top-1 {report['top1']:.2f}  Top-20 {report['top20']:.2f}  "
-        f"({len(questions)} questions, index {name})")
+  # passage Top-k as far as eval.passage_k reaches (0: none)
+  summary = "  ".join([f"EM@1 {report['em@1']:.2f}", f"EM@10 {report['em@10']:.2f}"] + [
+      f"passage Top-{k} {report[f'top{k}']:.2f}" for k in (1, 5, 20) if f"top{k}" in report])
+  log.info("open-domain (%s, %d questions): %s", name, len(questions), summary)
+  print(f"open-domain {summary}  ({len(questions)} questions, index {name})")
   for q, r in list(zip(questions, phrases))[:5]:
     print(f"  Q: {q.question}  gold: {q.answers[0]!r}  predicted: {r[0]['answer']!r}"
           if r else f"  Q: {q.question}  (no answer)")

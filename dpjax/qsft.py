@@ -106,7 +106,7 @@ def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) ->
                                     batch_size=batch_size, mesh=mesh)
   return retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
                           max_answer_length=config.eval.max_answer_length, top_tokens=10,
-                          passage_k=0)
+                          passage_k=0, regex=config.eval.get("regex", False))
 
 
 def workdir_lock(path: pathlib.Path):

@@ -57,6 +57,14 @@ def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="other.json has .*fingerprint 0+\\).*mix two setups"):
     _load("passage_retrieval").main(base + ["--systems", "--merge", str(tmp_path / "other.json"),
                                             "--out", str(only)])
+  # And one whose passages were matched to answers before has_answer became DPR's.
+  old = json.loads(again.read_text())
+  del old["answer_match"]
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  with pytest.raises(SystemExit, match="old.json: its rows matched passages to answers the old"):
+    _load("passage_retrieval").main(base + ["--systems", "--merge", str(tmp_path / "old.json"),
+                                            "--out", str(only)])
+  assert "SQuAD-normalised" not in only.with_suffix(".md").read_text()
 
 
 def test_search_scale_benchmark_tiny(tmp_path, monkeypatch):

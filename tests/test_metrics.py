@@ -42,25 +42,64 @@ def test_has_answer_matches_token_sequences():
   assert metrics.has_answer("born in 1961 in Hawaii", ["1961"])
   assert not metrics.has_answer("born in 1961", ["1962", ""])
   assert metrics.has_answer("Born in 1961.", [r"19[0-9]{2}"], regex=True)
+  assert not metrics.has_answer("Born in 1961.", [r"19[0-9]{2", "x"], regex=True)  # invalid
 
 
-def test_has_answer_equals_a_token_window_search():
-  def windows(text, answers):  # the definition: a contiguous run of normalised tokens
-    tokens = metrics.normalize_answer(text).split()
+def test_has_answer_decides_as_dprs():
+  """DPR's `has_answer` (its SimpleTokenizer's tokens): punctuation is a token of its own,
+  articles are kept, accents compared after NFD, and a regex is searched in NFD text."""
+  assert metrics.has_answer("Obama's birthplace is Hawaii", ["Obama"])
+  assert metrics.has_answer("a rock-and-roll band", ["rock"])
+  assert metrics.has_answer("the 1911-1912 season", ["1911"])
+  assert metrics.has_answer("the 1911-1912 season", ["1911 - 1912"])
+  assert not metrics.has_answer("Beatles songs", ["The Beatles"])  # SQuAD's normal form: found
+  assert not metrics.has_answer("Beatles songs", ["Beatle"])
+  assert metrics.has_answer("Cafe\u0301 de Flore", ["Caf\u00e9"])  # decomposed vs composed
+  assert not metrics.has_answer("Café de Flore", ["Cafe"])  # the accent is part of the token
+  assert metrics.has_answer("U.S. Army", ["U.S"]) and not metrics.has_answer("US Army", ["U.S."])
+  assert metrics.has_answer("won in 1990\u00a0AD", ["1990 ad"])  # a no-break space separates
+  assert metrics.has_answer("Caf\u00e9 de Flore", ["cafe\u0301 de"], regex=True)
+  assert metrics.dpr_tokens("“Hi,” she said—twice") == [
+      "“", "hi", ",", "”", "she", "said", "—", "twice"]
+
+
+def _dpr_reference_tokens(text: str) -> list[str]:
+  """DPR's SimpleTokenizer written out by Unicode category: runs of letters, numbers and marks,
+  and each other character that is not a separator (Z*) or control/format (C*) alone."""
+  import unicodedata
+  tokens, run = [], ""
+  for ch in unicodedata.normalize("NFD", text):
+    kind = unicodedata.category(ch)[0]
+    if kind in "LNM":
+      run += ch
+      continue
+    if run:
+      tokens.append(run)
+      run = ""
+    if kind not in "ZC":
+      tokens.append(ch)
+  return [t.lower() for t in tokens + ([run] if run else [])]
+
+
+def test_has_answer_equals_dprs_token_window_search():
+  def windows(text, answers):  # DPR's loop over the passage's token windows (an empty answer
+    tokens = _dpr_reference_tokens(text)  # matches nothing here: DPR's matches everything)
     for answer in answers:
-      target = metrics.normalize_answer(answer).split()
+      target = _dpr_reference_tokens(answer)
       if target and any(tokens[i:i + len(target)] == target
                         for i in range(len(tokens) - len(target) + 1)):
         return True
     return False
 
   rng = np.random.default_rng(0)
-  words = ["a", "the", "an", "ab", "b", "ba", "c,", "C", "a.b", "x-y", "xy", "  ", "!"]
+  words = ["a", "the", "An", "ab", "b", "ba", "c,", "C", "a.b", "x-y", "xy", "  ", "!", "é",
+           "e\u0301", "É", "’s", "1,000", "\t", "\u00a0", "x\u200by", "½", "٣"]
   for _ in range(3000):
     text = " ".join(rng.choice(words, size=rng.integers(0, 12)))
     answers = [" ".join(rng.choice(words, size=rng.integers(0, 4)))
                for _ in range(rng.integers(1, 3))]
     assert metrics.has_answer(text, answers) == windows(text, answers), (text, answers)
+    assert metrics.dpr_tokens(text) == _dpr_reference_tokens(text), text
 
 
 def test_open_domain_and_passage_scores():

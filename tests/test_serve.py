@@ -181,6 +181,30 @@ def test_eval_progress_is_reported_and_changes_no_result(service, monkeypatch, c
   assert f"search: {len(questions)}/{len(questions)} questions in" in caplog.text  # non-TTY: logs
 
 
+def test_regex_answers_and_passage_lists_shorter_than_20(service):
+  """eval.regex: answers are patterns (CuratedTREC), EM matched at the prediction's start, no
+  F1, passages searched; MRR and P@ are labelled by the depth they were taken at."""
+  import re
+
+  _, config, workdir, questions, _ = service
+  from dpjax.index import evaluate
+  searcher, _ = load_searcher(config, workdir)
+  q_start, q_end = searcher.encode(questions)
+  top = [found[0]["answer"] for found in searcher.search(questions, k=1)]
+  plain = [[t] if i % 2 else ["no such answer"] for i, t in enumerate(top)]
+  patterns = [[re.escape(t)] if i % 2 else ["no such answer"] for i, t in enumerate(top)]
+  text = evaluate.retrieval_scores(searcher.index, q_start, q_end, plain, per_question=True)
+  pattern = evaluate.retrieval_scores(searcher.index, q_start, q_end, patterns,
+                                      per_question=True, regex=True)
+  assert pattern["hits"]["em@1"] == text["hits"]["em@1"] and pattern["em@1"] == text["em@1"]
+  assert "f1@1" in text and "f1@1" not in pattern
+  # the top phrase's passage ranks first and holds the pattern's text
+  assert pattern["top1"] == pytest.approx(100 * (len(questions) // 2) / len(questions))
+  shallow = evaluate.retrieval_scores(searcher.index, q_start, q_end, plain, passage_k=5)
+  assert {"top1", "top5", "mrr@5", "p@5"} <= set(shallow) and "p@20" not in shallow
+  assert shallow["mrr@5"] <= text["mrr@20"]  # MRR@5 counts fewer ranks
+
+
 def test_a_declared_huge_body_is_refused_unread_and_a_failing_request_fails_alone(service):
   port, _, _, questions, batcher = service
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

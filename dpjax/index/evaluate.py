@@ -43,13 +43,15 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
                      phrase_k: int = 10, top_tokens: int | None = None, passage_k: int = 20,
                      passage_ks: Sequence[int] = (1, 5, 20), per_question: bool = False,
                      shared_hits: bool = False, found: list | None = None,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, regex: bool = False) -> dict:
   """EM@1/EM@k (phrases) and, with `passage_k`, passage Top-k/MRR@k/P@k over a PhraseIndex.
 
   `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
   and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests).
   `found`: a list that receives the retrieved [phrases, passages] (predictions files).
   `progress`: show the search's progress and questions/s (256 questions at a time).
+  `regex`: the answers are regular expressions (CuratedTREC): EM by `metrics.regex_match`, no
+  F1, passages by a pattern search. MRR and P@ are at 20, or at `passage_k` when it is less.
   """
   requests = [(phrase_k, "phrase")] + ([(passage_k, "passage")] if passage_k else [])
   results: list[list] = [[] for _ in requests]
@@ -68,17 +70,20 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
   if found is not None:
     found.extend(results)
   texts = [[p.text for p, _ in units] for units in results[0]]
-  report = metrics.open_domain_scores(texts, answers)
+  report = metrics.open_domain_scores(texts, answers, regex=regex)
   if per_question:
+    match = metrics.regex_match if regex else metrics.exact_match
     report["hits"] = {"em@1": "".join(
-        str(int(bool(t) and metrics.max_over_gold(metrics.exact_match, t[0], golds) > 0))
+        str(int(bool(t) and metrics.max_over_gold(match, t[0], golds) > 0))
         for t, golds in zip(texts, answers))}
   if passage_k:
     ranked = [[index.dump.passages[p.passage].text for p, _ in units] for units in results[1]]
     report.update(metrics.passage_scores(ranked, answers,
-                                         ks=[k for k in passage_ks if k <= passage_k]))
+                                         ks=[k for k in passage_ks if k <= passage_k],
+                                         mrr_k=min(20, passage_k),
+                                         precision_k=min(20, passage_k), regex=regex))
     if per_question:
       report["hits"]["top20"] = "".join(
-          str(int(any(metrics.has_answer(d, golds) for d in docs[:20])))
+          str(int(any(metrics.has_answer(d, golds, regex) for d in docs[:20])))
           for docs, golds in zip(ranked, answers))
   return report

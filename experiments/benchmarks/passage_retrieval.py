@@ -105,6 +105,12 @@ def dense_retrieve(passages, questions, k: int, mesh, batch_size: int):
                          "questions_per_sec": len(questions) / seconds}
 
 
+DPR_MATCH = "DPR's `has_answer`"
+# How passages were matched to answers by runs made before `metrics.has_answer` became DPR's.
+OLD_MATCH = ("SQuAD-normalised token-sequence match, dpjax's before 2026-11-27; DPR's `has_answer`,"
+             " used since, counts +0.65 Top-20 on SQuAD dev: `results/has_answer.md`")
+
+
 def table(results: dict, command: str) -> str:
   commands = results.get("commands") or [command]
   lines = ["# Passage retrieval side by side: SQuAD-open small", "",
@@ -113,7 +119,7 @@ def table(results: dict, command: str) -> str:
            + (f"; one table by `{results['merged_by']}`" if "merged_by" in results else ""), "",
            f"{results['questions']} SQuAD dev questions, {results['passages']} passages (the unique "
            "SQuAD train + dev paragraphs), one answer-matching function for all systems "
-           "(normalised token-sequence match, `dpjax.metrics.passage_scores`).", "",
+           f"({results.get('answer_match', OLD_MATCH)}, `dpjax.metrics.passage_scores`).", "",
            "| system | " + " | ".join(f"Top-{k}" for k in KS) + " | MRR@20 | P@20 | phrase EM@1 | "
            "questions/s |" + (" measured by |" if len(commands) > 1 else ""),
            "|---|" + "---|" * (len(KS) + 4 + (len(commands) > 1))]
@@ -209,7 +215,7 @@ def main(argv=None) -> int:
                                               if item[0].startswith(s))))
   commands = list(dict.fromkeys([*earlier["commands"], command]))  # in the order they ran
   results = {"questions": len(questions), "passages": len(passages),
-             "fingerprint": fingerprint, "systems": systems,
+             "answer_match": DPR_MATCH, "fingerprint": fingerprint, "systems": systems,
              "commands": [c for c in commands if any(i["command"] == c for i in systems.values())],
              "notes": args.note or earlier["notes"]}
   if not args.systems:
@@ -251,6 +257,9 @@ def _earlier_tables(args, questions: int, passages: int, fingerprint: str) -> di
     except (ValueError, KeyError, TypeError) as e:
       raise SystemExit(f"{path}: not a passage_retrieval table that --merge can extend "
                        f"({type(e).__name__}: {e})")
+    if found and table.get("answer_match") != DPR_MATCH:
+      raise SystemExit(f"{path}: its rows matched passages to answers the old way ({OLD_MATCH}); "
+                       "--merge would mix two definitions in one table: measure them again")
     if not same:
       raise SystemExit(f"{path} has {table['questions']} questions / {table['passages']} "
                        f"passages (fingerprint {table.get('fingerprint')}), this run "
