@@ -58,18 +58,54 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
                _qa("q4", "Where is Berlin?", "Germany", 0),  # wrong offset: relocated, kept
                {"question": "No id?", "answers": [{"text": "Berlin", "answer_start": 0}]}]},
       {"context": "   ", "qas": [_qa("q5", "?", "x", 0)]},  # empty context
-      {"qas": []})  # no context
+      {"qas": []},  # no context
+      # a negative answer_start slices from the end ("Italy" too): relocated, not kept as -6
+      {"context": "Rome is in Italy.", "qas": [_qa("q6", "Where is Rome?", "Italy", -6)]})
   passages, questions, summary = read_squad(_write(tmp_path, data))
-  assert [q.id for q in questions] == ["q1", "q4"]
-  assert questions[1].answer_start == 13
-  assert summary.answers_relocated == 1
-  assert summary.questions_seen == 6
+  assert [q.id for q in questions] == ["q1", "q4", "q6"]
+  assert questions[1].answer_start == 13 and questions[2].answer_start == 11
+  assert summary.answers_relocated == 2
+  assert summary.questions_seen == 7
   assert summary.counts == {"question without 'answers'": 1, "answer not in context": 1,
                             "question without 'id' or 'question'": 1, "empty context": 1,
                             "question in a paragraph with empty context": 1,
                             "paragraph without 'context'": 1}
   assert "data[0].paragraphs[1].qas[1] (id=q3)" in str(summary)
-  assert len(passages) == 2
+  assert len(passages) == 3
+
+
+def test_open_domain_questions_refuse_bad_answers_and_keep_unlocated_ones(tmp_path, caplog):
+  """`read_questions`: answers must be a list of non-empty texts (a bare string was read letter
+  by letter, an object without text gave an empty answer that matches an empty prediction);
+  errors name the file and record. From a SQuAD file, a question whose answer is not in its
+  paragraph is kept (open-domain needs the text, not the span); one without answers is
+  skipped and logged."""
+  from dpjax.data.questions import read_questions
+  for answers, name in (("Paris", "string"), ([{"answer_start": 0}], "no_text"), ([1984], "int"),
+                        ([None], "none"), (["Paris", " "], "blank")):
+    rows = [{"id": "a", "question": "Capital?", "answers": ["Paris"]},
+            {"id": "b", "question": "Capital?", "answers": answers}]
+    path = _write(tmp_path, "\n".join(map(json.dumps, rows)), f"{name}.jsonl")
+    with pytest.raises(DataError, match=rf"{name}\.jsonl:2: 'answers' must be a list"):
+      read_questions(path)
+    path = _write(tmp_path, {"data": rows}, f"{name}.json")
+    with pytest.raises(DataError, match=rf"{name}\.json: record 1: 'answers' must be a list"):
+      read_questions(path)
+  with pytest.raises(DataError, match=r"latin\.jsonl: not UTF-8"):
+    read_questions(_write(tmp_path, '{"question": "Par\u00eds?"}'.encode("latin-1"),
+                          "latin.jsonl"))
+  mixed = {"data": [{"question": "Capital?", "answers": ["Paris", {"text": "Paris, France"}]}]}
+  assert read_questions(_write(tmp_path, mixed, "ok.json"))[0].answers == ["Paris",
+                                                                            "Paris, France"]
+  data = _squad({"context": "Berlin is in Germany.",
+                 "qas": [_qa("q1", "Where is Berlin?", "Germany", 13),
+                         _qa("q2", "Capital of Germany?", "Berlin, the capital", 0),
+                         {"id": "q3", "question": "No answers?", "answers": []}]})
+  with caplog.at_level("WARNING", logger="dpjax.data.questions"):
+    questions = read_questions(_write(tmp_path, data, "squad.json"))
+  assert [(q.id, q.answers, q.title) for q in questions] == [
+      ("q1", ["Germany"], "T"), ("q2", ["Berlin, the capital"], "T")]
+  assert "question without answer texts: 1 (e.g. question q3)" in caplog.text
 
 
 def test_command_line_reports_errors_without_traceback(tmp_path, capsys):
@@ -82,10 +118,15 @@ def test_command_line_reports_errors_without_traceback(tmp_path, capsys):
   assert "questions read: 1, kept: 1, skipped: 0" in out
 
 
-def test_windows_cover_every_token_once(tokenizer):
+@pytest.mark.parametrize("doc_stride, min_context", [(11, 0), (40, 0), (40, 3)])
+def test_windows_cover_every_token_once(tokenizer, doc_stride, min_context):
+  """Every context token in a window, kept in exactly one (its max-context window); a doc_stride
+  past the window's room for context (26 tokens here) advances by the room (as HF's run_squad),
+  not past tokens no window would hold."""
   context = " ".join(f"token{i}" for i in range(97))  # several word pieces each
   passages = [squad.Passage("p0", "A title", context), squad.Passage("p1", "", "short one")]
-  windows, offsets = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=11)
+  windows, offsets = build_windows(tokenizer, passages, max_seq_length=31, doc_stride=doc_stride,
+                                   min_context=min_context)
   n_tokens = len(offsets[0])
   first = windows.passage_index == 0
   assert first.sum() > 3

@@ -230,7 +230,8 @@ def _read_question(qa: Any, context: str, passage_index: int, where: str,
     texts.append(answer_text)
     if located is None and isinstance(answer, dict):
       start = answer.get("answer_start")
-      if isinstance(start, int) and context[start:start + len(answer_text)] == answer_text:
+      if (isinstance(start, int) and start >= 0  # (a negative start would slice from the end)
+          and context[start:start + len(answer_text)] == answer_text):
         located = (answer_text, start)
       elif (found := context.find(answer_text)) >= 0:
         located = (answer_text, found)
@@ -341,6 +342,7 @@ def _window_starts(length: int, room: int, doc_stride: int, min_context: int) ->
   neighbours overlap by 2 min_context, so the max-context rule leaves every token that much
   context; the last window ends with the passage, so no token is encoded more than needed."""
   stride = max(room - 2 * min_context, doc_stride) if min_context > 0 else doc_stride
+  stride = min(stride, room)  # a stride past the room would skip tokens (HF: min(length, stride))
   starts = list(range(0, max(length - room, 0) + stride, stride))
   return [s for s in starts if s < max(length, 1)]  # one (empty) window if no tokens
 

@@ -11,6 +11,7 @@ import pathlib
 from typing import Sequence
 
 import numpy as np
+import regex as unicode_regex
 import tokenizers
 
 from dpjax.model_files import DEFAULT_MODEL, resolve_model_dir
@@ -54,9 +55,11 @@ class Tokenizer:
       For each text, `(ids [T] int32, offsets [T, 2] int32)`: token ids and the character span
       `text[start:end]` each token came from.
     """
-    encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+    texts = list(texts)
+    encodings = self.backend.encode_batch(texts, add_special_tokens=False)
     return [(np.asarray(e.ids, dtype=np.int32),
-             np.asarray(e.offsets, dtype=np.int32).reshape(-1, 2)) for e in encodings]
+             _over_marks(text, np.asarray(e.offsets, dtype=np.int32).reshape(-1, 2)))
+            for text, e in zip(texts, encodings)]
 
   def encode(self, texts: Sequence[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Encodes single-segment inputs `[CLS] text [SEP]`, truncated to `max_length`.
@@ -80,3 +83,20 @@ def _do_lower_case(model_dir: pathlib.Path) -> bool:
   if config.is_file():
     return bool(json.loads(config.read_text(encoding="utf-8")).get("do_lower_case", True))
   return True
+
+
+_MARKS = unicode_regex.compile(r"\p{M}+")  # combining marks (accents, viramas, ...)
+
+
+def _over_marks(text: str, offsets: np.ndarray) -> np.ndarray:
+  """`offsets` with each token's end moved past the combining marks right after it that no token
+  holds: an uncased tokenizer strips accents, so "Cafe\u0301" ends its token before the accent,
+  and an answer cut at that end lost it (EM 0 against "Café")."""
+  if text.isascii() or not len(offsets):
+    return offsets
+  for mark in _MARKS.finditer(text):
+    ends_here = np.flatnonzero(offsets[:, 1] == mark.start())
+    held = ((offsets[:, 0] < mark.end()) & (offsets[:, 1] > mark.start())).any()
+    if len(ends_here) and not held:
+      offsets[ends_here, 1] = mark.end()
+  return offsets
