@@ -10,7 +10,7 @@ import logging
 import pathlib
 
 from dpjax.errors import ConfigError
-from dpjax.models.densephrases import export_dense_phrases
+from dpjax.models.densephrases import EXPORT_INFO, export_dense_phrases
 from dpjax.models.pretrained import resolve_model_dir
 from dpjax.workdir import apply_filter_head, restore_model
 
@@ -21,6 +21,11 @@ def run_export(config, workdir: str, out: str) -> pathlib.Path:
   """Exports the workdir's model (the checkpoint `eval.checkpoint` names) to `out`."""
   if not out:
     raise ConfigError("export needs --out DIR (the folder to write)")
+  # The export replaces `out` whole: only an earlier export may be there (not, say, a workdir).
+  if pathlib.Path(out).exists() and not (pathlib.Path(out) / EXPORT_INFO).is_file():
+    raise ConfigError(f"export --out {out}: exists and is not an earlier export (no "
+                      f"{EXPORT_INFO}), and the export would replace all of it; choose a new "
+                      "folder")
   workdir = pathlib.Path(workdir)
   model, step = restore_model(config, workdir)
   apply_filter_head(model, workdir)

@@ -24,6 +24,10 @@ def exported(tmp_path_factory):
   assert run.main(["train"] + base) == 0
   assert run.main(["export"] + base) == 2  # no --out: one line, exit 2
   assert run.main(["export"] + base + ["--out", str(out)]) == 0
+  assert run.main(["export"] + base + ["--out", str(out)]) == 0  # an earlier export: replaced
+  # Any other existing folder (the workdir itself, a typo) would be replaced whole: refused.
+  assert run.main(["export"] + base + ["--out", str(workdir)]) == 2
+  assert (workdir / "checkpoints").is_dir() and (workdir / "metrics.jsonl").is_file()
   model, step = restore_model(load_config("experiments/demo.py:tiny"), workdir)
   return model, step, out
 
