@@ -82,6 +82,20 @@ def abstract_like(state: Any) -> Any:
                       state)
 
 
+def best_checkpoint_step(directory: str | pathlib.Path, metric: str) -> int | None:
+  """The step of the best checkpoint by `metric` under a directory of best-`metric` checkpoints
+  (`Checkpointer(best_metric=)`). Not the newest: a worse step is saved before it is deleted,
+  and a run killed in between leaves both."""
+  checkpointer = Checkpointer(directory, keep=1, best_metric=metric)
+  try:
+    return checkpointer.best_step()
+  except KeyError:
+    raise DataError(f"{directory}: its checkpoints were kept by another metric than {metric!r} "
+                    "(validation.metric)") from None
+  finally:
+    checkpointer.close()
+
+
 def checkpoint_steps(directory: str | pathlib.Path) -> list[int]:
   """The steps of the complete checkpoints under `directory` (empty when there is none)."""
   directory = pathlib.Path(directory)
@@ -89,6 +103,35 @@ def checkpoint_steps(directory: str | pathlib.Path) -> list[int]:
     return []
   return sorted(int(p.name) for p in directory.iterdir()
                 if p.name.isdigit() and (p / "state").is_dir())
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_shapes(checkpoint: pathlib.Path, target: dict) -> None:
+  """Refuses a checkpoint whose parameters are not the model's, name for name and shape for
+  shape: a partial restore would keep the model's untrained values for parameters the
+  checkpoint lacks (a layer more), drop the ones it has beyond the model's (a layer less) and
+  put in arrays of the checkpoint's shapes (another vocabulary), all silently."""
+  try:
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      stored = checkpointer.metadata(checkpoint / "state")
+    stored = getattr(stored, "item_metadata", stored)
+    stored = _shapes(getattr(stored, "tree", stored)["params"])
+  except Exception as e:  # a damaged checkpoint
+    raise DataError(f"{checkpoint}: its parameters cannot be read "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+  model = _shapes(target)
+  problems = ([f"{k} missing" for k in model if k not in stored]
+              + [f"{k} not in the model" for k in stored if k not in model]
+              + [f"{k} {stored[k]} (the model's {model[k]})" for k in model
+                 if k in stored and stored[k] != model[k]])
+  if problems:
+    raise DataError(f"{checkpoint}: a checkpoint of another model than the configured one "
+                    f"({len(problems)} parameters differ: {'; '.join(problems[:4])}); check "
+                    "--config and its --set model.* overrides against the run that wrote it")
 
 
 def restore_params(directory: str | pathlib.Path, model, step: int | None = None) -> int | None:
@@ -107,6 +150,7 @@ def restore_params(directory: str | pathlib.Path, model, step: int | None = None
   params = nnx.state(model, nnx.Param)
   # A checkpoint holds each parameter as {"value": array} (the NNX variable's state).
   target = {"params": jax.tree.map(lambda x: {"value": np.asarray(x)}, nnx.to_pure_dict(params))}
+  _check_shapes(directory / str(step), target["params"])
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   try:
     with ocp.PyTreeCheckpointer() as checkpointer:

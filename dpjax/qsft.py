@@ -36,7 +36,7 @@ from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import data_paths, restore_model
+from dpjax.workdir import QSFT_METRIC, data_paths, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
   writer = MetricsWriter(workdir / "qsft_metrics.jsonl", -1)  # a QSFT run starts afresh
   if jax.process_index() == 0:
     remove(workdir / "checkpoints_qsft")
-  checkpointer = Checkpointer(workdir / "checkpoints_qsft", keep=1, best_metric="em@1")
+  checkpointer = Checkpointer(workdir / "checkpoints_qsft", keep=1, best_metric=QSFT_METRIC)
   dev_scores = lambda: _dev_scores(run.index, run.trainer.model(), run.tokenizer, run.dev,
                                    config, run.mesh, eval_batch)
   before = dev_scores()
@@ -235,7 +235,8 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
     if step not in checkpointer.manager.all_steps():  # an epoch without update saves nothing
       checkpointer.save(step, run.trainer.state,
                         {"step": step, "epoch": epoch + 1, "qsft": qc.to_json(),
-                         "trained_step": run.trained_step}, metrics={"em@1": scores["em@1"]})
+                         "trained_step": run.trained_step},
+                      metrics={QSFT_METRIC: scores[QSFT_METRIC]})
     log.info("QSFT epoch %d: %d of %d questions have a positive; loss %.3f; dev EM@1 %.2f",
              epoch + 1, usable, len(run.questions), record["train_loss"] or float("nan"),
              scores["em@1"])

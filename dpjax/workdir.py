@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
-from dpjax.checkpoint import restore_params
+from dpjax.checkpoint import best_checkpoint_step, restore_params
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
@@ -25,6 +25,7 @@ from dpjax.models import model_for_data
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
+QSFT_METRIC = "em@1"  # what `checkpoints_qsft` keeps the best of
 FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
 
 
@@ -62,6 +63,9 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
     log.warning("%s has no checkpoints: using the untrained %s weights", workdir, weights)
     return model_for_data(config), None
   model = model_for_data(config)
+  if step is None and which != "latest":  # the best one kept, not the newest one on disk
+    step = best_checkpoint_step(checkpoints, config.validation.metric if which == "best"
+                                else QSFT_METRIC)
   restored = restore_params(checkpoints, model, step)  # a DataError for a missing step
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
@@ -73,10 +77,18 @@ def apply_filter_head(model, workdir: pathlib.Path) -> bool:
   path = pathlib.Path(workdir) / FILTER_HEAD
   if not path.is_file():
     return False
-  saved = np.load(path)
+  try:
+    with np.load(path) as saved:
+      kernel, bias = saved["kernel"].astype(np.float32), saved["bias"].astype(np.float32)
+  except Exception as e:  # a damaged file (zip, pickle or key errors)
+    raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}); run `run.py filter` again "
+                    "(or delete it to use the jointly trained filter head)") from None
   head = nnx.state(model.filter_head, nnx.Param)
-  head["kernel"].set_value(saved["kernel"].astype(np.float32))
-  head["bias"].set_value(saved["bias"].astype(np.float32))
+  if kernel.shape != head["kernel"][...].shape or bias.shape != head["bias"][...].shape:
+    raise DataError(f"{path}: a filter head of another model (kernel {kernel.shape}, the "
+                    f"model's {head['kernel'][...].shape}); run `run.py filter` again")
+  head["kernel"].set_value(kernel)
+  head["bias"].set_value(bias)
   nnx.update(model.filter_head, head)
   log.info("token filter head from %s", path)
   return True

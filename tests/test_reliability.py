@@ -2,6 +2,7 @@
 (results/reliability.md). Each case failed (silently wrong, a traceback or a hang) before."""
 import errno
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -187,6 +188,73 @@ def test_untrained_model_is_refused_unless_asked(tmp_path):
   assert run.main(base + ["--set", "eval.allow_untrained=True"]) == 0
 
 
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, caplog):
+  """Restoring parameters checks names and shapes: a model with a layer more kept that layer's
+  random values, one with a layer less dropped a trained one, and another vocabulary took the
+  checkpoint's embedding shape, all without a word."""
+  workdir = str(tmp_path)
+  assert run.main(TRAIN + ["--workdir", workdir, "--set", "train.stop_at_step=3"]) == 0
+  dump = ["dump", "--config", "experiments/demo.py:tiny", "--workdir", workdir]
+  for override, message in (("num_hidden_layers=3", "layers/2/.* missing"),
+                            ("num_hidden_layers=1", "layers/1/.* not in the model"),
+                            ("vocab_size=30000", r"\(30522, 30\) \(the model's \(30000, 30\)\)")):
+    caplog.clear()
+    assert run.main(dump + ["--set", f"model.random.{override}"]) == 2, override
+    assert "a checkpoint of another model" in caplog.text, override
+    assert re.search(message, caplog.text), (override, caplog.text)
+  assert not (tmp_path / "dump").exists()
+  assert run.main(dump) == 0  # the model it was trained as
+
+
+def test_the_best_checkpoint_is_the_best_kept_not_the_newest(tmp_path):
+  """checkpoints_best / _qsft keep one step, the best: a worse step is saved, then deleted, and
+  a run killed in between leaves both. eval.checkpoint=best took the newest of them."""
+  import jax
+  from dpjax.checkpoint import Checkpointer
+  from dpjax.models.densephrases import model_for_data
+  from dpjax.workdir import restore_model
+  config = load_config("experiments/demo.py:tiny", ["eval.checkpoint='best'"])
+  params = nnx.to_pure_dict(nnx.state(model_for_data(config), nnx.Param))
+  zeros = jax.tree.map(np.zeros_like, params)
+  checkpointer = Checkpointer(tmp_path / "checkpoints_best", keep=1, best_metric="em@1")
+  checkpointer.save(1, {"params": jax.tree.map(lambda x: {"value": x}, params)}, {"step": 1},
+                    metrics={"em@1": 50.0})
+  checkpointer.manager._checkpoint_deleter.delete_steps = lambda steps: None  # killed here
+  checkpointer.save(2, {"params": jax.tree.map(lambda x: {"value": x}, zeros)}, {"step": 2},
+                    metrics={"em@1": 10.0})
+  checkpointer.close()
+  assert sorted(p.name for p in (tmp_path / "checkpoints_best").iterdir() if p.name.isdigit()) \
+      == ["1", "2"]
+  model, step = restore_model(config, tmp_path)
+  assert step == 1
+  restored = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  jax.tree.map(np.testing.assert_array_equal, restored, params)
+
+
+def test_damaged_files_are_named_not_tracebacks(tmp_path, caplog):
+  """A damaged dump manifest, index manifest, faiss index or filter head (a disk fault, a copy
+  cut short) stops the command with one line naming the file and what to do."""
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  assert run.main(TRAIN + ["--workdir", str(tmp_path), "--set", "train.stop_at_step=3"]) == 0
+  assert run.main(["dump"] + base) == 0 and run.main(["index"] + base) == 0
+  index = tmp_path / "dump" / "indexes" / "Flat"
+  cases = [(tmp_path / "dump" / "manifest.json", "dump", "delete the dump's directory"),
+           (index / "index_manifest.json", "eval", "build the index again"),
+           (index / "index.faiss", "eval", "build the index again"),
+           (tmp_path / "filter_head.npz", "dump", "run `run.py filter` again")]
+  for path, mode, hint in cases:
+    kept = path.read_bytes() if path.exists() else None
+    path.write_bytes((kept or b"PK\x03\x04 not a zip")[:20])  # cut short
+    caplog.clear()
+    assert run.main([mode] + base) == 2, path
+    assert f"{path}: unreadable" in caplog.text and hint in caplog.text, caplog.text
+    if kept is None:
+      path.unlink()
+    else:
+      path.write_bytes(kept)
+  assert run.main(["eval"] + base) == 0
+
+
 def test_coordinator_wait_times_out_with_its_address(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -209,6 +277,51 @@ def test_a_second_training_in_the_same_workdir_is_refused(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
   (tmp_path / "train.lock").write_text(str(os.getppid()))  # a live process's lock
   assert run.main(TRAIN + ["--workdir", str(tmp_path)]) == 2
+
+
+def test_a_dead_runs_lock_is_taken_over_by_one_run_only(tmp_path, monkeypatch):
+  """Two runs that find a dead run's lock at once: one takes it over, the other is refused (the
+  read, unlink and link were separate steps: both unlinked and linked, and both ran). A lock of
+  another host is never taken over: its process cannot be checked from here."""
+  import subprocess
+  import sys
+  import threading
+  import time
+
+  from dpjax import io
+  from dpjax.errors import BusyError
+  lock = tmp_path / "train.lock"
+  gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  lock.write_text(gone)
+  read = io._lock_holder
+
+  def slow_read(path):  # both runs read the dead run's pid before either takes the lock
+    holder = read(path)
+    time.sleep(0.3)
+    return holder
+
+  monkeypatch.setattr(io, "_lock_holder", slow_read)
+  outcomes = []
+
+  def run_one():
+    try:
+      with workdir_lock(lock):
+        outcomes.append("ran")
+        time.sleep(0.8)
+    except BusyError:
+      outcomes.append("refused")
+
+  threads = [threading.Thread(target=run_one) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert sorted(outcomes) == ["ran", "refused"] and not lock.exists()
+  lock.write_text("123 some-other-host")
+  with pytest.raises(BusyError, match="pid 123 on host some-other-host.*delete"):
+    with workdir_lock(lock):
+      pass
 
 
 def test_torn_last_metrics_line_does_not_block_resume(tmp_path):
