@@ -8,12 +8,14 @@ and a temporary left by a killed run has a name no reader takes for the real thi
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import shutil
+import socket
 import sys
 import time
 from typing import Iterable, Iterator
@@ -21,7 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from dpjax.errors import BusyError
+from dpjax.errors import BusyError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,34 @@ def write_lines_atomic(path: str | os.PathLike, lines: Iterable[str]) -> None:
     with tmp.open("w", encoding="utf-8") as f:
       for line in lines:
         f.write(line)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
   finally:
     tmp.unlink(missing_ok=True)
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+  """Makes the renames and new entries in `directory` durable: after an OS crash or power loss a
+  rename could otherwise be on disk before the data it points at (an empty "complete" file)."""
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def fsync_tree(root: pathlib.Path) -> None:
+  """fsyncs every file and directory under `root` (a directory about to be renamed into place)."""
+  for folder, _, files in os.walk(root):
+    for name in files:
+      fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fsync_directory(folder)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -53,6 +80,16 @@ def write_json(path: str | os.PathLike, obj, *, indent: int | None = 1, **kwargs
   write_text_atomic(path, json.dumps(obj, indent=indent, **kwargs))
 
 
+def read_json(path: str | os.PathLike, error: type[Exception] = DataError, hint: str = ""):
+  """A JSON file's contents; an unreadable or damaged one (a disk fault, a hand edit) is
+  `error` naming the file, the cause and `hint` (what to do about it)."""
+  try:
+    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    raise error(f"{path}: unreadable ({type(e).__name__}: {e})" + (f"; {hint}" if hint else "")
+                ) from None
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
   """One JSON object per line (UTF-8, non-ASCII kept), written atomically."""
   write_lines_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -62,8 +99,27 @@ def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
   path = pathlib.Path(path)
   tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
   try:
-    np.save(tmp, array)
+    with tmp.open("wb") as f:
+      np.save(f, array)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def save_npz_atomic(path: str | os.PathLike, **arrays: np.ndarray) -> None:
+  """`np.savez` written atomically (a kill leaves the old file or the new one)."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npz")
+  try:
+    with tmp.open("wb") as f:
+      np.savez(f, **arrays)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
   finally:
     tmp.unlink(missing_ok=True)
 
@@ -97,9 +153,12 @@ def atomic_directory(final: str | os.PathLike, *, cleanup: bool = True) -> Itera
 
 
 def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
-  """Puts a complete directory `tmp` in the place of `final` (replacing an older one)."""
+  """Puts a complete directory `tmp` in the place of `final` (replacing an older one), its
+  contents on disk before the rename, the rename on disk after it."""
+  fsync_tree(pathlib.Path(tmp))
   remove(pathlib.Path(final))
   os.replace(tmp, final)
+  fsync_directory(pathlib.Path(final).absolute().parent)
 
 
 def digest_texts(*texts: str, length: int = 16) -> str:
@@ -123,39 +182,64 @@ def digest(*arrays, length: int = 16) -> str:
 def workdir_lock(path: str | os.PathLike, what: str = "training"):
   """Holds the lock file `path` (e.g. `<workdir>/train.lock`) for one run: a second run of the
   same kind in the workdir would delete the first one's checkpoints and interleave its metrics
-  (a BusyError). A lock whose process is gone (a killed run) is taken over. The lock file is
-  created with its pid in it at once (hard link of a written file), so no reader sees it empty.
-  """
+  (a BusyError). A lock whose process is gone (a killed run on this host) is taken over; one
+  of another host is never (its process cannot be checked from here). The lock file is created
+  with its pid and host in it at once (hard link of a written file), so no reader sees it empty.
+  Taking and releasing run under an flock of the lock's directory: two runs that both find a
+  dead run's lock cannot both take it over (each read, unlink and link is one step for the
+  others), and a run releases only its own lock."""
   path = pathlib.Path(path)
-  pid = _lock_holder(path)
-  if pid and _process_alive(pid):  # this process too: a nested run in one workdir
-    raise BusyError(f"{path}: another {what} run (pid {pid}) is using this workdir; wait for it, "
-                    "or run in a second workdir")
-  if pid is not None:
-    log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
-    path.unlink(missing_ok=True)
-  tmp = _temporary(path)
-  tmp.write_text(str(os.getpid()))
-  try:
-    os.link(tmp, path)
-  except FileExistsError:
-    raise BusyError(f"{path}: could not take the lock (another {what} run took it)") from None
-  finally:
-    tmp.unlink(missing_ok=True)
+  me = (os.getpid(), socket.gethostname())
+  with _directory_flock(path.parent):
+    pid, host = _lock_holder(path)
+    if pid is not None and (host not in (None, me[1]) or (pid and _process_alive(pid))):
+      where = "" if host in (None, me[1]) else f" on host {host}"
+      raise BusyError(f"{path}: another {what} run (pid {pid}{where}) is using this workdir; wait "
+                      "for it, or run in a second workdir" + (
+                          f" (if that run is gone, delete {path})" if where else ""))
+    if pid is not None:
+      log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
+      path.unlink(missing_ok=True)
+    tmp = _temporary(path)
+    tmp.write_text(f"{me[0]} {me[1]}")
+    try:
+      os.link(tmp, path)
+    except FileExistsError:
+      raise BusyError(f"{path}: could not take the lock (another {what} run took it)") from None
+    finally:
+      tmp.unlink(missing_ok=True)
   try:
     yield
   finally:
-    path.unlink(missing_ok=True)
+    with _directory_flock(path.parent):
+      if _lock_holder(path) == me:  # (a lock deleted by hand and taken by another run: kept)
+        path.unlink(missing_ok=True)
 
 
-def _lock_holder(path: pathlib.Path) -> int | None:
-  """The pid in a lock file (0 if unreadable), or None when there is no lock."""
+@contextlib.contextmanager
+def _directory_flock(directory: pathlib.Path):
+  """An exclusive flock of `directory` (held by one process at a time; released if it dies)."""
+  fd = os.open(directory, os.O_RDONLY)
   try:
-    return int(path.read_text().strip() or 0)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the flock
+
+
+def _lock_holder(path: pathlib.Path) -> tuple[int | None, str | None]:
+  """(pid, host) in a lock file: pid 0 if unreadable, host None if not recorded (a lock of an
+  older dpjax); (None, None) when there is no lock."""
+  try:
+    fields = path.read_text().split()
   except FileNotFoundError:
-    return None
-  except (OSError, ValueError):
-    return 0
+    return None, None
+  except OSError:
+    return 0, None
+  try:
+    return int(fields[0]) if fields else 0, (fields[1] if len(fields) > 1 else None)
+  except ValueError:
+    return 0, None
 
 
 def _process_alive(pid: int) -> bool:

@@ -15,6 +15,7 @@ in the original one).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 
@@ -26,7 +27,8 @@ from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import TeacherBatches
 from dpjax.data.teacher_logits import write_teacher_logits
 from dpjax.errors import ConfigError, DataError
-from dpjax.io import digest
+from dpjax import distributed
+from dpjax.io import digest, workdir_lock
 from dpjax.models.reader import create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
@@ -58,8 +60,13 @@ def run_teacher(config, workdir: str) -> dict:
   if config.train.teacher_logits:
     raise ConfigError("train.teacher_logits is set: the teacher is trained without one "
                       "(leave it empty for `run.py teacher`)")
-  record = train_and_evaluate(config, workdir, TEACHER)
-  manifest = write_logits(config, workdir)
+  (workdir / SUBDIR).mkdir(parents=True, exist_ok=True)
+  # Training takes teacher/train.lock itself; this one also covers the logits (two runs would
+  # write the same shards' temporary folders).
+  with (workdir_lock(workdir / SUBDIR / "teacher.lock", "teacher") if distributed.is_main()
+        else contextlib.nullcontext()):
+    record = train_and_evaluate(config, workdir, TEACHER)
+    manifest = write_logits(config, workdir)
   log.info("teacher: dev RC EM %.2f F1 %.2f; logits of %d examples in %s",
            record.get("rc_exact_match", float("nan")), record.get("rc_f1", float("nan")),
            manifest["rows"], workdir / SUBDIR / "logits")

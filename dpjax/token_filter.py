@@ -31,7 +31,7 @@ from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.dump import Dump, read_manifest, write_manifest
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.search import PhraseIndex
-from dpjax.io import digest, save_npy_atomic, write_json
+from dpjax.io import digest, save_npy_atomic, save_npz_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.workdir import FILTER_HEAD, data_paths, restore_model
@@ -144,7 +144,7 @@ def run_filter(config, workdir: str) -> dict:
       np.asarray(head["bias"][...]), epochs=fc.epochs, learning_rate=fc.learning_rate,
       batch_size=fc.batch_size, seed=fc.seed)
   best_auc = max(h["dev_auc_pr"] for h in history)
-  np.savez(workdir / FILTER_HEAD, kernel=kernel, bias=bias)
+  save_npz_atomic(workdir / FILTER_HEAD, kernel=kernel, bias=bias)
   paths = data_paths(config, workdir)
   rewrite_dump_logits(paths["dump"], kernel, bias)
   questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)

@@ -112,9 +112,11 @@ def test_one_qsft_run_per_workdir(tmp_path):
                         capture_output=True, text=True, check=True).stdout.strip()
   lock.write_text(gone)  # left by a killed run: taken over
   with workdir_lock(lock):
-    assert lock.read_text() == str(os.getpid())
+    assert lock.read_text().split()[0] == str(os.getpid())
+  assert not lock.exists()  # released
+  with workdir_lock(lock):
     with pytest.raises(DataError, match="another QSFT run|could not take"):
-      lock.write_text(str(os.getppid()))
+      lock.write_text(str(os.getppid()))  # deleted by hand and taken by another run
       with workdir_lock(lock):
         pass
-  assert not lock.exists()
+  assert lock.read_text() == str(os.getppid())  # a run releases only its own lock

@@ -210,6 +210,9 @@ def test_teacher_command_then_distilled_training(tmp_path):
   assert manifest["complete"] and manifest["rows"] > 0
   assert run.main(["teacher"] + base) == 0  # done: resumes to the same manifest
   assert json.loads((tmp_path / "teacher" / "logits" / "manifest.json").read_text()) == manifest
+  from dpjax.io import workdir_lock
+  with workdir_lock(tmp_path / "teacher" / "teacher.lock"):  # a run writing its logits
+    assert run.main(["teacher"] + base) == 2  # the logits too are one run's at a time
   _logits_are_the_teachers(tmp_path, manifest)
   assert run.main(["train"] + base + ["--set", "train.teacher_logits=teacher/logits"]) == 0
   logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

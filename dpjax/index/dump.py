@@ -46,8 +46,8 @@ from dpjax.data.squad import (Passage, build_windows, windows_worker, windows_wo
                               windows_worker_setup)
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
-from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts, remove,
-                      write_json, write_jsonl)
+from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts,
+                      read_json, remove, write_json, write_jsonl)
 from dpjax.models.encoders import bound, call_widths, compile_ahead, phrase_batches, phrase_calls
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats
@@ -718,7 +718,8 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
     if not distributed.process_share(number):
       continue
     if (out_dir / shard_name(number) / SHARD_INFO).is_file():
-      _check_shard(out_dir, json.loads((out_dir / shard_name(number) / SHARD_INFO).read_text()),
+      _check_shard(out_dir, read_json(out_dir / shard_name(number) / SHARD_INFO, DumpError,
+                                      "delete that shard's directory to encode it again"),
                    chunk)
       counts["resumed"] += 1
       continue
@@ -794,7 +795,7 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
   settings is refused."""
   if not (out_dir / MANIFEST).exists():
     return None
-  old = json.loads((out_dir / MANIFEST).read_text())
+  old = read_json(out_dir / MANIFEST, DumpError, "delete the dump's directory and dump again")
   # A dump from before these settings existed: doc_stride windows, float32.
   settings = {"min_context": 0, "compute_dtype": "float32", **old["settings"]}
   if old["fingerprint"] != manifest["fingerprint"]:

@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import re
 import threading
@@ -35,6 +34,7 @@ from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
+from dpjax.io import read_json
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
 from dpjax.parallel import make_mesh, round_to_devices
 
@@ -169,7 +169,8 @@ class PhraseIndex:
                          if (p / INDEX_MANIFEST).is_file())
       raise DumpError(f"{directory}: no index named {index_name!r} (available: {available}); "
                       "build it with `run.py index`")
-    self.manifest = json.loads((directory / INDEX_MANIFEST).read_text())
+    self.manifest = read_json(directory / INDEX_MANIFEST, DumpError,
+                              "build the index again with `run.py index`")
     if (self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]
         or self.manifest.get("dump_tokens") != self.dump.manifest["num_tokens"]
         or self.manifest.get("dump_id", "") != self.dump.manifest.get("dump_id", "")):
@@ -186,7 +187,11 @@ class PhraseIndex:
                       self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
     self.index = self._device_index(search_device)
     if self.index is None:
-      self.index = faiss.read_index(str(directory / "index.faiss"))
+      try:
+        self.index = faiss.read_index(str(directory / "index.faiss"))
+      except RuntimeError as e:  # a damaged or truncated file (faiss's C++ error)
+        raise DumpError(f"{directory / 'index.faiss'}: unreadable ({str(e).splitlines()[0]}); "
+                        "build the index again with `run.py index`") from None
       if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
         faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                    nprobe or self.manifest["nprobe"])
