@@ -34,12 +34,17 @@ def _temporary(path: pathlib.Path) -> pathlib.Path:
 
 def write_lines_atomic(path: str | os.PathLike, lines: Iterable[str]) -> None:
   """Streams `lines` (each ending in a newline, or not: written as given) into `path` atomically."""
+  _write_atomic(path, lambda f: f.writelines(line.encode("utf-8") for line in lines))
+
+
+def _write_atomic(path: str | os.PathLike, write, suffix: str = "") -> None:
+  """`write(binary file)` into a temporary file, fsynced, renamed to `path`, the rename fsynced:
+  a kill or an OS crash leaves the old file or the new one, never half of one."""
   path = pathlib.Path(path)
-  tmp = _temporary(path)
+  tmp = path.with_name(f".{path.stem if suffix else path.name}.tmp{os.getpid()}{suffix}")
   try:
-    with tmp.open("w", encoding="utf-8") as f:
-      for line in lines:
-        f.write(line)
+    with tmp.open("wb") as f:
+      write(f)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -96,32 +101,12 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
 
 
 def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
-  path = pathlib.Path(path)
-  tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
-  try:
-    with tmp.open("wb") as f:
-      np.save(f, array)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-  finally:
-    tmp.unlink(missing_ok=True)
+  _write_atomic(path, lambda f: np.save(f, array), ".npy")
 
 
 def save_npz_atomic(path: str | os.PathLike, **arrays: np.ndarray) -> None:
   """`np.savez` written atomically (a kill leaves the old file or the new one)."""
-  path = pathlib.Path(path)
-  tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npz")
-  try:
-    with tmp.open("wb") as f:
-      np.savez(f, **arrays)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-  finally:
-    tmp.unlink(missing_ok=True)
+  _write_atomic(path, lambda f: np.savez(f, **arrays), ".npz")
 
 
 def remove(path: pathlib.Path) -> None:
