@@ -8,6 +8,7 @@ and a temporary left by a killed run has a name no reader takes for the real thi
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -59,6 +60,9 @@ def fsync_directory(directory: str | os.PathLike) -> None:
   fd = os.open(directory, os.O_RDONLY)
   try:
     os.fsync(fd)
+  except OSError as e:  # file systems that cannot fsync a directory (some network/FUSE ones)
+    if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+      raise
   finally:
     os.close(fd)
 

@@ -203,6 +203,18 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, caplog):
     assert "a checkpoint of another model" in caplog.text, override
     assert re.search(message, caplog.text), (override, caplog.text)
   assert not (tmp_path / "dump").exists()
+  # An Orbax whose metadata cannot be read here: the shapes restored are still checked.
+  import orbax.checkpoint as ocp
+
+  def unreadable(self, *args, **kwargs):
+    raise ValueError("no metadata")
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ocp.PyTreeCheckpointer, "metadata", unreadable)
+    caplog.clear()
+    assert run.main(dump + ["--set", "model.random.vocab_size=30000"]) == 2
+    assert "not checked before restoring" in caplog.text
+    assert "a checkpoint of another model" in caplog.text
   assert run.main(dump) == 0  # the model it was trained as
 
 
