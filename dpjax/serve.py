@@ -23,6 +23,7 @@ import json
 import logging
 import pathlib
 import queue
+import re
 import socket
 import threading
 import time
@@ -63,10 +64,10 @@ class Limits:
 
 
 def _integer(value, name: str) -> int:
-  if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+  if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", value):  # ASCII digits
     value = int(value)
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise RequestError(400, f"{name} must be an integer, got {value!r}")
+  if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 10 ** 18:
+    raise RequestError(400, f"{name} must be an integer, got {str(value)[:40]!r}")
   return value
 
 
@@ -179,6 +180,8 @@ class Batcher:
         results = [self._alone(job) for job in batch]
       self._record(batch)
       for job, result in zip(batch, results):
+        if not job.future.set_running_or_notify_cancel():  # its request went away meanwhile
+          continue
         if isinstance(result, Exception):
           job.future.set_exception(result)
         else:
@@ -246,6 +249,9 @@ async def _payload(request: Request) -> dict:
   """The search fields of a GET query string or a POST JSON body (a RequestError if malformed)."""
   if request.method == "GET":
     fields = {name: request.query_params.getlist(name) for name in request.query_params}
+    repeated = sorted(name for name, v in fields.items() if name != "q" and len(v) > 1)
+    if repeated:
+      raise RequestError(400, f"{repeated} given more than once (only q may repeat)")
     return {name: (v if name == "q" and len(v) > 1 else v[0]) for name, v in fields.items()}
   kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
   if kind != "application/json":
@@ -253,13 +259,15 @@ async def _payload(request: Request) -> dict:
   declared = request.headers.get("content-length", "")
   if declared.isdigit() and int(declared) > MAX_BODY:  # refused before reading it
     raise RequestError(413, f"body of {declared} bytes; the limit is {MAX_BODY}")
-  body = await request.body()
-  if len(body) > MAX_BODY:
-    raise RequestError(413, f"body of {len(body)} bytes; the limit is {MAX_BODY}")
+  body = bytearray()
+  async for chunk in request.stream():  # a chunked body has no length to refuse it by
+    body += chunk
+    if len(body) > MAX_BODY:
+      raise RequestError(413, f"body of more than {MAX_BODY} bytes (the limit)")
   try:
-    payload = json.loads(body)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise RequestError(400, f"malformed JSON: {e}") from None
+    payload = json.loads(bytes(body))
+  except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge number, deep nesting
+    raise RequestError(400, f"malformed JSON: {type(e).__name__}: {str(e)[:200]}") from None
   if not isinstance(payload, dict):
     raise RequestError(400, "the body must be a JSON object")
   return payload
@@ -400,9 +408,10 @@ function show(r, rank) {
   div.appendChild(el("div", "meta", r.title + " \\u00b7 passage " + r.passage_id +
                                     " \\u00b7 score " + r.score.toFixed(2)));
   const p = el("p", "passage");
-  p.appendChild(document.createTextNode(r.passage.slice(0, r.start_char)));
-  p.appendChild(el("mark", "", r.passage.slice(r.start_char, r.end_char)));
-  p.appendChild(document.createTextNode(r.passage.slice(r.end_char)));
+  const chars = Array.from(r.passage);  // code points, as the offsets count them (not UTF-16)
+  p.appendChild(document.createTextNode(chars.slice(0, r.start_char).join("")));
+  p.appendChild(el("mark", "", chars.slice(r.start_char, r.end_char).join("")));
+  p.appendChild(document.createTextNode(chars.slice(r.end_char).join("")));
   div.appendChild(p);
   return div;
 }

@@ -205,6 +205,44 @@ def test_regex_answers_and_passage_lists_shorter_than_20(service):
   assert shallow["mrr@5"] <= text["mrr@20"]  # MRR@5 counts fewer ranks
 
 
+@pytest.mark.parametrize("path,body,reason", [
+    ("/search?q=who&k=%C2%B2", None, "integer"),  # "²": isdigit() but not int()'s
+    ("/search?q=who&k=--3", None, "integer"),
+    ("/search?q=who&k=" + "9" * 5000, None, "integer"),  # past int()'s 4,300 digits
+    ("/search?q=who&k=1&k=2", None, "more than once"),
+    ("/search", "[" * 100000 + "]" * 100000, "malformed JSON"),  # RecursionError
+    ("/search", '{"question": "who?", "k": ' + "9" * 5000 + "}", "malformed JSON"),
+])
+def test_odd_integers_and_bodies_get_a_400_not_a_500(service, path, body, reason):
+  port = service[0]
+  got, answer = request(port, "POST" if body else "GET", path, body)
+  assert got == 400 and reason in answer["error"], answer
+  assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
+
+
+def test_a_chunked_huge_body_is_refused_and_a_cancelled_request_stops_nothing(service):
+  port, _, _, questions, batcher = service
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  connection.putrequest("POST", "/search")
+  connection.putheader("Content-Type", "application/json")
+  connection.putheader("Transfer-Encoding", "chunked")
+  connection.endheaders()
+  chunk = b"x" * (256 << 10)
+  try:
+    for _ in range(8):  # 2 MiB, no Content-Length; the server stops reading past 1 MiB
+      connection.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    connection.send(b"0\r\n\r\n")
+  except (BrokenPipeError, ConnectionResetError):
+    pass  # refused before the rest was sent
+  response = connection.getresponse()
+  assert response.status == 413 and "limit" in json.loads(response.read())["error"]
+  # A request cancelled while it waits (its client gone): the search thread carries on.
+  cancelled = batcher.submit(questions[:1], 1, "phrase")
+  cancelled.cancel()
+  assert len(batcher.submit(questions[:1], 2, "phrase").result(timeout=60)[0]) == 2
+  assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
+
+
 def test_a_declared_huge_body_is_refused_unread_and_a_failing_request_fails_alone(service):
   port, _, _, questions, batcher = service
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

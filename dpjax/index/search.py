@@ -157,6 +157,14 @@ def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
     scores[lo:hi] = (converted[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
 
 
+def check_request(k: int, unit: str) -> None:
+  """Refuses a unit not in UNITS and a k below 1 (faiss would fail on it without a message)."""
+  if unit not in UNITS:
+    raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"k (the number of results) must be an integer >= 1, got {k!r}")
+
+
 class PhraseIndex:
   """A complete dump with one of its faiss indexes."""
 
@@ -183,6 +191,11 @@ class PhraseIndex:
       raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
                       "rebuild it with `run.py index`")
     threshold = self.manifest.get("filter_threshold")
+    if threshold is not None and (self.manifest.get("filter_head")
+                                  != self.dump.manifest.get("filter_head")):
+      raise DumpError(f"{directory} kept its tokens by the filter logits of another filter head "
+                      "than the dump's now (`run.py filter` rewrote them): rebuild it with "
+                      "`run.py index`")
     self.kept_mask = (None if threshold is None else
                       self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
     self.index = self._device_index(search_device)
@@ -463,10 +476,7 @@ class PhraseIndex:
     phrases and passages): rounds that need at most n tokens use its first columns instead of
     searching the index again (the same hits, up to ties of an approximate index's scores).
     """
-    if unit not in UNITS:
-      raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
-    if k < 1:
-      raise ValueError(f"k (the number of results) must be >= 1, got {k}")
+    check_request(k, unit)
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)
@@ -622,6 +632,10 @@ class DensePhrases:
                   **kwargs) -> list[list[list[dict]]]:
     """Several searches of the same questions, e.g. `[(10, "phrase"), (20, "passage")]`: the
     questions are encoded once and the index is searched once, as wide as the widest needs."""
+    if not requests:
+      raise ValueError("search_many needs at least one (k, unit) request")
+    for k, unit in requests:  # before the index search that the widest request sizes
+      check_request(k, unit)
     q_start, q_end = self.encode(list(questions))
     found = retrieve(self.index, q_start, q_end, requests, shared_hits=True, **kwargs)
     return [[[self.index.result(p, unit) for p, _ in units] for units in per_request]
