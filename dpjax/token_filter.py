@@ -114,7 +114,8 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
 
 def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
   """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file)."""
-  manifest = read_manifest(dump_dir)
+  manifest = read_manifest(dump_dir, rewriting_filter=True)
+  manifest.pop("filter_rewrite_incomplete", None)
   # Marked first: a rewrite killed half-way leaves shards of two heads, which read_manifest
   # then refuses until `run.py filter` is run again.
   write_manifest(dump_dir, {**manifest, "filter_rewrite_incomplete": True})

@@ -30,7 +30,7 @@ from dpjax.data.squad import DataError, Passage, SkipSummary, read_squad, write_
 from dpjax.index.dump import MANIFEST, Dump, DumpConfig, encode_shard, encoder_fingerprint
 from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.search import PhraseIndex
-from dpjax.io import write_json, write_jsonl
+from dpjax.io import read_json, write_json, write_jsonl
 from dpjax.models.encoders import bound, encode_questions
 from dpjax.workdir import data_paths, load_searcher
 
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 
 def gold_rows(corpus: Sequence[Passage], questions_file: str | os.PathLike) -> np.ndarray:
-  """Rows of `corpus` that are the gold passage (same title and text) of a dev question."""
-  passages, questions, _ = read_squad(questions_file)
+  """Rows of `corpus` that are the gold passage (same title and text) of a dev question: of every
+  question `read_questions` evaluates, those whose answer is not located in the paragraph too."""
+  passages, questions, _ = read_squad(questions_file, require_answers=False)
   wanted = {(passages[q.passage_index].title, passages[q.passage_index].text)
             for q in questions}
   rows = np.array([i for i, p in enumerate(corpus) if (p.title, p.text) in wanted], np.int64)
@@ -198,6 +199,13 @@ def run_subcorpus(config, workdir: str) -> dict:
   return written
 
 
+def subcorpus_questions(corpus: str | os.PathLike) -> str | None:
+  """The questions a subcorpus was built for (its `.meta.json`, `run_subcorpus`: the sample of
+  `validation.sample_questions`, whose gold passages make its C_0), if it records them."""
+  meta = pathlib.Path(corpus).with_suffix(".meta.json")
+  return read_json(meta).get("questions") if meta.is_file() else None
+
+
 class Validator:
   """Validation on a subcorpus during training (`config.validation`, Kim et al. 2022): every
   `every_steps` the subcorpus is encoded with the current parameters and indexed (exact, in
@@ -209,14 +217,16 @@ class Validator:
     self.check(vc)
     self.every_steps, self.metric = vc.every_steps, vc.metric
     self.passages = read_subcorpus(vc.corpus)
-    self.questions = read_questions(vc.questions or dev_file)[:vc.limit or None]
+    questions = vc.questions or subcorpus_questions(vc.corpus) or dev_file
+    self.questions = read_questions(questions)[:vc.limit or None]
     self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
     self.batch_size, self.writer = batch_size, writer
     self.checkpointer = Checkpointer(workdir / "checkpoints_best", keep=1,
                                      best_metric=self.metric)
     self.history: dict[int, dict] = {}
-    log.info("validation every %d steps on %s (%d passages, %d questions), best by %s",
-             self.every_steps, vc.corpus, len(self.passages), len(self.questions), self.metric)
+    log.info("validation every %d steps on %s (%d passages, %d questions of %s), best by %s",
+             self.every_steps, vc.corpus, len(self.passages), len(self.questions), questions,
+             self.metric)
 
   @staticmethod
   def check(vc) -> None:

@@ -141,14 +141,17 @@ def model_dump_dir(workdir: pathlib.Path, step: int, dtype: str = "float32") -> 
   return workdir / f"dump_step{step}{dtype_suffix(dtype)}"
 
 
-def dump_fingerprint(workdir: pathlib.Path, step: int) -> str | None:
-  """The encoder fingerprint of the model's dump; None when the dump is gone (deleted after its
-  figures were cached): that model then cannot be recognised as the H_k builder."""
+def dump_fingerprint(workdir: pathlib.Path, step: int, dtype: str = "float32") -> str | None:
+  """The encoder fingerprint of the model's dump (in `dtype`, or else in float32: the parameters'
+  fingerprint is the same); None when the dump is gone (deleted after its figures were cached):
+  that model then cannot be recognised as the H_k builder."""
   from dpjax.index.dump import DumpError, read_manifest
-  try:
-    return read_manifest(model_dump_dir(workdir, step))["fingerprint"]
-  except DumpError:
-    return None
+  for kind in dict.fromkeys([dtype, "float32"]):
+    try:
+      return read_manifest(model_dump_dir(workdir, step, kind))["fingerprint"]
+    except DumpError:
+      continue
+  return None
 
 
 def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, rc_split,
@@ -409,8 +412,9 @@ def main(argv=None) -> int:
                                        key=lambda item: subcorpus_order(item[0])))
   kinds = list(next(iter(models.values()))["subcorpora"])
   tau = tau_table(models, kinds)
-  builder = hard_builder(subcorpora, {name: dump_fingerprint(pathlib.Path(r["workdir"]), r["step"])
-                                      for name, r in models.items()})
+  builder = hard_builder(subcorpora, {
+      name: dump_fingerprint(pathlib.Path(r["workdir"]), r["step"], dump_dtype(config))
+      for name, r in models.items()})
   others = {name: r for name, r in models.items() if name != builder}
   tau_without = tau_table(others, kinds) if builder and len(others) >= 3 else None
   results = {"config": args.config, "overrides": args.set, "questions": len(questions),

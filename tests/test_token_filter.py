@@ -1,6 +1,9 @@
 """The separately trained token filter and its threshold sweep, on the tiny pipeline."""
 import json
 
+import numpy as np
+import pytest
+
 from conftest import load_script
 
 from dpjax.index.dump import Dump
@@ -38,6 +41,22 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
     assert manifest["num_tokens"] == chosen["tokens"]
   assert "token filter: dev AUC-PR" in capsys.readouterr().out
   assert (tmp_path / "filter_head.npz").is_file()
+  # An index kept its tokens by the logits of the head then: a rewrite by another head (here
+  # over a rewrite killed half-way, which `run.py filter` can start again) makes it refused.
+  from dpjax.index.dump import DumpError, read_manifest, write_manifest
+  from dpjax.index.search import PhraseIndex
+  from dpjax.token_filter import rewrite_dump_logits
+  median = float(np.median(after.astype(np.float32).max(1)))
+  assert run.main(["index"] + base + ["--set", f"index.filter_threshold={median}"]) == 0
+  name = f"Flat_filter{median:g}"
+  PhraseIndex(tmp_path / "dump", name)  # the dump's head: fine
+  dump_dir = tmp_path / "dump"
+  write_manifest(dump_dir, {**read_manifest(dump_dir), "filter_rewrite_incomplete": True})
+  with np.load(tmp_path / "filter_head.npz") as head:
+    rewrite_dump_logits(dump_dir, 2 * head["kernel"], head["bias"])
+  assert "filter_rewrite_incomplete" not in read_manifest(dump_dir)
+  with pytest.raises(DumpError, match="another filter head"):
+    PhraseIndex(dump_dir, name)
   # The report of results/filter.md, from this workdir.
   report = load_script("experiments/report_qsft_filter.py")
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0

@@ -77,6 +77,14 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
   assert {p["id"] for p in c0} <= rows["C0"]
   h2 = {json.loads(line)["id"] for line in (out / "H2.jsonl").read_text().splitlines()}
   assert {p["id"] for p in c0} <= h2
+  # Validating on it during training asks the sample's questions (those whose gold passages
+  # it holds), not all dev questions.
+  from dpjax.config import load_config
+  from dpjax.validation import Validator
+  config = load_config("experiments/demo.py:tiny", [f"validation.corpus={out / 'H2.jsonl'}"])
+  validator = Validator(config.validation, config, tmp_path / "v", tmp_path / "data" / "dev.json",
+                        None, None, 8, None)
+  assert [q.id for q in validator.questions] == [q.id for q in sample]
 
   # Mining: no mined passage contains a gold answer of its question, or is its gold passage.
   assert run.main(["mine"] + base + ["--set", "mine.top_k=20"]) == 0

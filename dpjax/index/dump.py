@@ -116,8 +116,9 @@ def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
   write_json(directory / MANIFEST, manifest)
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-  """The manifest of a complete dump (DumpError when missing or incomplete)."""
+def read_manifest(directory: str | os.PathLike, *, rewriting_filter: bool = False) -> dict:
+  """The manifest of a complete dump (DumpError when missing or incomplete; `rewriting_filter`:
+  also one whose filter logits' rewrite was interrupted, for the rewrite that starts again)."""
   directory = pathlib.Path(directory)
   if not (directory / MANIFEST).is_file():
     raise DumpError(f"{directory}: no {MANIFEST}: not a phrase dump (run `run.py dump`)")
@@ -129,7 +130,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
   if not manifest.get("complete"):
     raise DumpError(f"{directory}: the dump is incomplete (a run was interrupted); run the "
                     "same dump command again to finish it")
-  if manifest.get("filter_rewrite_incomplete"):
+  if manifest.get("filter_rewrite_incomplete") and not rewriting_filter:
     raise DumpError(f"{directory}: rewriting its filter logits was interrupted; run "
                     "`run.py filter` again")
   return manifest

@@ -212,6 +212,8 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
               "labels": "token_id", "num_tokens": int(plan["total_kept"]),
               "dump_tokens": int(plan["offsets"][-1]),
               "filter_threshold": plan["filter_threshold"], "nprobe": nprobe,
+              # the head whose logits the threshold kept tokens by (`run.py filter` rewrites)
+              "filter_head": plan["dump"].get("filter_head"),
               "fingerprint": plan["dump"]["fingerprint"],
               "dump_id": plan["dump"].get("dump_id", ""), "build_seconds": seconds,
               "processes": jax.process_count(),
