@@ -199,7 +199,7 @@ def validation_config(**overrides) -> ml_collections.ConfigDict:
   """Validation on a subcorpus during training (off unless `corpus` and `every_steps` are set)."""
   config = ml_collections.ConfigDict({
       "corpus": "",  # a subcorpus file (`run.py subcorpus` writes C0, R_r, H_k)
-      "questions": "",  # dev questions; empty: the dev split
+      "questions": "",  # dev questions; empty: the corpus's own (its .meta.json), else dev
       "every_steps": 0,
       "metric": "em@1",  # selects the best checkpoint (workdir/checkpoints_best)
       "limit": 0,  # use only the first N questions (0: all)
