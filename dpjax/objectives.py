@@ -127,7 +127,11 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
                                        batch["teacher_start_logits"], batch["teacher_end_logits"],
                                        mask if windows is None else mask[windows])
     per_example = per_example + loss_config.lambda_distill * distill
-    metrics["distill"] = distill.mean()
+    if windows is None:
+      metrics["distill"] = distill.mean()
+    else:  # over the filled question slots, as the loss (padding slots repeat or hold zeros)
+      valid = batch["question_valid"].astype(jnp.float32)
+      metrics["distill"] = (distill * valid).sum() / jnp.maximum(valid.sum(), 1.0)
   return per_example, metrics
 
 

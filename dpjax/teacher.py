@@ -103,4 +103,5 @@ def write_logits(config, workdir: pathlib.Path) -> dict:
   params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]
   fingerprint = {"teacher": digest(*params), "step": step, "data": data,
                  "length": config.data.max_seq_length}
-  return write_teacher_logits(workdir / SUBDIR / "logits", fingerprint, rows, compute)
+  return write_teacher_logits(workdir / SUBDIR / "logits", fingerprint, rows, compute,
+                              main=distributed.is_main(), barrier=distributed.barrier)

@@ -156,6 +156,50 @@ def test_logits_file_resumes_and_refuses_another_fingerprint(tmp_path):
     TeacherLogits(tmp_path / "none", data="d1", length=8)
 
 
+def test_logits_of_several_processes_have_one_writer(tmp_path, monkeypatch):
+  """Every process of a multi-process teacher computes the logits (a collective call), and all
+  of them wrote the same shards' one temporary folder: one removed another's half-written one
+  and the renames failed. Two "processes" (threads, a barrier each) now compute in step and the
+  main one alone writes; each returns the complete manifest."""
+  import threading
+  import time
+
+  from dpjax.io import atomic_directory
+  rows = np.arange(10)
+  sync = threading.Barrier(2)
+  writers, errors, manifests = [], [], []
+
+  def compute(part):
+    sync.wait()  # the collective call: both processes at once
+    return np.stack([np.outer(part, np.ones(8)), -np.outer(part, np.ones(8))], 1)
+
+  def slow_directory(final, **kwargs):  # the window in which another writer would collide
+    writers.append(threading.current_thread().name)
+    time.sleep(0.05)
+    return atomic_directory(final, **kwargs)
+
+  monkeypatch.setattr("dpjax.data.teacher_logits.atomic_directory", slow_directory)
+
+  def process(main):
+    try:
+      manifests.append(write_teacher_logits(tmp_path / "logits", fingerprint(), rows, compute,
+                                            shard_rows=4, main=main,
+                                            barrier=lambda name: sync.wait()))
+    except Exception as e:  # noqa: BLE001 (reported below)
+      errors.append(e)
+
+  threads = [threading.Thread(target=process, args=(main,), name=f"p{int(not main)}")
+             for main in (True, False)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not errors and len(manifests) == 2 and all(m["complete"] for m in manifests)
+  assert writers == ["p0"] * 3  # three shards, written by the main process only
+  got = TeacherLogits(tmp_path / "logits", data="d1", length=8).batch(np.array([9, 0]))
+  np.testing.assert_array_equal(got["teacher_start_logits"][:, 0], [9, 0])
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_distillation_adds_lambda_times_the_kl(grouped):
   config = load_config(CONFIG, ["train.loss.prebatch_size=0", "train.loss.lambda_distill=3.0"])
@@ -171,8 +215,8 @@ def test_distillation_adds_lambda_times_the_kl(grouped):
            "start_positions": rng.integers(1, length, b * g),
            "end_positions": rng.integers(1, length, b * g),
            "question_input_ids": q_ids, "question_attention_mask": q_mask}
-  if grouped:
-    batch["question_valid"] = np.ones(b * g, bool)
+  if grouped:  # two padding slots: the logged distill is over the filled ones, as the loss
+    batch["question_valid"] = np.array([1, 1, 1, 0, 1, 0, 1, 1], bool)
   plain, (metrics, _) = compute_loss(model, batch, {}, 0, config.train.loss)
   teacher = {"teacher_start_logits": rng.normal(size=(b * g, length)).astype(np.float32),
              "teacher_end_logits": rng.normal(size=(b * g, length)).astype(np.float32)}

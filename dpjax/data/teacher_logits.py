@@ -26,8 +26,13 @@ MANIFEST = "manifest.json"
 
 def write_teacher_logits(directory: str | os.PathLike, fingerprint: dict, rows: np.ndarray,
                          compute: Callable[[np.ndarray], np.ndarray], *,
-                         shard_rows: int = 4096) -> dict:
+                         shard_rows: int = 4096, main: bool = True,
+                         barrier: Callable[[str], None] = lambda name: None) -> dict:
   """Writes (or resumes) the logits `compute(rows) -> [n, 2, L]` of `rows`; returns the manifest.
+
+  With several processes (`compute` then a collective call every process makes) each process
+  runs this: all of them decide which shards are missing before any is written (`barrier`),
+  compute those in step, and only the `main` one writes (one writer per file).
 
   Raises:
     DataError: the directory holds logits of another fingerprint or other rows.
@@ -44,21 +49,27 @@ def write_teacher_logits(directory: str | os.PathLike, fingerprint: dict, rows: 
                     f"rows ({_differences(old, manifest)}); delete it or write elsewhere")
   if old is not None and old["complete"]:
     return old
-  directory.mkdir(parents=True, exist_ok=True)
-  write_json(directory / MANIFEST, manifest)
+  missing = [not (directory / name / "logits.npy").is_file() for name in manifest["shards"]]
+  barrier("teacher-logits-start")  # every process has decided before the first write
+  if main:
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json(directory / MANIFEST, manifest)
   progress = Progress("teacher logits", len(rows), "examples", logger=log)
-  for name, part in zip(manifest["shards"], shards):
-    if not (directory / name / "logits.npy").is_file():
+  for name, part, todo in zip(manifest["shards"], shards, missing):
+    if todo:
       logits = np.asarray(compute(part), np.float16)
       if logits.shape[:2] != (len(part), 2):
         raise ValueError(f"compute gave logits of shape {logits.shape} for {len(part)} rows")
-      with atomic_directory(directory / name) as tmp:
-        np.save(tmp / "rows.npy", part)
-        np.save(tmp / "logits.npy", logits)
+      if main:
+        with atomic_directory(directory / name) as tmp:
+          np.save(tmp / "rows.npy", part)
+          np.save(tmp / "logits.npy", logits)
     progress.update(len(part))
   progress.close()
   manifest["complete"] = True
-  write_json(directory / MANIFEST, manifest)
+  if main:
+    write_json(directory / MANIFEST, manifest)
+  barrier("teacher-logits-done")  # complete for every process once it returns
   return manifest
 
 
