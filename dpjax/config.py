@@ -31,8 +31,12 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     config = module.get_config(arg or None)
   except ValueError as e:  # e.g. an unknown config arg
     raise ConfigError(f"{spec}: {e}") from None
+  model = config.get("model")
+  follows = model is not None and "tokenizer" in model and model.tokenizer == model.name
   for override in overrides:
     _override(config, override)
+  if follows and not any(o.partition("=")[0].strip() == "model.tokenizer" for o in overrides):
+    model.tokenizer = model.name  # --set model.name=X: X's tokenizer, unless one is set too
   check_config(config)
   return config
 
@@ -123,7 +127,7 @@ def model_config(name: str = "minilm-l6") -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
       "init": "pretrained",  # or "random" (uses `random`), for tests
       "name": name,  # local dir, alias (minilm-l6) or Hugging Face Hub id
-      "tokenizer": name,
+      "tokenizer": name,  # follows --set model.name unless set itself
       "share_query_encoders": False,
       "dtype": "float32",  # compute dtype: float32 or bfloat16
       "seed": 0,

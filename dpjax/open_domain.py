@@ -22,7 +22,7 @@ from dpjax.data.squad import load_json
 from dpjax.errors import ConfigError
 from dpjax.index.dump import DumpConfig, dump_phrases
 from dpjax.index.evaluate import retrieval_scores
-from dpjax.index.faiss_index import build_index
+from dpjax.index.faiss_index import build_index, index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.workdir import apply_filter_head, data_paths, load_searcher, restore_model
@@ -158,7 +158,7 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
   checkpoint, dump = config.eval.checkpoint, config.index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
-  name = prefix + config.index.search_index
+  name = prefix + index_folder(config.index.search_index)  # "IVFauto,SQ4": IVFauto_SQ4's files
   flat_report = workdir / f"open_eval_{prefix}Flat{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{tag}.jsonl"
   if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():

@@ -30,6 +30,7 @@ from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.dump import Dump, read_manifest, write_manifest
 from dpjax.index.evaluate import retrieval_scores
+from dpjax.index.faiss_index import index_folder
 from dpjax.index.search import PhraseIndex
 from dpjax.io import digest, save_npy_atomic, save_npz_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
@@ -166,10 +167,14 @@ def run_filter(config, workdir: str) -> dict:
             "positive_rate": rates, "sweep_questions": len(questions),
             "sweep": sweep, "max_em_drop": fc.max_em_drop, "chosen": chosen}
   write_json(workdir / "filter_results.json", result)
-  print(f"token filter: dev AUC-PR {best_auc:.4f}; chosen threshold {chosen['threshold']} keeps "
+  threshold = chosen["threshold"]
+  use = ("no threshold keeps EM@1 within filter.max_em_drop: keep the unfiltered index"
+         if threshold is None else
+         f"build it with `run.py index --set index.filter_threshold={threshold}` and search it "
+         f"with `--set index.search_index={index_folder('Flat', threshold)}`")
+  print(f"token filter: dev AUC-PR {best_auc:.4f}; chosen threshold {threshold} keeps "
         f"{100 * chosen['kept_fraction']:.1f}% of the tokens (EM@1 {chosen['em@1']:.2f} vs "
-        f"{full:.2f} unfiltered); build it with `run.py index --set "
-        f"index.filter_threshold={chosen['threshold']}`")
+        f"{full:.2f} unfiltered); {use}")
   return result
 
 

@@ -15,6 +15,14 @@ cd "$(dirname "$0")/.."
 W=${1:?usage: squad_gpu_chain.sh WORKDIR [--set key=value ...]}; shift
 PY=${PY:-.venv/bin/python}
 stage() { echo "=== $(date -Is) $*"; "$PY" run.py "$@"; }
+if [ "${HARD_NEGATIVES:-0}" = 1 ]; then  # refused by training only after the first chain's time
+  for arg in "$@"; do
+    case "$arg" in train.questions_per_window=[2-9]*|train.questions_per_window=[1-9][0-9]*)
+      echo "HARD_NEGATIVES=1 needs one question per window; $arg (passage-grouped batches)" \
+           "does not take hard negatives" >&2; exit 2;;
+    esac
+  done
+fi
 chain() {  # chain WORKDIR [--set ...]: [teacher,] train, dump, index, eval
   local C=(--config "${CONFIG:-experiments/squad.py}" --workdir "$1" --set train.progress_bar=False
            "${@:2}")

@@ -19,7 +19,9 @@ PY=${PY:-.venv/bin/python}
 U=${U:-workdirs/squad-cpu-unified}
 O=${O:-workdirs/squad-cpu-original}
 H=${H:-workdirs/squad-cpu-unified-hn}
-CPU="--config experiments/squad.py:cpu"
+# `:cpu-base` is what `:cpu` meant when results/validation.md ran (one question per window, which
+# hard negatives need; float32 dumps).
+CPU="--config experiments/squad.py:cpu-base"
 OLD="--set train.num_steps=900 --set train.dropout=True --set train.checkpoint_every=200 --set train.log_every=20 --set train.loss.lambda_inb=256"
 
 [ -f $U/hard_negatives.jsonl ] || $PY run.py mine $CPU --workdir $U \

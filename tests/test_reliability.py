@@ -169,6 +169,15 @@ def test_bad_config_values_are_named(overrides, message):
     load_config("experiments/demo.py:tiny", overrides)
 
 
+def test_the_tokenizer_follows_model_name_unless_set():
+  """`--set model.name=X` took X's weights but kept the default tokenizer (another vocabulary
+  tokenized wrongly, without a word); model.tokenizer set as well wins."""
+  assert load_config("experiments/demo.py", ["model.name=/m/x"]).model.tokenizer == "/m/x"
+  both = load_config("experiments/demo.py", ["model.name=/m/x", "model.tokenizer=/m/t"])
+  assert (both.model.name, both.model.tokenizer) == ("/m/x", "/m/t")
+  assert load_config("experiments/demo.py").model.tokenizer == "minilm-l6"
+
+
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
   cases = [
       (["--config", "experiments/nope.py"], "config file not found: experiments/nope.py"),

@@ -113,6 +113,9 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert run.main(["index"] + ivf) == 0 and run.main(["eval"] + ivf) == 0
   agreement = json.loads((tmp_path / "open_eval_IVFauto_SQ8.json").read_text())
   assert agreement["top1_agreement_with_flat"] >= 90.0
+  # The factory string names the index's folder too (IVFauto,SQ8 -> indexes/IVFauto_SQ8).
+  assert run.main(["eval"] + base + ["--set", "index.search_index=IVFauto,SQ8"]) == 0
+  assert not list(tmp_path.glob("open_eval_*,*"))  # its files are the folder's name's
   assert run.main(["search"] + base + ["--query", "Who was the mentor of Ne Chithashoum?"]) == 0
   assert "1. " in capsys.readouterr().out
 

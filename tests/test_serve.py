@@ -220,13 +220,19 @@ def test_odd_integers_and_bodies_get_a_400_not_a_500(service, path, body, reason
   assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
 
 
-def test_a_chunked_huge_body_is_refused_and_a_cancelled_request_stops_nothing(service):
-  port, _, _, questions, batcher = service
+def _open_post(port, header: str, value: str) -> http.client.HTTPConnection:
+  """A POST /search of JSON whose headers (with `header`) are sent, the body not yet."""
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
   connection.putrequest("POST", "/search")
   connection.putheader("Content-Type", "application/json")
-  connection.putheader("Transfer-Encoding", "chunked")
+  connection.putheader(header, value)
   connection.endheaders()
+  return connection
+
+
+def test_a_chunked_huge_body_is_refused_and_a_cancelled_request_stops_nothing(service):
+  port, _, _, questions, batcher = service
+  connection = _open_post(port, "Transfer-Encoding", "chunked")
   chunk = b"x" * (256 << 10)
   try:
     for _ in range(8):  # 2 MiB, no Content-Length; the server stops reading past 1 MiB
@@ -245,11 +251,7 @@ def test_a_chunked_huge_body_is_refused_and_a_cancelled_request_stops_nothing(se
 
 def test_a_declared_huge_body_is_refused_unread_and_a_failing_request_fails_alone(service):
   port, _, _, questions, batcher = service
-  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  connection.putrequest("POST", "/search")
-  connection.putheader("Content-Type", "application/json")
-  connection.putheader("Content-Length", str(1 << 30))
-  connection.endheaders()  # no body sent: the server answers from the header
+  connection = _open_post(port, "Content-Length", str(1 << 30))  # no body: answered from it
   response = connection.getresponse()
   assert response.status == 413 and "limit" in json.loads(response.read())["error"]
   # A request whose search raises fails alone; others in its micro-batch are answered.

@@ -83,6 +83,13 @@ def _shard_arrays(dump_dir: pathlib.Path, shard: dict, key: str) -> np.ndarray:
                     "dump and run it again") from None
 
 
+def index_folder(spec: str, filter_threshold: float | None = None) -> str:
+  """The folder (under <dump>/indexes) of the index a factory string builds: "IVFauto,SQ4" ->
+  "IVFauto_SQ4", "Flat" with threshold 0.5 -> "Flat_filter0.5" (`index.search_index` names it)."""
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + (
+      f"_filter{filter_threshold:g}" if filter_threshold is not None else "")
+
+
 def _kept(dump_dir: pathlib.Path, shard: dict, filter_threshold: float | None) -> np.ndarray:
   """Shard-local rows of the tokens that pass the filter."""
   if filter_threshold is None:
@@ -105,8 +112,7 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   """
   dump_dir = pathlib.Path(dump_dir)
   plan = _plan(dump_dir, spec, filter_threshold, train_size)
-  name = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + (
-      f"_filter{filter_threshold:g}" if filter_threshold is not None else "")
+  name = name or index_folder(spec, filter_threshold)
   final = dump_dir / "indexes" / name
   tmp = final.with_name(final.name + ".tmp")
   start = time.perf_counter()

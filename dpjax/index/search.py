@@ -33,7 +33,7 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve
-from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST
+from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, index_folder
 from dpjax.io import read_json
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
 from dpjax.parallel import make_mesh, round_to_devices
@@ -171,6 +171,8 @@ class PhraseIndex:
   def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
                nprobe: int | None = None, search_device: str = "auto"):
     self.dump = dump if isinstance(dump, Dump) else Dump.load(dump)
+    if not (self.dump.directory / "indexes" / index_name).is_dir():
+      index_name = index_folder(index_name)  # a factory string ("IVFauto,SQ4") names its folder
     directory = self.dump.directory / "indexes" / index_name
     if not (directory / INDEX_MANIFEST).is_file():
       available = sorted(p.name for p in (self.dump.directory / "indexes").glob("*")
