@@ -162,7 +162,7 @@ def check_request(k: int, unit: str) -> None:
   if unit not in UNITS:
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-    raise ValueError(f"k (the number of results) must be an integer >= 1, got {k!r}")
+    raise ValueError(f"k (the number of results) must be >= 1 (an integer), got {k!r}")
 
 
 class PhraseIndex:
