@@ -473,6 +473,16 @@ def test_squad_corpus_has_20958_unique_paragraphs(squad_dir, tmp_path):
   assert count == 20958  # 20,963 paragraphs, 5 of them exact repeats within their article
 
 
+def test_in_memory_encoding_of_passages_without_tokens_gives_empty_arrays(model, tokenizer):
+  """`encode_shard` without a stream (validation's subcorpora) of passages that hold no token:
+  empty vectors and logits of the right widths (no array was made: the callers' KeyError)."""
+  out = encode_shard(tokenizer, [Passage("e1", "T", ""), Passage("e2", "T", "   ")], CONFIG,
+                     make_mesh(), bound(model, "phrases_and_filter"))
+  assert {k: v.shape for k, v in out.items()} == {
+      "token_passage": (0,), "char_spans": (0, 2), "vectors": (0, TINY.hidden_size),
+      "filter_logits": (0, 2)}
+
+
 def test_missing_metadata_and_empty_corpus(model, tokenizer, tmp_path):
   dump_phrases(model, tokenizer, _passages(4), tmp_path / "d", CONFIG, mesh=make_mesh())
   (tmp_path / "d" / "shard_00001" / "char_spans.npy").unlink()

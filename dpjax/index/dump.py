@@ -538,7 +538,7 @@ def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, enc
     else:
       for key, x in (("vectors", vectors), ("filter_logits", logits)):  # float16: [T, D], [T, 2]
         have = out.get(key, np.empty((0, x.shape[2]), np.float16))
-        if len(have) < total:
+        if key not in out or len(have) < total:  # (a shard of empty passages: [0, D])
           out[key] = np.concatenate([have, np.empty((total - len(have), x.shape[2]), have.dtype)])
       count = _place(windows.runs, rows, vectors.shape[1], (vectors, out["vectors"]),
                      (logits, out["filter_logits"]))
