@@ -207,10 +207,17 @@ def workdir_lock(path: str | os.PathLike, what: str = "training"):
 
 @contextlib.contextmanager
 def _directory_flock(directory: pathlib.Path):
-  """An exclusive flock of `directory` (held by one process at a time; released if it dies)."""
+  """An exclusive flock of `directory` (held by one process at a time; released if it dies). On a
+  file system without flocks (some network ones) the lock goes on without it, as before."""
   fd = os.open(directory, os.O_RDONLY)
   try:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+        raise
+      log.warning("%s: no flock on this file system (%s); two runs starting at once could both "
+                  "take a dead run's lock", directory, e.strerror)
     yield
   finally:
     os.close(fd)  # releases the flock

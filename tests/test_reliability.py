@@ -343,6 +343,19 @@ def test_a_dead_runs_lock_is_taken_over_by_one_run_only(tmp_path, monkeypatch):
   with pytest.raises(BusyError, match="pid 123 on host some-other-host.*delete"):
     with workdir_lock(lock):
       pass
+  lock.unlink()
+  # A file system without flocks (some network ones): the lock still works, with a warning.
+  import fcntl
+  import os
+
+  def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+  monkeypatch.setattr(fcntl, "flock", no_flock)
+  monkeypatch.setattr(io, "_lock_holder", read)
+  with workdir_lock(lock):
+    assert lock.read_text().split()[0] == str(os.getpid())
+  assert not lock.exists()
 
 
 def test_torn_last_metrics_line_does_not_block_resume(tmp_path):
