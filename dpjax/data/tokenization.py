@@ -94,9 +94,16 @@ def _over_marks(text: str, offsets: np.ndarray) -> np.ndarray:
   and an answer cut at that end lost it (EM 0 against "Café")."""
   if text.isascii() or not len(offsets):
     return offsets
-  for mark in _MARKS.finditer(text):
-    ends_here = np.flatnonzero(offsets[:, 1] == mark.start())
-    held = ((offsets[:, 0] < mark.end()) & (offsets[:, 1] > mark.start())).any()
-    if len(ends_here) and not held:
-      offsets[ends_here, 1] = mark.end()
+  runs = np.array([m.span() for m in _MARKS.finditer(text)], np.int64).reshape(-1, 2)
+  ends = offsets[:, 1]
+  if not len(runs) or (np.diff(ends) < 0).any():  # (word pieces' offsets are in order)
+    return offsets
+  # One pass for all runs (a script with a mark in every syllable has hundreds a passage): the
+  # run starting where a token ends, and whether a token holds part of that run (the first
+  # token ending after the run's start begins before its end).
+  run = np.minimum(np.searchsorted(runs[:, 0], ends), len(runs) - 1)
+  after = np.searchsorted(ends, runs[:, 0], side="right")
+  held = (after < len(ends)) & (offsets[np.minimum(after, len(ends) - 1), 0] < runs[:, 1])
+  extend = (runs[run, 0] == ends) & ~held[run]
+  offsets[extend, 1] = runs[run[extend], 1]
   return offsets
