@@ -114,7 +114,7 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
   kwargs = dict(log_weight_in_passage=_log_weight(loss_config.lambda_inp),
                 log_weight_in_batch=_log_weight(loss_config.lambda_inb),
                 query_windows=encoded["windows"])
-  mask, pids = batch["context_mask"], batch["passage_ids"]
+  mask, pids = encoded["mask"], batch["passage_ids"]
   per_example = 0.5 * (
       losses.unified_loss(q_start, h, mask, batch["start_positions"], pids, vectors, extra_mask,
                           extra_pids, extra_lw, **kwargs)
@@ -122,10 +122,10 @@ def _unified(model, batch, encoded, queue, queue_on, loss_config, rngs):
                             extra_pids, extra_lw, **kwargs))
   metrics = {}
   if "teacher_start_logits" in batch:  # distillation (the teacher's logits of each question)
-    windows = encoded["windows"]
+    windows, context = encoded["windows"], batch["context_mask"]  # the teacher's tokens
     distill = losses.distillation_loss(encoded["start_logits"], encoded["end_logits"],
                                        batch["teacher_start_logits"], batch["teacher_end_logits"],
-                                       mask if windows is None else mask[windows])
+                                       context if windows is None else context[windows])
     per_example = per_example + loss_config.lambda_distill * distill
     if windows is None:
       metrics["distill"] = distill.mean()
@@ -142,7 +142,7 @@ def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
     raise ValueError("passage-grouped batches (train.questions_per_window > 1) need the unified "
                      "loss")
   b, _, dim = h.shape
-  mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
+  mask, start, end = encoded["mask"], batch["start_positions"], batch["end_positions"]
   pids = batch["passage_ids"]
   single = losses.single_passage_loss(encoded["start_logits"], encoded["end_logits"], mask, start,
                                       end)
@@ -166,7 +166,7 @@ def _original(model, batch, encoded, queue, queue_on, loss_config, rngs):
   if "teacher_start_logits" in batch:
     distill = losses.distillation_loss(encoded["start_logits"], encoded["end_logits"],
                                        batch["teacher_start_logits"],
-                                       batch["teacher_end_logits"], mask)
+                                       batch["teacher_end_logits"], batch["context_mask"])
     per_example = per_example + loss_config.weight_distill * distill
     metrics["distill"] = distill.mean()
   return per_example, metrics
@@ -211,7 +211,11 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   windows = (jnp.repeat(jnp.arange(b), start.shape[0] // b) if "question_valid" in batch
              else None)
   h_questions = h if windows is None else h[windows]  # [B, L, D]: each question's window
-  encoded = {"h": h, "q_start": q_start, "q_end": q_end, "windows": windows,
+  # The candidate tokens: the context, and [CLS] (the target of a window without the answer)
+  # when such windows are trained.
+  candidates = (mask.at[:, 0].set(True) if loss_config.get("windows_without_answer", False)
+                else mask)
+  encoded = {"h": h, "q_start": q_start, "q_end": q_end, "windows": windows, "mask": candidates,
              "start_logits": jnp.einsum("bld,bd->bl", h_questions, q_start),
              "end_logits": jnp.einsum("bld,bd->bl", h_questions, q_end)}
   # No pre-batch negatives (prebatch_size 0): an empty queue of this shape.
@@ -229,13 +233,13 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
                               targets == end[:, None], mask)
     per_example = per_example + loss_config.weight_filter * filt
     metrics["filter"] = filt.mean()
-  question_mask = mask if windows is None else mask[windows]
+  question_mask = candidates if windows is None else candidates[windows]
   predicted = jnp.argmax(jnp.where(question_mask, encoded["start_logits"], losses.NEG_INF), axis=1)
   if windows is None:
     loss = per_example.mean()
     metrics.update(loss=loss, start_accuracy=(predicted == start).mean())
-    entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"], "start": start,
-             "end": end}
+    entry = {"vectors": h, "mask": candidates, "passage_ids": batch["passage_ids"],
+             "start": start, "end": end}
   else:  # the mean over the filled question slots; the queue keeps windows (no gold tokens)
     valid = batch["question_valid"].astype(jnp.float32)
     count = jnp.maximum(valid.sum(), 1.0)

@@ -135,11 +135,14 @@ def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | 
   multiple = question_width_multiple(jax.devices()[0].platform)
   if tc.questions_per_window <= 1:
     batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train),
-                           teacher, question_multiple=multiple)
+                           teacher, question_multiple=multiple,
+                           without_answer=tc.loss.get("windows_without_answer", False))
   else:
     unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
                    "train.hard_negatives.file": bool(tc.hard_negatives.file),
-                   "train.loss.weight_filter": bool(tc.loss.weight_filter)}
+                   "train.loss.weight_filter": bool(tc.loss.weight_filter),
+                   "train.loss.windows_without_answer": bool(
+                       tc.loss.get("windows_without_answer", False))}
     if any(unsupported.values()):
       raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go "
                         "with " + ", ".join(k for k, v in unsupported.items() if v))

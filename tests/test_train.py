@@ -195,3 +195,46 @@ def test_flash_attention_kernel_trains_as_the_materialised_attention(tiny, monke
   # softmax over tokens ignores), moves by that rounding's noise: ~1e-6, apart by up to 2.5e-6.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                params, params_ref)
+
+
+def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
+  """train.loss.windows_without_answer: the features whose window lacks the answer join the
+  batches with [CLS] as their target (a real loss and gradient); off, they are not drawn, and
+  such a row would contribute nothing. [CLS] then also competes with every answer."""
+  from dpjax.objectives import compute_loss
+  config, _ = tiny
+  config = config.copy_and_resolve_references()
+  config.data.update(max_seq_length=48, doc_stride=16)  # short windows: some lack the answer
+  workdir = tmp_path_factory.mktemp("short")
+  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  features = load_rc_split(data_files(config.data, workdir)["train"], tokenizer,
+                           config.data).features
+  batches = TrainBatches(features, config.train.batch_size, 0)
+  without = np.flatnonzero(features.start_position == 0)
+  assert len(without) >= config.train.batch_size  # the tiny data has such windows
+  assert not np.isin(without, batches.usable).any()
+  both = TrainBatches(features, config.train.batch_size, 0, without_answer=True)
+  assert len(both.usable) == len(features.start_position)
+  model = create_model(config.model)
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, rows, on):
+    loss_config = config.train.loss.copy_and_resolve_references()
+    loss_config.windows_without_answer = on
+    loss_config.prebatch_size = 0
+    both.usable, both.steps_per_epoch = rows, 1
+    batch = {k: jax.numpy.asarray(v) for k, v in both(0).items()}
+    value, _ = compute_loss(nnx.merge(graph, params, rest), batch, {}, 0, loss_config)
+    return value
+
+  rows = without[:config.train.batch_size]
+  assert float(loss(params, rows, False)) == 0.0  # invalid targets: no signal
+  value, grads = jax.value_and_grad(loss)(params, rows, True)
+  assert float(value) > 0.0
+  assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 0.0
+  answerable = batches.usable[:config.train.batch_size]
+  assert float(loss(params, answerable, True)) > float(loss(params, answerable, False))
+  config.train.questions_per_window = 2
+  config.train.loss.windows_without_answer = True
+  with pytest.raises(train.ConfigError, match="windows_without_answer"):
+    train._batches(config, type("Split", (), {"features": features})(), None, "")

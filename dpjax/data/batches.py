@@ -13,7 +13,8 @@ from dpjax.errors import DataError
 
 @dataclasses.dataclass
 class TrainBatches:
-  """Deterministic shuffled batches of answerable features; position = global step."""
+  """Deterministic shuffled batches of answerable features (`without_answer`: of all of them);
+  position = global step."""
 
   features: RCFeatures
   batch_size: int
@@ -21,12 +22,16 @@ class TrainBatches:
   hard_negatives: Any = None  # a `mining.HardNegatives`: adds h mined passages per example
   teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per example
   question_multiple: int = 0  # > 0: questions cut per step (`trim_questions`)
+  # Also the features whose window lacks the answer (their gold positions are 0: [CLS]).
+  without_answer: bool = False
 
   def __post_init__(self):
-    self.usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
+    answerable = self.features.start_position > 0  # answer inside the window
+    self.usable = np.flatnonzero(answerable | self.without_answer)
     if len(self.usable) < self.batch_size:
-      raise DataError(f"only {len(self.usable)} answerable training features for a batch of "
-                       f"{self.batch_size}")
+      kind = "" if self.without_answer else "answerable "
+      raise DataError(f"only {len(self.usable)} {kind}training features for a batch of "
+                      f"{self.batch_size}")
     self.steps_per_epoch = len(self.usable) // self.batch_size
 
   def position(self, step: int) -> tuple[int, int]:
