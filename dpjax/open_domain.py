@@ -52,15 +52,17 @@ def run_dump(config, workdir: str) -> dict:
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   dump_config = dump_settings(config, mesh)
   summary = SkipSummary()
-  manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
-                          read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
-                          mesh=mesh, workers=config.index.get("dump_workers", 0),
-                          model_info={"workdir": str(workdir), "step": step,
-                                      "name": config.model.name},
-                          corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
-                                                 for f in paths["corpus"]]})
-  if summary.total:
-    log.warning("%s", summary)
+  try:
+    manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
+                            read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
+                            mesh=mesh, workers=config.index.get("dump_workers", 0),
+                            model_info={"workdir": str(workdir), "step": step,
+                                        "name": config.model.name},
+                            corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
+                                                   for f in paths["corpus"]]})
+  finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")
+    if summary.total:
+      log.warning("%s", summary)
   encoded = manifest.get("encoded_tokens")
   log.info("dump %s: %d passages, %d tokens%s", paths["dump"], manifest["num_passages"],
            manifest["num_tokens"],
@@ -144,6 +146,15 @@ def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]
   return len(timed) / (time.perf_counter() - start), len(timed)
 
 
+def _trec_id(value: str, rewritten: set) -> str:
+  """An id as a TREC run line's column: whitespace (a column separator) as '_' (noted in
+  `rewritten`)."""
+  if not value or any(c.isspace() for c in value):
+    rewritten.add(value)
+    return "_".join(value.split()) or "_"
+  return value
+
+
 def _spans(results: list[dict]) -> list[list]:
   return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
 
@@ -175,9 +186,14 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
       json.dumps({"id": q.id, "question": q.question, "answers": q.answers,
                   "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n"
       for q, r in zip(questions, phrases)))
+  rewritten: set[str] = set()
   write_lines_atomic(workdir / f"open_run_{name}{tag}.trec", (
-      f"{q.id} Q0 {pid} {rank} {score:.6f} dpjax\n"
+      f"{_trec_id(q.id, rewritten)} Q0 {_trec_id(pid, rewritten)} {rank} {score:.6f} dpjax\n"
       for q, passages in zip(questions, ranked) for rank, (pid, score) in enumerate(passages, 1)))
+  if rewritten:
+    log.warning("open_run_%s%s.trec: %d question or passage ids hold whitespace, which splits "
+                "a TREC line; written with '_' for it (e.g. %r); the predictions file has them "
+                "as they are", name, tag, len(rewritten), sorted(rewritten)[0])
   write_json(workdir / f"open_eval_{name}{tag}.json", report)
   # passage Top-k as far as eval.passage_k reaches (0: none)
   summary = "  ".join([f"EM@1 {report['em@1']:.2f}", f"EM@10 {report['em@10']:.2f}"] + [

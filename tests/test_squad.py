@@ -219,3 +219,64 @@ def test_real_squad_train(squad_dir, tokenizer):
   pairs = list(_span_texts(features, passages, questions))
   exact = sum(" ".join(a.split()) == " ".join(b.split()) for a, b in pairs)
   assert exact / len(pairs) >= 0.99
+
+
+def test_questions_jsonl_errors_name_the_file_line(tmp_path):
+  """JSONL questions: errors give the file's line (blank lines counted), duplicates too; a line
+  holding U+2028 inside a string is one line; a byte-order mark, `.ndjson` and extension-less
+  JSONL are read; a lone surrogate, a blank question and a file without questions are errors."""
+  from dpjax.data.questions import read_questions
+  good = json.dumps({"id": "a", "question": "Q?", "answers": ["x"]})
+  with pytest.raises(DataError, match=r"lines\.jsonl:4 needs a non-empty 'question'"):
+    read_questions(_write(tmp_path, f"\n\n{good}\n{{\"id\": \"b\"}}\n", "lines.jsonl"))
+  with pytest.raises(DataError, match=r"dup\.jsonl:4: duplicate question id 'a'"):
+    read_questions(_write(tmp_path, f"\n\n{good}\n{good}\n", "dup.jsonl"))
+  raw = json.dumps({"id": "a", "question": "who\u2028is", "answers": ["x"]}, ensure_ascii=False)
+  assert read_questions(_write(tmp_path, raw + "\n", "sep.jsonl"))[0].question == "who\u2028is"
+  bom = _write(tmp_path, ("\ufeff" + good + "\r\n").encode(), "bom.jsonl")
+  assert len(read_questions(bom)) == 1
+  for name in ("q.ndjson", "questions"):
+    assert read_questions(_write(tmp_path, good + "\n", name))[0].id == "a"
+  with pytest.raises(DataError, match=r"surrogate\.jsonl:1: invalid Unicode"):
+    read_questions(_write(tmp_path, '{"id": "a", "question": "who\\ud800", "answers": ["x"]}',
+                          "surrogate.jsonl"))
+  with pytest.raises(DataError, match=r"blank\.jsonl:1 needs a non-empty 'question'"):
+    read_questions(_write(tmp_path, '{"id": "a", "question": " ", "answers": ["x"]}',
+                          "blank.jsonl"))
+  for content, name in (("", "empty.jsonl"), ({"data": []}, "empty.json")):
+    with pytest.raises(DataError, match=rf"{name}: no questions"):
+      read_questions(_write(tmp_path, content, name))
+
+
+def test_corpus_ids_bom_and_command_line(tmp_path, capsys):
+  """Corpus files: a byte-order mark keeps the first record; generated ids of files with one
+  stem in two folders do not collide (nor are passages dropped); a generated id equal to
+  another passage's is an error; empty ids are generated, non-scalar ones skipped and counted;
+  the command line prints the skip summary and creates --out's folder."""
+  from dpjax.data import corpus
+  from dpjax.data.squad import SkipSummary
+  bom = _write(tmp_path, '\ufeff{"id": "p1", "text": "first"}\n{"id": "p2", "text": "second"}\n'
+               .encode(), "bom.jsonl")
+  assert [p.id for p in corpus.read_corpus(bom)] == ["p1", "p2"]
+  for folder, texts in (("x", ["alpha", "beta"]), ("y", ["gamma", "delta"])):
+    (tmp_path / folder).mkdir()
+    _write(tmp_path / folder, "".join(json.dumps({"text": t}) + "\n" for t in texts), "part.jsonl")
+  both = [tmp_path / "x" / "part.jsonl", tmp_path / "y" / "part.jsonl"]
+  assert [p.id for p in corpus.read_corpus(both)] == ["x/part-1", "x/part-2", "y/part-1",
+                                                       "y/part-2"]
+  with pytest.raises(DataError, match="given more than once"):
+    list(corpus.read_corpus([both[0], both[0]]))
+  clash = _write(tmp_path, '{"id": "clash-2", "text": "a"}\n{"text": "b"}\n', "clash.jsonl")
+  with pytest.raises(DataError, match=r"clash\.jsonl:2: the id made for this record, 'clash-2'"):
+    list(corpus.read_corpus(clash))
+  odd = _write(tmp_path, '{"id": "", "text": "a"}\n{"id": {"k": 1}, "text": "b"}\n'
+               '{"id": 7, "title": ["t"], "text": "c"}\n', "odd.jsonl")
+  summary = SkipSummary()
+  assert [(p.id, p.title) for p in corpus.read_corpus(odd, summary)] == [("odd-1", ""),
+                                                                        ("7", "")]
+  assert summary.counts == {"id is neither a string nor a number": 1}
+  out = tmp_path / "new" / "dir" / "out.jsonl"
+  assert corpus.main(["squad", str(odd), "--out", str(out)]) == 0
+  captured = capsys.readouterr()
+  assert "id is neither a string nor a number: 1" in captured.err
+  assert "wrote 2 passages" in captured.out and out.is_file()

@@ -4,9 +4,14 @@ Accepted inputs:
   - SQuAD-format JSON: `data[].title`, `data[].paragraphs[].context` (questions are ignored);
     passage ids are `<file stem>-<article>-<paragraph>` unless a paragraph has an `id`.
   - JSONL, one passage per line: `{"id": ..., "title": ..., "text": ...}` (`contents` is accepted
-    for `text`, as in Pyserini); read line by line, so memory does not grow with the file.
-Bad records (invalid JSON line, no text, empty text, duplicate id) are skipped and counted, and so
-are exact repeats of a passage (same title and text), which would only duplicate index entries.
+    for `text`, as in Pyserini); read line by line, so memory does not grow with the file. A
+    record without an id (or with an empty one) gets `<file stem>-<line>`.
+  Ids are strings or numbers. Generated ids of several files with one stem are prefixed by the
+  files' folders (`x/part-3`, `y/part-3`); a generated id equal to another passage's id is an
+  error (give every record an id).
+Bad records (invalid JSON line, no text, empty text, an id that is neither a string nor a number,
+duplicate id) are skipped and counted, and so are exact repeats of a passage (same title and
+text), which would only duplicate index entries.
 
 `python -m dpjax.data.corpus squad FILE [FILE ...] --out corpus.jsonl` writes the unique
 paragraphs of SQuAD files as a JSONL corpus (train + dev v1.1: 20,963 paragraphs, 5 of them verbatim
@@ -15,6 +20,7 @@ repeats of another paragraph of the same article, so 20,958 passages).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -26,7 +32,9 @@ from dpjax.data.squad import DataError, Passage, SkipSummary, load_json, valid_u
 from dpjax.io import write_jsonl
 
 
-def _is_jsonl(path: pathlib.Path) -> bool:
+def is_jsonl(path: pathlib.Path) -> bool:
+  """Whether a file is JSONL: `.jsonl` / `.ndjson`, or not `.json` and its first line is one
+  JSON object (not a `{"data": ...}` file)."""
   if path.suffix in (".jsonl", ".ndjson"):
     return True
   if path.suffix == ".json":
@@ -47,15 +55,23 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
   summary.path = ", ".join(map(str, paths))
   seen: set[str] = set()
   texts: set[tuple[str, str]] = set()
-  for path in map(pathlib.Path, paths):
+  paths = list(map(pathlib.Path, paths))
+  twice = [path for path, n in collections.Counter(p.resolve() for p in paths).items() if n > 1]
+  if twice:
+    raise DataError(f"{twice[0]}: corpus file given more than once")
+  for path, prefix in zip(paths, _id_prefixes(paths)):
     if not path.is_file():
       raise DataError(f"{path}: corpus file not found")
-    records = _read_jsonl(path, summary) if _is_jsonl(path) else _read_squad(path, summary)
-    for passage, where in records:
+    records = (_read_jsonl(path, prefix, summary) if is_jsonl(path)
+               else _read_squad(path, prefix, summary))
+    for passage, where, generated in records:
       if not valid_unicode(passage.id, passage.title, passage.text):
         summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
         continue
       if passage.id in seen:
+        if generated:
+          raise DataError(f"{where}: the id made for this record, {passage.id!r}, is another "
+                          "passage's id: give every record an 'id'")
         summary.skip("duplicate passage id", where)
         continue
       if (passage.title, passage.text) in texts:
@@ -66,14 +82,35 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
       yield passage
 
 
-def _read_jsonl(path: pathlib.Path, summary: SkipSummary):
+def _id_prefixes(paths: list[pathlib.Path]) -> list[str]:
+  """The prefix of each file's generated ids: its stem, or, where several files share a stem,
+  its path from their common folder without the suffix ('x/part', 'y/part')."""
+  stems = collections.Counter(path.stem for path in paths)
+  shared = [path.resolve() for path in paths if stems[path.stem] > 1]
+  root = pathlib.Path(os.path.commonpath(shared)) if shared else None
+  return [path.stem if stems[path.stem] == 1
+          else path.resolve().relative_to(root).with_suffix("").as_posix() for path in paths]
+
+
+def _passage_id(value, generated: str, where: str, summary: SkipSummary):
+  """(id, generated?) of a record's id field: a string or number, else (empty or missing) the
+  generated id; None (skipped and counted) for any other JSON value."""
+  if value is None or value == "":
+    return generated, True
+  if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    summary.skip("id is neither a string nor a number", where)
+    return None
+  return str(value), False
+
+
+def _read_jsonl(path: pathlib.Path, prefix: str, summary: SkipSummary):
   with path.open("rb") as f:
     for number, raw in enumerate(f, 1):
       where = f"{path}:{number}"
       if not raw.strip():
         continue
-      try:
-        record = json.loads(raw.decode("utf-8"))
+      try:  # (a byte-order mark may open the file)
+        record = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
       except UnicodeDecodeError:
         summary.skip("line is not valid UTF-8", where)
         continue
@@ -87,12 +124,19 @@ def _read_jsonl(path: pathlib.Path, summary: SkipSummary):
       if not isinstance(text, str) or not text.strip():
         summary.skip("passage without text", where)
         continue
-      pid = record.get("id", record.get("_id"))
-      pid = str(pid) if pid is not None else f"{path.stem}-{number}"
-      yield Passage(pid, str(record.get("title") or ""), text), where
+      pid = _passage_id(record.get("id", record.get("_id")), f"{prefix}-{number}", where, summary)
+      if pid is not None:
+        yield Passage(pid[0], _title(record.get("title")), text), where, pid[1]
 
 
-def _read_squad(path: pathlib.Path, summary: SkipSummary):
+def _title(value) -> str:
+  """A record's title: a string (a number as its text); missing, null or anything else: ''."""
+  if isinstance(value, str):
+    return value
+  return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
+def _read_squad(path: pathlib.Path, prefix: str, summary: SkipSummary):
   root = load_json(path)
   if not isinstance(root, dict) or not isinstance(root.get("data"), list):
     raise DataError(f"{path}: expected a JSON object with a 'data' list (SQuAD format) "
@@ -101,20 +145,24 @@ def _read_squad(path: pathlib.Path, summary: SkipSummary):
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
       summary.skip("article without a 'paragraphs' list", f"{path}: data[{a}]")
       continue
-    title = str(article.get("title") or "")
+    title = _title(article.get("title"))
     for p, paragraph in enumerate(article["paragraphs"]):
       where = f"{path}: data[{a}].paragraphs[{p}]"
       text = paragraph.get("context") if isinstance(paragraph, dict) else None
       if not isinstance(text, str) or not text.strip():
         summary.skip("paragraph without context", where)
         continue
-      pid = paragraph.get("id") or f"{path.stem}-{a}-{p}"
-      yield Passage(str(pid), title, text), where
+      pid = _passage_id(paragraph.get("id"), f"{prefix}-{a}-{p}", where, summary)
+      if pid is not None:
+        yield Passage(pid[0], title, text), where, pid[1]
 
 
-def squad_to_jsonl(paths: Iterable[str | os.PathLike], out: str | os.PathLike) -> int:
-  """Writes the unique (title, context) paragraphs of SQuAD files as JSONL; returns the count."""
-  passages = list(read_corpus(paths))
+def squad_to_jsonl(paths: Iterable[str | os.PathLike], out: str | os.PathLike,
+                   summary: SkipSummary | None = None) -> int:
+  """Writes the unique (title, context) paragraphs of SQuAD files as JSONL; returns the count.
+  `summary` counts the records skipped."""
+  passages = list(read_corpus(paths, summary))
+  pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
   write_jsonl(out, map(dataclasses.asdict, passages))
   return len(passages)
 
@@ -126,11 +174,17 @@ def main(argv=None) -> int:
   squad.add_argument("files", nargs="+")
   squad.add_argument("--out", required=True)
   args = parser.parse_args(argv)
+  summary = SkipSummary()
   try:
-    count = squad_to_jsonl(args.files, args.out)
+    count = squad_to_jsonl(args.files, args.out, summary)
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except OSError as e:
+    print(f"error: {args.out}: cannot write: {e.strerror or e}", file=sys.stderr)
+    return 2
+  if summary.total:
+    print(summary, file=sys.stderr)
   print(f"wrote {count} passages to {args.out}")
   return 0
 

@@ -8,7 +8,8 @@ import pathlib
 
 import numpy as np
 
-from dpjax.data.squad import DataError, Question, load_json, read_squad
+from dpjax.data.corpus import is_jsonl
+from dpjax.data.squad import DataError, Question, load_json, read_squad, valid_unicode
 
 log = logging.getLogger(__name__)
 
@@ -25,38 +26,59 @@ def sample_questions(questions: list[Question], limit: int, seed: int) -> list[Q
 
 def read_questions(path: str | pathlib.Path) -> list[Question]:
   """Questions with answers from SQuAD JSON, open-QA JSON (`{"data": [{id, question, answers}]}`)
-  or JSONL (`{"id", "question", "answers"}` per line)."""
+  or JSONL (`{"id", "question", "answers"}` per line; `.jsonl`, `.ndjson`, or a file whose first
+  line is one such object). A bad record is an error naming the file and line (JSONL) or record;
+  so is a file without questions."""
   path = pathlib.Path(path)
-  if path.suffix == ".jsonl":
-    rows = []
-    try:
-      text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-      raise DataError(f"{path}: not UTF-8 (byte {e.start}: {e.reason})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-      if line.strip():
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{number}: invalid JSON at column {e.colno}: {e.msg}") from None
+  if not path.is_file():
+    raise DataError(f"{path}: questions file not found")
+  if is_jsonl(path):
+    rows = _jsonl_rows(path)
   else:
     root = load_json(path)
     rows = root.get("data") if isinstance(root, dict) else None
     if not isinstance(rows, list):
       raise DataError(f"{path}: expected a 'data' list")
     if rows and isinstance(rows[0], dict) and "paragraphs" in rows[0]:  # SQuAD format
-      return _squad_questions(path)
+      return _nonempty(path, _squad_questions(path))
+    rows = [(f"{path}: record {i}", row) for i, row in enumerate(rows)]
   questions, seen = [], set()
-  for i, row in enumerate(rows):
-    where = f"{path}:{i + 1}" if path.suffix == ".jsonl" else f"{path}: record {i}"
+  for i, (where, row) in enumerate(rows):
     answers = row.get("answers") if isinstance(row, dict) else None
-    if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not answers:
-      raise DataError(f"{where} needs 'question' and a non-empty 'answers' list")
-    question = Question(str(row.get("id", i)), row["question"], _answer_texts(answers, where))
+    text = row.get("question") if isinstance(row, dict) else None
+    if not isinstance(text, str) or not text.strip() or not answers:
+      raise DataError(f"{where} needs a non-empty 'question' and a non-empty 'answers' list")
+    question = Question(str(row.get("id", i)), text, _answer_texts(answers, where))
+    if not valid_unicode(question.id, question.question, *question.answers):
+      raise DataError(f"{where}: invalid Unicode (a lone surrogate) in its id, question or "
+                      "answers")
     if question.id in seen:
-      raise DataError(f"{path}: record {i}: duplicate question id {question.id!r}")
+      raise DataError(f"{where}: duplicate question id {question.id!r}")
     seen.add(question.id)
     questions.append(question)
+  return _nonempty(path, questions)
+
+
+def _jsonl_rows(path: pathlib.Path) -> list[tuple[str, object]]:
+  """(path:line, record) of a JSONL file's non-blank lines (lines end at \n only: a JSON string
+  may hold U+2028 and other characters `str.splitlines` would split at)."""
+  try:
+    text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark may open the file)
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not UTF-8 (byte {e.start}: {e.reason})") from None
+  rows = []
+  for number, line in enumerate(text.split("\n"), 1):
+    if line.strip():
+      try:
+        rows.append((f"{path}:{number}", json.loads(line)))
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{number}: invalid JSON at column {e.colno}: {e.msg}") from None
+  return rows
+
+
+def _nonempty(path: pathlib.Path, questions: list[Question]) -> list[Question]:
+  if not questions:
+    raise DataError(f"{path}: no questions")
   return questions
 
 
