@@ -104,9 +104,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key, choices in _CHOICES.items():
     if get(key) is not None and get(key) not in choices:
       raise ConfigError(f"{key} = {get(key)!r}: must be one of {', '.join(choices)}")
-  lr = get("train.learning_rate")
-  if lr is not None and not lr > 0:
-    raise ConfigError(f"train.learning_rate = {lr!r}: must be > 0")
+  for key in ("train.learning_rate", "qsft.learning_rate"):
+    if get(key) is not None and not get(key) > 0:
+      raise ConfigError(f"{key} = {get(key)!r}: must be > 0")
+  for key in ("train.grad_clip", "train.weight_decay"):  # grad_clip 0: no clipping
+    if get(key) is not None and not get(key) >= 0:
+      raise ConfigError(f"{key} = {get(key)!r}: must be >= 0")
+  warmup = get("train.warmup_fraction")
+  if warmup is not None and not 0 <= warmup < 1:
+    raise ConfigError(f"train.warmup_fraction = {warmup!r}: must be in [0, 1)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
 
@@ -163,8 +169,8 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       "learning_rate": 3e-5,
       "warmup_steps": 0,  # 0: warmup_fraction of the steps
       "warmup_fraction": 0.1,
-      "weight_decay": 0.0,
-      "grad_clip": 1.0,
+      "weight_decay": 0.0,  # AdamW's, not on biases and LayerNorm scales (as the reference)
+      "grad_clip": 1.0,  # global gradient norm; 0: no clipping
       # Parameter-path regexes (e.g. 'phrase_encoder/.*') whose parameters are not trained.
       # The reference freezes the word embeddings.
       "freeze": ["word_embeddings"],

@@ -47,7 +47,8 @@ RESUME_FREE = ("train.stop_at_step", "train.log_every", "train.checkpoint_every"
 # Settings added after checkpoints were written, with the value that trains as before: a
 # checkpoint without one was trained with that value.
 NEW_SETTINGS = {"train.questions_per_window": 1, "train.teacher_logits": "",
-                "train.loss.lambda_distill": 2.0, "train.loss.score_scale": 1.0}
+                "train.loss.lambda_distill": 2.0, "train.loss.score_scale": 1.0,
+                "train.loss.windows_without_answer": False}
 
 
 def resume_conflicts(stored: dict, config: dict) -> list[str]:

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dpjax.errors import DataError, DivergenceError
+from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
 from dpjax.parallel import global_array
 
@@ -79,20 +79,44 @@ def param_path(path) -> str:
 
 
 def param_labels(params, freeze_patterns) -> Any:
-  """'frozen' for parameters whose path matches any regex of `freeze_patterns`, else 'train'."""
+  """'frozen' for parameters whose path matches any regex of `freeze_patterns`, else 'train'.
+  A pattern that matches no parameter is refused (a ConfigError: nothing would be frozen)."""
+  paths = [param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   compiled = [re.compile(p) for p in freeze_patterns]
+  for pattern in compiled:
+    if not any(pattern.search(path) for path in paths):
+      raise ConfigError(f"freeze pattern {pattern.pattern!r} matches no parameter (paths look "
+                        f"like {paths[0]!r})")
   return jax.tree_util.tree_map_with_path(
       lambda path, _: "frozen" if any(c.search(param_path(path)) for c in compiled)
       else "train", params)
 
 
+# Parameters AdamW's weight decay leaves alone, as the reference does (HF's `no_decay`: biases
+# and LayerNorm weights).
+NO_DECAY = re.compile(r"(^|/)(bias|layer_norm/scale)(/value)?$")
+
+
+def decay_mask(params) -> Any:
+  """True for the parameters weight decay applies to (not biases or LayerNorm scales)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not NO_DECAY.search(param_path(path)), params)
+
+
 def make_optimizer(train_config, params, total_steps: int):
   """AdamW with grad-norm clipping and warm-up + linear decay; frozen parameters get no update."""
   warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
+  if total_steps > 1 and warmup >= total_steps:
+    raise ConfigError(f"a warm-up of {warmup} steps leaves no decay in {total_steps} steps "
+                      "(train.warmup_steps / warmup_fraction)")
   schedule = learning_rate_schedule(train_config.learning_rate, warmup, total_steps)
-  trainable = optax.chain(optax.clip_by_global_norm(train_config.grad_clip),
-                          optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8,
-                                      weight_decay=train_config.weight_decay))
+  clip = (optax.clip_by_global_norm(train_config.grad_clip) if train_config.grad_clip > 0
+          else optax.identity())
+  # (no mask without decay: the optimizer state of the checkpoints written before the mask)
+  trainable = optax.chain(clip, optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8,
+                                            weight_decay=train_config.weight_decay,
+                                            mask=decay_mask if train_config.weight_decay
+                                            else None))
   labels = param_labels(params, list(train_config.freeze))
   tx = optax.multi_transform({"train": trainable, "frozen": optax.set_to_zero()}, labels)
   return tx, schedule, labels

@@ -1,6 +1,8 @@
 """The jitted train step: data parallel == single device, both recipes; frozen parameters."""
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -133,6 +135,61 @@ def test_resume_conflicts_name_what_changed():
                                                     "train.learning_rate=2e-4"])
   assert train.resume_conflicts(stored, json.loads(other.to_json())) == [
       "train.learning_rate: 0.0001 -> 0.0002", "train.loss.lambda_inb: 1.0 -> 256.0"]
+  # A checkpoint written before a setting existed was trained with its NEW_SETTINGS value.
+  stored = json.loads(load_config("experiments/squad.py:cpu-base").to_json())
+  same = load_config("experiments/squad.py:cpu-base")
+  for key in train.NEW_SETTINGS:
+    section, *path = key.split(".")
+    node = stored[section]
+    for name in path[:-1]:
+      node = node[name]
+    del node[path[-1]]
+  assert train.resume_conflicts(stored, json.loads(same.to_json())) == []
+
+
+def test_optimizer_settings(tiny):
+  """Weight decay spares biases and LayerNorm scales (the reference's no_decay); a freeze
+  pattern that matches nothing, a warm-up as long as the run and values no run can use are
+  refused; grad_clip 0 clips nothing."""
+  from dpjax.config import ConfigError
+  config, _ = tiny
+  model = create_model(config.model)
+  params = nnx.state(model, nnx.Param)
+  tc = config.train.copy_and_resolve_references()
+  tc.update(weight_decay=0.1, warmup_steps=1)
+  tx, _, _ = trainer.make_optimizer(tc, params, total_steps=10)
+  state = tx.init(params)
+  for _ in range(2):  # (step 0's learning rate is 0)
+    updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  moved = {trainer.param_path(p): bool(np.abs(np.asarray(u)).max() > 0)
+           for p, u in jax.tree_util.tree_leaves_with_path(updates)}
+  assert moved["phrase_encoder/layers/0/output/kernel/value"]
+  assert not moved["phrase_encoder/layers/0/output/bias/value"]
+  assert not moved["phrase_encoder/layers/0/layer_norm/scale/value"]
+  assert not moved["phrase_encoder/embeddings/word_embeddings/embedding/value"]  # frozen
+  with pytest.raises(ConfigError, match="'embeddings.word_embeddings.weight' matches no"):
+    trainer.param_labels(params, ["embeddings.word_embeddings.weight"])
+  # Without decay the state is the one checkpoints written before the decay mask hold.
+  tc.update(weight_decay=0.0)
+  tx, schedule, _ = trainer.make_optimizer(tc, params, total_steps=10)
+  before = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(
+      optax.multi_transform({"train": before, "frozen": optax.set_to_zero()},
+                            trainer.param_labels(params, tc.freeze)).init(params))
+  tc.update(warmup_steps=10)
+  with pytest.raises(ConfigError, match="warm-up of 10 steps leaves no decay"):
+    trainer.make_optimizer(tc, params, total_steps=10)
+  tc.update(warmup_steps=1, grad_clip=0.0, weight_decay=0.0)
+  tx, _, _ = trainer.make_optimizer(tc, params, total_steps=10)
+  big = jax.tree.map(lambda p: jnp.full_like(p, 1e3), params)
+  state = tx.init(params)
+  for _ in range(2):
+    updates, state = tx.update(big, state, params)
+  assert max(float(np.abs(np.asarray(u)).max()) for u in jax.tree.leaves(updates)) > 0
+  for setting in ("train.grad_clip=-1.0", "train.weight_decay=-0.5",
+                  "train.warmup_fraction=1.5", "qsft.learning_rate=0.0"):
+    with pytest.raises(ConfigError, match=setting.split("=")[0]):
+      load_config("experiments/squad.py:cpu", [setting])
 
 
 def test_questions_cut_per_step_change_no_loss(tiny):
