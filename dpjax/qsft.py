@@ -139,6 +139,8 @@ class Setup:
   trainer: Trainer
   mesh: object
   trained_step: int | None
+  first: object  # epoch 1's candidates (retrieved to size the schedule)
+  schedule_steps: int  # the learning rate reaches 0 after these
 
 
 def _setup(config, workdir: pathlib.Path) -> Setup:
@@ -162,26 +164,37 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   tc.update(batch_size=qc.batch_size, learning_rate=qc.learning_rate, freeze=list(qc.freeze),
             dropout=qc.dropout)
   tc.loss.recipe = "qsft"
-  total = qc.epochs * max(1, len(questions) // qc.batch_size)
+  # An epoch steps over the questions with a positive among their candidates: the schedule
+  # (warm-up, decay to 0) is sized by epoch 1's, as if every epoch had as many.
+  first = _candidates(config, index, model, tokenizer, questions, mesh)
+  total = qc.epochs * max(1, int(first.positive.any(1).sum()) // qc.batch_size)
   objective = make_objective(tc.loss, batch_size=qc.batch_size, length=1,
                              dim=model.config.hidden_size)
   trainer = build_trainer(model, tc, objective, total_steps=total, mesh=mesh)
   return Setup(index, CandidateVectors(index, qc.quantized), tokenizer, questions, dev, ids, mask,
-               trainer, mesh, trained_step)
+               trainer, mesh, trained_step, first, total)
 
 
-def _epoch(config, run: Setup, epoch: int, eval_batch: int) -> tuple[list[float], int]:
-  """Retrieves the candidates of every training question with the current question encoders,
-  then one pass over the questions that have a positive. Returns (losses, questions used)."""
-  qc, questions = config.qsft, run.questions
-  q_start, q_end = encode_questions(run.trainer.model(), run.tokenizer,
-                                    [q.question for q in questions],
+def _candidates(config, index: PhraseIndex, model, tokenizer, questions, mesh):
+  """The training questions' top-k candidates with `model`'s question encoders."""
+  qc = config.qsft
+  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=config.data.max_query_length,
-                                    batch_size=eval_batch, mesh=run.mesh)
-  candidates = retrieve_candidates(
-      run.index, q_start, q_end, [q.answers for q in questions], k=qc.top_k,
+                                    batch_size=round_to_devices(config.eval.batch_size, mesh),
+                                    mesh=mesh)
+  return retrieve_candidates(
+      index, q_start, q_end, [q.answers for q in questions], k=qc.top_k,
       max_answer_length=config.eval.max_answer_length, level=qc.level,
       gold_titles=[[q.title] for q in questions])
+
+
+def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
+  """Retrieves the candidates of every training question with the current question encoders
+  (epoch 1: those of the setup), then one pass over the questions that have a positive.
+  Returns (losses, questions used)."""
+  qc, questions = config.qsft, run.questions
+  candidates = run.first if epoch == 0 else _candidates(config, run.index, run.trainer.model(),
+                                                        run.tokenizer, questions, run.mesh)
   usable = np.flatnonzero(candidates.positive.any(1))
   if len(usable) < qc.batch_size:
     log.warning("QSFT epoch %d: only %d of %d questions have a positive among their top %d: "
@@ -223,7 +236,7 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
   history, step = [], 0
   for epoch in range(qc.epochs):
     start_time = time.perf_counter()
-    losses, usable = _epoch(config, run, epoch, eval_batch)
+    losses, usable = _epoch(config, run, epoch)
     step += len(losses)
     scores = dev_scores()
     record = {"step": step, "epoch": epoch + 1, "split": "dev", **scores,
@@ -251,6 +264,7 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
   result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
             "learning_rate": qc.learning_rate, "batch_size": qc.batch_size,
             "train_questions": len(run.questions), "dev_questions": len(run.dev),
+            "schedule_steps": run.schedule_steps,
             "before": before, "epochs": history, "best_step": best,
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}
   if jax.process_index() == 0:

@@ -56,6 +56,11 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
   assert run.main(["qsft"] + qsft) == 0
   result = json.loads((tmp_path / "qsft_results_Flat.json").read_text())
   assert len(result["epochs"]) == 2 and result["epochs"][0]["questions_with_positive"] >= 8
+  # The schedule is sized by the steps an epoch takes (its questions with a positive), not by
+  # all training questions: the learning rate decays to 0 over the run.
+  first_steps = result["epochs"][0]["questions_with_positive"] // 8
+  assert result["epochs"][0]["step"] == first_steps
+  assert result["schedule_steps"] == 2 * first_steps
   assert np.isfinite([e["train_loss"] for e in result["epochs"]]).all()
   config = load_config("experiments/demo.py:tiny", qsft[5::2])
   before, _ = restore_model(config, tmp_path)
