@@ -13,6 +13,8 @@ DEFAULT_MODEL = "minilm-l6"
 _HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json",
                  "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                  "special_tokens_map.json"]
+# Fetched only when a repo has no safetensors weights (`pretrained.load_tensors` reads them).
+_HUB_TORCH_WEIGHTS = ["pytorch_model.bin"]
 
 
 def resolve_model_dir(name: str | os.PathLike) -> pathlib.Path:
@@ -38,7 +40,11 @@ def resolve_model_dir(name: str | os.PathLike) -> pathlib.Path:
         raise CheckpointError(f"cannot resolve model {name!r}: " + "; ".join(tried))
   try:
     from huggingface_hub import snapshot_download
-    return pathlib.Path(snapshot_download(repo_id=str(name), allow_patterns=_HUB_PATTERNS))
+    path = pathlib.Path(snapshot_download(repo_id=str(name), allow_patterns=_HUB_PATTERNS))
+    if not any(path.glob("*.safetensors")):  # a repo with PyTorch weights only (e.g. SpanBERT's)
+      path = pathlib.Path(snapshot_download(repo_id=str(name),
+                                            allow_patterns=_HUB_PATTERNS + _HUB_TORCH_WEIGHTS))
+    return path
   except Exception as e:  # offline, unknown repo, bad id: all mean "not found here"
     tried.append(f"Hugging Face Hub: {type(e).__name__}: {e}")
   raise CheckpointError(f"cannot resolve model {name!r}: " + "; ".join(tried))

@@ -344,3 +344,14 @@ def test_cpu_attention_equals_dot_product_attention(model, monkeypatch, chunked)
   np.testing.assert_allclose(cpu[1], xla[1], atol=1e-5, rtol=0)
   for a, b in zip(cpu[2], xla[2]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+def test_xla_attention_of_an_all_padding_row_is_finite_in_bfloat16():
+  """The additive mask in bfloat16 stays finite (float32's lowest is -inf there): a row without
+  real keys gives no NaN."""
+  from dpjax.models.bert import _fused_attention
+  q = jax.random.normal(jax.random.key(0), (2, 4, 2, 8), jnp.float32).astype(jnp.bfloat16)
+  real = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0]], bool)
+  bias = jnp.where(real, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
+  out = _fused_attention(q, q, q, bias, implementation="xla")
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all())

@@ -120,3 +120,29 @@ def test_resolution(minilm_dir, tmp_path, monkeypatch):
   shutil.copy(minilm_dir / "config.json", tmp_path / "noweights" / "config.json")
   with pytest.raises(CheckpointError, match="no weights found"):
     pretrained.load_tensors(tmp_path / "noweights")
+
+
+def test_hub_repo_with_pytorch_weights_only_fetches_them(tmp_path, monkeypatch):
+  """A Hub repo without safetensors (SpanBERT's has pytorch_model.bin only) is fetched again
+  with its PyTorch weights allowed; a repo with safetensors is fetched once."""
+  import huggingface_hub
+  calls = []
+
+  def snapshot_download(repo_id, allow_patterns):
+    calls.append(allow_patterns)
+    folder = tmp_path / repo_id.replace("/", "--")
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    if "safe" in repo_id:
+      (folder / "model.safetensors").write_bytes(b"")
+    elif "pytorch_model.bin" in allow_patterns:
+      (folder / "pytorch_model.bin").write_bytes(b"")
+    return str(folder)
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+  path = pretrained.resolve_model_dir("org/bin-only")
+  assert (path / "pytorch_model.bin").is_file() and len(calls) == 2
+  assert "pytorch_model.bin" not in calls[0] and "pytorch_model.bin" in calls[1]
+  calls.clear()
+  assert (pretrained.resolve_model_dir("org/safe") / "model.safetensors").is_file()
+  assert len(calls) == 1

@@ -201,7 +201,9 @@ def _fused_attention(q, k, v, attention_bias, implementation: str | None = None)
     # has one query; seen on an H200): XLA runs those calls, the same formulation.
     implementation = "lengths"
   if implementation == "xla":
-    return jax.nn.dot_product_attention(q, k, v, bias=attention_bias.astype(q.dtype))
+    # (float32's lowest bias is -inf in bfloat16: an all-padding row's softmax would be NaN)
+    bias = jnp.maximum(attention_bias, jnp.finfo(q.dtype).min).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias)
   return jax.nn.dot_product_attention(
       q, k, v, key_value_seq_lengths=_key_lengths(attention_bias),
       implementation=None if implementation == "lengths" else implementation)
