@@ -237,6 +237,8 @@ def test_questions_jsonl_errors_name_the_file_line(tmp_path):
   assert len(read_questions(bom)) == 1
   for name in ("q.ndjson", "questions"):
     assert read_questions(_write(tmp_path, good + "\n", name))[0].id == "a"
+  with pytest.raises(DataError, match=r"lines\.json: invalid JSON at line 2.*Extra data.*\.jsonl"):
+    read_questions(_write(tmp_path, f"{good}\n{good}\n", "lines.json"))
   with pytest.raises(DataError, match=r"surrogate\.jsonl:1: invalid Unicode"):
     read_questions(_write(tmp_path, '{"id": "a", "question": "who\\ud800", "answers": ["x"]}',
                           "surrogate.jsonl"))

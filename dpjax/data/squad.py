@@ -108,8 +108,10 @@ def load_json(path: str | os.PathLike) -> Any:
   try:
     return json.loads(text)
   except json.JSONDecodeError as e:
+    hint = (" (one JSON value per line? JSON Lines files are read as such when named .jsonl)"
+            if e.msg == "Extra data" else "")
     raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} "
-                    f"(char {e.pos}): {e.msg}") from None
+                    f"(char {e.pos}): {e.msg}{hint}") from None
 
 
 def write_squad_subset(src: str | os.PathLike, dst: str | os.PathLike,
