@@ -202,7 +202,6 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
           # Also train on the windows that do not hold the question's whole answer (17% of SQuAD
           # train's features at 192/64), [CLS] their target, as the reference does; [CLS] is then
           # a candidate token of every window. False: only windows with the answer are trained.
-          # One question per window only (train.questions_per_window = 1).
           "windows_without_answer": False,
       },
   })

@@ -212,9 +212,9 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
              else None)
   h_questions = h if windows is None else h[windows]  # [B, L, D]: each question's window
   # The candidate tokens: the context, and [CLS] (the target of a window without the answer)
-  # when such windows are trained.
-  candidates = (mask.at[:, 0].set(True) if loss_config.get("windows_without_answer", False)
-                else mask)
+  # when such windows are trained (not of a grouped batch's empty filler windows, passage -1).
+  candidates = (mask.at[:, 0].set(batch["passage_ids"] >= 0)
+                if loss_config.get("windows_without_answer", False) else mask)
   encoded = {"h": h, "q_start": q_start, "q_end": q_end, "windows": windows, "mask": candidates,
              "start_logits": jnp.einsum("bld,bd->bl", h_questions, q_start),
              "end_logits": jnp.einsum("bld,bd->bl", h_questions, q_end)}

@@ -134,21 +134,20 @@ def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | 
                             length=config.data.max_seq_length)
   # Question arrays cut per step to its longest question (fewer padding tokens encoded).
   multiple = question_width_multiple(jax.devices()[0].platform)
+  without_answer = tc.loss.get("windows_without_answer", False)
   if tc.questions_per_window <= 1:
     batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train),
-                           teacher, question_multiple=multiple,
-                           without_answer=tc.loss.get("windows_without_answer", False))
+                           teacher, question_multiple=multiple, without_answer=without_answer)
   else:
     unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
                    "train.hard_negatives.file": bool(tc.hard_negatives.file),
-                   "train.loss.weight_filter": bool(tc.loss.weight_filter),
-                   "train.loss.windows_without_answer": bool(
-                       tc.loss.get("windows_without_answer", False))}
+                   "train.loss.weight_filter": bool(tc.loss.weight_filter)}
     if any(unsupported.values()):
       raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go "
                         "with " + ", ".join(k for k, v in unsupported.items() if v))
     batches = GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed,
-                             teacher, question_multiple=multiple)
+                             teacher, question_multiple=multiple,
+                             without_answer=without_answer)
   if teacher is not None:
     total = tc.num_steps or tc.epochs * batches.steps_per_epoch
     missing = teacher.missing(np.concatenate([batches.rows(s) for s in range(total)]))

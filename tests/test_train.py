@@ -291,7 +291,15 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 0.0
   answerable = batches.usable[:config.train.batch_size]
   assert float(loss(params, answerable, True)) > float(loss(params, answerable, False))
-  config.train.questions_per_window = 2
-  config.train.loss.windows_without_answer = True
-  with pytest.raises(train.ConfigError, match="windows_without_answer"):
-    train._batches(config, type("Split", (), {"features": features})(), None, "")
+  # Passage-grouped batches take them too: every feature is in one group of an epoch.
+  from dpjax.data.batches import GroupedBatches
+  grouped = GroupedBatches(features, 4, 2, 0, without_answer=True)
+  rows = np.concatenate([grouped.rows(s) for s in range(grouped.steps_per_epoch)])
+  assert set(without) <= set(rows.tolist())
+  loss_config = config.train.loss.copy_and_resolve_references()
+  loss_config.update(windows_without_answer=True, prebatch_size=0)
+  step = next(s for s in range(grouped.steps_per_epoch)
+              if (grouped(s)["start_positions"][grouped(s)["question_valid"]] == 0).any())
+  batch = {k: jax.numpy.asarray(v) for k, v in grouped(step).items()}
+  value, _ = compute_loss(nnx.merge(graph, params, rest), batch, {}, 0, loss_config)
+  assert np.isfinite(float(value)) and float(value) > 0.0

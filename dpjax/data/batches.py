@@ -67,7 +67,8 @@ class TrainBatches:
 @dataclasses.dataclass
 class GroupedBatches:
   """Passage-grouped batches: `windows_per_batch` windows, each with up to `group` of its own
-  answerable features (questions), so that a window is encoded once for all its questions.
+  answerable features (questions; `without_answer`: all its features), so that a window is
+  encoded once for all its questions.
 
   Every answerable feature is in exactly one group of every epoch (the features of a window,
   shuffled, cut into groups of at most `group`; the groups shuffled); an epoch's last batch is
@@ -82,18 +83,22 @@ class GroupedBatches:
   seed: int
   teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per question slot
   question_multiple: int = 0  # > 0: questions cut per step (`trim_questions`)
+  # Also the features whose window lacks the answer (their gold positions are 0: [CLS]).
+  without_answer: bool = False
   # (epoch, its groups): the groups of the current epoch, built once.
   _cached: tuple = dataclasses.field(default=(None, None), init=False, repr=False)
 
   def __post_init__(self):
-    usable = np.flatnonzero(self.features.start_position > 0)  # answer inside the window
+    answerable = self.features.start_position > 0  # answer inside the window
+    usable = np.flatnonzero(answerable | self.without_answer)
     windows = self.features.window_index[usable]
     order = np.argsort(windows, kind="stable")
     self.by_window = np.split(usable[order], np.flatnonzero(np.diff(windows[order])) + 1)
     self.num_groups = sum(-(-len(f) // self.group) for f in self.by_window)
     if self.num_groups < self.windows_per_batch:
-      raise DataError(f"only {self.num_groups} groups of answerable training features for a "
-                       f"batch of {self.windows_per_batch} windows")
+      kind = "" if self.without_answer else "answerable "
+      raise DataError(f"only {self.num_groups} groups of {kind}training features for a "
+                      f"batch of {self.windows_per_batch} windows")
     self.steps_per_epoch = -(-self.num_groups // self.windows_per_batch)
 
   def position(self, step: int) -> tuple[int, int]:
