@@ -222,7 +222,7 @@ def test_original_recipe_never_takes_a_token_of_the_examples_passage_as_a_negati
            "start_positions": np.int32([1, 3, 1]), "end_positions": np.int32([1, 3, 1])}
   encoded = {"h": jnp.asarray(h), "q_start": jnp.asarray(q), "q_end": jnp.asarray(q),
              "start_logits": jnp.zeros((3, length)), "end_logits": jnp.zeros((3, length)),
-             "windows": None}
+             "windows": None, "mask": jnp.asarray(batch["context_mask"])}
   queue = objectives.init_queue(1, 3, length, dim)
   config = SimpleNamespace(weight_single=0.0, weight_negatives=1.0)
   per_example, metrics = objectives._original(None, batch, encoded, queue, jnp.zeros(1, bool),
