@@ -269,7 +269,10 @@ def test_corpus_ids_bom_and_command_line(tmp_path, capsys):
   with pytest.raises(DataError, match="given more than once"):
     list(corpus.read_corpus([both[0], both[0]]))
   clash = _write(tmp_path, '{"id": "clash-2", "text": "a"}\n{"text": "b"}\n', "clash.jsonl")
-  with pytest.raises(DataError, match=r"clash\.jsonl:2: the id made for this record, 'clash-2'"):
+  with pytest.raises(DataError, match=r"clash\.jsonl:2: id 'clash-2' is both a record's own"):
+    list(corpus.read_corpus(clash))
+  clash = _write(tmp_path, '{"text": "a"}\n{"id": "clash-1", "text": "b"}\n', "clash.jsonl")
+  with pytest.raises(DataError, match=r"clash\.jsonl:2: id 'clash-1' is both a record's own"):
     list(corpus.read_corpus(clash))
   odd = _write(tmp_path, '{"id": "", "text": "a"}\n{"id": {"k": 1}, "text": "b"}\n'
                '{"id": 7, "title": ["t"], "text": "c"}\n', "odd.jsonl")

@@ -54,6 +54,7 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
   summary = summary if summary is not None else SkipSummary()
   summary.path = ", ".join(map(str, paths))
   seen: set[str] = set()
+  made: set[str] = set()  # the ids made for records without one
   texts: set[tuple[str, str]] = set()
   paths = list(map(pathlib.Path, paths))
   twice = [path for path, n in collections.Counter(p.resolve() for p in paths).items() if n > 1]
@@ -69,15 +70,17 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
         summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
         continue
       if passage.id in seen:
-        if generated:
-          raise DataError(f"{where}: the id made for this record, {passage.id!r}, is another "
-                          "passage's id: give every record an 'id'")
+        if generated or passage.id in made:
+          raise DataError(f"{where}: id {passage.id!r} is both a record's own and one made for a "
+                          "record without an id: give every record an 'id'")
         summary.skip("duplicate passage id", where)
         continue
       if (passage.title, passage.text) in texts:
         summary.skip("repeated passage (same title and text)", where)
         continue
       seen.add(passage.id)
+      if generated:
+        made.add(passage.id)
       texts.add((passage.title, passage.text))
       yield passage
 
