@@ -1,5 +1,6 @@
 """Bad input and bad state are named at the boundary: one test per defect of the hostile sweep
 (results/reliability.md). Each case failed (silently wrong, a traceback or a hang) before."""
+import concurrent.futures
 import errno
 import json
 import re
@@ -99,6 +100,28 @@ def test_dump_write_error_names_the_shard_and_cause(model, tokenizer, tmp_path, 
                                       r"on device \(errno 28\)"):
     dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
   assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_later_shards_writes_report_the_dumps_first_failed_write(tmp_path, monkeypatch):
+  """Shards written by one writer thread: when shard 0's write fails, the writes of shard 1
+  queued behind it raise shard 0's error (whichever the dump's thread asks first), and neither
+  leaves its temporary directory."""
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(dump_module.np, "save", full)
+  tables = {"token_passage": np.zeros(2, np.int32)}
+  failed = []
+  with concurrent.futures.ThreadPoolExecutor(1) as writer:
+    first, second = (dump_module.ShardStream(tmp_path, name, 4, writer, failed)
+                     for name in ("shard_00000", "shard_00001"))
+    for stream in (first, second):
+      stream.tables(tables, _passages(2))
+    concurrent.futures.wait(first.pending + second.pending)
+    with pytest.raises(DumpError, match=r"shard_00000: could not write the shard: No space"):
+      second.finish(2)
+    second.close()
+  assert [str(e) for e in failed] == [str(failed[0])] and "shard_00000" in str(failed[0])
+  assert not list(tmp_path.iterdir())
 
 
 def test_failed_index_build_is_a_config_error_and_leaves_no_temporary(model, tokenizer,

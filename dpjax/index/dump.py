@@ -174,11 +174,13 @@ class ShardStream:
   info as soon as the last block of windows is made (while its tokens are encoded); `finish`
   writes the .npy headers (the number of rows, known then too: .npy headers are 128 bytes
   whatever the count) and renames the directory into place. A failed write is raised by the next
-  call (a DumpError naming the shard)."""
+  call (a DumpError naming the shard). Streams that share `failed` (one list per dump) raise the
+  dump's first failed write: a later shard's writes, queued behind it, report that one."""
 
   def __init__(self, directory: pathlib.Path, name: str, dim: int,
-               writer: concurrent.futures.ThreadPoolExecutor):
+               writer: concurrent.futures.ThreadPoolExecutor, failed: list | None = None):
     self.final = directory / name
+    self.failed = [] if failed is None else failed
     self.tmp = self.final.with_name(name + ".tmp")
     self.writer = writer
     self.files: list[tuple[int, int, int]] = []  # (fd, data offset, columns)
@@ -220,6 +222,8 @@ class ShardStream:
     self.pending.append(self.writer.submit(self._guarded, fn, *args))
 
   def _guarded(self, fn, *args):
+    if self.error is None and self.failed:  # another shard's write failed first
+      self.error = self.failed[0]
     if self.error is not None:  # writes queued behind a failed one do nothing
       raise self.error
     try:
@@ -228,6 +232,7 @@ class ShardStream:
       self._close_files()
       remove(self.tmp)
       self.error = _write_error(self.final, e) if isinstance(e, OSError) else e
+      self.failed.append(self.error)
       raise self.error from None
 
   def _open(self, dim: int) -> None:
@@ -744,9 +749,10 @@ def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir
   with concurrent.futures.ThreadPoolExecutor(1) as write:
     writing: list[concurrent.futures.Future] = []
     current: list[ShardStream] = []  # the shard being encoded
+    failed: list[BaseException] = []  # the first failed write, whichever shard asks next
 
     def stream() -> ShardStream:
-      current.append(ShardStream(out_dir, shard_name(number), dim, write))
+      current.append(ShardStream(out_dir, shard_name(number), dim, write, failed))
       return current[-1]
 
     top_up()
