@@ -81,6 +81,7 @@ class Run:
   data: str = ""  # fingerprint of the training features (checkpoint meta; resume checks it)
   record: dict = dataclasses.field(default_factory=dict)  # the last RC evaluation
   clock: list = dataclasses.field(default_factory=list)  # [time, step] of the last log
+  window: list = dataclasses.field(default_factory=lambda: [None, 0])  # [sums, steps] to log
   progress: Any = None  # the tqdm bar
 
 
@@ -250,8 +251,24 @@ def _meta(run: Run, done: int) -> dict:
           "config": run.config.to_json(), "data": run.data}
 
 
+_add_metrics = jax.jit(lambda total, metrics: jax.tree.map(jnp.add, total, metrics))
+
+
+def _accumulate(run: Run, done: int, metrics: dict) -> None:
+  """Adds a step's metrics to the sums since the last log, on the device (no host wait)."""
+  total, steps = run.window
+  run.window[:] = [metrics if total is None else _add_metrics(total, metrics), steps + 1]
+
+
 def _log(run: Run, done: int, metrics: dict) -> None:
-  values = check_finite(metrics, done)
+  """Logs the mean of each metric over the steps since the last log (`steps_averaged`; a
+  non-finite value in any of them fails the check) and the last step's learning rate."""
+  total, steps = run.window
+  run.window[:] = [None, 0]
+  values = check_finite({k: v / steps for k, v in total.items()}, done)
+  if "learning_rate" in metrics:
+    values["learning_rate"] = float(jax.device_get(metrics["learning_rate"]))
+  values["steps_averaged"] = steps
   now = time.perf_counter()
   values["examples_per_sec"] = ((done - run.clock[1]) * run.config.train.batch_size /
                                 (now - run.clock[0]))
@@ -286,6 +303,7 @@ def make_hooks(run: Run, stop: int, validator: Validator | None,
   checkpoint of that step): in this order after a step."""
   tc, config = run.config.train, run.config
   hooks = [Hook(lambda d: True, lambda d, m: run.progress.update(1)),
+           Hook(lambda d: True, functools.partial(_accumulate, run)),
            Hook(lambda d: every(d, tc.log_every) or d == stop,
                 functools.partial(_log, run)),
            Hook(lambda d: every(d, config.eval.every_steps) or d == run.total,

@@ -94,6 +94,23 @@ def test_train_resume_gives_the_same_losses(tmp_path, straight):
           == json.loads((workdir / "results.json").read_text()))
 
 
+def test_logged_losses_are_the_means_since_the_last_log(tmp_path, straight):
+  """Logged every 3 steps, the run logs the mean of each 3 steps' losses (`steps_averaged`: 3)
+  and the learning rate of the step logged."""
+  def train_records(workdir):
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"]
+  every = train_records(straight)
+  assert [r["steps_averaged"] for r in every] == [1] * 6
+  assert run.main(BASE + ["--workdir", str(tmp_path), "--set", "train.log_every=3"]) == 0
+  logged = train_records(tmp_path)
+  assert [(r["step"], r["steps_averaged"]) for r in logged] == [(3, 3), (6, 3)]
+  for record, steps in zip(logged, (every[:3], every[3:])):
+    assert record["loss"] == pytest.approx(sum(r["loss"] for r in steps) / 3, rel=1e-5)
+    assert record["learning_rate"] == steps[-1]["learning_rate"]
+  assert logged[0]["loss"] != every[2]["loss"]
+
+
 def test_open_domain_pipeline_tiny(tmp_path, capsys):
   """train -> dump -> index -> eval -> search on the tiny config, through run.py."""
   workdir = str(tmp_path)
