@@ -8,6 +8,7 @@ if "xla_force_host_platform_device_count" not in _flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
 REPO = pathlib.Path(__file__).resolve().parents[1]
+os.chdir(REPO)  # configs (`experiments/demo.py:tiny`) and data paths are relative to the repo
 # One compilation cache for the whole run (both xdist workers and every `run.py` subprocess):
 # the many tiny trainings, dumps and evals compile the same programs; each compiles once.
 os.environ.setdefault("DPJAX_COMPILATION_CACHE", str(REPO / ".pytest_cache" / "xla"))

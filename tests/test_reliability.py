@@ -300,12 +300,12 @@ def test_damaged_files_are_named_not_tracebacks(tmp_path, caplog):
 
 
 def test_coordinator_wait_times_out_with_its_address(tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
+  with socket.socket() as s:  # bound, never listening: connections are refused, and no other
+    s.bind(("127.0.0.1", 0))  # process (another test's coordinator) can take the port meanwhile
     port = s.getsockname()[1]
-  code, stderr = _cli("data", "--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path),
-                      "--coordinator", f"127.0.0.1:{port}", "--num_processes", "2",
-                      "--process_id", "1", "--init_timeout", "3", timeout=120)
+    code, stderr = _cli("data", "--config", "experiments/demo.py:tiny", "--workdir",
+                        str(tmp_path), "--coordinator", f"127.0.0.1:{port}", "--num_processes",
+                        "2", "--process_id", "1", "--init_timeout", "3", timeout=120)
   assert code == 2 and f"could not join the job of coordinator 127.0.0.1:{port}" in stderr
   assert "Traceback" not in stderr
 
@@ -352,7 +352,9 @@ def test_a_dead_runs_lock_is_taken_over_by_one_run_only(tmp_path, monkeypatch):
     try:
       with workdir_lock(lock):
         outcomes.append("ran")
-        time.sleep(0.8)
+        deadline = time.monotonic() + 60  # holds the lock until the other run has an outcome
+        while len(outcomes) < 2 and time.monotonic() < deadline:
+          time.sleep(0.01)
     except BusyError:
       outcomes.append("refused")
 
