@@ -69,14 +69,14 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "index.nprobe", "index.train_size", "index.shard_passages", "qsft.batch_size",
              "qsft.top_k", "qsft.epochs", "mine.top_k", "filter.batch_size", "filter.epochs",
              "data.max_seq_length", "data.doc_stride", "data.max_query_length",
-             "serve.port", "serve.max_batch", "serve.max_queue", "serve.max_k",
+             "serve.max_batch", "serve.max_queue", "serve.max_k",
              "serve.max_questions", "serve.max_question_chars")
 _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
-                 "serve.max_wait_ms", "index.dump_min_context", "index.dump_workers",
-                 "index.dump_width_multiple", "index.dump_max_seq_length")
+                 "serve.max_wait_ms", "serve.port", "index.dump_min_context",
+                 "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length")
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
+from dpjax.errors import ConfigError
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS
 from dpjax.workdir import load_searcher
@@ -320,12 +321,26 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
   return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+  """A socket bound to (host, port) (port 0: a free one, `getsockname()[1]`) for the server;
+  a port in use or a host not of this machine is a ConfigError naming them."""
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except (OSError, OverflowError) as e:  # in use, not this machine's address; port > 65535
+    sock.close()
+    cause = getattr(e, "strerror", None) or e
+    raise ConfigError(f"serve.host {host!r}, serve.port {port}: cannot listen there ({cause}); "
+                      "pick another port (--set serve.port=..., 0: any free one) or stop the "
+                      "server already using it") from None
+  return sock
+
+
 def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
   """Runs `app` on a background thread; returns (server, thread, port) (port 0: a free one).
   `server.should_exit = True` then `thread.join()` stops it."""
-  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  sock.bind((host, port))
+  sock = bind(host, port)
   server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
@@ -359,14 +374,22 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
 
 
 def run_serve(config, workdir: str) -> None:
-  """`run.py serve`: serves the workdir's index until interrupted."""
-  app, batcher = make_service(config, workdir)
-  log.info("serving %s on http://%s:%d/ (Ctrl-C stops)", workdir, config.serve.host,
-           config.serve.port)
-  try:
-    uvicorn.run(app, host=config.serve.host, port=config.serve.port, log_level="warning")
-  finally:
-    batcher.stop()
+  """`run.py serve`: serves the workdir's index until interrupted (the port is taken before the
+  index loads, so a port in use fails at once; `serve.port=0`: a free one, logged)."""
+  host = config.serve.host
+  with bind(host, config.serve.port) as sock:
+    app, batcher = make_service(config, workdir)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/"
+    log.info("serving %s on %s (Ctrl-C stops)", workdir, url)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    try:
+      server.run(sockets=[sock])
+    except KeyboardInterrupt:  # the SIGINT (SIGTERM) uvicorn raises again once it has stopped
+      pass
+    finally:
+      batcher.stop()
+  if not server.started:  # uvicorn logged why
+    raise OSError(f"the server on {url} did not start")
 
 
 PAGE = """<!doctype html>

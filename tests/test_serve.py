@@ -140,18 +140,37 @@ def test_no_question_encoder_compile_while_serving(service):
 
 
 def test_serve_command_answers_and_stops_on_sigint(service):
+  """`run.py serve` on a free port of its own (serve.port=0, logged); a port in use is refused
+  at once (exit 2, one line), before the index loads."""
   _, _, workdir, _, _ = service
-  port = load_test.free_port()
-  server = subprocess.Popen([sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir",
-                             str(workdir), "--set", f"serve.port={port}", "--set",
-                             "eval.allow_untrained=True", "--set", "serve.max_batch=2"],
-                            cwd=REPO)
+  command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
+             "--set", "eval.allow_untrained=True", "--set", "serve.max_batch=2"]
+  server, port = load_test.start_serving(command + ["--set", "serve.port=0"], timeout=300)
   try:
     assert load_test.wait_healthy(port, server, timeout=300)["index"] == "Flat"
     assert request(port, "POST", "/search", '{"question": "who?", "k": 2}')[0] == 200
+    taken = subprocess.run(command + ["--set", f"serve.port={port}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
   finally:
     server.send_signal(signal.SIGINT)
-    assert server.wait(timeout=60) == 0
+    stopped = server.wait(timeout=60)
+  assert stopped == 0
+  assert taken.returncode == 2 and "Traceback" not in taken.stderr
+  assert (f"serve.host '127.0.0.1', serve.port {port}: cannot listen there (Address already in "
+          "use)") in taken.stderr
+  assert "question encoder compiled" not in taken.stderr  # refused before loading the index
+
+
+@pytest.mark.parametrize("host, port, cause", [
+    ("127.0.0.1", 70000, r"bind\(\): port must be 0-65535"),
+    ("192.0.2.1", 0, "Cannot assign requested address"),  # TEST-NET-1: not this machine's
+])
+def test_a_port_or_host_the_server_cannot_take_is_a_config_error(host, port, cause):
+  from dpjax.errors import ConfigError
+  from dpjax.serve import bind
+  with pytest.raises(ConfigError, match=rf"serve.host '{host}', serve.port {port}: cannot listen "
+                                        rf"there \({cause}"):
+    bind(host, port)
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium")

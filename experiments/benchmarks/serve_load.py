@@ -1,7 +1,7 @@
 """Load test of `run.py serve`: one client, then many concurrent clients, over loopback.
 
-Starts `python run.py serve` on a free 127.0.0.1 port as its own process (the clients' threads
-do not share its interpreter), waits for /health, then sends the workdir's evaluation questions
+Starts `python run.py serve` on a free port (`serve.port=0`) as its own process (the clients'
+threads do not share its interpreter), waits for /health, then sends the workdir's evaluation questions
 as single-question POST /search requests: `--single` of them from one client, one after the
 other, then `--requests` from `--clients` concurrent clients (each a keep-alive connection).
 Reports questions/s, client-side latency p50/p99 and errors of both, the concurrency gain (the
@@ -18,8 +18,9 @@ import http.client
 import json
 import os
 import pathlib
+import queue
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,10 +33,29 @@ sys.path.insert(0, str(REPO))
 from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
 
 
-def free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
+def start_serving(command: list[str], timeout: float = 600) -> tuple[subprocess.Popen, int]:
+  """Starts `command` (`run.py serve ... --set serve.port=0`: the server takes a free port
+  itself, so no other process can take it first); returns (process, port) once its log names
+  the port. Its log goes on to this stderr."""
+  server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  ports: queue.Queue = queue.Queue()
+
+  def relay():
+    for line in server.stderr:
+      sys.stderr.write(line)
+      if match := re.search(r"serving .* on http://\S+:(\d+)/", line):
+        ports.put(int(match.group(1)))
+    ports.put(None)
+
+  threading.Thread(target=relay, daemon=True).start()
+  try:
+    port = ports.get(timeout=timeout)
+  except queue.Empty:
+    server.kill()
+    raise SystemExit(f"the server named no port within {timeout:.0f} s") from None
+  if port is None:
+    raise SystemExit(f"the server exited with status {server.wait()} before serving")
+  return server, port
 
 
 def post(connection: http.client.HTTPConnection, body: dict) -> tuple[int, dict]:
@@ -192,10 +212,9 @@ def main(argv=None):
   config = load_config(args.config, args.set)
   questions = [q.question for q in
                read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
-  port = free_port()
   command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
-             args.workdir, "--set", f"serve.port={port}"] + [f"--set={s}" for s in args.set]
-  server = subprocess.Popen(command, cwd=REPO)
+             args.workdir] + [f"--set={s}" for s in args.set] + ["--set", "serve.port=0"]
+  server, port = start_serving(command)
   try:
     health = wait_healthy(port, server)
     load(port, questions, 4, 64, k=args.k, unit=args.unit)  # warm the connections and caches
