@@ -270,8 +270,10 @@ def _log(run: Run, done: int, metrics: dict) -> None:
     values["learning_rate"] = float(jax.device_get(metrics["learning_rate"]))
   values["steps_averaged"] = steps
   now = time.perf_counter()
-  values["examples_per_sec"] = ((done - run.clock[1]) * run.config.train.batch_size /
-                                (now - run.clock[0]))
+  steps_per_sec = (done - run.clock[1]) / (now - run.clock[0])
+  values["examples_per_sec"] = steps_per_sec * run.config.train.batch_size  # windows, if grouped
+  if "questions" in values:  # passage-grouped batches: the questions a step trains vary
+    values["questions_per_sec"] = steps_per_sec * values["questions"]
   run.clock[:] = [now, done]
   run.writer.write({"step": done, "split": "train", "epoch": run.batches.position(done - 1)[0],
                     **values})

@@ -147,6 +147,8 @@ def test_run_train_grouped_and_refusals(tmp_path):
              .splitlines()]
   train = [r for r in records if r["split"] == "train"]
   assert train and all(np.isfinite(r["loss"]) and r["questions"] >= 1 for r in train)
+  for r in train:  # questions/s: the windows' rate times the questions a step trains
+    assert r["questions_per_sec"] == pytest.approx(r["examples_per_sec"] * r["questions"] / 8)
   assert run.main(["train", "--config", "experiments/demo.py:tiny", "--workdir",
                    str(tmp_path / "o"), "--set", "train.questions_per_window=3", "--set",
                    "train.loss.recipe=original"]) == 2
