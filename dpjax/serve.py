@@ -322,12 +322,15 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
 
 
 def bind(host: str, port: int) -> socket.socket:
-  """A socket bound to (host, port) (port 0: a free one, `getsockname()[1]`) for the server;
-  a port in use or a host not of this machine is a ConfigError naming them."""
+  """A socket listening on (host, port) (port 0: a free one, `getsockname()[1]`) for the server;
+  a port in use or a host not of this machine is a ConfigError naming them. It listens at once
+  (connections wait in its backlog until the server runs): a socket only bound would let another
+  program bind and listen on the port meanwhile (SO_REUSEADDR), and the server would never serve."""
   sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   try:
     sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's default backlog
   except (OSError, OverflowError) as e:  # in use, not this machine's address; port > 65535
     sock.close()
     cause = getattr(e, "strerror", None) or e

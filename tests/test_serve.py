@@ -173,6 +173,17 @@ def test_a_port_or_host_the_server_cannot_take_is_a_config_error(host, port, cau
     bind(host, port)
 
 
+def test_a_port_taken_while_the_index_loads_stays_the_servers():
+  """The server's socket listens from the start: another server's bind of the same port (with
+  SO_REUSEADDR, as uvicorn's and http.server's) is refused while the index still loads."""
+  import socket
+  from dpjax.serve import bind
+  with bind("127.0.0.1", 0) as ours, socket.socket() as other:
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with pytest.raises(OSError, match="Address already in use"):
+      other.bind(("127.0.0.1", ours.getsockname()[1]))
+
+
 @pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium")
 def test_web_page_shows_the_answer_highlighted(service, tmp_path):
   pytest.importorskip("playwright")
