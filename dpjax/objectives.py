@@ -246,6 +246,6 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
     loss = (per_example * valid).sum() / count
     metrics.update(loss=loss, start_accuracy=((predicted == start) * valid).sum() / count,
                    questions=valid.sum())
-    entry = {"vectors": h, "mask": mask, "passage_ids": batch["passage_ids"],
+    entry = {"vectors": h, "mask": candidates, "passage_ids": batch["passage_ids"],
              "start": jnp.zeros(b, jnp.int32), "end": jnp.zeros(b, jnp.int32)}
   return loss, (metrics, push_queue(queue, entry))

@@ -303,3 +303,15 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
   batch = {k: jax.numpy.asarray(v) for k, v in grouped(step).items()}
   value, _ = compute_loss(nnx.merge(graph, params, rest), batch, {}, 0, loss_config)
   assert np.isfinite(float(value)) and float(value) > 0.0
+  # The empty windows that fill an epoch's last grouped batch (passage -1) add no candidate,
+  # not even their [CLS]: whatever they hold, the loss is the same.
+  filled = next((b for b in (grouped(s) for s in range(grouped.steps_per_epoch))
+                 if (b["passage_ids"] < 0).any() and (b["passage_ids"] >= 0).any()), None)
+  assert filled is not None  # 4 windows a batch leave some over in the tiny data
+  filler = filled["passage_ids"] < 0
+  other = dict(filled, input_ids=np.where(filler[:, None], 2000, filled["input_ids"]),
+               attention_mask=np.where(filler[:, None], 1, filled["attention_mask"]))
+  values = [float(compute_loss(nnx.merge(graph, params, rest),
+                               {k: jax.numpy.asarray(v) for k, v in b.items()}, {}, 0,
+                               loss_config)[0]) for b in (filled, other)]
+  assert values[0] > 0.0 and values[1] == pytest.approx(values[0], rel=1e-6)
