@@ -22,6 +22,7 @@ from typing import Sequence
 
 import faiss
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dpjax.checkpoint import Checkpointer
@@ -139,8 +140,26 @@ class Setup:
   trainer: Trainer
   mesh: object
   trained_step: int | None
-  first: object  # epoch 1's candidates (retrieved to size the schedule)
-  schedule_steps: int  # the learning rate reaches 0 after these
+  first: object  # epoch 1's candidates (retrieved at the setup; dropped once trained on)
+  train_config: object  # the QSFT training settings (`build_trainer`'s)
+  objective: object
+  steps: int = 0  # taken so far (the optimizer's count)
+
+
+def epoch_schedule(peak: float, warmup_fraction: float, epochs: int, epoch: int, first: int,
+                   steps: int):
+  """The learning rate of QSFT epoch `epoch` (0-based, of `epochs`), whose `steps` steps start
+  at the optimizer's count `first`: a linear warm-up over `warmup_fraction` of the run, then a
+  linear decay to 0 at its end, by the run's progress (`epoch` + the share of its steps taken).
+  An epoch steps over the questions with a positive among their candidates, which are retrieved
+  anew each epoch, so the epochs' step counts are not known ahead: the decay follows progress."""
+  warm = warmup_fraction * epochs
+
+  def schedule(count):
+    progress = epoch + (count - first) / max(steps, 1)
+    rise = progress / warm if warm > 0 else 1.0
+    return peak * jnp.clip(jnp.minimum(rise, (epochs - progress) / (epochs - warm)), 0.0, 1.0)
+  return schedule
 
 
 def _setup(config, workdir: pathlib.Path) -> Setup:
@@ -164,15 +183,33 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   tc.update(batch_size=qc.batch_size, learning_rate=qc.learning_rate, freeze=list(qc.freeze),
             dropout=qc.dropout)
   tc.loss.recipe = "qsft"
-  # An epoch steps over the questions with a positive among their candidates: the schedule
-  # (warm-up, decay to 0) is sized by epoch 1's, as if every epoch had as many.
   first = _candidates(config, index, model, tokenizer, questions, mesh)
-  total = qc.epochs * max(1, int(first.positive.any(1).sum()) // qc.batch_size)
   objective = make_objective(tc.loss, batch_size=qc.batch_size, length=1,
                              dim=model.config.hidden_size)
-  trainer = build_trainer(model, tc, objective, total_steps=total, mesh=mesh)
+  trainer = build_trainer(model, tc, objective, total_steps=1, mesh=mesh,
+                          schedule=_schedule(tc, qc, 0, 0, _steps(first, qc)))
   return Setup(index, CandidateVectors(index, qc.quantized), tokenizer, questions, dev, ids, mask,
-               trainer, mesh, trained_step, first, total)
+               trainer, mesh, trained_step, first, tc, objective)
+
+
+def _steps(candidates, qc) -> int:
+  """The steps of an epoch over these candidates: its questions with a positive, in batches."""
+  return int(candidates.positive.any(1).sum()) // qc.batch_size
+
+
+def _schedule(tc, qc, epoch: int, first: int, steps: int):
+  # QSFT's warm-up is a fraction of its own run (train.warmup_steps counts the phrase run's).
+  return epoch_schedule(qc.learning_rate, tc.warmup_fraction, qc.epochs, epoch, first, steps)
+
+
+def _retrainer(run: Setup, qc, epoch: int, steps: int) -> Trainer:
+  """The trainer of a later epoch: its learning rates (`epoch_schedule`, for its `steps`), the
+  state trained so far (parameters, optimizer moments and count)."""
+  trainer = build_trainer(run.trainer.model(), run.train_config, run.objective, total_steps=1,
+                          mesh=run.mesh,
+                          schedule=_schedule(run.train_config, qc, epoch, run.steps, steps))
+  trainer.state = run.trainer.state
+  return trainer
 
 
 def _candidates(config, index: PhraseIndex, model, tokenizer, questions, mesh):
@@ -193,8 +230,12 @@ def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
   (epoch 1: those of the setup), then one pass over the questions that have a positive.
   Returns (losses, questions used)."""
   qc, questions = config.qsft, run.questions
-  candidates = run.first if epoch == 0 else _candidates(config, run.index, run.trainer.model(),
-                                                        run.tokenizer, questions, run.mesh)
+  if epoch == 0:
+    candidates, run.first = run.first, None
+  else:
+    candidates = _candidates(config, run.index, run.trainer.model(), run.tokenizer, questions,
+                             run.mesh)
+    run.trainer = _retrainer(run, qc, epoch, _steps(candidates, qc))
   usable = np.flatnonzero(candidates.positive.any(1))
   if len(usable) < qc.batch_size:
     log.warning("QSFT epoch %d: only %d of %d questions have a positive among their top %d: "
@@ -215,6 +256,7 @@ def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
   losses = []
   run_steps(run.trainer, range(len(order) // qc.batch_size), batch,
             [Hook(lambda d: True, lambda d, m: losses.append(float(jax.device_get(m["loss"]))))])
+  run.steps += len(losses)
   return losses, len(usable)
 
 
@@ -242,6 +284,7 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
     record = {"step": step, "epoch": epoch + 1, "split": "dev", **scores,
               "train_loss": float(np.mean(losses)) if losses else None,
               "questions_with_positive": int(usable),
+              "last_learning_rate": float(run.trainer.schedule(max(run.steps - 1, 0))),
               "seconds": time.perf_counter() - start_time}
     writer.write(record)
     history.append(record)
@@ -264,7 +307,7 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
   result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
             "learning_rate": qc.learning_rate, "batch_size": qc.batch_size,
             "train_questions": len(run.questions), "dev_questions": len(run.dev),
-            "schedule_steps": run.schedule_steps,
+            "schedule_steps": run.steps,
             "before": before, "epochs": history, "best_step": best,
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}
   if jax.process_index() == 0:

@@ -103,13 +103,16 @@ def decay_mask(params) -> Any:
       lambda path, _: not NO_DECAY.search(param_path(path)), params)
 
 
-def make_optimizer(train_config, params, total_steps: int):
-  """AdamW with grad-norm clipping and warm-up + linear decay; frozen parameters get no update."""
-  warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
-  if total_steps > 1 and warmup >= total_steps:
-    raise ConfigError(f"a warm-up of {warmup} steps leaves no decay in {total_steps} steps "
-                      "(train.warmup_steps / warmup_fraction)")
-  schedule = learning_rate_schedule(train_config.learning_rate, warmup, total_steps)
+def make_optimizer(train_config, params, total_steps: int,
+                   schedule: optax.Schedule | None = None):
+  """AdamW with grad-norm clipping and warm-up + linear decay (or `schedule`, a learning rate by
+  the optimizer's count); frozen parameters get no update."""
+  if schedule is None:
+    warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
+    if total_steps > 1 and warmup >= total_steps:
+      raise ConfigError(f"a warm-up of {warmup} steps leaves no decay in {total_steps} steps "
+                        "(train.warmup_steps / warmup_fraction)")
+    schedule = learning_rate_schedule(train_config.learning_rate, warmup, total_steps)
   clip = (optax.clip_by_global_norm(train_config.grad_clip) if train_config.grad_clip > 0
           else optax.identity())
   # (no mask without decay: the optimizer state of the checkpoints written before the mask)
@@ -235,11 +238,12 @@ class Trainer:
 
 
 def build_trainer(model, train_config, objective: Objective, *, total_steps: int,
-                  mesh) -> Trainer:
-  """The optimizer (`train.learning_rate`, `warmup_*`, `grad_clip`, `weight_decay`, `freeze`),
-  the train state on the mesh and the jitted step of `objective` for `total_steps` steps."""
+                  mesh, schedule: optax.Schedule | None = None) -> Trainer:
+  """The optimizer (`train.learning_rate`, `warmup_*`, `grad_clip`, `weight_decay`, `freeze`;
+  `schedule`: another learning rate schedule), the train state on the mesh and the jitted step
+  of `objective` for `total_steps` steps."""
   _, params, _ = nnx.split(model, nnx.Param, ...)
-  tx, schedule, labels = make_optimizer(train_config, params, total_steps)
+  tx, schedule, labels = make_optimizer(train_config, params, total_steps, schedule)
   frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
                if l == "frozen")
   total = sum(x.size for x in jax.tree.leaves(params))

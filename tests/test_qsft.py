@@ -3,6 +3,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from conftest import load_script
 from flax import nnx
 
@@ -56,11 +57,15 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
   assert run.main(["qsft"] + qsft) == 0
   result = json.loads((tmp_path / "qsft_results_Flat.json").read_text())
   assert len(result["epochs"]) == 2 and result["epochs"][0]["questions_with_positive"] >= 8
-  # The schedule is sized by the steps an epoch takes (its questions with a positive), not by
-  # all training questions: the learning rate decays to 0 over the run.
-  first_steps = result["epochs"][0]["questions_with_positive"] // 8
-  assert result["epochs"][0]["step"] == first_steps
-  assert result["schedule_steps"] == 2 * first_steps
+  # An epoch steps over its questions with a positive; the schedule follows all the steps taken.
+  steps = [e["questions_with_positive"] // 8 for e in result["epochs"]]
+  assert [e["step"] for e in result["epochs"]] == [steps[0], steps[0] + steps[1]]
+  assert result["schedule_steps"] == sum(steps)
+  # Each epoch's last step at its rate by the run's progress (warm-up 0.1 of the run, lr 1e-3).
+  for epoch, record in enumerate(result["epochs"]):
+    progress = epoch + (steps[epoch] - 1) / steps[epoch]
+    assert record["last_learning_rate"] == pytest.approx(
+        1e-3 * min(progress / 0.2, (2 - progress) / 1.8), rel=1e-5)
   assert np.isfinite([e["train_loss"] for e in result["epochs"]]).all()
   config = load_config("experiments/demo.py:tiny", qsft[5::2])
   before, _ = restore_model(config, tmp_path)
@@ -125,3 +130,23 @@ def test_one_qsft_run_per_workdir(tmp_path):
       with workdir_lock(lock):
         pass
   assert lock.read_text() == str(os.getppid())  # a run releases only its own lock
+
+
+def test_epoch_schedule_decays_to_zero_by_progress_whatever_the_epochs_lengths():
+  """QSFT's learning rate: a warm-up over warmup_fraction of the run, then a linear decay that
+  reaches 0 at the run's last step, each epoch its share however many steps it takes (epoch 1:
+  4 steps, epoch 2: 8, whose questions with a positive are only known once it starts)."""
+  from dpjax.qsft import epoch_schedule
+  peak, epochs, lengths = 1e-3, 2, (4, 8)
+  rates, first = [], 0
+  for epoch, steps in enumerate(lengths):
+    schedule = epoch_schedule(peak, 0.25, epochs, epoch, first, steps)
+    rates += [float(schedule(np.int32(count))) for count in range(first, first + steps + 1)]
+    first += steps
+  end = rates.pop(4)  # epoch 1's rate at its end (the count epoch 2 starts at) is epoch 2's first
+  assert end == pytest.approx(rates[4])
+  progress = [c / 4 for c in range(5)] + [1 + c / 8 for c in range(1, 9)]
+  want = [peak * min(p / 0.5, (2 - p) / 1.5) for p in progress]
+  assert rates == pytest.approx(want, rel=1e-6, abs=1e-12)
+  assert rates[2] == pytest.approx(peak) and rates[-1] == 0.0 and min(rates[3:-1]) > 0.0
+  assert all(a > b for a, b in zip(rates[2:], rates[3:]))  # decays across the epochs' boundary
