@@ -1,5 +1,6 @@
 """SQuAD-format reading: bad input, windows, answer spans, and the real SQuAD files."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -285,3 +286,77 @@ def test_corpus_ids_bom_and_command_line(tmp_path, capsys):
   captured = capsys.readouterr()
   assert "id is neither a string nor a number: 1" in captured.err
   assert "wrote 2 passages" in captured.out and out.is_file()
+
+
+def test_questions_null_ids_clash_messages_and_leading_blank_lines(tmp_path):
+  """Questions: a null or empty id is a missing one (the record number), not the id 'None'; a
+  duplicate of a record number and a given id says which line has no id; an extension-less
+  JSONL file opening with blank lines is JSONL (it was read as JSON: 'Extra data')."""
+  from dpjax.data.questions import read_questions
+  rows = [{"id": None, "question": "Q?", "answers": ["x"]},
+          {"id": None, "question": "R?", "answers": ["y"]},
+          {"id": "", "question": "S?", "answers": ["z"]}]
+  for name in ("null.jsonl", "null.json"):
+    content = "".join(json.dumps(r) + "\n" for r in rows) if name.endswith("l") else {"data": rows}
+    assert [q.id for q in read_questions(_write(tmp_path, content, name))] == ["0", "1", "2"]
+  given = json.dumps({"id": "1", "question": "Q?", "answers": ["x"]})
+  nameless = json.dumps({"question": "R?", "answers": ["y"]})
+  with pytest.raises(DataError, match=r"qmix\.jsonl:2: duplicate question id '1': this record "
+                     r"has no 'id' .*record number, which \S*qmix\.jsonl:1 has as its 'id'"):
+    read_questions(_write(tmp_path, f"{given}\n{nameless}\n", "qmix.jsonl"))
+  given = json.dumps({"id": "0", "question": "Q?", "answers": ["x"]})
+  with pytest.raises(DataError, match=r"qrev\.jsonl:2: duplicate question id '0': \S*qrev\.jsonl:1 "
+                     r"has no 'id' .*record number, which this record has as its 'id'"):
+    read_questions(_write(tmp_path, f"{nameless}\n{given}\n", "qrev.jsonl"))
+  with pytest.raises(DataError, match=r"qdup\.jsonl:2: duplicate question id '0' \(also at "
+                     r"\S*qdup\.jsonl:1\)"):
+    read_questions(_write(tmp_path, f"{given}\n{given}\n", "qdup.jsonl"))
+  blank = _write(tmp_path, f"\n  \n{given}\n{nameless}\n", "questions")
+  assert [q.id for q in read_questions(blank)] == ["0", "1"]
+  from dpjax.data import corpus
+  passages = _write(tmp_path, '\ufeff\n\n{"text": "a"}\n{"text": "b"}\n'.encode(), "passages")
+  assert corpus.is_jsonl(passages) and corpus.is_jsonl(blank)
+  assert [p.id for p in corpus.read_corpus(passages)] == ["passages-3", "passages-4"]
+  assert not corpus.is_jsonl(_write(tmp_path, '\n\n{"data": []}\n', "squadlike"))
+
+
+def test_corpus_same_stem_in_one_folder_and_generated_id_clash(tmp_path):
+  """Generated ids of 'c/part.jsonl' and 'c/part.ndjson' keep the suffix (both were 'part-1':
+  an error calling one of them a record's own id); two generated ids that still collide
+  ('x-1.jsonl' line 1 and 'x.json' data[1].paragraphs[1]) are an error saying so."""
+  from dpjax.data import corpus
+  (tmp_path / "c").mkdir()
+  parts = [_write(tmp_path / "c", json.dumps({"text": t}) + "\n", name)
+           for t, name in (("alpha", "part.jsonl"), ("beta", "part.ndjson"), ("gamma", "part"))]
+  assert [p.id for p in corpus.read_corpus(parts)] == ["part.jsonl-1", "part.ndjson-1", "part-1"]
+  (tmp_path / "d").mkdir()
+  parts.append(_write(tmp_path / "d", json.dumps({"text": "delta"}) + "\n", "part.jsonl"))
+  assert [p.id for p in corpus.read_corpus(parts)] == [
+      "c/part.jsonl-1", "c/part.ndjson-1", "c/part-1", "d/part-1"]
+  squad_file = _write(tmp_path, {"data": [{"paragraphs": [{"context": "a"}]},
+                                          {"paragraphs": [{"context": "b"}, {"context": "c"}]}]},
+                      "x.json")
+  lines = _write(tmp_path, json.dumps({"text": "d"}) + "\n", "x-1.jsonl")
+  with pytest.raises(DataError, match=r"x-1\.jsonl:1: id 'x-1-1' made for this record without an "
+                     r"id was also made for a record without an id in .*x\.json: give every"):
+    list(corpus.read_corpus([squad_file, lines]))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux /proc/self/mem")
+def test_corpus_command_line_names_the_file_it_cannot_read(tmp_path, capsys):
+  """The corpus command line: an input file that fails to read (/proc/self/mem: an I/O error on
+  reading) is named as such; it was reported as '<out>: cannot write'. A write error still names
+  --out (and the path that failed)."""
+  from dpjax.data import corpus
+  out = tmp_path / "out" / "o.jsonl"
+  link = tmp_path / "mem.jsonl"
+  link.symlink_to("/proc/self/mem")
+  for source in ("/proc/self/mem", str(link)):
+    assert corpus.main(["squad", source, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {source}: cannot read: ") and str(out) not in err
+  good = _write(tmp_path, json.dumps({"id": "p", "text": "a"}) + "\n", "good.jsonl")
+  blocker = _write(tmp_path, "", "file")
+  out = blocker / "o.jsonl"
+  assert corpus.main(["squad", str(good), "--out", str(out)]) == 2
+  assert capsys.readouterr().err.startswith(f"error: {out}: cannot write ({blocker}): ")

@@ -7,8 +7,9 @@ Accepted inputs:
     for `text`, as in Pyserini); read line by line, so memory does not grow with the file. A
     record without an id (or with an empty one) gets `<file stem>-<line>`.
   Ids are strings or numbers. Generated ids of several files with one stem are prefixed by the
-  files' folders (`x/part-3`, `y/part-3`); a generated id equal to another passage's id is an
-  error (give every record an id).
+  files' folders (`x/part-3`, `y/part-3`), and by their names where one folder holds several
+  (`part.jsonl-3`, `part.ndjson-3`); a generated id equal to another passage's id is an error
+  (give every record an id). A file that cannot be read is an error naming it.
 Bad records (invalid JSON line, no text, empty text, an id that is neither a string nor a number,
 duplicate id) are skipped and counted, and so are exact repeats of a passage (same title and
 text), which would only duplicate index entries.
@@ -20,6 +21,7 @@ repeats of another paragraph of the same article, so 20,958 passages).
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import dataclasses
 import json
@@ -39,8 +41,11 @@ def is_jsonl(path: pathlib.Path) -> bool:
     return True
   if path.suffix == ".json":
     return False
-  with path.open("rb") as f:  # sniff: a JSONL file's first line is a complete object
-    first = f.readline().strip()
+  with path.open("rb") as f:  # sniff: a JSONL file's first non-blank line is a complete object
+    first = f.readline().removeprefix(codecs.BOM_UTF8)
+    while first and not first.strip():
+      first = f.readline()
+  first = first.strip()
   try:
     return isinstance(json.loads(first), dict) and "data" not in json.loads(first)
   except (json.JSONDecodeError, UnicodeDecodeError):
@@ -54,25 +59,21 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
   summary = summary if summary is not None else SkipSummary()
   summary.path = ", ".join(map(str, paths))
   seen: set[str] = set()
-  made: set[str] = set()  # the ids made for records without one
+  made: dict[str, int] = {}  # the ids made for records without one: the index of their file
   texts: set[tuple[str, str]] = set()
   paths = list(map(pathlib.Path, paths))
   twice = [path for path, n in collections.Counter(p.resolve() for p in paths).items() if n > 1]
   if twice:
     raise DataError(f"{twice[0]}: corpus file given more than once")
-  for path, prefix in zip(paths, _id_prefixes(paths)):
-    if not path.is_file():
-      raise DataError(f"{path}: corpus file not found")
-    records = (_read_jsonl(path, prefix, summary) if is_jsonl(path)
-               else _read_squad(path, prefix, summary))
-    for passage, where, generated in records:
+  for index, (path, prefix) in enumerate(zip(paths, _id_prefixes(paths))):
+    for passage, where, generated in _records(path, prefix, summary):
       if not valid_unicode(passage.id, passage.title, passage.text):
         summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
         continue
       if passage.id in seen:
         if generated or passage.id in made:
-          raise DataError(f"{where}: id {passage.id!r} is both a record's own and one made for a "
-                          "record without an id: give every record an 'id'")
+          made_in = paths[made[passage.id]] if passage.id in made else None
+          raise DataError(_id_clash(passage.id, where, generated, made_in))
         summary.skip("duplicate passage id", where)
         continue
       if (passage.title, passage.text) in texts:
@@ -80,19 +81,46 @@ def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
         continue
       seen.add(passage.id)
       if generated:
-        made.add(passage.id)
+        made[passage.id] = index
       texts.add((passage.title, passage.text))
       yield passage
 
 
+def _records(path: pathlib.Path, prefix: str, summary: SkipSummary):
+  """A corpus file's (passage, where, generated id?) records; a read error (an unreadable file,
+  a disk fault) is a DataError naming the file, not an OSError a caller could take for its own
+  write's."""
+  try:
+    if not path.is_file():
+      raise DataError(f"{path}: corpus file not found")
+    yield from (_read_jsonl(path, prefix, summary) if is_jsonl(path)
+                else _read_squad(path, prefix, summary))
+  except OSError as e:
+    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _id_clash(passage_id: str, where: str, generated: bool, made_in: pathlib.Path | None) -> str:
+  """The error for an id seen before where either is one made for a record without an id
+  (`made_in`: the file of the earlier one, if it was made)."""
+  if generated and made_in is not None:
+    return (f"{where}: id {passage_id!r} made for this record without an id was also made for a "
+            f"record without an id in {made_in}: give every record an 'id'")
+  return (f"{where}: id {passage_id!r} is both a record's own and one made for a record without "
+          "an id: give every record an 'id'")
+
+
 def _id_prefixes(paths: list[pathlib.Path]) -> list[str]:
   """The prefix of each file's generated ids: its stem, or, where several files share a stem,
-  its path from their common folder without the suffix ('x/part', 'y/part')."""
+  its path from their common folder without the suffix ('x/part', 'y/part'), with it where that
+  is still shared ('c/part.jsonl', 'c/part.ndjson': two files of one folder)."""
   stems = collections.Counter(path.stem for path in paths)
   shared = [path.resolve() for path in paths if stems[path.stem] > 1]
   root = pathlib.Path(os.path.commonpath(shared)) if shared else None
-  return [path.stem if stems[path.stem] == 1
-          else path.resolve().relative_to(root).with_suffix("").as_posix() for path in paths]
+  names = [path.resolve().relative_to(root) if stems[path.stem] > 1 else None for path in paths]
+  bare = collections.Counter(name.with_suffix("") for name in names if name is not None)
+  return [path.stem if name is None
+          else (name if bare[name.with_suffix("")] > 1 else name.with_suffix("")).as_posix()
+          for path, name in zip(paths, names)]
 
 
 def _passage_id(value, generated: str, where: str, summary: SkipSummary):
@@ -110,10 +138,11 @@ def _read_jsonl(path: pathlib.Path, prefix: str, summary: SkipSummary):
   with path.open("rb") as f:
     for number, raw in enumerate(f, 1):
       where = f"{path}:{number}"
+      raw = raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw  # (a byte-order mark)
       if not raw.strip():
         continue
-      try:  # (a byte-order mark may open the file)
-        record = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+      try:
+        record = json.loads(raw.decode("utf-8"))
       except UnicodeDecodeError:
         summary.skip("line is not valid UTF-8", where)
         continue
@@ -183,8 +212,9 @@ def main(argv=None) -> int:
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except OSError as e:
-    print(f"error: {args.out}: cannot write: {e.strerror or e}", file=sys.stderr)
+  except OSError as e:  # (reading errors are DataErrors naming the input file)
+    failed = f" ({e.filename})" if e.filename and str(e.filename) != args.out else ""
+    print(f"error: {args.out}: cannot write{failed}: {e.strerror or e}", file=sys.stderr)
     return 2
   if summary.total:
     print(summary, file=sys.stderr)

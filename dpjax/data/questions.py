@@ -27,7 +27,8 @@ def sample_questions(questions: list[Question], limit: int, seed: int) -> list[Q
 def read_questions(path: str | pathlib.Path) -> list[Question]:
   """Questions with answers from SQuAD JSON, open-QA JSON (`{"data": [{id, question, answers}]}`)
   or JSONL (`{"id", "question", "answers"}` per line; `.jsonl`, `.ndjson`, or a file whose first
-  line is one such object). A bad record is an error naming the file and line (JSONL) or record;
+  non-blank line is one such object). A record without an id (missing, null or empty) gets its
+  0-based record number. A bad record is an error naming the file and line (JSONL) or record;
   so is a file without questions."""
   path = pathlib.Path(path)
   if not path.is_file():
@@ -42,21 +43,32 @@ def read_questions(path: str | pathlib.Path) -> list[Question]:
     if rows and isinstance(rows[0], dict) and "paragraphs" in rows[0]:  # SQuAD format
       return _nonempty(path, _squad_questions(path))
     rows = [(f"{path}: record {i}", row) for i, row in enumerate(rows)]
-  questions, seen = [], set()
+  questions, seen = [], {}  # id: (where, made from the record number?)
   for i, (where, row) in enumerate(rows):
     answers = row.get("answers") if isinstance(row, dict) else None
     text = row.get("question") if isinstance(row, dict) else None
     if not isinstance(text, str) or not text.strip() or not answers:
       raise DataError(f"{where} needs a non-empty 'question' and a non-empty 'answers' list")
-    question = Question(str(row.get("id", i)), text, _answer_texts(answers, where))
+    made = row.get("id") is None or row.get("id") == ""
+    question = Question(str(i if made else row["id"]), text, _answer_texts(answers, where))
     if not valid_unicode(question.id, question.question, *question.answers):
       raise DataError(f"{where}: invalid Unicode (a lone surrogate) in its id, question or "
                       "answers")
     if question.id in seen:
-      raise DataError(f"{where}: duplicate question id {question.id!r}")
-    seen.add(question.id)
+      raise DataError(_duplicate(question.id, where, made, *seen[question.id]))
+    seen[question.id] = where, made
     questions.append(question)
   return _nonempty(path, questions)
+
+
+def _duplicate(qid: str, where: str, made: bool, first: str, first_made: bool) -> str:
+  """The error for a question id seen before at `first`; says which of the two was made from a
+  record number (a record without an id) rather than given."""
+  if made or first_made:
+    nameless, named = ("this record", first) if made else (first, "this record")
+    return (f"{where}: duplicate question id {qid!r}: {nameless} has no 'id' and was given its "
+            f"0-based record number, which {named} has as its 'id'; give every question an 'id'")
+  return f"{where}: duplicate question id {qid!r} (also at {first})"
 
 
 def _jsonl_rows(path: pathlib.Path) -> list[tuple[str, object]]:
