@@ -309,7 +309,13 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
             "train_questions": len(run.questions), "dev_questions": len(run.dev),
             "schedule_steps": run.steps,
             "before": before, "epochs": history, "best_step": best,
-            "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history])}
+            "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history]),
+            "improved": any(h["em@1"] > before["em@1"] for h in history)}
+  if history and not result["improved"]:
+    log.warning("QSFT did not raise dev EM@1 (%.2f before, %s after the epochs): its best "
+                "checkpoint (step %s, `eval.checkpoint=qsft`) is worse than the question "
+                "encoders it started from; keep eval.checkpoint=latest", before["em@1"],
+                " / ".join(f"{h['em@1']:.2f}" for h in history), best)
   if jax.process_index() == 0:
     name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"
     write_json(workdir / name, result)

@@ -44,7 +44,7 @@ def test_qsft_loss_without_positives_is_finite():
   assert loss == 0 and all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads))
 
 
-def test_qsft_keeps_the_phrase_encoder(tmp_path):
+def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
   base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path),
           "--set", "index.specs=['Flat','IVFauto,SQ8']"]
   for mode in ("train", "dump", "index"):
@@ -61,6 +61,8 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path):
   steps = [e["questions_with_positive"] // 8 for e in result["epochs"]]
   assert [e["step"] for e in result["epochs"]] == [steps[0], steps[0] + steps[1]]
   assert result["schedule_steps"] == sum(steps)
+  assert result["improved"] == any(e["em@1"] > result["before"]["em@1"] for e in result["epochs"])
+  assert ("QSFT did not raise dev EM@1" in caplog.text) == (not result["improved"])
   # Each epoch's last step at its rate by the run's progress (warm-up 0.1 of the run, lr 1e-3).
   for epoch, record in enumerate(result["epochs"]):
     progress = epoch + (steps[epoch] - 1) / steps[epoch]
