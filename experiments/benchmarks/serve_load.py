@@ -1,8 +1,8 @@
 """Load test of `run.py serve`: one client, then many concurrent clients, over loopback.
 
 Starts `python run.py serve` on a free port (`serve.port=0`) as its own process (the clients'
-threads do not share its interpreter), waits for /health, then sends the workdir's evaluation questions
-as single-question POST /search requests: `--single` of them from one client, one after the
+threads do not share its interpreter), waits for /health, then sends the workdir's evaluation
+questions as single-question POST /search requests: `--single` of them from one client, one after the
 other, then `--requests` from `--clients` concurrent clients (each a keep-alive connection).
 Reports questions/s, client-side latency p50/p99 and errors of both, the concurrency gain (the
 micro-batching), the server's /stats, and with `--screenshot` the web page after a search in
