@@ -95,6 +95,9 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
   best = (auc_pr(*dev, kernel, bias), np.asarray(kernel), np.asarray(bias))
   history = [{"epoch": 0, "dev_auc_pr": best[0]}]
   rng = np.random.default_rng(seed)
+  # Full batches only (a short last one is left out), but a training set under one batch is
+  # one batch: it took no step at all, and returned the untrained head.
+  batch_size = max(1, min(batch_size, len(train[0])))
   for epoch in range(1, epochs + 1):
     order = rng.permutation(len(train[0]))
     epoch_losses = []

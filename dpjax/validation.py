@@ -42,7 +42,7 @@ def gold_rows(corpus: Sequence[Passage], questions_file: str | os.PathLike) -> n
   question `read_questions` evaluates, those whose answer is not located in the paragraph too."""
   passages, questions, _ = read_squad(questions_file, require_answers=False)
   wanted = {(passages[q.passage_index].title, passages[q.passage_index].text)
-            for q in questions}
+            for q in questions if q.answers}  # (one without answer texts is not asked)
   rows = np.array([i for i, p in enumerate(corpus) if (p.title, p.text) in wanted], np.int64)
   missing = len(wanted) - len(rows)
   if missing:

@@ -385,3 +385,14 @@ def test_score_scale_is_a_temperature_of_the_phrase_scores():
   plain = float(compute_loss(create_model(default.model), batch, {}, 0, default.train.loss)[0])
   assert losses_by_scale[1.0] == plain
   assert len({round(v, 5) for v in losses_by_scale.values()}) == 3
+
+
+def test_teacher_logits_refuse_other_rows_of_the_same_count(tmp_path):
+  """Logits written for one run's examples are not those of another run with as many examples
+  (another train.seed): the directory says so instead of returning the old rows as complete."""
+  fingerprint = {"teacher": "t", "step": 1, "data": "d", "length": 4}
+  compute = lambda part: np.zeros((len(part), 2, 4), np.float32)
+  write_teacher_logits(tmp_path, fingerprint, np.array([0, 1, 2]), compute)
+  assert write_teacher_logits(tmp_path, fingerprint, np.array([0, 1, 2]), compute)["complete"]
+  with pytest.raises(DataError, match="other rows"):
+    write_teacher_logits(tmp_path, fingerprint, np.array([3, 4, 5]), compute)

@@ -6,7 +6,9 @@ import pytest
 
 from conftest import load_script
 
-from dpjax.index.dump import Dump
+from dpjax.index.dump import Dump, DumpError, read_manifest, write_manifest
+from dpjax.index.search import PhraseIndex
+from dpjax.token_filter import rewrite_dump_logits, train_head
 
 import run
 
@@ -43,9 +45,6 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
   assert (tmp_path / "filter_head.npz").is_file()
   # An index kept its tokens by the logits of the head then: a rewrite by another head (here
   # over a rewrite killed half-way, which `run.py filter` can start again) makes it refused.
-  from dpjax.index.dump import DumpError, read_manifest, write_manifest
-  from dpjax.index.search import PhraseIndex
-  from dpjax.token_filter import rewrite_dump_logits
   median = float(np.median(after.astype(np.float32).max(1)))
   assert run.main(["index"] + base + ["--set", f"index.filter_threshold={median}"]) == 0
   name = f"Flat_filter{median:g}"
@@ -62,3 +61,23 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
   text = (tmp_path / "results" / "filter.md").read_text()
   assert f"{result['dev_auc_pr']:.4f}" in text and (tmp_path / "results" / "filter.png").is_file()
+
+
+def test_filter_head_trains_on_fewer_windows_than_a_batch():
+  """A training set smaller than filter.batch_size still takes steps (it took none: the head
+  stayed at its start for every epoch, with a NaN loss)."""
+  rng = np.random.default_rng(0)
+  n, length, dim = 5, 7, 3
+  vectors = rng.normal(size=(n, length, dim)).astype(np.float16)
+  mask = np.ones((n, length), bool)
+  start = np.zeros((n, length), bool)
+  start[:, 2] = True
+  end = np.zeros((n, length), bool)
+  end[:, 4] = True
+  data = (vectors, mask, start, end)
+  kernel, bias = np.zeros((dim, 2), np.float32), np.zeros(2, np.float32)
+  new_kernel, new_bias, history = train_head(data, data, kernel, bias, epochs=2,
+                                             learning_rate=0.1, batch_size=8)
+  assert all(np.isfinite(h["train_loss"]) for h in history[1:])
+  assert history[-1]["dev_auc_pr"] > history[0]["dev_auc_pr"]
+  assert not np.array_equal(new_bias, bias) or not np.array_equal(new_kernel, kernel)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from dpjax import metrics, validation
-from dpjax.data.squad import read_squad
+from dpjax.data.questions import read_questions
+from dpjax.data.squad import Passage, read_squad
 from dpjax.mining import HardNegatives, filter_negatives
 
 import run
@@ -166,3 +167,27 @@ def test_bad_validation_settings_are_config_errors(tmp_path, caplog):
   assert run.main(["train"] + base + ["--set", "validation.corpus=missing.jsonl"]) == 2
   assert "validation.corpus missing.jsonl: no such file" in caplog.text
   assert not (tmp_path / "checkpoints").exists()
+
+
+def _one_article(path, paragraphs):
+  """A SQuAD file of one article: [(context, [(id, answers)])]."""
+  data = [{"title": "T", "paragraphs": [
+      {"context": context, "qas": [{"id": qid, "question": f"q {qid}?", "answers": answers}
+                                   for qid, answers in qas]}
+      for context, qas in paragraphs]}]
+  path.write_text(json.dumps({"data": data}))
+  return path
+
+
+def test_c0_holds_only_the_passages_of_evaluated_questions(tmp_path):
+  """C_0 = the gold passages of Q_dev, the questions `read_questions` evaluates: a question
+  without answer texts (SQuAD 2.0 unanswerable) is not asked, so its passage is not C_0's."""
+  asked = [{"text": "Paris", "answer_start": 0}]
+  dev = _one_article(tmp_path / "dev.json", [
+      ("Paris is big.", [("a", asked)]),
+      ("Nothing here.", [("b", [])]),  # only an unanswerable question
+      ("Rome is old.", [("c", ["Lyon"])])])  # answer not located: still asked (open domain)
+  corpus = [Passage("0", "T", "Paris is big."), Passage("1", "T", "Nothing here."),
+            Passage("2", "T", "Rome is old."), Passage("3", "T", "Other.")]
+  assert [q.id for q in read_questions(dev)] == ["a", "c"]
+  np.testing.assert_array_equal(validation.gold_rows(corpus, dev), [0, 2])

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from dpjax.errors import DataError
-from dpjax.io import Progress, atomic_directory, write_json
+from dpjax.io import Progress, atomic_directory, digest, write_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -40,11 +40,15 @@ def write_teacher_logits(directory: str | os.PathLike, fingerprint: dict, rows: 
   directory = pathlib.Path(directory)
   rows = np.asarray(rows, np.int64)
   shards = [rows[i:i + shard_rows] for i in range(0, len(rows), shard_rows)]
-  manifest = {"fingerprint": fingerprint, "rows": len(rows), "shard_rows": shard_rows,
+  # Which rows, not only how many: another run's examples (another train.seed) are as many.
+  manifest = {"fingerprint": fingerprint, "rows": len(rows), "rows_digest": digest(rows),
+              "shard_rows": shard_rows,
               "shards": [f"shard_{n:05d}" for n in range(len(shards))], "complete": False}
   old = _read_manifest(directory)
-  if old is not None and {k: old.get(k) for k in ("fingerprint", "rows", "shard_rows")} != {
-      k: manifest[k] for k in ("fingerprint", "rows", "shard_rows")}:
+  if old is not None:  # (one written before rows_digest existed is taken as of these rows)
+    old = {"rows_digest": manifest["rows_digest"], **old}
+  keys = ("fingerprint", "rows", "rows_digest", "shard_rows")
+  if old is not None and {k: old.get(k) for k in keys} != {k: manifest[k] for k in keys}:
     raise DataError(f"{directory} holds teacher logits of another teacher, other data or other "
                     f"rows ({_differences(old, manifest)}); delete it or write elsewhere")
   if old is not None and old["complete"]:
@@ -90,6 +94,8 @@ def _differences(old: dict, new: dict) -> str:
           if old["fingerprint"].get(k) != new["fingerprint"].get(k)]
   if old.get("rows") != new["rows"]:
     diff.append(f"rows: {old.get('rows')} -> {new['rows']}")
+  elif old["rows_digest"] != new["rows_digest"]:
+    diff.append(f"rows: other {new['rows']} rows")
   return "; ".join(diff) or "shard size"
 
 
