@@ -130,8 +130,9 @@ def run_eval_open(config, workdir: str) -> dict:
             "index_spec": index.manifest["resolved_spec"],
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"]}
   phrases = [[index.result(p) for p, _ in units] for units in found[0]]
+  # eval.passage_k = 0: no passage search, an empty TREC run (not a stale one of another run)
   ranked = [[(index.dump.passages[p.passage].id, p.score) for p, _ in units]
-            for units in found[1]]
+            for units in (found[1] if passage_k else [[] for _ in questions])]
   _write_eval(config, workdir, report, questions, phrases, ranked)
   return report
 

@@ -277,7 +277,7 @@ def test_blas_held_at_one_thread_until_the_last_search_leaves():
 
 def _units_one_search_per_round(index, q_start, q_end, k, unit):
   """The unit search as a fresh index search of every round (what the cached hits must equal)."""
-  fetch, max_fetch = 2 * k, min(20 * k, index.num_vectors)
+  fetch, max_fetch = 2 * k, min(20 * k, 2 * index.num_vectors)  # a start and an end per token
   units, pending = [None] * len(q_start), list(range(len(q_start)))
   while pending:
     phrases = index.search_phrases(q_start[pending], q_end[pending], fetch, top_tokens=fetch)

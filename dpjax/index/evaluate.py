@@ -44,7 +44,8 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
                      passage_ks: Sequence[int] = (1, 5, 20), per_question: bool = False,
                      shared_hits: bool = False, found: list | None = None,
                      progress: bool = False, regex: bool = False) -> dict:
-  """EM@1/EM@k (phrases) and, with `passage_k`, passage Top-k/MRR@k/P@k over a PhraseIndex.
+  """EM@1/EM@k (phrases, k = `phrase_k`) and, with `passage_k`, passage Top-k/MRR@k/P@k over
+  a PhraseIndex.
 
   `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
   and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests).
@@ -70,7 +71,7 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
   if found is not None:
     found.extend(results)
   texts = [[p.text for p, _ in units] for units in results[0]]
-  report = metrics.open_domain_scores(texts, answers, regex=regex)
+  report = metrics.open_domain_scores(texts, answers, ks=sorted({1, phrase_k}), regex=regex)
   if per_question:
     match = metrics.regex_match if regex else metrics.exact_match
     report["hits"] = {"em@1": "".join(

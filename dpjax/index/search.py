@@ -281,7 +281,10 @@ class PhraseIndex:
     """Top-k start and end token ids, [Q, k] each (-1 where fewer than k were found), from one
     faiss search of [q_start; q_end] (one pass over the vectors serves both)."""
     queries = np.ascontiguousarray(np.concatenate([q_start, q_end]), np.float32)
-    _, labels = self.index.search(queries, k)
+    if k < 1:  # an index without tokens (faiss refuses k = 0)
+      labels = np.full((len(queries), 0), -1, np.int64)
+    else:
+      _, labels = self.index.search(queries, k)
     return Hits(labels[:len(q_start)], labels[len(q_start):], q_start, q_end, self)
 
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
@@ -306,7 +309,7 @@ class PhraseIndex:
     questions, or with `rows` of the questions at those rows of `hits`)."""
     if hits is None:
       # Rescoring holds a few [queries, 2 top_tokens, max_answer_length] arrays: bound them.
-      chunk = max(1, _RESCORE_ELEMENTS // (2 * top_tokens * max_answer_length))
+      chunk = max(1, _RESCORE_ELEMENTS // max(2 * top_tokens * max_answer_length, 1))
       results = []
       for lo in range(0, len(q_start), chunk):
         part = slice(lo, lo + chunk)
@@ -460,8 +463,10 @@ class PhraseIndex:
     `most` (20 k by default) while a question has fewer than k distinct units."""
     first = max(top_tokens or 2 * k, k)
     # A question whose best phrases crowd into few units would otherwise grow the fetch (and
-    # the exact rescoring) without bound; it then gets fewer than k units.
-    return first, min(max(max_fetch or 20 * k, first), self.num_vectors)
+    # the exact rescoring) without bound; it then gets fewer than k units. Every token a hit
+    # (a search of as many tokens as the index has) gives up to two phrases per token: a cap at
+    # the token count would cut a small index's phrases, and its last units, in half.
+    return first, min(max(max_fetch or 20 * k, first), 2 * self.num_vectors)
 
   def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> "Hits":
     """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`:
