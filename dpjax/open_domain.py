@@ -57,7 +57,8 @@ def run_dump(config, workdir: str) -> dict:
                             read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
                             mesh=mesh, workers=config.index.get("dump_workers", 0),
                             model_info={"workdir": str(workdir), "step": step,
-                                        "name": config.model.name},
+                                        "name": config.model.name,
+                                        "tokenizer": str(config.model.tokenizer)},
                             corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
                                                    for f in paths["corpus"]]})
   finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")

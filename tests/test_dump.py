@@ -438,6 +438,23 @@ def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):
     SearchAPI(other, index, tokenizer)
 
 
+def test_search_api_tokenizes_questions_as_the_dump_says(model, tokenizer, tmp_path):
+  """`DensePhrases(model, index)` without a tokenizer takes the one the dump's manifest names
+  (`run.py dump` records `model.tokenizer`): it took MiniLM's whatever made the dump."""
+  vocab = tmp_path / "vocab"
+  vocab.mkdir()
+  (vocab / "config.json").write_text("{}")
+  (vocab / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "fox"]))
+  dump_phrases(model, tokenizer, _passages(3), tmp_path / "d", CONFIG, mesh=make_mesh(),
+               model_info={"tokenizer": str(vocab)})
+  build_index(tmp_path / "d", "Flat")
+  named = SearchAPI(model, PhraseIndex(tmp_path / "d", "Flat"), max_query_length=8, batch_size=8)
+  assert named.tokenizer.vocab_size == 6
+  dump_phrases(model, tokenizer, _passages(3), tmp_path / "old", CONFIG, mesh=make_mesh())
+  build_index(tmp_path / "old", "Flat")  # a dump that names none: MiniLM's, with a warning
+  assert SearchAPI(model, PhraseIndex(tmp_path / "old", "Flat")).tokenizer.vocab_size == 30522
+
+
 def test_corpus_formats_and_bad_records(tmp_path):
   jsonl = tmp_path / "c.jsonl"
   jsonl.write_text('{"id": "x", "title": "T", "text": "hello"}\n'

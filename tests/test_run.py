@@ -119,6 +119,8 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
     assert run.main([mode] + base) == 0, mode
   report = json.loads((tmp_path / "open_eval_Flat.json").read_text())
   assert report["questions"] == 12 and 0 <= report["em@1"] <= report["em@10"] <= 100
+  manifest = json.loads((tmp_path / "dump" / "manifest.json").read_text())
+  assert manifest["model"]["tokenizer"] == "minilm-l6"  # what the Python API tokenizes with
   assert report["top1"] <= report["top5"] <= report["top20"] <= report["top100"]
   predictions = (tmp_path / "open_predictions_Flat.jsonl").read_text().splitlines()
   assert len(predictions) == 12

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
 import threading
@@ -35,8 +36,11 @@ from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, index_folder
 from dpjax.io import read_json
+from dpjax.model_files import DEFAULT_MODEL
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
 from dpjax.parallel import make_mesh, round_to_devices
+
+log = logging.getLogger(__name__)
 
 UNITS = ("phrase", "sentence", "passage", "document")
 _FP16_DECODERS: dict[int, faiss.ScalarQuantizer] = {}  # by dimension
@@ -602,6 +606,17 @@ def _ranked(scores: np.ndarray, span_start: np.ndarray, span_end: np.ndarray,
   return results
 
 
+def _dump_tokenizer(index: PhraseIndex) -> Tokenizer:
+  """The tokenizer the index's dump was made with (`run.py dump` records it), else MiniLM's."""
+  name = index.dump.manifest.get("model", {}).get("tokenizer")
+  if name is None:  # a dump from before the tokenizer was recorded, or made from Python
+    log.warning("%s does not say which tokenizer made it: questions are tokenized by %s's; "
+                "pass DensePhrases(..., tokenizer=) if the model has another",
+                index.dump.directory, DEFAULT_MODEL)
+    return Tokenizer.from_pretrained()
+  return Tokenizer.from_pretrained(name)
+
+
 class DensePhrases:
   """Question answering over a phrase index: `DensePhrases(model, index).search(questions)`."""
 
@@ -611,7 +626,7 @@ class DensePhrases:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
     self.model, self.index = model, index
-    self.tokenizer = tokenizer or Tokenizer.from_pretrained("minilm-l6")
+    self.tokenizer = tokenizer or _dump_tokenizer(index)
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
     self.batch_size = round_to_devices(batch_size, self.mesh)
