@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import re
 import string
 import unicodedata
@@ -172,3 +173,11 @@ def average_precision(scores: Sequence[float], labels: Sequence[bool]) -> float:
   recall_gain = np.diff(np.r_[0, true_pos]) / positives
   return float((recall_gain * precision).sum())
 
+
+def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
+  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
+  a_only = sum(x == "1" and y == "0" for x, y in zip(hits_a, hits_b))
+  b_only = sum(x == "0" and y == "1" for x, y in zip(hits_a, hits_b))
+  n = a_only + b_only
+  tail = sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n if n else 1.0
+  return a_only, b_only, min(1.0, 2 * tail)

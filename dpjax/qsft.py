@@ -107,7 +107,7 @@ def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) ->
                                     batch_size=batch_size, mesh=mesh)
   return retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
                           max_answer_length=config.eval.max_answer_length, top_tokens=10,
-                          passage_k=0, regex=config.eval.get("regex", False))
+                          passage_k=0, regex=config.eval.get("regex", False), per_question=True)
 
 
 def workdir_lock(path: pathlib.Path):
@@ -271,7 +271,8 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
   dev_scores = lambda: _dev_scores(run.index, run.trainer.model(), run.tokenizer, run.dev,
                                    config, run.mesh, eval_batch)
   before = dev_scores()
-  writer.write({"step": 0, "split": "dev", **before})
+  summary = lambda record: {k: v for k, v in record.items() if k != "hits"}  # metrics' lines
+  writer.write({"step": 0, "split": "dev", **summary(before)})
   log.info("QSFT on %s (%s%s), %d training questions; dev EM@1 before: %.2f", qc.index,
            qc.level, ", quantisation-aware" if qc.quantized else "", len(run.questions),
            before["em@1"])
@@ -286,7 +287,7 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
               "questions_with_positive": int(usable),
               "last_learning_rate": float(run.trainer.schedule(max(run.steps - 1, 0))),
               "seconds": time.perf_counter() - start_time}
-    writer.write(record)
+    writer.write(summary(record))
     history.append(record)
     if step not in checkpointer.manager.all_steps():  # an epoch without update saves nothing
       checkpointer.save(step, run.trainer.state,
@@ -311,6 +312,11 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
             "before": before, "epochs": history, "best_step": best,
             "best_em@1": max([before["em@1"]] + [h["em@1"] for h in history]),
             "improved": any(h["em@1"] > before["em@1"] for h in history)}
+  kept = [h for h in history if h["step"] == best]
+  if kept:  # the kept epoch against the start, question by question (exact McNemar)
+    gained, lost, p = metrics.mcnemar_p(kept[-1]["hits"]["em@1"], before["hits"]["em@1"])
+    result["best_epoch_vs_before"] = {"epoch": kept[-1]["epoch"], "gained": gained,
+                                      "lost": lost, "p_value": p}
   if history and not result["improved"]:
     log.warning("QSFT did not raise dev EM@1 (%.2f before, %s after the epochs): its best "
                 "checkpoint (step %s, `eval.checkpoint=qsft`) is worse than the question "
@@ -319,6 +325,9 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
   if jax.process_index() == 0:
     name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"
     write_json(workdir / name, result)
+  paired = result.get("best_epoch_vs_before")
   print(f"QSFT ({qc.index}): dev EM@1 {before['em@1']:.2f} -> "
-        + " -> ".join(f"{h['em@1']:.2f}" for h in history))
+        + " -> ".join(f"{h['em@1']:.2f}" for h in history)
+        + (f" (epoch {paired['epoch']} against the start: {paired['gained']} questions gained, "
+           f"{paired['lost']} lost, McNemar p = {paired['p_value']:.3g})" if paired else ""))
   return result

@@ -1,13 +1,13 @@
 """Report helpers of the experiment scripts: results JSON + Markdown naming the command."""
 from __future__ import annotations
 
-import math
 import pathlib
 import shlex
 import sys
 from typing import Sequence
 
 from dpjax.io import write_json, write_text_atomic
+from dpjax.metrics import mcnemar_p  # noqa: F401 (the experiments' paired test, from here)
 
 
 class Elided(str):
@@ -50,15 +50,6 @@ def save_results(out, results: dict, render, script: str, argv=None) -> "pathlib
   write_text_atomic(out.with_suffix(".md"), render(results, command))
   print(out.with_suffix(".md").read_text())
   return out
-
-
-def mcnemar_p(hits_a: str, hits_b: str) -> tuple[int, int, float]:
-  """(a only, b only, exact two-sided McNemar p) of two per-question 0/1 strings."""
-  a_only = sum(x == "1" and y == "0" for x, y in zip(hits_a, hits_b))
-  b_only = sum(x == "0" and y == "1" for x, y in zip(hits_a, hits_b))
-  n = a_only + b_only
-  tail = sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n if n else 1.0
-  return a_only, b_only, min(1.0, 2 * tail)
 
 
 def p_text(p: float | None) -> str:

@@ -63,6 +63,17 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
   assert result["schedule_steps"] == sum(steps)
   assert result["improved"] == any(e["em@1"] > result["before"]["em@1"] for e in result["epochs"])
   assert ("QSFT did not raise dev EM@1" in caplog.text) == (not result["improved"])
+  # The kept epoch against the start, question by question (the hits of each evaluation).
+  kept = [e for e in result["epochs"] if e["step"] == result["best_step"]][0]
+  before, after = result["before"]["hits"]["em@1"], kept["hits"]["em@1"]
+  assert len(before) == result["dev_questions"] and set(before + after) <= {"0", "1"}
+  assert 100 * after.count("1") / len(after) == pytest.approx(kept["em@1"])
+  paired = result["best_epoch_vs_before"]
+  assert paired["epoch"] == kept["epoch"]
+  assert paired["gained"] - paired["lost"] == after.count("1") - before.count("1")
+  assert 0 < paired["p_value"] <= 1
+  metric_lines = (tmp_path / "qsft_metrics.jsonl").read_text().splitlines()
+  assert len(metric_lines) == 3 and "hits" not in metric_lines[1]
   # Each epoch's last step at its rate by the run's progress (warm-up 0.1 of the run, lr 1e-3).
   for epoch, record in enumerate(result["epochs"]):
     progress = epoch + (steps[epoch] - 1) / steps[epoch]
