@@ -186,7 +186,7 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   first = _candidates(config, index, model, tokenizer, questions, mesh)
   objective = make_objective(tc.loss, batch_size=qc.batch_size, length=1,
                              dim=model.config.hidden_size)
-  trainer = build_trainer(model, tc, objective, total_steps=1, mesh=mesh,
+  trainer = build_trainer(model, tc, objective, mesh=mesh,
                           schedule=_schedule(tc, qc, 0, 0, _steps(first, qc)))
   return Setup(index, CandidateVectors(index, qc.quantized), tokenizer, questions, dev, ids, mask,
                trainer, mesh, trained_step, first, tc, objective)
@@ -205,8 +205,7 @@ def _schedule(tc, qc, epoch: int, first: int, steps: int):
 def _retrainer(run: Setup, qc, epoch: int, steps: int) -> Trainer:
   """The trainer of a later epoch: its learning rates (`epoch_schedule`, for its `steps`), the
   state trained so far (parameters, optimizer moments and count)."""
-  trainer = build_trainer(run.trainer.model(), run.train_config, run.objective, total_steps=1,
-                          mesh=run.mesh,
+  trainer = build_trainer(run.trainer.model(), run.train_config, run.objective, mesh=run.mesh,
                           schedule=_schedule(run.train_config, qc, epoch, run.steps, steps))
   trainer.state = run.trainer.state
   return trainer

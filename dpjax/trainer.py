@@ -103,10 +103,12 @@ def decay_mask(params) -> Any:
       lambda path, _: not NO_DECAY.search(param_path(path)), params)
 
 
-def make_optimizer(train_config, params, total_steps: int,
+def make_optimizer(train_config, params, total_steps: int | None = None,
                    schedule: optax.Schedule | None = None):
-  """AdamW with grad-norm clipping and warm-up + linear decay (or `schedule`, a learning rate by
-  the optimizer's count); frozen parameters get no update."""
+  """AdamW with grad-norm clipping and warm-up + linear decay over `total_steps` (or
+  `schedule`, a learning rate by the optimizer's count); frozen parameters get no update."""
+  if (schedule is None) == (total_steps is None):
+    raise ValueError("make_optimizer takes total_steps or a schedule, one of them")
   if schedule is None:
     warmup = train_config.warmup_steps or int(train_config.warmup_fraction * total_steps)
     if total_steps > 1 and warmup >= total_steps:
@@ -237,11 +239,12 @@ class Trainer:
     return nnx.merge(self.graphdef, state.params, state.rest)
 
 
-def build_trainer(model, train_config, objective: Objective, *, total_steps: int,
-                  mesh, schedule: optax.Schedule | None = None) -> Trainer:
-  """The optimizer (`train.learning_rate`, `warmup_*`, `grad_clip`, `weight_decay`, `freeze`;
-  `schedule`: another learning rate schedule), the train state on the mesh and the jitted step
-  of `objective` for `total_steps` steps."""
+def build_trainer(model, train_config, objective: Objective, *, mesh,
+                  total_steps: int | None = None,
+                  schedule: optax.Schedule | None = None) -> Trainer:
+  """The optimizer (`train.learning_rate`, `warmup_*` over `total_steps`, `grad_clip`,
+  `weight_decay`, `freeze`; or `schedule`, another learning rate schedule, instead of
+  `total_steps`), the train state on the mesh and the jitted step of `objective`."""
   _, params, _ = nnx.split(model, nnx.Param, ...)
   tx, schedule, labels = make_optimizer(train_config, params, total_steps, schedule)
   frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
