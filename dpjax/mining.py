@@ -9,7 +9,8 @@ not training passages (dev passages must not be trained on), are the question's 
 (`start_chars`: where the retrieved phrase starts in each passage).
 
 `HardNegatives` samples `per_example` of them for each example of a batch (random other
-training passages when a question has fewer) and returns the windows to add as N_hard.
+training passages without a gold answer when a question has fewer) and returns the windows to
+add as N_hard.
 """
 from __future__ import annotations
 
@@ -118,10 +119,12 @@ def read_hard_negatives(path: str | os.PathLike, questions: Sequence[Question]) 
 class HardNegatives:
   """Samples hard-negative windows for the examples of a batch."""
 
-  def __init__(self, mined: list[list], windows: PassageWindows, question_passage: np.ndarray,
-               per_example: int, seed: int):
+  RANDOM_DRAWS = 64  # draws for a random negative without the answer before taking any other
+
+  def __init__(self, mined: list[list], windows: PassageWindows, questions: Sequence[Question],
+               passage_texts: Sequence[str], per_example: int, seed: int):
     self.mined, self.windows, self.per_example, self.seed = mined, windows, per_example, seed
-    self.question_passage = question_passage  # [num questions] passage index
+    self.questions, self.texts = questions, passage_texts
     order = np.argsort(windows.passage_index, kind="stable")
     bounds = np.searchsorted(windows.passage_index[order],
                              np.arange(windows.passage_index.max() + 2))
@@ -129,6 +132,7 @@ class HardNegatives:
     self.num_passages = len(self.passage_windows)
     if self.num_passages < 2:
       raise DataError("hard negatives need at least 2 training passages")
+    self.random_with_answer = 0  # random negatives that contain the answer (none other found)
 
   def _window(self, passage: int, start_char: int) -> int:
     """The window of `passage` holding `start_char` as a max-context token (else the first)."""
@@ -140,6 +144,28 @@ class HardNegatives:
         return int(window)
     return int(self.passage_windows[passage][0])
 
+  def _random_window(self, rng: np.random.Generator, q: int) -> int:
+    """A window of a random other training passage that holds no gold answer of question `q`
+    (`metrics.has_answer`, as mining drops them); after `RANDOM_DRAWS` draws without one, of
+    any other passage (counted in `random_with_answer`, warned once)."""
+    question = self.questions[q]
+    for _ in range(self.RANDOM_DRAWS):
+      passage = int(rng.integers(self.num_passages))
+      if (passage != question.passage_index and len(self.passage_windows[passage])
+          and not metrics.has_answer(self.texts[passage], question.answers)):
+        return int(rng.choice(self.passage_windows[passage]))
+    others = [p for p in range(self.num_passages)
+              if p != question.passage_index and len(self.passage_windows[p])]
+    if not others:
+      raise DataError(f"question {question.id}: no other training passage to draw a negative "
+                      "from")
+    if not self.random_with_answer:
+      log.warning("question %s: no random negative without its answer found in %d draws; "
+                  "taking one with it (counted in random_with_answer)", question.id,
+                  self.RANDOM_DRAWS)
+    self.random_with_answer += 1
+    return int(rng.choice(self.passage_windows[others[int(rng.integers(len(others)))]]))
+
   def __call__(self, step: int, questions: np.ndarray) -> dict[str, np.ndarray]:
     """Hard-negative windows for the examples of questions `questions` ([B] indices)."""
     chosen = []
@@ -148,10 +174,7 @@ class HardNegatives:
       pool = self.mined[q]
       picks = rng.permutation(len(pool))[:self.per_example]
       row = [self._window(*pool[i]) for i in picks]
-      while len(row) < self.per_example:  # too few mined: random other training passages
-        passage = int(rng.integers(self.num_passages))
-        if passage != self.question_passage[q] and len(self.passage_windows[passage]):
-          row.append(int(rng.choice(self.passage_windows[passage])))
+      row += [self._random_window(rng, q) for _ in range(self.per_example - len(row))]
       chosen.append(row)
     windows = np.asarray(chosen, np.int64).reshape(-1)  # [B * h], example-major
     w = self.windows

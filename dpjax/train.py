@@ -181,9 +181,8 @@ def _hard_negatives(tc, train) -> HardNegatives | None:
   if not tc.hard_negatives.file:
     return None
   hard = HardNegatives(read_hard_negatives(tc.hard_negatives.file, train.questions),
-                       train.features.windows,
-                       np.array([q.passage_index for q in train.questions]),
-                       tc.hard_negatives.per_example, tc.seed)
+                       train.features.windows, train.questions,
+                       [p.text for p in train.passages], tc.hard_negatives.per_example, tc.seed)
   if tc.loss.recipe != "unified":
     raise ConfigError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
   return hard

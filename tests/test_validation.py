@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from dpjax import metrics, validation
+from dpjax.config import load_config
 from dpjax.data.questions import read_questions
-from dpjax.data.squad import Passage, read_squad
+from dpjax.data.squad import Passage, Question, build_windows, read_squad
 from dpjax.mining import HardNegatives, filter_negatives
+from dpjax.validation import Validator
 
 import run
 
@@ -80,8 +82,6 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
   assert {p["id"] for p in c0} <= h2
   # Validating on it during training asks the sample's questions (those whose gold passages
   # it holds), not all dev questions.
-  from dpjax.config import load_config
-  from dpjax.validation import Validator
   config = load_config("experiments/demo.py:tiny", [f"validation.corpus={out / 'H2.jsonl'}"])
   validator = Validator(config.validation, config, tmp_path / "v", tmp_path / "data" / "dev.json",
                         None, None, 8, None)
@@ -114,7 +114,6 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
 
 
 def test_hard_negative_windows(tokenizer):
-  from dpjax.data.squad import Passage, build_windows
   passages = [Passage("a", "A", "alpha " * 60),
               Passage("b", "B", "beta " * 10 + "gamma delta " * 40),
               Passage("c", "C", "gamma " * 5)]
@@ -122,13 +121,26 @@ def test_hard_negative_windows(tokenizer):
                              include_title=True)
   start = passages[1].text.index("gamma delta gamma", 200)
   mined = [[(1, start)], [], [(0, 0), (2, 0)]]
-  sampler = HardNegatives(mined, windows, np.array([0, 1, 2]), per_example=2, seed=0)
+  questions = [Question(f"q{i}", "?", [answer], passage_index=i)
+               for i, answer in enumerate(["alpha", "Gamma", "gamma"])]
+  texts = [p.text for p in passages]
+  sampler = HardNegatives(mined, windows, questions, texts, per_example=2, seed=0)
   batch = sampler(3, np.array([0, 1, 2]))
   assert batch["hard_input_ids"].shape == (6, 32)
   ids = batch["hard_passage_ids"].reshape(3, 2)
   assert ids[0, 0] == 1 and ids[0, 1] != 0  # the mined one, then a random one (not its own)
-  assert (ids[1] != 1).all()  # nothing mined: random passages other than its own
   assert sorted(ids[2].tolist()) == [0, 2]
+  # Nothing mined: random passages other than its own and without its answer ("gamma" is in
+  # passage 2 too), at every step; none had to be taken with the answer.
+  for step in range(20):
+    assert (sampler(step, np.array([1]))["hard_passage_ids"] == 0).all()
+  assert sampler.random_with_answer == 0
+  # Every other passage holds an answer: one of them all the same, counted.
+  cornered = [questions[0], Question("q1", "?", ["gamma", "alpha"], passage_index=1),
+              questions[2]]
+  cornered = HardNegatives(mined, windows, cornered, texts, per_example=2, seed=0)
+  assert set(cornered(0, np.array([1]))["hard_passage_ids"].tolist()) <= {0, 2}
+  assert cornered.random_with_answer == 2
   # The mined window holds the retrieved phrase's start as a max-context token.
   window = sampler._window(1, start)
   hit = (windows.char_start[window] <= start) & (start < windows.char_end[window])
