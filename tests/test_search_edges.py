@@ -1,4 +1,6 @@
-"""Search and evaluation edge cases: small and empty indexes, no passage search, EM@k at k."""
+"""Search and evaluation edge cases: small and empty indexes, no passage search, EM@k at k,
+documents of untitled passages."""
+import copy
 import json
 import pathlib
 
@@ -116,3 +118,16 @@ def test_phrase_k_names_its_em_at_k(toy_dump, phrase_k):
   hits = [any(p.text == golds[0] for p, _ in units[:phrase_k])
           for units, golds in zip(found[0], answers)]
   assert report[f"em@{phrase_k}"] == pytest.approx(100.0 * np.mean(hits))
+
+
+def test_an_untitled_passage_is_a_document_of_its_own(toy_dump):
+  """Documents are the passages of one title, or an untitled passage alone: one whose id is
+  another passage's title is not that title's document (both keyed on `title or id` before)."""
+  dump, q_start, q_end = toy_dump
+  dump = copy.copy(dump)
+  dump.passages = list(dump.passages)
+  dump.passages[4] = Passage("Alpha", "", dump.passages[4].text)  # untitled, id "Alpha"
+  index = PhraseIndex.over_passages(dump)
+  assert index._documents().tolist() == [0, 0, 1, 1, 2, 3]
+  for units in index.search(q_start, q_end, 4, "document"):
+    assert len(units) == 4 and len({key for _, key in units}) == 4

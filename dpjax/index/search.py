@@ -435,8 +435,7 @@ class PhraseIndex:
     if unit == "passage":
       return phrase.passage
     if unit == "document":
-      passage = self.dump.passages[phrase.passage]
-      return passage.title or passage.id
+      return _document_key(self.dump.passages[phrase.passage])
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
 
   def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
@@ -454,10 +453,10 @@ class PhraseIndex:
     return np.sort(np.unique(np.asarray(keys, np.int64), return_index=True)[1])
 
   def _documents(self) -> np.ndarray:
-    """A document number of every passage row (passages of one title, or of one id)."""
+    """A document number of every passage row (`_document_key`)."""
     if not hasattr(self, "_document_of"):
       names: dict = {}
-      self._document_of = np.array([names.setdefault(p.title or p.id, len(names))
+      self._document_of = np.array([names.setdefault(_document_key(p), len(names))
                                     for p in self.dump.passages], np.int64)
     return self._document_of
 
@@ -528,6 +527,12 @@ class PhraseIndex:
       s, e = self.sentence_of(phrase)
       out["sentence"] = passage.text[s:e].strip()
     return out
+
+
+def _document_key(passage) -> str | tuple[str, str]:
+  """A passage's document: its title (the passages of one title), or ("id", its id) for an
+  untitled passage alone (a tuple: an id equal to another passage's title is another document)."""
+  return passage.title if passage.title else ("id", passage.id)
 
 
 class Hits(tuple):
