@@ -7,7 +7,7 @@ import pytest
 from dpjax.data.squad import Passage
 from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
 from dpjax.index.faiss_index import build_index, resolve_spec
-from dpjax.index.search import UNITS, PhraseIndex, to_float32
+from dpjax.index.search import UNITS, PhraseIndex, half_to_float32
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.
@@ -190,21 +190,42 @@ def test_rescoring_equals_the_spelled_out_rule(toy, index_name, max_len):
 
 def test_float16_rows_convert_exactly():
   every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 64)  # all bit patterns
-  out = np.full(every.shape, 7.0, np.float32)
-  assert to_float32(every, out) is out
+  out = half_to_float32(every)
   want = every.astype(np.float32)
+  assert out.dtype == np.float32 and out.shape == every.shape
   finite = np.isfinite(want)
   assert np.array_equal(out.view(np.uint32)[finite], want.view(np.uint32)[finite])  # subnormals,
   assert np.array_equal(np.isnan(out), np.isnan(want))  # zeros and signs bit for bit
   assert np.array_equal(out[np.isinf(want)], want[np.isinf(want)])
-  rows = np.arange(12, dtype=np.float64).reshape(3, 4)  # not float16: a plain copy
-  assert np.array_equal(to_float32(rows, np.empty((3, 4), np.float32)), rows)
-  assert to_float32(every[:0], out[:0]).shape == (0, 64)
-  strided = every[:, ::2]  # not contiguous: converted by numpy
-  assert np.array_equal(to_float32(strided, np.empty(strided.shape, np.float32)),
-                        strided.astype(np.float32), equal_nan=True)
-  with pytest.raises(ValueError, match="out must be a C-contiguous float32 array"):
-    to_float32(every, np.empty((1024, 64), np.float16))
+  assert half_to_float32(every[:0]).shape == (0, 64)
+  strided = every[:, ::2]  # not contiguous
+  assert np.array_equal(half_to_float32(strided), strided.astype(np.float32), equal_nan=True)
+
+
+def test_float16_scores_equal_float32_rows(monkeypatch):
+  """Token scores from float16 rows, gathered and converted a chunk of questions at a time (a
+  question larger than a chunk alone; one-row and empty questions), are the per-question
+  products of the same rows in float32, bit for bit."""
+  from dpjax.index import search
+  rng = np.random.default_rng(0)
+  half = rng.standard_normal((50, 16)).astype(np.float16)
+  bounds = np.concatenate([[0], np.cumsum([3, 1, 0, 9, 20, 1, 2, 5])])
+  token = rng.integers(0, 50, bounds[-1])
+  queries = rng.standard_normal((8, 16, 2)).astype(np.float32)
+  want = np.full((bounds[-1], 2), np.nan, np.float32)
+  search._score_questions(half.astype(np.float32), token, queries, bounds, want, 0, 8)
+  widths = []
+  convert = search.half_to_float32
+  monkeypatch.setattr(search, "half_to_float32", lambda h: widths.append(len(h)) or convert(h))
+  monkeypatch.setattr(search, "_CONVERT_ROWS", 8)
+  got = np.full_like(want, np.nan)
+  search._score_questions(half, token, queries, bounds, got, 0, 8)
+  assert np.array_equal(got, want) and not np.isnan(want).any()
+  assert widths == [8, 16, 24, 8, 8]  # questions 0-2 (4 rows), 3 (9), 4 (20), 5-6 (3), 7 (5)
+  part = np.full_like(want, np.nan)
+  search._score_questions(half, token, queries, bounds, part, 2, 6)
+  assert np.array_equal(part[bounds[2]:bounds[6]], want[bounds[2]:bounds[6]])
+  assert np.isnan(part[:bounds[2]]).all() and np.isnan(part[bounds[6]:]).all()
 
 
 @pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])

@@ -28,6 +28,8 @@ import threading
 from typing import Sequence
 
 import faiss
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dpjax.data.tokenization import Tokenizer
@@ -43,10 +45,12 @@ from dpjax.parallel import make_mesh, round_to_devices
 log = logging.getLogger(__name__)
 
 UNITS = ("phrase", "sentence", "passage", "document")
-_FP16_DECODERS: dict[int, faiss.ScalarQuantizer] = {}  # by dimension
+# float16 rows converted a call by the rescoring (`_score_converted`): 1.5 + 3 MiB at D = 384.
+# The eval's rescoring on a Zen 4 core ran fastest at 1,024-2,048, 3% slower at 4,096, 13% at 8,192.
+_CONVERT_ROWS = 2048
 _RESCORE_ELEMENTS = 1 << 22  # bounds the (question, hit, partner) arrays of one rescoring
 # The threads that score a rescoring's tokens: at most this many, each given this many rows at
-# least (~1.5 ms of float16 decoding), so that a few questions' rescoring stays in one thread.
+# least, so that a few questions' rescoring stays in one thread.
 _RESCORE_THREADS = 16
 _RESCORE_ROWS_PER_THREAD = 2048
 _BLAS = None  # threadpoolctl's controller (`_blas_controller`), False without threadpoolctl
@@ -67,21 +71,17 @@ class Phrase:
   text: str
 
 
-def to_float32(half: np.ndarray, out: np.ndarray) -> np.ndarray:
-  """`half` [n, D] float16 rows into `out` [n, D] float32 (C-contiguous both), exactly: faiss's
-  float16 decoder (F16C / AVX-512 where the CPU has them), ~2x numpy's `astype` on one thread."""
-  if half.shape != out.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-    raise ValueError(f"to_float32: out must be a C-contiguous float32 array of shape "
-                     f"{half.shape}, got {out.dtype} {out.shape}")
-  if half.dtype != np.float16 or not half.flags.c_contiguous:
-    np.copyto(out, half)
-    return out
-  n, dim = half.shape
-  if n:
-    if dim not in _FP16_DECODERS:
-      _FP16_DECODERS[dim] = faiss.ScalarQuantizer(dim, faiss.ScalarQuantizer.QT_fp16)
-    _FP16_DECODERS[dim].decode_c(faiss.swig_ptr(half.view(np.uint8)), faiss.swig_ptr(out), n)
-  return out
+def half_to_float32(half: np.ndarray) -> np.ndarray:
+  """`half` [n, D] (float16) as a float32 array, exactly (subnormals, signed zeros and infinities
+  bit for bit, NaNs stay NaNs): one jitted XLA convert on the host's CPU, vectorised (F16C /
+  AVX-512): ~0.1-0.3 ns an element on a Zen 4 core where faiss's float16 decoder takes ~1.1 and
+  numpy's `astype` ~1.6. Compiled once per shape; the result is read-only."""
+  with jax.default_device(_host_cpu()):
+    return np.asarray(_half_to_float32(half))
+
+
+_half_to_float32 = jax.jit(lambda half: half.astype(jnp.float32))
+_host_cpu = functools.cache(lambda: jax.devices("cpu")[0])
 
 
 def _scoring_threads(rows: int) -> int:
@@ -143,22 +143,46 @@ def _balanced_groups(bounds: np.ndarray, count: int) -> list[tuple[int, int]]:
 def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
                      bounds: np.ndarray, scores: np.ndarray, first: int, last: int) -> None:
   """`scores[bounds[q]:bounds[q + 1]]` of questions first..last-1 under `queries[q]` [D, 2]:
-  each question's distinct tokens' vectors gathered into a buffer reused across its questions
-  (float32 from an exact index's own storage when it holds every token, else the dump's
-  float16 converted by faiss's SIMD decoder, ~1.9x numpy's), then one [U_q, D] x [D, 2]
-  product. The rows stay in cache for their product: no [U, D] copy of every question's vectors
-  goes through memory."""
+  each question's distinct tokens' vectors (float32, from an exact index's own storage when it
+  holds every token) gathered into a buffer reused across its questions, then one [U_q, D] x
+  [D, 2] product. The rows stay in cache for their product: no [U, D] copy of every question's
+  vectors goes through memory. Other sources (the dump's float16): `_score_converted`."""
+  if source.dtype != np.float32:
+    _score_converted(source, token, queries, bounds, scores, first, last)
+    return
   sizes = np.diff(bounds[first:last + 1])
   # At least two rows a product: BLAS rounds a one-row product (a gemv) differently, and a
   # token's score must not depend on which other tokens its question's product holds.
-  gathered = np.empty((max(int(sizes.max(initial=0)), 2), source.shape[1]), source.dtype)
-  converted = gathered if source.dtype == np.float32 else np.empty(gathered.shape, np.float32)
+  gathered = np.empty((max(int(sizes.max(initial=0)), 2), source.shape[1]), np.float32)
   for q in range(first, last):
     lo, hi = bounds[q], bounds[q + 1]
     np.take(source, token[lo:hi], axis=0, out=gathered[:hi - lo], mode="clip")
-    if converted is not gathered:
-      to_float32(gathered[:hi - lo], converted[:hi - lo])
-    scores[lo:hi] = (converted[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
+    scores[lo:hi] = (gathered[:max(hi - lo, 2)] @ queries[q])[:hi - lo]
+
+
+def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
+                     bounds: np.ndarray, scores: np.ndarray, first: int, last: int) -> None:
+  """`_score_questions` from rows to convert (the dump's float16): the rows of consecutive
+  questions, up to `_CONVERT_ROWS` (a question with more: alone, rounded up to a multiple), are
+  gathered into one buffer and converted by one call (`half_to_float32`, a few shapes only);
+  each question's product is then the same [max(U_q, 2), D] x [D, 2] one, bit for bit."""
+  buffers: dict[int, np.ndarray] = {}
+  q = first
+  while q < last:
+    lo = bounds[q]
+    # The questions whose rows end within the chunk, one row spare (two rows a product).
+    end = min(max(int(np.searchsorted(bounds, lo + _CONVERT_ROWS - 1, "right")) - 1, q + 1),
+              last)
+    hi = bounds[end]
+    width = _CONVERT_ROWS * -(-(hi - lo + 1) // _CONVERT_ROWS)
+    if width not in buffers:
+      buffers[width] = np.zeros((width, source.shape[1]), source.dtype)
+    np.take(source, token[lo:hi], axis=0, out=buffers[width][:hi - lo], mode="clip")
+    rows = half_to_float32(buffers[width])
+    for p in range(q, end):
+      a, b = bounds[p] - lo, bounds[p + 1] - lo
+      scores[lo + a:lo + b] = (rows[a:max(b, a + 2)] @ queries[p])[:b - a]
+    q = end
 
 
 def check_request(k: int, unit: str) -> None:
@@ -339,10 +363,9 @@ class PhraseIndex:
 
     Hits of one question crowd into few passages, so each distinct (question, token) is scored
     once, a question at a time (`_score_questions`). The questions are split into contiguous
-    groups scored in as many threads as faiss may use (`_scoring_threads`), each with one
-    OpenMP thread (faiss's decoder) and BLAS held at one thread: their idle threads would spin
-    on the cores the others need. A question's scores come from the same product, bit for bit,
-    whichever thread computes it."""
+    groups scored in as many threads as faiss may use (`_scoring_threads`), with BLAS and faiss
+    (OpenMP) held at one thread: their idle threads would spin on the cores the others need. A
+    question's scores come from the same product, bit for bit, whichever thread computes it."""
     num_q, n = len(q_start), len(self.dump.vectors)
     keys = np.arange(num_q)[:, None] * n + tokens.reshape(num_q, -1)
     unique, inverse = np.unique(keys, return_inverse=True)
