@@ -21,7 +21,7 @@ from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
 from dpjax.errors import ConfigError
 from dpjax.index.dump import DumpConfig, dump_phrases
-from dpjax.index.evaluate import retrieval_scores
+from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
 from dpjax.index.faiss_index import build_index, index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.parallel import make_mesh, round_to_devices
@@ -111,11 +111,12 @@ def run_eval_open(config, workdir: str) -> dict:
   index, texts = searcher.index, [q.question for q in questions]
   passage_k = config.eval.get("passage_k", 100)
   start = time.perf_counter()
-  found = []
-  scores = retrieval_scores(index, *searcher.encode(texts), [q.answers for q in questions],
-                            max_answer_length=config.eval.max_answer_length, passage_k=passage_k,
-                            passage_ks=(1, 5, 20, 100), shared_hits=True, found=found,
-                            progress=True, regex=config.eval.get("regex", False))
+  # Encoding and searching pipelined: the next 256 questions encoded while these are searched.
+  found = retrieve_texts(index, searcher.encode, texts, score_requests(passage_k=passage_k),
+                         progress=True, shared_hits=True,
+                         max_answer_length=config.eval.max_answer_length)
+  scores = found_scores(index, found, [q.answers for q in questions], passage_k=passage_k,
+                        passage_ks=(1, 5, 20, 100), regex=config.eval.get("regex", False))
   seconds = time.perf_counter() - start
   batch64_qps, timed = _batch64_throughput(searcher, texts, config)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "

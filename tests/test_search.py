@@ -221,7 +221,8 @@ def test_float16_scores_equal_float32_rows(monkeypatch):
   got = np.full_like(want, np.nan)
   search._score_questions(half, token, queries, bounds, got, 0, 8)
   assert np.array_equal(got, want) and not np.isnan(want).any()
-  assert widths == [8, 16, 24, 8, 8]  # questions 0-2 (4 rows), 3 (9), 4 (20), 5-6 (3), 7 (5)
+  # one shape: questions 0-2 (4 rows), 3 (9: 8 + 1), 4 (20: 8 + 8 + 4), 5-6 (3), 7 (5)
+  assert widths == [8] * 8
   part = np.full_like(want, np.nan)
   search._score_questions(half, token, queries, bounds, part, 2, 6)
   assert np.array_equal(part[bounds[2]:bounds[6]], want[bounds[2]:bounds[6]])

@@ -242,6 +242,42 @@ def test_eval_progress_is_reported_and_changes_no_result(service, monkeypatch, c
   assert f"search: {len(questions)}/{len(questions)} questions in" in caplog.text  # non-TTY: logs
 
 
+def test_texts_retrieved_pipelined_equal_their_vectors(service, monkeypatch):
+  """`retrieve_texts` (`run.py eval`'s path) encodes the next chunk of questions while this one
+  is searched, and finds what the same chunks' vectors find searched in turn; `found_scores`
+  scores it as `retrieval_scores` does."""
+  import threading
+
+  _, config, workdir, questions, _ = service
+  from dpjax.index import evaluate
+  searcher, _ = load_searcher(config, workdir)
+  chunks = [questions[lo:lo + 3] for lo in range(0, len(questions), 3)]
+  assert len(chunks) >= 3
+  vectors = [searcher.encode(chunk) for chunk in chunks]
+  golds = [["no such answer"] for _ in questions]
+  found = []
+  want = evaluate.retrieval_scores(searcher.index, np.concatenate([v[0] for v in vectors]),
+                                   np.concatenate([v[1] for v in vectors]), golds,
+                                   shared_hits=True, found=found)
+  next_began, searched = threading.Event(), []
+  encode, retrieve = searcher.encode, evaluate.retrieve
+
+  def encoding(texts):
+    next_began.set() if texts == chunks[1] else None
+    return encode(texts)
+
+  def searching(*args, **kwargs):
+    assert searched or next_began.wait(60)  # chunk 0 searched while chunk 1 is encoded
+    searched.append(len(args[1]))
+    return retrieve(*args, **kwargs)
+  monkeypatch.setattr(evaluate, "retrieve", searching)
+  got = evaluate.retrieve_texts(searcher.index, encoding, questions, evaluate.score_requests(),
+                                chunk=3, shared_hits=True)
+  assert searched == [len(chunk) for chunk in chunks]
+  assert got == found
+  assert evaluate.found_scores(searcher.index, got, golds) == want
+
+
 def test_regex_answers_and_passage_lists_shorter_than_20(service):
   """eval.regex: answers are patterns (CuratedTREC), EM matched at the prediction's start, no
   F1, passages searched; MRR and P@ are labelled by the depth they were taken at."""

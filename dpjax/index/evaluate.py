@@ -6,8 +6,9 @@ threshold sweep and query-side fine-tuning's dev scores.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -38,6 +39,48 @@ def retrieve(index, q_start: np.ndarray, q_end: np.ndarray, requests: Sequence[t
           for k, unit in requests]
 
 
+def retrieve_texts(index, encode: Callable, texts: Sequence[str],
+                   requests: Sequence[tuple[int, str]], *, chunk: int = PROGRESS_CHUNK,
+                   progress: bool = False, **search_kwargs) -> list[list[list]]:
+  """`retrieve` of questions given as text, `encode(texts) -> (q_start, q_end)` called on
+  `chunk` of them at a time and pipelined: the next chunk is encoded in a worker thread while
+  this one is searched, so the encoder's and the search's work share the cores that each alone
+  leaves idle. `search_kwargs` as `retrieve`'s (shared_hits, max_answer_length, ...)."""
+  parts = [texts[lo:lo + chunk] for lo in range(0, len(texts), chunk)]
+
+  def encoded():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      ahead = pool.submit(encode, parts[0]) if parts else None
+      for i in range(len(parts)):
+        vectors = ahead.result()
+        if i + 1 < len(parts):
+          ahead = pool.submit(encode, parts[i + 1])
+        yield vectors
+
+  return _retrieve_chunks(index, encoded(), len(texts), requests, progress, **search_kwargs)
+
+
+def _retrieve_chunks(index, chunks: Iterable, total: int, requests: Sequence[tuple[int, str]],
+                     progress: bool, **search_kwargs) -> list[list[list]]:
+  """`retrieve` over (q_start, q_end) chunks of `total` questions, the results concatenated
+  (questions are independent); `progress`: a bar of the questions searched and questions/s."""
+  results: list[list] = [[] for _ in requests]
+  bar = Progress("search", total, "questions", logger=log) if progress else None
+  for q_start, q_end in chunks:
+    for whole, piece in zip(results, retrieve(index, q_start, q_end, requests, **search_kwargs)):
+      whole.extend(piece)
+    if bar:
+      bar.update(len(q_start))
+  if bar:
+    bar.close()
+  return results
+
+
+def score_requests(phrase_k: int = 10, passage_k: int = 20) -> list[tuple[int, str]]:
+  """The searches `found_scores` scores: top phrase_k phrases, top passage_k passages (if any)."""
+  return [(phrase_k, "phrase")] + ([(passage_k, "passage")] if passage_k else [])
+
+
 def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
                      answers: Sequence[Sequence[str]], *, max_answer_length: int = 10,
                      phrase_k: int = 10, top_tokens: int | None = None, passage_k: int = 20,
@@ -45,31 +88,33 @@ def retrieval_scores(index, q_start: np.ndarray, q_end: np.ndarray,
                      shared_hits: bool = False, found: list | None = None,
                      progress: bool = False, regex: bool = False) -> dict:
   """EM@1/EM@k (phrases, k = `phrase_k`) and, with `passage_k`, passage Top-k/MRR@k/P@k over
-  a PhraseIndex.
+  a PhraseIndex (`score_requests` searched, then `found_scores`).
+
+  `found`: a list that receives the retrieved [phrases, passages] (predictions files).
+  `progress`: show the search's progress and questions/s (256 questions at a time).
+  The other arguments: `found_scores`'s and `PhraseIndex.search`'s.
+  """
+  step = PROGRESS_CHUNK if progress else max(len(q_start), 1)
+  chunks = ((q_start[at:at + step], q_end[at:at + step]) for at in range(0, len(q_start), step))
+  results = _retrieve_chunks(index, chunks, len(q_start), score_requests(phrase_k, passage_k),
+                             progress, max_answer_length=max_answer_length,
+                             top_tokens=top_tokens, shared_hits=shared_hits)
+  if found is not None:
+    found.extend(results)
+  return found_scores(index, results, answers, phrase_k=phrase_k, passage_k=passage_k,
+                      passage_ks=passage_ks, per_question=per_question, regex=regex)
+
+
+def found_scores(index, results: list[list[list]], answers: Sequence[Sequence[str]], *,
+                 phrase_k: int = 10, passage_k: int = 20, passage_ks: Sequence[int] = (1, 5, 20),
+                 per_question: bool = False, regex: bool = False) -> dict:
+  """The scores of `score_requests(phrase_k, passage_k)`'s results (`retrieve`'s).
 
   `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
   and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests).
-  `found`: a list that receives the retrieved [phrases, passages] (predictions files).
-  `progress`: show the search's progress and questions/s (256 questions at a time).
   `regex`: the answers are regular expressions (CuratedTREC): EM by `metrics.regex_match`, no
   F1, passages by a pattern search. MRR and P@ are at 20, or at `passage_k` when it is less.
   """
-  requests = [(phrase_k, "phrase")] + ([(passage_k, "passage")] if passage_k else [])
-  results: list[list] = [[] for _ in requests]
-  bar = Progress("search", len(q_start), "questions", logger=log) if progress else None
-  step = PROGRESS_CHUNK if progress else max(len(q_start), 1)  # questions are independent
-  for at in range(0, len(q_start), step):
-    part = retrieve(index, q_start[at:at + step], q_end[at:at + step], requests,
-                    max_answer_length=max_answer_length, top_tokens=top_tokens,
-                    shared_hits=shared_hits)
-    for whole, piece in zip(results, part):
-      whole.extend(piece)
-    if bar:
-      bar.update(len(part[0]))
-  if bar:
-    bar.close()
-  if found is not None:
-    found.extend(results)
   texts = [[p.text for p, _ in units] for units in results[0]]
   report = metrics.open_domain_scores(texts, answers, ks=sorted({1, phrase_k}), regex=regex)
   if per_question:

@@ -163,10 +163,10 @@ def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
 def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
                      bounds: np.ndarray, scores: np.ndarray, first: int, last: int) -> None:
   """`_score_questions` from rows to convert (the dump's float16): the rows of consecutive
-  questions, up to `_CONVERT_ROWS` (a question with more: alone, rounded up to a multiple), are
-  gathered into one buffer and converted by one call (`half_to_float32`, a few shapes only);
-  each question's product is then the same [max(U_q, 2), D] x [D, 2] one, bit for bit."""
-  buffers: dict[int, np.ndarray] = {}
+  questions, up to `_CONVERT_ROWS`, are gathered into one buffer and converted by one call of
+  one shape (`half_to_float32`); a question with more rows is converted alone, in such pieces.
+  Each question's product is the same [max(U_q, 2), D] x [D, 2] one, bit for bit."""
+  half = np.zeros((_CONVERT_ROWS, source.shape[1]), source.dtype)
   q = first
   while q < last:
     lo = bounds[q]
@@ -174,11 +174,15 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
     end = min(max(int(np.searchsorted(bounds, lo + _CONVERT_ROWS - 1, "right")) - 1, q + 1),
               last)
     hi = bounds[end]
-    width = _CONVERT_ROWS * -(-(hi - lo + 1) // _CONVERT_ROWS)
-    if width not in buffers:
-      buffers[width] = np.zeros((width, source.shape[1]), source.dtype)
-    np.take(source, token[lo:hi], axis=0, out=buffers[width][:hi - lo], mode="clip")
-    rows = half_to_float32(buffers[width])
+    if hi - lo < _CONVERT_ROWS:
+      np.take(source, token[lo:hi], axis=0, out=half[:hi - lo], mode="clip")
+      rows = half_to_float32(half)
+    else:  # one question of more rows than a chunk
+      rows = np.empty((hi - lo, source.shape[1]), np.float32)
+      for at in range(0, hi - lo, _CONVERT_ROWS):
+        n = min(_CONVERT_ROWS, hi - lo - at)
+        np.take(source, token[lo + at:lo + at + n], axis=0, out=half[:n], mode="clip")
+        rows[at:at + n] = half_to_float32(half)[:n]
     for p in range(q, end):
       a, b = bounds[p] - lo, bounds[p + 1] - lo
       scores[lo + a:lo + b] = (rows[a:max(b, a + 2)] @ queries[p])[:b - a]
@@ -300,6 +304,10 @@ class PhraseIndex:
     self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
     self.passage_end = np.searchsorted(token_passage, np.arange(num_passages), "right")
     self._sentences: dict[int, np.ndarray] = {}
+    vectors = self.dump.vectors
+    if self.num_vectors and vectors.dtype != np.float32 and self._exact_vectors() is None:
+      # the rescoring converts the dump's rows (`_score_converted`): compiled now, not searching
+      half_to_float32(np.zeros((_CONVERT_ROWS, vectors.shape[1]), vectors.dtype))
 
   @property
   def fingerprint(self) -> str:

@@ -22,11 +22,12 @@ on sys.path), so old and new are the real code paths on the same inputs:
   dtype is timed beside them (`dump_new_model_dtype_over_old`, and how far the dtype alone moves
   the vectors).
 - eval: the first `--questions` SQuAD dev questions in batches of 64, what `run.py eval` does per
-  batch (encode; top-10 phrases and top-20 passages from one shared index search), over Flat and
-  IVF-SQ4 indexes of the new dump (every batch's questions encoded once first, untimed, so that
-  no question-encoder shape compiles while timed); questions/s, and EM@1 / passage Top-20 of
-  both trees, which must be equal (and, with --dump-min-context, the new code over the old
-  windows' dump: what the dump windows change in retrieval).
+  batch (encode; top-10 phrases and top-20 passages from one shared index search; a tree with
+  `retrieve_texts` encodes the next batch while it searches one, as `run.py eval` does), over
+  Flat and IVF-SQ4 indexes of the new dump (every batch's questions encoded once first,
+  untimed, so that no question-encoder shape compiles while timed); questions/s, and EM@1 /
+  passage Top-20 of both trees, which must be equal (and, with --dump-min-context, the new code
+  over the old windows' dump: what the dump windows change in retrieval).
 - train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch, same batch), its ratio.
 Writes the JSON (keys of issue 22) and a Markdown report beside it.
 """
@@ -221,8 +222,9 @@ def role_torch(args) -> dict:
 
 def role_eval(args) -> dict:
   """One tree's eval path over an index: batches of 64 questions, top-10 phrases and top-20
-  passages from one shared search; q/s, compiles, and what was found (for the comparison)."""
-  from dpjax.index.evaluate import retrieve
+  passages from one shared search (a tree with `retrieve_texts`: the next batch encoded while
+  one is searched); q/s, compiles, and what was found (for the comparison)."""
+  from dpjax.index import evaluate
   from dpjax.index.search import DensePhrases, PhraseIndex
   config, model, tokenizer = _model(args)
   questions = json.loads(pathlib.Path(args.questions_file).read_text())
@@ -233,15 +235,21 @@ def role_eval(args) -> dict:
   for lo in range(0, len(questions), BATCH):  # every shape the encoder meets compiled, untimed
     searcher.encode(questions[lo:lo + BATCH])
   counter = _compile_counter()
-  top1, passages = [], []
+  kwargs = dict(shared_hits=True, max_answer_length=config.eval.max_answer_length)
   start = time.perf_counter()
-  for lo in range(0, len(questions), BATCH):
-    q_start, q_end = searcher.encode(questions[lo:lo + BATCH])
-    phrases, units = retrieve(index, q_start, q_end, requests, shared_hits=True,
-                              max_answer_length=config.eval.max_answer_length)
-    top1 += [found[0][0].text if found else "" for found in phrases]
-    passages += [[p.passage for p, _ in found] for found in units]
+  if hasattr(evaluate, "retrieve_texts"):  # the next batch encoded while one is searched
+    found = evaluate.retrieve_texts(index, searcher.encode, questions, requests, chunk=BATCH,
+                                    **kwargs)
+  else:  # a tree without it (before 2026-11-27): encode, then search, batch by batch
+    found = [[], []]
+    for lo in range(0, len(questions), BATCH):
+      part = evaluate.retrieve(index, *searcher.encode(questions[lo:lo + BATCH]), requests,
+                               **kwargs)
+      found[0] += part[0]
+      found[1] += part[1]
   seconds = time.perf_counter() - start
+  top1 = [units[0][0].text if units else "" for units in found[0]]
+  passages = [[p.passage for p, _ in units] for units in found[1]]
   return {"seconds": seconds, "questions_per_s": len(questions) / seconds, "top1": top1,
           "passages": passages, "compiles_timed": counter["compiles"]}
 
