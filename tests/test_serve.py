@@ -278,6 +278,25 @@ def test_texts_retrieved_pipelined_equal_their_vectors(service, monkeypatch):
   assert evaluate.found_scores(searcher.index, got, golds) == want
 
 
+def test_search_many_answers_each_request_as_its_own_search(service, monkeypatch):
+  """`DensePhrases.search_many`: one index search a chunk of questions (2 here, pipelined) for
+  several requests, each answered as its own search of the chunk answers it (an exact index;
+  a question's vector depends on the questions encoded with it, by rounding)."""
+  _, config, workdir, questions, _ = service
+  from dpjax.index import evaluate
+  searcher, _ = load_searcher(config, workdir)
+  requests = [(3, "phrase"), (2, "passage"), (2, "document")]
+  chunks = [questions[lo:lo + 2] for lo in range(0, len(questions), 2)]
+  alone = [sum((searcher.search(chunk, k, unit) for chunk in chunks), [])
+           for k, unit in requests]
+  monkeypatch.setattr(evaluate, "PROGRESS_CHUNK", 2)
+  searched, retrieve = [], evaluate.retrieve
+  monkeypatch.setattr(evaluate, "retrieve", lambda *a, **k: searched.append(1) or retrieve(*a, **k))
+  assert searcher.search_many(questions, requests) == alone
+  assert len(searched) == (len(questions) + 1) // 2
+  assert searcher.search_many([], requests) == [[], [], []]
+
+
 def test_regex_answers_and_passage_lists_shorter_than_20(service):
   """eval.regex: answers are patterns (CuratedTREC), EM matched at the prediction's start, no
   F1, passages searched; MRR and P@ are labelled by the depth they were taken at."""

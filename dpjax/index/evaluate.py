@@ -40,12 +40,14 @@ def retrieve(index, q_start: np.ndarray, q_end: np.ndarray, requests: Sequence[t
 
 
 def retrieve_texts(index, encode: Callable, texts: Sequence[str],
-                   requests: Sequence[tuple[int, str]], *, chunk: int = PROGRESS_CHUNK,
+                   requests: Sequence[tuple[int, str]], *, chunk: int | None = None,
                    progress: bool = False, **search_kwargs) -> list[list[list]]:
   """`retrieve` of questions given as text, `encode(texts) -> (q_start, q_end)` called on
-  `chunk` of them at a time and pipelined: the next chunk is encoded in a worker thread while
-  this one is searched, so the encoder's and the search's work share the cores that each alone
-  leaves idle. `search_kwargs` as `retrieve`'s (shared_hits, max_answer_length, ...)."""
+  `chunk` (default `PROGRESS_CHUNK`) of them at a time and pipelined: the next chunk is encoded
+  in a worker thread while this one is searched, so the encoder's and the search's work share
+  the cores that each alone leaves idle. `search_kwargs` as `retrieve`'s (shared_hits,
+  max_answer_length, ...)."""
+  chunk = chunk or PROGRESS_CHUNK
   parts = [texts[lo:lo + chunk] for lo in range(0, len(texts), chunk)]
 
   def encoded():

@@ -35,7 +35,7 @@ import numpy as np
 from dpjax.data.tokenization import Tokenizer
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
-from dpjax.index.evaluate import retrieve
+from dpjax.index.evaluate import retrieve_texts
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, index_folder
 from dpjax.io import read_json
 from dpjax.model_files import DEFAULT_MODEL
@@ -689,12 +689,13 @@ class DensePhrases:
   def search_many(self, questions: Sequence[str], requests: Sequence[tuple[int, str]],
                   **kwargs) -> list[list[list[dict]]]:
     """Several searches of the same questions, e.g. `[(10, "phrase"), (20, "passage")]`: the
-    questions are encoded once and the index is searched once, as wide as the widest needs."""
+    questions are encoded once and the index is searched once, as wide as the widest needs;
+    256 questions at a time, the next encoded while the last are searched (`retrieve_texts`)."""
     if not requests:
       raise ValueError("search_many needs at least one (k, unit) request")
     for k, unit in requests:  # before the index search that the widest request sizes
       check_request(k, unit)
-    q_start, q_end = self.encode(list(questions))
-    found = retrieve(self.index, q_start, q_end, requests, shared_hits=True, **kwargs)
+    found = retrieve_texts(self.index, self.encode, list(questions), requests, shared_hits=True,
+                           **kwargs)
     return [[[self.index.result(p, unit) for p, _ in units] for units in per_request]
             for (_, unit), per_request in zip(requests, found)]
