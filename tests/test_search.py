@@ -7,7 +7,7 @@ import pytest
 from dpjax.data.squad import Passage
 from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
 from dpjax.index.faiss_index import build_index, resolve_spec
-from dpjax.index.search import UNITS, PhraseIndex, half_to_float32
+from dpjax.index.search import UNITS, PhraseIndex, half_to_float32, sentence_bounds
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.
@@ -186,6 +186,16 @@ def test_rescoring_equals_the_spelled_out_rule(toy, index_name, max_len):
     best = max((vectors[s] @ q_start[q] + vectors[e] @ q_end[q], s, e) for s in range(n)
                for e in range(s, min(s + max_len, index.passage_end[index.dump.token_passage[s]])))
     assert (phrase.start_token, phrase.end_token) == best[1:]
+
+
+def test_sentences_end_at_terminal_punctuation_not_at_abbreviations():
+  text = ('Dr. Smith met J. R. R. Tolkien in the U.S. in 1950. They talked, e.g. about maps! '
+          'Did they? yes. "Quite so." He left. 3 went.')
+  bounds = sentence_bounds(text)
+  assert [text[a:b] for a, b in zip(bounds, bounds[1:])] == [
+      "Dr. Smith met J. R. R. Tolkien in the U.S. in 1950. ", "They talked, e.g. about maps! ",
+      "Did they? yes. ", '"Quite so." ', "He left. ", "3 went."]
+  assert sentence_bounds("") == [0, 0] and sentence_bounds("No end") == [0, 6]
 
 
 def test_float16_rows_convert_exactly():

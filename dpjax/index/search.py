@@ -57,7 +57,13 @@ _BLAS = None  # threadpoolctl's controller (`_blas_controller`), False without t
 _BLAS_LOCK = threading.Lock()  # guards the two below (`_one_blas_thread`)
 _BLAS_USERS = 0  # searches holding BLAS at one thread
 _BLAS_LIMIT = None  # their limit, restored by the last
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+# A sentence ends at . ! or ? (and any closing quotes or brackets) followed by whitespace and a
+# character that is not a lower-case letter, unless the period ends an abbreviation or an initial.
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'\u201d\u2019)\]]*\s+(?=[^\s])")
+_ABBREVIATION = re.compile(
+    r"(?:^|[\s(\"'])(?:[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft|Gen|Col|Lt|Sgt|Capt|Rev|Gov|"
+    r"Sen|Rep|No|Nos|vs|etc|e\.g|i\.e|Inc|Ltd|Co|Corp|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|"
+    r"Oct|Nov|Dec|U\.S|U\.K|a\.m|p\.m)\.$")
 
 
 @dataclasses.dataclass
@@ -82,6 +88,16 @@ def half_to_float32(half: np.ndarray) -> np.ndarray:
 
 _half_to_float32 = jax.jit(lambda half: half.astype(jnp.float32))
 _host_cpu = functools.cache(lambda: jax.devices("cpu")[0])
+
+
+def sentence_bounds(text: str) -> list[int]:
+  """Character offsets [0, ends..., len(text)] of the sentences of `text` (`_SENTENCE_END`): a
+  sentence ends at . ! ? followed by whitespace, then not by a lower-case letter, nor after an
+  abbreviation ("Dr.", "e.g.", "U.S.") or an initial ("J."); the whitespace goes with it."""
+  ends = [m.end() for m in _SENTENCE_END.finditer(text)
+          if not text[m.end()].islower()
+          and not (text[m.start() - 1] == "." and _ABBREVIATION.search(text, 0, m.start()))]
+  return [0] + ends + [len(text)]
 
 
 def _scoring_threads(rows: int) -> int:
@@ -452,8 +468,7 @@ class PhraseIndex:
     """(start, end) characters of the sentence holding the phrase's first character."""
     if phrase.passage not in self._sentences:
       text = self.dump.passages[phrase.passage].text
-      self._sentences[phrase.passage] = np.array(
-          [0] + [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)])
+      self._sentences[phrase.passage] = np.array(sentence_bounds(text))
     bounds = self._sentences[phrase.passage]
     i = int(np.searchsorted(bounds, phrase.start_char, "right")) - 1
     return int(bounds[i]), int(bounds[i + 1])
