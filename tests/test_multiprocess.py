@@ -5,9 +5,11 @@ The commands are the README's "Running on many hosts" ones: `run.py MODE ... --c
 """
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import faiss
 import numpy as np
@@ -25,6 +27,9 @@ def _env(devices: int) -> dict:
   return env
 
 
+PORT_TAKEN = "Failed to add port to server"  # gRPC, when process 0 cannot bind the coordinator
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -32,8 +37,9 @@ def _free_port() -> int:
 
 
 def _launch(mode: str, workdir, *extra: str, processes: int,
-            devices: int) -> list[subprocess.Popen]:
-  """Starts `run.py mode` as `processes` processes of `devices` devices each (output piped)."""
+            devices: int) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+  """Starts `run.py mode` as `processes` processes of `devices` devices each; (process, its
+  output file) pairs."""
   command = [sys.executable, "run.py", mode, "--config", CONFIG, "--workdir", str(workdir),
              *extra]
   ranks = [[]]  # one process: no distributed runtime
@@ -41,22 +47,37 @@ def _launch(mode: str, workdir, *extra: str, processes: int,
     address = f"127.0.0.1:{_free_port()}"
     ranks = [["--coordinator", address, "--num_processes", str(processes), "--process_id",
               str(rank)] for rank in range(processes)]
-  return [subprocess.Popen(command + rank, cwd=REPO, env=_env(devices), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True) for rank in ranks]
+  launched = []
+  for n, rank in enumerate(ranks):
+    log = pathlib.Path(workdir).parent / f"{pathlib.Path(workdir).name}-{mode}-{n}.log"
+    with log.open("w") as out:
+      launched.append((subprocess.Popen(command + rank, cwd=REPO, env=_env(devices), stdout=out,
+                                        stderr=subprocess.STDOUT, text=True), log))
+  return launched
 
 
-def _run(mode: str, workdir, *, processes: int, devices: int):
-  """Runs `run.py mode` as `processes` processes of `devices` devices each; waits for all."""
-  launched = _launch(mode, workdir, *SETTINGS, processes=processes, devices=devices)
-  outputs = []
-  for process in launched:
-    try:
-      outputs.append(process.communicate(timeout=600)[0])
-    except subprocess.TimeoutExpired:
-      for p in launched:
+def _finish(launched, timeout: float = 600) -> list[str]:
+  """Waits for every process; once one has failed (or the time is up), stops the others, which
+  would wait for it until their own timeout. Their outputs."""
+  deadline = time.monotonic() + timeout
+  while any(p.poll() is None for p, _ in launched):
+    if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p, _ in launched):
+      for p, _ in launched:
         p.kill()
-      raise
-  for rank, (process, output) in enumerate(zip(launched, outputs)):
+        p.wait()
+    time.sleep(0.2)
+  return [log.read_text() for _, log in launched]
+
+
+def _run(mode: str, workdir, *, processes: int, devices: int, attempts: int = 3):
+  """Runs `run.py mode` as `processes` processes of `devices` devices each; waits for all. A
+  coordinator port taken between `_free_port` and process 0's bind is retried on another."""
+  for attempt in range(attempts):
+    launched = _launch(mode, workdir, *SETTINGS, processes=processes, devices=devices)
+    outputs = _finish(launched)
+    if not any(PORT_TAKEN in output for output in outputs):
+      break
+  for rank, ((process, _), output) in enumerate(zip(launched, outputs)):
     assert process.returncode == 0, f"{mode} process {rank} failed:\n{output[-4000:]}"
   return outputs
 
@@ -120,22 +141,42 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_pat
   """A preemption notice reaching one process: JAX's sync point stops every process after the
   same step, which is checkpointed; both exit with status 143."""
   import signal
-  import time
   launched = _launch("train", tmp_path, "--set", "train.num_steps=400", "--set",
                      "train.checkpoint_every=1000", "--set", "train.log_every=1",
                      processes=2, devices=2)
   try:
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-      assert time.time() < deadline and all(p.poll() is None for p in launched)
+      assert time.time() < deadline and all(p.poll() is None for p, _ in launched)
       time.sleep(0.5)
-    launched[1].send_signal(signal.SIGTERM)
-    outputs = [p.communicate(timeout=300)[0] for p in launched]
+    launched[1][0].send_signal(signal.SIGTERM)
+    for p, _ in launched:
+      p.wait(timeout=300)
+    outputs = [log.read_text() for _, log in launched]
   finally:
-    for p in launched:
+    for p, _ in launched:
       p.kill()
   steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
   assert len(steps) == 1 and 3 <= steps[0] < 400
-  for process, output in zip(launched, outputs):
+  for (process, _), output in zip(launched, outputs):
     assert process.returncode == 143, output[-3000:]
     assert f"stopped on SIGTERM at step {steps[0]} of 400" in output
+
+
+@pytest.mark.slow
+def test_a_coordinator_port_taken_before_its_bind_is_retried(tmp_path, monkeypatch):
+  """`_free_port`'s port can be taken before process 0 binds it (another program, rarely): the
+  run fails fast (process 0 cannot start the coordinator; the other, waiting for it, is stopped)
+  and starts again on another port."""
+  free, ports = _free_port, []
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(sys.modules[__name__], "_free_port",
+                        lambda: ports.append(free() if ports else taken.getsockname()[1])
+                        or ports[-1])
+    start = time.monotonic()
+    outputs = _run("data", tmp_path / "w", processes=2, devices=1)
+  assert len(ports) == 2 and time.monotonic() - start < 120  # not the 300 s init timeout
+  assert not any(PORT_TAKEN in output for output in outputs)
+  assert (tmp_path / "w-data-0.log").is_file()
