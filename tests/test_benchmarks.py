@@ -168,6 +168,8 @@ def test_eval_cores_benchmark_tiny(tmp_path, monkeypatch, squad_dir):
   assert r["one_core"]["per_batch"]["encode"] > 0 and r["all_cores"]["per_batch"]["retrieve"] > 0
   assert r["bound_questions_per_s"] == pytest.approx(
       64 * r["cores"] / r["one_core"]["batch_seconds"])
+  assert r["pipelined_questions_per_s"] == pytest.approx(
+      64 / r["all_cores"]["pipelined_batch_seconds"])
 
 
 def test_speed_dump_role_times_rounds_and_the_bare_forward_between_them(tmp_path, monkeypatch):
