@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from dpjax.checkpoint import Checkpointer, abstract_like
@@ -186,6 +187,25 @@ def _hard_negatives(tc, train) -> HardNegatives | None:
   if tc.loss.recipe != "unified":
     raise ConfigError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
   return hard
+
+
+def random_with_answer(batches) -> dict:
+  """`{"hard_negatives_random_with_answer": n}`: the random hard negatives that `batches` (a
+  batch source; {} without hard negatives) drew for this process's steps with their question's
+  answer, none without it found (`HardNegatives.random_with_answer`), summed over the
+  processes (each draws for its own rows), warned when not 0. Every process must call it."""
+  hard = getattr(batches, "hard_negatives", None)
+  if hard is None:
+    return {}
+  count = hard.random_with_answer
+  if jax.process_count() > 1:
+    count = multihost_utils.process_allgather(np.int64(count)).sum()
+  count = int(count)
+  if count:
+    log.warning("%d random hard negatives of these steps hold their question's answer: no "
+                "other passage without it was found in %d draws", count,
+                HardNegatives.RANDOM_DRAWS)
+  return {"hard_negatives_random_with_answer": count}
 
 
 def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir, data: str) -> None:
@@ -367,6 +387,9 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
     run.progress.close()
     run.checkpointer.close()
   record = run.record
+  if stop > run.first:  # steps run now: how their hard negatives were drawn
+    drawn = random_with_answer(run.batches)
+    record = {**record, **drawn} if record else record
   if run.first >= run.total and not record:
     record = _finished(run) or evaluate(run, run.first)
   if validator:

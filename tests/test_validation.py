@@ -1,5 +1,7 @@
 """Validation subcorpora, hard-negative mining and training, best-checkpoint selection."""
 import json
+import logging
+import types
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from dpjax.config import load_config
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import Passage, Question, build_windows, read_squad
 from dpjax.mining import HardNegatives, filter_negatives
+from dpjax.train import random_with_answer
 from dpjax.validation import Validator
 
 import run
@@ -111,9 +114,13 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
            .splitlines() if '"train"' in line]
   assert len(losses) == 6 and np.isfinite(losses).all()
   assert losses[0] > plain[0]  # more negatives in the softmax: a larger loss at the same start
+  # Training reports how many random negatives had to be taken with the answer: none here.
+  assert json.loads((hard / "results.json").read_text())["hard_negatives_random_with_answer"] == 0
+  assert "hard_negatives_random_with_answer" not in json.loads(
+      (tmp_path / "results.json").read_text())  # no hard negatives, no count
 
 
-def test_hard_negative_windows(tokenizer):
+def test_hard_negative_windows(tokenizer, caplog):
   passages = [Passage("a", "A", "alpha " * 60),
               Passage("b", "B", "beta " * 10 + "gamma delta " * 40),
               Passage("c", "C", "gamma " * 5)]
@@ -141,6 +148,12 @@ def test_hard_negative_windows(tokenizer):
   cornered = HardNegatives(mined, windows, cornered, texts, per_example=2, seed=0)
   assert set(cornered(0, np.array([1]))["hard_passage_ids"].tolist()) <= {0, 2}
   assert cornered.random_with_answer == 2
+  # ... which training's end reports (summed over the processes) and warns of.
+  with caplog.at_level(logging.WARNING, logger="dpjax.train"):
+    assert random_with_answer(types.SimpleNamespace(hard_negatives=cornered)) == {
+        "hard_negatives_random_with_answer": 2}
+  assert "2 random hard negatives of these steps hold their question's answer" in caplog.text
+  assert random_with_answer(types.SimpleNamespace(hard_negatives=None)) == {}
   # The mined window holds the retrieved phrase's start as a max-context token.
   window = sampler._window(1, start)
   hit = (windows.char_start[window] <= start) & (start < windows.char_end[window])
