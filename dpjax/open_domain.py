@@ -149,13 +149,42 @@ def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]
   return len(timed) / (time.perf_counter() - start), len(timed)
 
 
-def _trec_id(value: str, rewritten: set) -> str:
-  """An id as a TREC run line's column: whitespace (a column separator) as '_' (noted in
-  `rewritten`)."""
-  if not value or any(c.isspace() for c in value):
-    rewritten.add(value)
-    return "_".join(value.split()) or "_"
-  return value
+def _trec_ids(ids, what: str) -> dict[str, str]:
+  """Each of the distinct `ids` as a TREC run line's column: whitespace (a column separator)
+  as '_', the others as they are. Raises ValueError naming two ids that would then be one."""
+  columns: dict[str, str] = {}
+  taken: dict[str, str] = {}
+  for value in ids:
+    if value in columns:
+      continue
+    column = "_".join(value.split()) or "_"
+    if column in taken:
+      raise ValueError(f"{what} ids {taken[column]!r} and {value!r} would both be {column!r} "
+                       "(whitespace splits a TREC line)")
+    columns[value], taken[column] = column, value
+  return columns
+
+
+def _write_trec(path: pathlib.Path, questions, ranked) -> str | None:
+  """The passage ranking as a TREC run file (`qid Q0 passage_id rank score dpjax`, as Pyserini
+  writes), ids with whitespace rewritten (`_trec_ids`, warned). Where that would make two ids
+  one, no file (an earlier one is removed): returns why."""
+  try:
+    qids = _trec_ids((q.id for q in questions), "question")
+    pids = _trec_ids((pid for passages in ranked for pid, _ in passages), "passage")
+  except ValueError as e:
+    path.unlink(missing_ok=True)
+    log.error("%s not written: %s; the predictions file has every id as it is", path.name, e)
+    return str(e)
+  rewritten = sorted(k for k, v in (qids | pids).items() if k != v)
+  write_lines_atomic(path, (f"{qids[q.id]} Q0 {pids[pid]} {rank} {score:.6f} dpjax\n"
+                            for q, passages in zip(questions, ranked)
+                            for rank, (pid, score) in enumerate(passages, 1)))
+  if rewritten:
+    log.warning("%s: %d question or passage ids hold whitespace, which splits a TREC line; "
+                "written with '_' for it (e.g. %r); the predictions file has them as they are",
+                path.name, len(rewritten), rewritten[0])
+  return None
 
 
 def _spans(results: list[dict]) -> list[list]:
@@ -189,14 +218,9 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
       json.dumps({"id": q.id, "question": q.question, "answers": q.answers,
                   "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n"
       for q, r in zip(questions, phrases)))
-  rewritten: set[str] = set()
-  write_lines_atomic(workdir / f"open_run_{name}{tag}.trec", (
-      f"{_trec_id(q.id, rewritten)} Q0 {_trec_id(pid, rewritten)} {rank} {score:.6f} dpjax\n"
-      for q, passages in zip(questions, ranked) for rank, (pid, score) in enumerate(passages, 1)))
-  if rewritten:
-    log.warning("open_run_%s%s.trec: %d question or passage ids hold whitespace, which splits "
-                "a TREC line; written with '_' for it (e.g. %r); the predictions file has them "
-                "as they are", name, tag, len(rewritten), sorted(rewritten)[0])
+  skipped = _write_trec(workdir / f"open_run_{name}{tag}.trec", questions, ranked)
+  if skipped:
+    report["trec_run_not_written"] = skipped
   write_json(workdir / f"open_eval_{name}{tag}.json", report)
   # passage Top-k as far as eval.passage_k reaches (0: none)
   summary = "  ".join([f"EM@1 {report['em@1']:.2f}", f"EM@10 {report['em@10']:.2f}"] + [

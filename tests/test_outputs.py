@@ -1,11 +1,14 @@
 """Standard outputs: eval reports per corpus (dump), a TREC run file, the `dpjax` command."""
 import json
+import logging
 import pathlib
 import subprocess
 import sys
 
 from conftest import REPO
 from dpjax.data.corpus import read_corpus
+from dpjax.data.squad import Question
+from dpjax.open_domain import _trec_ids, _write_trec
 
 import run
 
@@ -53,3 +56,24 @@ def test_dpjax_command():
   result = subprocess.run(command + ["--help"], cwd=REPO, capture_output=True, text=True)
   from dpjax.cli import MODES
   assert result.returncode == 0 and "{" + ",".join(MODES) + "}" in result.stdout
+
+
+def test_trec_ids_with_whitespace_are_rewritten_never_merged(tmp_path, caplog):
+  questions = [Question("q 1", "?", ["a"]), Question("q2", "?", ["b"])]
+  ranked = [[("p 1", 2.5), ("p2", 1.0)], [("p2", 3.0)]]
+  path = tmp_path / "run.trec"
+  with caplog.at_level(logging.WARNING):
+    assert _write_trec(path, questions, ranked) is None
+  assert path.read_text().splitlines() == ["q_1 Q0 p_1 1 2.500000 dpjax",
+                                           "q_1 Q0 p2 2 1.000000 dpjax",
+                                           "q2 Q0 p2 1 3.000000 dpjax"]
+  assert "2 question or passage ids hold whitespace" in caplog.text
+  # "p 1" and "p_1" would both be "p_1" (one passage to trec_eval): no run file at all, and an
+  # earlier one is not left behind to be read as this run's.
+  ranked[1].append(("p_1", 0.5))
+  with caplog.at_level(logging.ERROR):
+    why = _write_trec(path, questions, ranked)
+  assert why == "passage ids 'p 1' and 'p_1' would both be 'p_1' (whitespace splits a TREC line)"
+  assert not path.exists() and "run.trec not written" in caplog.text
+  assert _trec_ids(["", "x\ty", "x y z"], "question") == {"": "_", "x\ty": "x_y",
+                                                          "x y z": "x_y_z"}
