@@ -77,6 +77,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
                  "serve.max_wait_ms", "serve.port", "index.dump_min_context",
                  "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length")
+_LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
@@ -97,7 +98,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     return node
 
   for key in _POSITIVE + _NOT_NEGATIVE:
-    value, least = get(key), 1 if key in _POSITIVE else 0
+    value, least = get(key), _LEAST.get(key, 1 if key in _POSITIVE else 0)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                               or value < least):
       raise ConfigError(f"{key} = {value!r}: must be a number >= {least}")

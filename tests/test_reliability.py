@@ -3,6 +3,7 @@
 import concurrent.futures
 import errno
 import json
+import logging
 import re
 import shutil
 import socket

@@ -119,6 +119,93 @@ def test_command_line_reports_errors_without_traceback(tmp_path, capsys):
   assert "questions read: 1, kept: 1, skipped: 0" in out
 
 
+def test_json_that_python_refuses_beyond_syntax_is_a_data_error(tmp_path, capsys):
+  """Nesting past the recursion limit (RecursionError) and an integer of more than 4,300 digits
+  (ValueError) are bad records like any other: a DataError naming the file (SQuAD JSON and JSONL
+  questions), a skipped and counted line in a JSONL corpus; they were tracebacks."""
+  from dpjax.data.corpus import read_corpus
+  from dpjax.data.questions import read_questions
+  deep, huge = "[" * 100_000 + "]" * 100_000, '{"id": "q", "question": "x?", "n": ' + "9" * 5000 + "}"
+  for name, text, why in (("deep", deep, "nested too deeply"), ("huge", huge, "4300 digits")):
+    with pytest.raises(DataError, match=f"{name}.json: invalid JSON: .*{why}"):
+      read_squad(_write(tmp_path, text, f"{name}.json"))
+    with pytest.raises(DataError, match=f"{name}.jsonl:2: invalid JSON: .*{why}"):
+      read_questions(_write(tmp_path, '{"question": "a?", "answers": ["a"]}\n' + text,
+                            f"{name}.jsonl"))
+    summary = squad.SkipSummary()
+    corpus = _write(tmp_path, '{"id": "p", "text": "a"}\n' + text, f"{name}_corpus.jsonl")
+    assert [p.id for p in read_corpus([corpus], summary)] == ["p"]
+    assert summary.counts == {"invalid JSON line": 1} and why in str(summary)
+  assert squad.main([str(tmp_path / "deep.json")]) == 2
+  assert "nested too deeply" in capsys.readouterr().err
+
+
+def test_answer_start_as_integral_float_and_exact_later_answers_win(tmp_path):
+  """An answer_start of 28.0 (pandas writes them) is the offset 28; a later answer at its own
+  offset wins over relocating an earlier one by `find` (which took "cat" at 4, not 28); only
+  when none is at its offset is the first found text kept, counted as relocated."""
+  context = "The cat sat down. Later the cat left."
+  def read(*answers):
+    qa = {"id": "q", "question": "Who left?", "answers": list(answers)}
+    _, questions, summary = read_squad(_write(tmp_path, _squad({"context": context,
+                                                                "qas": [qa]})))
+    return questions[0].answer_start, questions[0].answers, summary.answers_relocated
+  assert read({"text": "cat", "answer_start": 28.0}) == (28, ["cat"], 0)
+  assert read({"text": "cat", "answer_start": 99},
+              {"text": "the cat", "answer_start": 24}) == (24, ["the cat", "cat"], 0)
+  assert read({"text": "cat", "answer_start": 28.5}) == (4, ["cat"], 1)
+  assert read({"text": "cat", "answer_start": True}) == (4, ["cat"], 1)
+  assert read({"text": "left", "answer_start": 0},
+              {"text": "cat", "answer_start": 1}) == (32, ["left", "cat"], 1)
+
+
+def test_qas_that_is_not_a_list_is_counted(tmp_path):
+  one = {"context": "Paris is the capital of France.", "qas": _qa("q2", "Capital?", "Paris", 0)}
+  _, questions, summary = read_squad(_write(tmp_path, _squad(GOOD, one)))
+  assert [q.id for q in questions] == ["q1"]  # q2 was dropped without a word
+  assert summary.questions_seen == 2 and summary.counts == {"'qas' is not a list": 1}
+
+
+def test_subset_matches_ids_as_read_and_skips_what_the_reader_skips(tmp_path):
+  """`write_squad_subset` (a validation sample's questions file): numeric ids match their text
+  (read_squad's ids), non-object records are left out, a lone surrogate in a kept answer is
+  written escaped; all three were errors or tracebacks."""
+  data = _squad({"context": "Berlin is in Germany.",
+                 "qas": [_qa(7, "Where is Berlin?", "Germany", 13), "oops",
+                         {"id": "s", "question": "Capital?",
+                          "answers": [{"text": "Berlin", "answer_start": 0},
+                                      {"text": "Berl\ud800n", "answer_start": 0}]}]},
+                "not a paragraph")
+  src = _write(tmp_path, data)
+  assert squad.write_squad_subset(src, tmp_path / "sub.json", ["7", "s"]) == 2
+  _, questions, _ = read_squad(tmp_path / "sub.json")
+  assert [(q.id, q.answer_start) for q in questions] == [("7", 13), ("s", 0)]
+  with pytest.raises(DataError, match=r"1 of 2 question ids not found \(e\.g\. '8'\)"):
+    squad.write_squad_subset(src, tmp_path / "sub.json", ["7", "8"])
+
+
+def test_titles_read_alike_by_every_reader(tmp_path):
+  """A number as a title is its text, anything else but a string is '' in both the SQuAD reader
+  and the corpus reader (validation matches gold passages by title and text: a dev file's own
+  paragraphs were 'not in the corpus' built from it)."""
+  from dpjax.data.corpus import read_corpus
+  data = {"data": [{"title": title, "paragraphs": [{"context": f"Text {i}.", "qas": []}]}
+                   for i, title in enumerate([1984, 0, True, None, "T", 2.5])]}
+  path = _write(tmp_path, data)
+  passages, _, _ = read_squad(path, require_answers=False)
+  assert [p.title for p in passages] == ["1984", "0", "", "", "T", "2.5"]
+  assert [p.title for p in read_corpus([path])] == [p.title for p in passages]
+
+
+def test_command_line_refuses_impossible_lengths(tmp_path, capsys):
+  path = str(_write(tmp_path, _squad(GOOD), "ok.json"))
+  assert squad.main([path, "--doc-stride", "0"]) == 2
+  assert capsys.readouterr().err.startswith("error: data.max_seq_length 384 leaves no room")
+  with pytest.raises(SystemExit) as exit_:
+    squad.main([path, "--max-query-length", "1"])
+  assert exit_.value.code == 2 and "--max-query-length 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("doc_stride, min_context", [(11, 0), (40, 0), (40, 3)])
 def test_windows_cover_every_token_once(tokenizer, doc_stride, min_context):
   """Every context token in a window, kept in exactly one (its max-context window); a doc_stride

@@ -30,7 +30,8 @@ import pathlib
 import sys
 from typing import Iterable, Iterator
 
-from dpjax.data.squad import DataError, Passage, SkipSummary, load_json, valid_unicode
+from dpjax.data.squad import (JSON_ERRORS, DataError, Passage, SkipSummary, json_problem,
+                              load_json, title_text, valid_unicode)
 from dpjax.io import write_jsonl
 
 
@@ -149,6 +150,9 @@ def _read_jsonl(path: pathlib.Path, prefix: str, summary: SkipSummary):
       except json.JSONDecodeError as e:
         summary.skip("invalid JSON line", f"{where} column {e.colno}")
         continue
+      except JSON_ERRORS as e:  # a huge integer, deep nesting
+        summary.skip("invalid JSON line", f"{where} ({json_problem(e)})")
+        continue
       if not isinstance(record, dict):
         summary.skip("line is not a JSON object", where)
         continue
@@ -158,14 +162,7 @@ def _read_jsonl(path: pathlib.Path, prefix: str, summary: SkipSummary):
         continue
       pid = _passage_id(record.get("id", record.get("_id")), f"{prefix}-{number}", where, summary)
       if pid is not None:
-        yield Passage(pid[0], _title(record.get("title")), text), where, pid[1]
-
-
-def _title(value) -> str:
-  """A record's title: a string (a number as its text); missing, null or anything else: ''."""
-  if isinstance(value, str):
-    return value
-  return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+        yield Passage(pid[0], title_text(record.get("title")), text), where, pid[1]
 
 
 def _read_squad(path: pathlib.Path, prefix: str, summary: SkipSummary):
@@ -177,7 +174,7 @@ def _read_squad(path: pathlib.Path, prefix: str, summary: SkipSummary):
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
       summary.skip("article without a 'paragraphs' list", f"{path}: data[{a}]")
       continue
-    title = _title(article.get("title"))
+    title = title_text(article.get("title"))
     for p, paragraph in enumerate(article["paragraphs"]):
       where = f"{path}: data[{a}].paragraphs[{p}]"
       text = paragraph.get("context") if isinstance(paragraph, dict) else None

@@ -9,7 +9,8 @@ import pathlib
 import numpy as np
 
 from dpjax.data.corpus import is_jsonl
-from dpjax.data.squad import DataError, Question, load_json, read_squad, valid_unicode
+from dpjax.data.squad import (JSON_ERRORS, DataError, Question, json_problem, load_json,
+                              read_squad, valid_unicode)
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,8 @@ def _jsonl_rows(path: pathlib.Path) -> list[tuple[str, object]]:
     if line.strip():
       try:
         rows.append((f"{path}:{number}", json.loads(line)))
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{number}: invalid JSON at column {e.colno}: {e.msg}") from None
+      except JSON_ERRORS as e:  # (also a huge integer, deep nesting)
+        raise DataError(f"{path}:{number}: {json_problem(e)}") from None
   return rows
 
 

@@ -92,6 +92,20 @@ class SkipSummary:
     return "\n".join(lines)
 
 
+# What `json.loads` raises on bad text besides `json.JSONDecodeError` (a ValueError): ValueError
+# for an integer of more than 4,300 digits, RecursionError for nesting past the recursion limit.
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def json_problem(error: BaseException) -> str:
+  """One line on why `json.loads` refused a text (`JSON_ERRORS`)."""
+  if isinstance(error, json.JSONDecodeError):
+    return f"invalid JSON at column {error.colno}: {error.msg}"
+  if isinstance(error, RecursionError):
+    return "invalid JSON: nested too deeply"
+  return f"invalid JSON: {str(error)[:200]}"
+
+
 def load_json(path: str | os.PathLike) -> Any:
   """Reads a JSON file; every failure is a `DataError` naming the file and the position."""
   try:
@@ -112,30 +126,50 @@ def load_json(path: str | os.PathLike) -> Any:
             if e.msg == "Extra data" else "")
     raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno} "
                     f"(char {e.pos}): {e.msg}{hint}") from None
+  except JSON_ERRORS as e:
+    raise DataError(f"{path}: {json_problem(e)}") from None
 
 
 def write_squad_subset(src: str | os.PathLike, dst: str | os.PathLike,
                        question_ids: Iterable[str]) -> int:
   """Writes the questions `question_ids` of SQuAD file `src` (with their paragraphs only) to `dst`
-  in the same format; returns how many were found (all of them, or a `DataError`)."""
+  in the same format; returns how many were found (all of them, or a `DataError`). Ids match as
+  `read_squad` reads them (a number as its text; of repeated ids the first); records it skips
+  (not objects, no 'qas' list) are left out."""
   wanted = set(question_ids)
   root = load_json(src)
-  articles, found = [], 0
-  for article in root.get("data", []):
+  if not isinstance(root, dict) or not isinstance(root.get("data"), list):
+    raise DataError(f"{src}: expected a JSON object with a 'data' list (SQuAD format)")
+  articles, found = [], set()
+  for article in root["data"]:
     paragraphs = []
-    for paragraph in article.get("paragraphs", []):
-      qas = [qa for qa in paragraph.get("qas", []) if qa.get("id") in wanted]
+    for paragraph in _objects(article.get("paragraphs") if isinstance(article, dict) else None):
+      qas = []
+      for qa in _objects(paragraph.get("qas")):
+        qid = None if qa.get("id") is None else str(qa["id"])
+        if qid in wanted and qid not in found:
+          qas.append(qa)
+          found.add(qid)
       if qas:
         paragraphs.append({**paragraph, "qas": qas})
-        found += len(qas)
     if paragraphs:
       articles.append({**article, "paragraphs": paragraphs})
-  if found != len(wanted):
-    raise DataError(f"{src}: {len(wanted) - found} of {len(wanted)} question ids not found")
+  if len(found) != len(wanted):
+    raise DataError(f"{src}: {len(wanted) - len(found)} of {len(wanted)} question ids not found "
+                    f"(e.g. {sorted(wanted - found)[0]!r})")
   dst = pathlib.Path(dst)
   dst.parent.mkdir(parents=True, exist_ok=True)
-  write_json(dst, {**root, "data": articles}, indent=None, ensure_ascii=False)
-  return found
+  subset = {**root, "data": articles}
+  try:
+    write_json(dst, subset, indent=None, ensure_ascii=False)
+  except UnicodeEncodeError:  # a lone surrogate (e.g. "\ud800") in a kept field: left escaped
+    write_json(dst, subset, indent=None)
+  return len(found)
+
+
+def _objects(items: Any) -> list[dict]:
+  """The JSON objects of a list (anything else: none)."""
+  return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
 
 
 def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
@@ -160,13 +194,14 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
       summary.skip("article without a 'paragraphs' list", where)
       continue
-    title = article.get("title") or ""
-    if not isinstance(title, str):
-      title = str(title)
+    title = title_text(article.get("title"))
     for p, paragraph in enumerate(article["paragraphs"]):
       pwhere = f"{where}.paragraphs[{p}]"
       qas = paragraph.get("qas", []) if isinstance(paragraph, dict) else []
-      qas = qas if isinstance(qas, list) else []
+      if not isinstance(qas, list):  # (e.g. one question object not in a list)
+        summary.questions_seen += 1
+        summary.skip("'qas' is not a list", pwhere)
+        qas = []
       summary.questions_seen += len(qas)
       context = paragraph.get("context") if isinstance(paragraph, dict) else None
       if isinstance(context, str) and not valid_unicode(context, title):
@@ -193,6 +228,14 @@ def read_squad(path: str | os.PathLike, *, require_answers: bool = True,
           seen_ids.add(question.id)
           questions.append(question)
   return passages, questions, summary
+
+
+def title_text(value: Any) -> str:
+  """A record's title: a string (a number as its text); missing, null or anything else: ''
+  (one rule for every reader: gold passages are matched by title and text)."""
+  if isinstance(value, str):
+    return value
+  return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
 
 
 def valid_unicode(*texts: str) -> bool:
@@ -224,20 +267,21 @@ def _read_question(qa: Any, context: str, passage_index: int, where: str,
       summary.skip("question without 'answers'", where)
       return None
     answers = []
-  located, texts = None, []
+  located, relocated, texts = None, None, []
   for answer in answers:
     answer_text = answer.get("text") if isinstance(answer, dict) else answer
     if not isinstance(answer_text, str) or not answer_text.strip():
       continue
     texts.append(answer_text)
     if located is None and isinstance(answer, dict):
-      start = answer.get("answer_start")
-      if (isinstance(start, int) and start >= 0  # (a negative start would slice from the end)
-          and context[start:start + len(answer_text)] == answer_text):
-        located = (answer_text, start)
-      elif (found := context.find(answer_text)) >= 0:
-        located = (answer_text, found)
-        summary.answers_relocated += 1
+      start = _offset(answer.get("answer_start"))
+      if start >= 0 and context[start:start + len(answer_text)] == answer_text:
+        located = (answer_text, start)  # the first answer at its own answer_start
+      elif relocated is None and (found := context.find(answer_text)) >= 0:
+        relocated = (answer_text, found)  # else the first found anywhere
+  if located is None and relocated is not None:
+    located = relocated
+    summary.answers_relocated += 1
   if require_answers and located is None:
     summary.skip("answer not in context" if texts else "answers without text", where)
     return None
@@ -245,6 +289,14 @@ def _read_question(qa: Any, context: str, passage_index: int, where: str,
     texts = [located[0]] + [t for t in texts if t != located[0]]
   return Question(id=str(qid), question=text, answers=texts,
                   answer_start=located[1] if located else -1, passage_index=passage_index)
+
+
+def _offset(value: Any) -> int:
+  """A character offset given as an int or an integral float (e.g. 28.0 from pandas); -1 for
+  anything else, a negative value included (it would slice from the end)."""
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
 
 @dataclasses.dataclass
@@ -438,15 +490,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--max-query-length", type=int, default=64)
   parser.add_argument("--no-title", action="store_true", help="do not prefix the title")
   args = parser.parse_args(argv)
+  if args.max_query_length < 2:
+    parser.error(f"--max-query-length {args.max_query_length}: a question is at least [CLS] [SEP]"
+                 " (2)")
   try:
     passages, questions, summary = read_squad(args.path)
-  except DataError as e:
+    features = build_features(Tokenizer.from_pretrained(args.model), passages, questions,
+                              max_seq_length=args.max_seq_length, doc_stride=args.doc_stride,
+                              max_query_length=args.max_query_length,
+                              include_title=not args.no_title)
+  except (DataError, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  features = build_features(Tokenizer.from_pretrained(args.model), passages, questions,
-                            max_seq_length=args.max_seq_length, doc_stride=args.doc_stride,
-                            max_query_length=args.max_query_length,
-                            include_title=not args.no_title)
   answerable = int((features.start_position > 0).sum())
   skipped_q = summary.questions_seen - len(questions)
   print(f"file: {args.path}")
