@@ -124,8 +124,9 @@ def _check_shapes(checkpoint: pathlib.Path, target: dict) -> None:
   checkpoint lacks (a layer more), drop the ones it has beyond the model's (a layer less) and
   put in arrays of the checkpoint's shapes (another vocabulary), all silently."""
   try:
-    with ocp.PyTreeCheckpointer() as checkpointer:
-      stored = checkpointer.metadata(checkpoint / "state")
+    # The handler's, not a Checkpointer's: that also reads step metadata from the item's folder
+    # (none there: it is the step's) and warns of its absence on every restore.
+    stored = ocp.PyTreeCheckpointHandler().metadata(checkpoint / "state")
     stored = getattr(stored, "item_metadata", stored)
     stored = _shapes(getattr(stored, "tree", stored)["params"])
   except Exception as e:  # an Orbax whose metadata reads otherwise: `restore_params` checks the
