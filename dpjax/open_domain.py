@@ -20,25 +20,22 @@ from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
 from dpjax.errors import ConfigError
-from dpjax.index.dump import DumpConfig, dump_phrases
+from dpjax.index.dump import DumpConfig, dump_phrases, read_manifest
 from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
 from dpjax.index.faiss_index import build_index, index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import apply_filter_head, data_paths, load_searcher, restore_model
+from dpjax.workdir import (apply_filter_head, check_dump_config, data_paths, dump_windows,
+                           load_searcher, restore_model)
 
 log = logging.getLogger(__name__)
 
 
 def dump_settings(config, mesh) -> DumpConfig:
   """The dump settings of a config (`run.py dump`; a dump made with other ones is refused)."""
-  return DumpConfig(max_seq_length=(config.index.get("dump_max_seq_length", 0)
-                                    or config.data.max_seq_length),
-                    doc_stride=config.data.doc_stride,
-                    include_title=config.data.include_title,
+  return DumpConfig(**dump_windows(config),
                     batch_size=round_to_devices(config.index.batch_size, mesh),
                     shard_passages=config.index.shard_passages,
-                    min_context=config.index.get("dump_min_context", 0),
                     width_multiple=config.index.get("dump_width_multiple", 0),
                     compute_dtype=config.index.get("dump_dtype") or config.model.dtype)
 
@@ -48,7 +45,7 @@ def run_dump(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   paths = data_paths(config, workdir)
   model, step = restore_model(config, workdir)
-  apply_filter_head(model, workdir)  # a separately trained token filter, if `run.py filter` ran
+  head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   dump_config = dump_settings(config, mesh)
   summary = SkipSummary()
@@ -60,7 +57,8 @@ def run_dump(config, workdir: str) -> dict:
                                         "name": config.model.name,
                                         "tokenizer": str(config.model.tokenizer)},
                             corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
-                                                   for f in paths["corpus"]]})
+                                                   for f in paths["corpus"]]},
+                            filter_head=head)
   finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")
     if summary.total:
       log.warning("%s", summary)
@@ -79,6 +77,7 @@ def _size(path) -> int | None:
 def run_index(config, workdir: str) -> list[pathlib.Path]:
   """`run.py index`: the configured faiss indexes (`index.specs`) over the dump."""
   dump = pathlib.Path(workdir) / config.index.dump_name
+  check_dump_config(config, pathlib.Path(workdir), read_manifest(dump))
   return [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
                       train_size=config.index.train_size, nprobe=config.index.nprobe)
           for spec in config.index.specs]

@@ -32,10 +32,10 @@ from dpjax.index.dump import Dump, read_manifest, write_manifest
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import index_folder
 from dpjax.index.search import PhraseIndex
-from dpjax.io import digest, save_npy_atomic, save_npz_atomic, write_json
+from dpjax.io import save_npy_atomic, save_npz_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import FILTER_HEAD, data_paths, restore_model
+from dpjax.workdir import FILTER_HEAD, data_paths, filter_head_digest, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
     logits = np.concatenate([filter_scores(vectors[lo:lo + 65536], kernel, bias)
                              for lo in range(0, len(vectors), 65536)]).astype(np.float16)
     save_npy_atomic(path / "filter_logits.npy", logits)
-  manifest["filter_head"] = {"file": FILTER_HEAD, "sha": digest(np.asarray(kernel, np.float32),
-                                                                np.asarray(bias, np.float32))}
+  manifest["filter_head"] = filter_head_digest(kernel, bias)
   write_manifest(dump_dir, manifest)
 
 

@@ -19,6 +19,7 @@ from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
+from dpjax.io import digest
 from dpjax.index.dump import Dump
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
@@ -38,6 +39,47 @@ def data_paths(config, workdir: pathlib.Path) -> dict:
   questions = config.index.questions or str(files["dev"])
   return {"corpus": corpus, "questions": questions,
           "dump": pathlib.Path(workdir) / config.index.dump_name}
+
+
+# The dump settings that decide which windows (so which vectors) a dump holds.
+WINDOW_SETTINGS = ("max_seq_length", "doc_stride", "include_title", "min_context")
+
+
+def dump_windows(config) -> dict:
+  """What the config's dump windows are (`WINDOW_SETTINGS`), as a dump's manifest records them."""
+  return {"max_seq_length": (config.index.get("dump_max_seq_length", 0)
+                             or config.data.max_seq_length),
+          "doc_stride": config.data.doc_stride, "include_title": config.data.include_title,
+          "min_context": config.index.get("dump_min_context", 0)}
+
+
+def check_dump_config(config, workdir: pathlib.Path, manifest: dict) -> None:
+  """Refuses a dump that is not of the configured corpus (its files' names and sizes, as the
+  manifest records them) or windows (`dump_windows`): `run.py dump` refuses to add to such a
+  dump, and index, eval, search, mine and serve would otherwise use it without a word."""
+  where = pathlib.Path(workdir) / config.index.dump_name
+  recorded = manifest.get("corpus", {}).get("files")
+  if recorded:
+    files = [pathlib.Path(f) for f in data_paths(config, workdir)["corpus"]]
+    now = [(f.name, f.stat().st_size if f.is_file() else None) for f in files]
+    then = [(pathlib.Path(f["path"]).name, f.get("bytes")) for f in recorded]
+    if now != then:
+      raise DataError(f"{where} is a dump of another corpus ({', '.join(n for n, _ in then)}; "
+                      f"index.corpus gives {', '.join(n for n, _ in now)}, or their sizes "
+                      "differ): dump the corpus into a new index.dump_name, or set index.corpus "
+                      "back")
+  settings = {"min_context": 0, **manifest.get("settings", {})}
+  differ = [f"{k} {settings.get(k)!r} (the config's {v!r})"
+            for k, v in dump_windows(config).items() if settings.get(k, v) != v]
+  if differ:
+    raise DataError(f"{where} is a dump of other windows: {', '.join(differ)}; dump into a new "
+                    "index.dump_name, or set data.* / index.dump_* back")
+
+
+def filter_head_digest(kernel, bias) -> dict:
+  """What a dump's manifest records of a separately trained filter head (`filter_head`)."""
+  return {"file": FILTER_HEAD, "sha": digest(np.asarray(kernel, np.float32),
+                                             np.asarray(bias, np.float32))}
 
 
 def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
@@ -72,11 +114,12 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
   return model, restored
 
 
-def apply_filter_head(model, workdir: pathlib.Path) -> bool:
-  """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any."""
+def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
+  """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any;
+  returns its `filter_head_digest` (None: the model's own, jointly trained head)."""
   path = pathlib.Path(workdir) / FILTER_HEAD
   if not path.is_file():
-    return False
+    return None
   try:
     with np.load(path) as saved:
       kernel, bias = saved["kernel"].astype(np.float32), saved["bias"].astype(np.float32)
@@ -91,7 +134,7 @@ def apply_filter_head(model, workdir: pathlib.Path) -> bool:
   head["bias"].set_value(bias)
   nnx.update(model.filter_head, head)
   log.info("token filter head from %s", path)
-  return True
+  return filter_head_digest(kernel, bias)
 
 
 def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None):
@@ -102,6 +145,7 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None):
   index = PhraseIndex(workdir / config.index.dump_name, index_name or config.index.search_index,
                       nprobe=config.index.nprobe,
                       search_device=config.index.get("search_device", "auto"))
+  check_dump_config(config, workdir, index.dump.manifest)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,
                           batch_size=config.index.batch_size)

@@ -4,6 +4,7 @@ import concurrent.futures
 import errno
 import json
 import logging
+import pathlib
 import re
 import shutil
 import socket
@@ -12,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import tokenizers
 from flax import nnx
 
 from conftest import REPO
@@ -19,6 +21,7 @@ from dpjax.config import load_config
 from dpjax.data.corpus import read_corpus
 from dpjax.data.squad import Passage, SkipSummary, read_squad
 from dpjax.data.synthetic import write_synthetic
+from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import dump as dump_module
 from dpjax.index.dump import DumpConfig, dump_phrases
@@ -80,6 +83,55 @@ def test_resumed_dump_refuses_a_changed_corpus(model, tokenizer, tmp_path):
   changed[1] = Passage("new", "Other", "another passage in place of p1")
   with pytest.raises(DumpError, match="shard_00000 holds other passages"):
     dump_phrases(model, tokenizer, changed, tmp_path, CONFIG, mesh=make_mesh())
+
+
+def test_resumed_dump_refuses_another_tokenizer_or_filter_head(model, tokenizer, tmp_path):
+  """A dump resumed with another tokenizer, or after `run.py filter` wrote a filter head, went
+  on without a word (only the phrase encoder was compared): shards of two tokenizations or two
+  heads' filter logits in one dump."""
+  dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  manifest = json.loads((tmp_path / "manifest.json").read_text())
+  assert manifest["tokenizer"] == tokenizer.fingerprint and manifest["filter_head"] is None
+  (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+  shutil.rmtree(tmp_path / "shard_00002")  # as if killed before the last shard
+  spec = json.loads(tokenizer.backend.to_str())
+  spec["normalizer"]["lowercase"] = False
+  cased = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)))
+  assert cased.fingerprint != tokenizer.fingerprint
+  with pytest.raises(DumpError, match="made with another tokenizer"):
+    dump_phrases(model, cased, _passages(), tmp_path, CONFIG, mesh=make_mesh())
+  with pytest.raises(DumpError, match=r"another token filter head \(filter_head.npz\)"):
+    dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh(),
+                 filter_head={"file": "filter_head.npz", "sha": "0123456789abcdef"})
+  assert not (tmp_path / "shard_00002").exists()
+  assert dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())[
+      "complete"]  # with its own tokenizer and head it resumes
+
+
+def test_index_and_eval_refuse_a_dump_of_another_corpus_or_windows(tmp_path):
+  """`run.py dump` refused to add to a dump of another corpus or windows, but index, eval and
+  search used it as it was: scores over the old corpus reported as the new one's. A filter head
+  written after the dump is refused likewise when the dump is run again."""
+  workdir = str(tmp_path / "w")
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", workdir]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0
+  other = tmp_path / "other.jsonl"
+  other.write_text(json.dumps({"id": "x", "title": "X", "text": "one passage only"}) + "\n")
+  for mode, override, message in (
+      ("index", f"index.corpus=['{other}']", re.escape("is a dump of another corpus (corpus.json;"
+                                                       " index.corpus gives other.jsonl")),
+      ("eval", "data.doc_stride=20", r"is a dump of other windows: doc_stride \d+ \(the "
+                                     r"config's 20\)"),
+      ("search", "index.dump_min_context=5", re.escape("min_context 0 (the config's 5)"))):
+    code, stderr = _cli(mode, *base, "--set", override, *(["--query", "who?"] if mode == "search"
+                                                          else []))
+    assert code == 2 and re.search(message, stderr) and "Traceback" not in stderr, stderr
+  assert run.main(["eval"] + base) == 0  # its own settings: fine
+  np.savez(pathlib.Path(workdir) / "filter_head.npz", kernel=np.zeros((30, 2), np.float32),
+           bias=np.zeros(2, np.float32))
+  code, stderr = _cli("dump", *base)
+  assert code == 2 and "another token filter head" in stderr, stderr
 
 
 def test_index_of_another_dump_is_refused(model, tokenizer, tmp_path):

@@ -5,6 +5,8 @@ tokens; both are switched off here): windowing and padding are the feature build
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -43,6 +45,11 @@ class Tokenizer:
                                                     lowercase=lowercase)
       return cls(wordpiece._tokenizer)
     raise FileNotFoundError(f"{model_dir}: neither tokenizer.json nor vocab.txt found")
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """A short hash of the whole tokenizer (vocabulary, normalizer, pre-tokenizer, ...)."""
+    return hashlib.sha256(self.backend.to_str().encode("utf-8")).hexdigest()[:16]
 
   @property
   def vocab_size(self) -> int:

@@ -580,7 +580,7 @@ def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
                  model_info: dict | None = None, corpus_info: dict | None = None,
-                 workers: int = 0) -> dict:
+                 filter_head: dict | None = None, workers: int = 0) -> dict:
   """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
 
   With several processes (`dpjax.distributed`) every process runs this with the same corpus:
@@ -590,6 +590,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   Every shard records a hash of its passages (ids, titles, texts): a dump, finished or not, is
   refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
   `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
+  `filter_head`: what identifies a separately trained filter head put into `model` (None: its
+  own); it and the tokenizer are recorded, and a dump of another one is not resumed or redone.
   """
   model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
@@ -607,6 +609,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
     manifest = {"complete": False, "fingerprint": encoder_fingerprint(model),
                 "model": model_info or {}, "settings": settings,
+                "tokenizer": tokenizer.fingerprint, "filter_head": filter_head,
                 "width_multiple": config.width_multiple,
                 "corpus": corpus_info or {}, "dim": model.config.hidden_size, "shards": []}
     encode = bound(model, "phrases_and_filter")
@@ -812,6 +815,12 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
                        for k, v in manifest["settings"].items() if settings.get(k) != v)
     raise DumpError(f"{out_dir} holds a dump with other settings: {differ}; use a new directory "
                     "(index.dump_name) or delete it")
+  # (manifests from before these were recorded: not compared)
+  for key, what in (("tokenizer", "another tokenizer"),
+                    ("filter_head", "another token filter head (filter_head.npz)")):
+    if key in old and old[key] != manifest[key]:
+      raise DumpError(f"{out_dir} holds a dump made with {what} ({old[key]}, now "
+                      f"{manifest[key]}); use a new directory (index.dump_name) or delete it")
   return old
 
 
