@@ -6,6 +6,8 @@ import pytest
 
 from dpjax.data.squad import Passage
 from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
+from dpjax.errors import ConfigError
+from dpjax.index import faiss_index
 from dpjax.index.faiss_index import build_index, resolve_spec
 from dpjax.index.search import UNITS, PhraseIndex, half_to_float32, sentence_bounds
 
@@ -108,7 +110,13 @@ def test_phrases_stay_in_their_passage_and_are_sorted(toy):
 
 def test_clamping_and_errors(toy, tmp_path):
   spec, notes = resolve_spec("OPQ8,IVF4096,PQ8x8", 100, 1000)
-  assert spec == "OPQ8,IVF2,PQ8x6" and len(notes) == 2
+  assert spec == "IVF2,PQ8x6" and len(notes) == 3  # OPQ trains 8-bit codebooks: 256 vectors
+  assert resolve_spec("OPQ8,IVF4096,PQ8x8", 300, 1000)[0] == "OPQ8,IVF7,PQ8x8"
+  # PQ<m> is 8 bits to faiss: clamped too (only PQ<m>x<bits> was); fast-scan (fs) is 4 bits.
+  assert resolve_spec("IVF2,PQ6", 100, 1000) == ("IVF2,PQ6x6", [
+      "PQ bits 8 clamped to 6: 100 training vectors"])
+  assert resolve_spec("OPQ8_16,IVF2,PQ8", 100, 1000)[0] == "IVF2,PQ8x6"
+  assert resolve_spec("IVF2,PQ8x4fs", 100, 1000)[0] == "IVF2,PQ8x4fs"
   directory, _, _ = toy
   with pytest.raises(DumpError, match="no index named 'nope'"):
     PhraseIndex(directory, "nope")
@@ -117,6 +125,30 @@ def test_clamping_and_errors(toy, tmp_path):
   (tmp_path / "manifest.json").write_text('{"complete": false}')
   with pytest.raises(DumpError, match="incomplete"):
     build_index(tmp_path, "Flat")
+
+
+def test_specs_small_or_without_ids_build_and_search(toy, tmp_path, monkeypatch):
+  """On 78 tokens: OPQ (its rotation trains 8-bit codebooks) and PQ<m> (8 bits) failed in
+  faiss's training with a traceback; SQ8 / HNSW (no ids of their own) failed adding the vectors;
+  a failed write of index.faiss (a full disk: faiss raises RuntimeError) was a traceback."""
+  directory, q_start, q_end = toy
+  exact = PhraseIndex(directory, "Flat").search_phrases(q_start, q_end, k=1)
+  for spec in ("OPQ4,IVF2,PQ4", "IVF2,PQ4", "SQ8", "HNSW8"):
+    name = build_index(directory, spec).name
+    found = PhraseIndex(directory, name).search_phrases(q_start, q_end, k=1)
+    assert [f[0].text for f in found] == [f[0].text for f in exact], spec
+  # What is not clamped and cannot train (residual quantizer codebooks of 256 on 78 tokens): a
+  # one-line ConfigError with faiss's message.
+  with pytest.raises(ConfigError, match=r"'IVF2,RQ2x8' cannot be trained on 78 vectors \(Error "
+                                        r"in .*Clustering::train"):
+    build_index(directory, "IVF2,RQ2x8")
+  def full(index, path):
+    raise RuntimeError("Error in faiss::write_index: write error in x: 1 != 2 (No space left)")
+  monkeypatch.setattr(faiss_index.faiss, "write_index", full)
+  with pytest.raises(DumpError, match=r"indexes/Flat_again\.tmp/index\.faiss: could not write "
+                                      r"the index \(Error in faiss::write_index: .*No space"):
+    build_index(directory, "Flat", name="Flat_again")
+  assert not list((directory / "indexes").glob("*.tmp"))
 
 
 @pytest.mark.parametrize("index_name", ["Flat", "IVF16_SQ8"])

@@ -60,13 +60,18 @@ def resolve_spec(spec: str, num_vectors: int, train_size: int) -> tuple[str, lis
       notes.append(f"nlist {wanted} clamped to {nlist}: {n_train} training vectors allow at "
                    "most 1 centroid per 39")
     spec = spec.replace(match.group(0), f"IVF{nlist}")
-  match = re.search(r"PQ(\d+)x(\d+)", spec)
+  match = re.search(r"(?<![A-Za-z])PQ(\d+)(?:x(\d+))?(?![\dxf])", spec)
   if match:
-    bits = int(match.group(2))
+    bits = int(match.group(2) or 8)  # faiss's default: 8 bits (256 centroids per sub-vector)
     allowed = max(1, min(bits, int(math.log2(max(n_train, 2)))))
     if allowed != bits:
       notes.append(f"PQ bits {bits} clamped to {allowed}: {n_train} training vectors")
-      spec = spec.replace(match.group(0), f"PQ{match.group(1)}x{allowed}")
+      spec = spec[:match.start()] + f"PQ{match.group(1)}x{allowed}" + spec[match.end():]
+  match = re.match(r"OPQ\d+(_\d+)?,", spec)
+  if match and n_train < 256:  # OPQ trains its rotation with 8-bit PQ codebooks of its own
+    notes.append(f"{match.group(0)[:-1]} dropped: {n_train} training vectors, fewer than the "
+                 "256 its rotation's training needs")
+    spec = spec[match.end():]
   return spec, notes
 
 
@@ -158,18 +163,22 @@ def _trained(plan: dict, tmp: pathlib.Path, name: str, size: int, seed: int):
     tmp.mkdir(parents=True)
     resolved = plan["resolved"]
     try:
+      # Labels are token ids: an index without ids of its own (all but IVF) is wrapped in IDMap.
       index = faiss.index_factory(plan["dump"]["dim"],
-                                  "IDMap," + resolved if resolved == "Flat" else resolved,
+                                  resolved if "IVF" in resolved else "IDMap," + resolved,
                                   faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as e:  # faiss's error text is a C++ stack: keep its message line
-      message = next((line for line in str(e).splitlines() if "rror" in line), str(e)[:200])
+    except RuntimeError as e:
       raise ConfigError(f"index.specs: {resolved!r} is not a faiss index factory string "
-                        f"for {plan['dump']['dim']}-d vectors ({message.strip()})") from None
+                        f"for {plan['dump']['dim']}-d vectors ({_faiss_message(e)})") from None
     if not index.is_trained:
-      index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
-                     plan["kept_counts"], plan["filter_threshold"], size, seed)
+      try:
+        index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
+                       plan["kept_counts"], plan["filter_threshold"], size, seed)
+      except RuntimeError as e:
+        raise ConfigError(f"index.specs: {resolved!r} cannot be trained on {size} vectors "
+                          f"({_faiss_message(e)})") from None
     if jax.process_count() > 1:
-      faiss.write_index(index, str(tmp / "trained.faiss"))
+      _write_index(index, tmp / "trained.faiss")
   distributed.barrier(f"index-{name}-trained")
   if jax.process_count() > 1:  # every part read back from the file: types match for merging
     index = faiss.read_index(str(tmp / "trained.faiss"))
@@ -195,7 +204,7 @@ def _merge_parts(index, tmp: pathlib.Path, name: str, resolved: str):
   if jax.process_count() == 1:
     return index
   if not distributed.is_main():
-    faiss.write_index(index, str(tmp / f"part_{jax.process_index()}.faiss"))
+    _write_index(index, tmp / f"part_{jax.process_index()}.faiss")
   distributed.barrier(f"index-{name}-parts")
   if distributed.is_main():
     for other in range(1, jax.process_count()):
@@ -213,7 +222,7 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
   if index.ntotal != plan["total_kept"]:
     raise DumpError(f"{final}: the index holds {index.ntotal} vectors, expected "
                     f"{plan['total_kept']}")
-  faiss.write_index(index, str(tmp / "index.faiss"))
+  _write_index(index, tmp / "index.faiss")
   manifest = {"spec": spec, "resolved_spec": plan["resolved"], "notes": plan["notes"],
               "labels": "token_id", "num_tokens": int(plan["total_kept"]),
               "dump_tokens": int(plan["offsets"][-1]),
@@ -228,6 +237,21 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
   commit_directory(tmp, final)
   log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, plan["total_kept"],
            plan["resolved"], seconds, manifest["index_bytes"] / plan["total_kept"])
+
+
+def _faiss_message(error: RuntimeError) -> str:
+  """The message line of a faiss error (its text is a C++ stack)."""
+  return next((line for line in str(error).splitlines() if "rror" in line),
+              str(error)[:200]).strip()
+
+
+def _write_index(index, path: pathlib.Path) -> None:
+  """`faiss.write_index`, whose failures (a full disk, a quota) are RuntimeErrors: a DumpError
+  naming the file and the cause."""
+  try:
+    faiss.write_index(index, str(path))
+  except RuntimeError as e:
+    raise DumpError(f"{path}: could not write the index ({_faiss_message(e)})") from None
 
 
 def _train(index, dump_dir, shards, offsets, kept_counts, filter_threshold, size: int, seed: int):
