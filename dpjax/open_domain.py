@@ -19,7 +19,7 @@ from dpjax.data import SkipSummary, Tokenizer
 from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import DumpConfig, dump_phrases, read_manifest
 from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
 from dpjax.index.faiss_index import build_index, index_folder
@@ -108,6 +108,11 @@ def run_eval_open(config, workdir: str) -> dict:
     questions = questions[:config.eval.limit]
   searcher, step = load_searcher(config, workdir)
   index, texts = searcher.index, [q.question for q in questions]
+  empty = searcher.empty_questions(texts)
+  if empty:  # before any work (the encoder refuses them)
+    raise DataError(f"{data_paths(config, workdir)['questions']}: {len(empty)} questions hold no "
+                    f"token, e.g. {questions[empty[0]].id} ({texts[empty[0]][:40]!r}): only "
+                    "characters the tokenizer drops (control or format characters)")
   passage_k = config.eval.get("passage_k", 100)
   start = time.perf_counter()
   # Encoding and searching pipelined: the next 256 questions encoded while these are searched.

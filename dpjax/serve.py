@@ -27,13 +27,15 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from dpjax.errors import ConfigError
 from dpjax.index.device_search import DeviceFlat
@@ -227,8 +229,11 @@ class Batcher:
       self.latencies.extend(now - job.received for job in batch)
 
   def refused(self, status: int) -> None:
+    self.count(f"refused_{status}")
+
+  def count(self, what: str) -> None:
     with self._lock:
-      self.counts[f"refused_{status}"] += 1
+      self.counts[what] += 1
 
   def stats(self) -> dict:
     with self._lock:
@@ -249,7 +254,14 @@ def _error(status: int, reason: str) -> JSONResponse:
 async def _payload(request: Request) -> dict:
   """The search fields of a GET query string or a POST JSON body (a RequestError if malformed)."""
   if request.method == "GET":
-    fields = {name: request.query_params.getlist(name) for name in request.query_params}
+    try:  # (Starlette's query_params put U+FFFD for bytes that are not UTF-8)
+      pairs = urllib.parse.parse_qsl(request.scope["query_string"].decode("latin-1"),
+                                     keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError as e:
+      raise RequestError(400, f"the query string is not UTF-8 ({e.reason})") from None
+    fields: dict[str, list[str]] = {}
+    for name, value in pairs:
+      fields.setdefault(name, []).append(value)
     repeated = sorted(name for name, v in fields.items() if name != "q" and len(v) > 1)
     if repeated:
       raise RequestError(400, f"{repeated} given more than once (only q may repeat)")
@@ -282,8 +294,15 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
   async def search(request: Request):
     try:
       questions, single, k, unit = parse_search(await _payload(request), limits)
+      empty = batcher.searcher.empty_questions(questions)
+      if empty:  # refused alone, not failing the micro-batch it would join
+        raise RequestError(400, f"question {empty[0]} is empty (only characters the tokenizer "
+                                "drops)")
       start = time.perf_counter()
       results = await asyncio.wrap_future(batcher.submit(questions, k, unit))
+    except ClientDisconnect:  # the client left while sending its request: no one to answer
+      batcher.count("client_disconnects")
+      return Response(status_code=400)
     except RequestError as e:
       batcher.refused(e.status)
       return _error(e.status, str(e))

@@ -48,6 +48,9 @@ class _Searcher:
   def encode(self, texts):
     return self.q_start[:len(texts)], self.q_end[:len(texts)]
 
+  def empty_questions(self, texts):
+    return [i for i, text in enumerate(texts) if not text.strip()]
+
   def search(self, texts, k=10, unit="phrase", **kwargs):
     found = self.index.search(*self.encode(texts), k, unit, **kwargs)
     return [[self.index.result(p, unit) for p, _ in units] for units in found]

@@ -4,8 +4,10 @@ import io
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +96,10 @@ def test_answers_equal_densephrases_search(service):
     ("POST", "[1, 2]", "application/json", 400, "JSON object"),
     ("POST", b"\xff\xfe", "application/json", 400, "malformed JSON"),
     ("POST", '{"question": "who \\ud800?"}', "application/json", 400, "not valid Unicode"),
+    # no token at all (a zero-width space, NUL, a BOM): answered with results before
+    ("POST", '{"question": "\\u200b"}', "application/json", 400, "question 0 is empty"),
+    ("POST", '{"questions": ["who?", "\\u0000\\ufeff"]}', "application/json", 400,
+     "question 1 is empty"),
     ("POST", "question=who", "application/x-www-form-urlencoded", 415, "content type"),
     ("GET", None, None, 400, "k = 0"),
     ("GET", None, None, 404, "Not Found"),
@@ -297,6 +303,32 @@ def test_search_many_answers_each_request_as_its_own_search(service, monkeypatch
   assert searcher.search_many([], requests) == [[], [], []]
 
 
+def test_search_arguments_numpy_k_strings_and_empty_questions(service, tmp_path, caplog):
+  """A numpy k passed `check_request` and then failed in faiss (a SWIG TypeError); a string
+  given to search_many was searched letter by letter; chunk < 1 answered nothing;
+  max_answer_length 0 failed in an argmax; a question without tokens ('', a zero-width space)
+  was answered; eval over a file holding one crashed at its chunk."""
+  _, config, workdir, questions, _ = service
+  searcher, _ = load_searcher(config, workdir)
+  assert searcher.search(questions[0], k=np.int64(3)) == searcher.search(questions[0], k=3)
+  assert (searcher.search_many(questions[:2], [(np.int32(2), "passage")])
+          == searcher.search_many(questions[:2], [(2, "passage")]))
+  for call, message in (
+      (lambda: searcher.search_many("who", [(3, "phrase")]), "not one string"),
+      (lambda: searcher.search_many(questions[:2], [(3, "phrase")], chunk=-1), "chunk"),
+      (lambda: searcher.search(questions[0], max_answer_length=0), "max_answer_length"),
+      (lambda: searcher.search(""), r"question 0 \(''\) has no tokens"),
+      (lambda: searcher.search(["who?", "\u200b"]), r"question 1 .* has no tokens")):
+    with pytest.raises(ValueError, match=message):
+      call()
+  file = tmp_path / "questions.jsonl"
+  file.write_text('{"id": "a", "question": "who?", "answers": ["x"]}\n'
+                  '{"id": "b", "question": "\\ufeff", "answers": ["x"]}\n')
+  code = run.main(["eval", "--config", CONFIG, "--workdir", str(workdir),
+                   *(f"--set={s}" for s in SETTINGS), f"--set=index.questions={file}"])
+  assert code == 2 and "questions.jsonl: 1 questions hold no token, e.g. b" in caplog.text
+
+
 def test_regex_answers_and_passage_lists_shorter_than_20(service):
   """eval.regex: answers are patterns (CuratedTREC), EM matched at the prediction's start, no
   F1, passages searched; MRR and P@ are labelled by the depth they were taken at."""
@@ -326,6 +358,8 @@ def test_regex_answers_and_passage_lists_shorter_than_20(service):
     ("/search?q=who&k=--3", None, "integer"),
     ("/search?q=who&k=" + "9" * 5000, None, "integer"),  # past int()'s 4,300 digits
     ("/search?q=who&k=1&k=2", None, "more than once"),
+    ("/search?q=%FF", None, "not UTF-8"),  # was searched as U+FFFD
+    ("/search?q=%ED%A0%80", None, "not UTF-8"),  # an encoded surrogate
     ("/search", "[" * 100000 + "]" * 100000, "malformed JSON"),  # RecursionError
     ("/search", '{"question": "who?", "k": ' + "9" * 5000 + "}", "malformed JSON"),
 ])
@@ -380,3 +414,21 @@ def test_a_declared_huge_body_is_refused_unread_and_a_failing_request_fails_alon
     assert all(len(f.result(timeout=60)[0]) == 2 for f in futures[1:])
   finally:
     batcher.search = search
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_failed_search(service):
+  """A client that declared a body, sent part of it and left was counted as a failed search
+  (`refused_500`, "search failed: ClientDisconnect")."""
+  port, batcher = service[0], service[4]
+  before = batcher.stats()
+  with socket.create_connection(("127.0.0.1", port)) as client:
+    client.sendall(b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 100\r\n\r\n{\"question\": \"who\"")
+  for _ in range(100):
+    if batcher.stats().get("client_disconnects", 0) > before.get("client_disconnects", 0):
+      break
+    time.sleep(0.05)
+  after = batcher.stats()
+  assert after.get("client_disconnects", 0) == before.get("client_disconnects", 0) + 1
+  assert after.get("refused_500", 0) == before.get("refused_500", 0)
+  assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200

@@ -47,7 +47,9 @@ def retrieve_texts(index, encode: Callable, texts: Sequence[str],
   in a worker thread while this one is searched, so the encoder's and the search's work share
   the cores that each alone leaves idle. `search_kwargs` as `retrieve`'s (shared_hits,
   max_answer_length, ...)."""
-  chunk = chunk or PROGRESS_CHUNK
+  chunk = PROGRESS_CHUNK if chunk is None else chunk
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunk (questions encoded at a time) must be >= 1, got {chunk!r}")
   parts = [texts[lo:lo + chunk] for lo in range(0, len(texts), chunk)]
 
   def encoded():

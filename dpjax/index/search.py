@@ -205,12 +205,19 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
     q = end
 
 
-def check_request(k: int, unit: str) -> None:
-  """Refuses a unit not in UNITS and a k below 1 (faiss would fail on it without a message)."""
+def check_request(k: int, unit: str) -> int:
+  """Refuses a unit not in UNITS and a k below 1 (faiss would fail on it without a message);
+  returns k as a Python int (faiss refuses numpy integers)."""
   if unit not in UNITS:
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
-  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-    raise ValueError(f"k (the number of results) must be >= 1 (an integer), got {k!r}")
+  return _count(k, "k (the number of results)")
+
+
+def _count(value, name: str) -> int:
+  """`value` as a Python int, or a ValueError naming it unless an integer >= 1."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
+  return int(value)
 
 
 class PhraseIndex:
@@ -347,8 +354,7 @@ class PhraseIndex:
     `hits`: the (start, end) token ids of an earlier, wider search of the same questions
     ([Q, >= top_tokens] each); their first `top_tokens` columns are this search's hits.
     """
-    if k < 1:
-      raise ValueError(f"k (the number of phrases) must be >= 1, got {k}")
+    k = _count(k, "k (the number of phrases)")
     top_tokens = min(max(top_tokens or k, k), self.num_vectors)
     spans = self._spans(q_start, q_end, top_tokens, max_answer_length, hits)
     return [[self.phrase(int(s), int(e), float(x)) for s, e, x in zip(*(a[:k] for a in found))]
@@ -359,6 +365,7 @@ class PhraseIndex:
     """Per question, (starts, ends, scores) of its distinct spans, best first, from its top
     `top_tokens` start and end hits: searched, or the first columns of `hits` (of these
     questions, or with `rows` of the questions at those rows of `hits`)."""
+    _count(max_answer_length, "max_answer_length (in tokens)")
     if hits is None:
       # Rescoring holds a few [queries, 2 top_tokens, max_answer_length] arrays: bound them.
       chunk = max(1, _RESCORE_ELEMENTS // max(2 * top_tokens * max_answer_length, 1))
@@ -532,7 +539,7 @@ class PhraseIndex:
     phrases and passages): rounds that need at most n tokens use its first columns instead of
     searching the index again (the same hits, up to ties of an approximate index's scores).
     """
-    check_request(k, unit)
+    k = check_request(k, unit)
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)
@@ -689,8 +696,20 @@ class DensePhrases:
     return compile_questions(self._encode, self.batch_size, self.mesh, self.max_query_length,
                              max_questions)
 
+  def empty_questions(self, questions: Sequence[str]) -> list[int]:
+    """The questions that hold no token: empty, or only characters the tokenizer drops (control
+    and format characters such as a zero-width space, U+FEFF, NUL)."""
+    return [i for i, (ids, _) in enumerate(self.tokenizer.tokenize(list(questions)))
+            if not len(ids)]
+
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(questions, str):
+      raise ValueError("questions must be a list of strings, not one string")
     ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
+    empty = np.flatnonzero(mask.sum(1) <= 2)  # [CLS] [SEP] only
+    if len(empty):
+      raise ValueError(f"question {int(empty[0])} ({questions[empty[0]][:40]!r}) has no tokens: "
+                       f"it is empty or only characters the tokenizer drops ({len(empty)} such)")
     return question_vectors(self._encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
 
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
@@ -708,8 +727,10 @@ class DensePhrases:
     256 questions at a time, the next encoded while the last are searched (`retrieve_texts`)."""
     if not requests:
       raise ValueError("search_many needs at least one (k, unit) request")
-    for k, unit in requests:  # before the index search that the widest request sizes
-      check_request(k, unit)
+    if isinstance(questions, str):  # (its letters would be the questions)
+      raise ValueError("search_many takes a list of questions, not one string")
+    # checked before the index search that the widest request sizes
+    requests = [(check_request(k, unit), unit) for k, unit in requests]
     found = retrieve_texts(self.index, self.encode, list(questions), requests, shared_hits=True,
                            **kwargs)
     return [[[self.index.result(p, unit) for p, _ in units] for units in per_request]
