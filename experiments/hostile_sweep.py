@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TINY = ["--config", "experiments/demo.py:tiny"]
@@ -345,6 +347,56 @@ def training_cases(s: Sweep) -> None:
          f"data.dir={data[1]}", "--set", "train.checkpoint_every=3"), must="other data")
 
 
+def audit_cases(s: Sweep) -> None:
+  """The inputs and states the helpers' audits of 2026-11-27 found mishandled (each now has a
+  test: DEFECT_TESTS)."""
+  folder = squad_files(s.scratch / "squad_audit")
+  w = str(s.workdir("audit_data", trained=False))
+  for what, text, expect, must in [
+      ("JSON nested past the recursion limit", "[" * 100000 + "]" * 100000, "error",
+       "nested too deeply"),
+      ("'qas' not a list (skipped, counted)", json.dumps({"data": [{"title": "T", "paragraphs": [
+          {"context": "Ann met Bob.", "qas": {"id": "q", "question": "Who?", "answers": [
+              {"text": "Ann", "answer_start": 0}]}},
+          {"context": "Bob met Ann.", "qas": [{"id": "r", "question": "Who?", "answers": [
+              {"text": "Bob", "answer_start": 0}]}]}]}]}), "ok", "'qas' is not a list")]:
+    path = s.scratch / f"audit_{len(s.rows)}"
+    shutil.copytree(folder, path)
+    (path / "train-v1.1.json").write_text(text)
+    s.case("data", what, cli("data", *SQUAD_TINY, "--workdir", w, "--set", f"data.dir={path}"),
+           expect=expect, must=must)
+  huge = s.scratch / "huge_int.jsonl"
+  huge.write_text('{"id": "a", "title": "T", "text": "Ann met Bob."}\n{"id": "b", "n": '
+                  + "9" * 5000 + "}\n")
+  s.case("corpus", "a 5,000-digit integer in a JSONL line (skipped, counted)",
+         cli("dump", *TINY, "--workdir", str(s.workdir("huge")), "--set", "index.dump_name=h",
+             "--set", f"index.corpus=['{huge}']"), expect="ok", must="invalid JSON line")
+  other = s.scratch / "audit_other.jsonl"
+  other.write_text(json.dumps({"id": "z", "title": "Z", "text": "Zed was here long ago."}) + "\n")
+  w = s.workdir("stale")
+  s.case("state", "index over a dump of another corpus than index.corpus", cli(
+      "index", *TINY, "--workdir", str(w), "--set", f"index.corpus=['{other}']"),
+      must="is a dump of another corpus")
+  s.case("state", "eval with other windows than the dump's", cli(
+      "eval", *TINY, "--workdir", str(w), "--set", "data.doc_stride=20"),
+      must="is a dump of other windows")
+  w = s.workdir("head")
+  np.savez(w / "filter_head.npz", kernel=np.zeros((30, 2), np.float32),
+           bias=np.zeros(2, np.float32))
+  s.case("state", "dump rerun after a filter head appeared", cli("dump", *TINY, "--workdir",
+         str(w)), must="another token filter head")
+  for spec, must in (("SQ8", "vectors, SQ8"), ("HNSW16", "vectors, HNSW16")):
+    s.case("index", f"index.specs=['{spec}'] on the tiny dump", cli(
+        "index", *TINY, "--workdir", str(s.workdir("spec")), "--set", f"index.specs=['{spec}']"),
+        expect="ok", must=must)
+  questions = s.scratch / "zero_width.jsonl"
+  questions.write_text('{"id": "a", "question": "Who?", "answers": ["Ann"]}\n'
+                       '{"id": "zw", "question": "\\u200b", "answers": ["Ann"]}\n')
+  s.case("questions", "a question of only a zero-width space", cli(
+      "eval", *TINY, "--workdir", str(s.workdir("zw")), "--set", f"index.questions={questions}"),
+      must="hold no token, e.g. zw")
+
+
 def _no_checkpoint_after_divergence(w: pathlib.Path) -> bool:
   records = [json.loads(x) for x in (w / "metrics.jsonl").read_text().splitlines()]
   good = max([r["step"] for r in records if r["split"] == "train"], default=0)
@@ -416,6 +468,21 @@ DEFECT_TESTS = [
      "test_synthetic_data_is_not_rewritten"),
     ("a process whose coordinator never comes waited 5 min saying only Connecting",
      "test_coordinator_wait_times_out_with_its_address"),
+    # 2026-11-27, the helpers' audits (the tests are in the files named)
+    ("JSON nested too deeply or with a 5,000-digit integer: a traceback",
+     "test_squad.py::test_json_that_python_refuses_beyond_syntax_is_a_data_error"),
+    ("'qas' not a list: its questions dropped uncounted",
+     "test_squad.py::test_qas_that_is_not_a_list_is_counted"),
+    ("a dump resumed with another tokenizer or filter head mixed both",
+     "test_resumed_dump_refuses_another_tokenizer_or_filter_head"),
+    ("index / eval / search used a dump of another corpus or windows",
+     "test_index_and_eval_refuse_a_dump_of_another_corpus_or_windows"),
+    ("PQ / OPQ on a small corpus, SQ8 / HNSW specs, a full disk writing an index: tracebacks",
+     "test_search.py::test_specs_small_or_without_ids_build_and_search"),
+    ("a question of only a zero-width space was answered; a non-UTF-8 query string searched",
+     "test_serve.py::test_search_arguments_numpy_k_strings_and_empty_questions"),
+    ("Orbax's 'Metadata file does not exist' on every restore (2 API cases read as silent)",
+     "test_a_checkpoint_of_another_model_is_refused"),
 ]
 
 
@@ -466,7 +533,7 @@ def main(argv=None) -> int:
   if not (base / "dump" / "indexes" / "Flat").is_dir():
     prepare(base)
   sweep = Sweep(base, scratch)
-  for group in (config_cases, data_cases, corpus_cases, state_cases, api_cases):
+  for group in (config_cases, data_cases, corpus_cases, state_cases, api_cases, audit_cases):
     group(sweep)
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
