@@ -42,6 +42,10 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None) -> None:
     if self.best_metric and (not metrics or self.best_metric not in metrics):
       raise ValueError(f"a best-{self.best_metric} checkpoint needs that metric, got {metrics}")
+    if step in self.manager.all_steps():  # saved before a kill, redone by the exact resume
+      log.info("checkpoint %d is in %s already (saved before the resume): kept", step,
+               self.directory)
+      return
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)),
                       metrics=metrics, force=True)

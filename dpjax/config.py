@@ -5,6 +5,7 @@ import ast
 import importlib.util
 import logging
 import pathlib
+import re
 from typing import Sequence
 
 import ml_collections
@@ -68,6 +69,7 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "eval.batch_size", "eval.max_answer_length", "index.batch_size", "index.top_k",
              "index.nprobe", "index.train_size", "index.shard_passages", "qsft.batch_size",
              "qsft.top_k", "qsft.epochs", "mine.top_k", "filter.batch_size", "filter.epochs",
+             "filter.train_windows", "filter.dev_windows", "train.hard_negatives.per_example",
              "data.max_seq_length", "data.doc_stride", "data.max_query_length",
              "serve.max_batch", "serve.max_queue", "serve.max_k",
              "serve.max_questions", "serve.max_question_chars")
@@ -76,7 +78,10 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
                  "serve.max_wait_ms", "serve.port", "index.dump_min_context",
-                 "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length")
+                 "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length",
+                 "eval.passage_k", "validation.limit", "filter.sweep_questions",
+                 "filter.max_em_drop", "train.seed", "model.seed", "qsft.seed", "filter.seed",
+                 "validation.seed")
 _LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
@@ -111,6 +116,17 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key in ("train.grad_clip", "train.weight_decay"):  # grad_clip 0: no clipping
     if get(key) is not None and not get(key) >= 0:
       raise ConfigError(f"{key} = {get(key)!r}: must be >= 0")
+  for key in ("train.freeze", "qsft.freeze"):
+    for pattern in get(key) or ():
+      try:
+        re.compile(pattern)
+      except (re.error, TypeError) as e:
+        raise ConfigError(f"{key}: {pattern!r} is not a regular expression ({e})") from None
+  fractions = get("filter.keep_fractions")
+  if fractions is not None and (not len(fractions) or not all(
+      isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fractions)):
+    raise ConfigError(f"filter.keep_fractions = {list(fractions)!r}: must be one or more "
+                      "fractions in (0, 1]")
   warmup = get("train.warmup_fraction")
   if warmup is not None and not 0 <= warmup < 1:
     raise ConfigError(f"train.warmup_fraction = {warmup!r}: must be in [0, 1)")
@@ -219,7 +235,8 @@ def validation_config(**overrides) -> ml_collections.ConfigDict:
       "metric": "em@1",  # selects the best checkpoint (workdir/checkpoints_best)
       "limit": 0,  # use only the first N questions (0: all)
       # `run.py subcorpus`: build C0 / H_k for N dev questions drawn at random (seeded; 0: all);
-      # the sample is written beside the subcorpora (questions.json) and recorded in their meta.
+      # the sample is written beside the subcorpora (questions_n<N>_seed<S>.json) and recorded
+      # in their meta.
       "sample_questions": 0,
       # `run.py subcorpus`: which subcorpora to write, the full index and depth for H_k.
       "kinds": ["C0", "R0.1", "R0.333", "H1", "H2", "H4", "H8", "H16", "H32"],

@@ -37,7 +37,7 @@ from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import QSFT_METRIC, data_paths, restore_model
+from dpjax.workdir import QSFT_METRIC, check_dump_of, data_paths, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def _setup(config, workdir: pathlib.Path) -> Setup:
   model, trained_step = restore_model(config, workdir)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe,
                       search_device=config.index.get("search_device", "auto"))
+  check_dump_of(config, workdir, model, index.dump.manifest)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train_file = qc.questions or str(data_files(config.data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)

@@ -28,6 +28,7 @@ from flax import nnx
 from dpjax import losses, metrics
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.questions import read_questions, sample_questions
+from dpjax.errors import DataError
 from dpjax.index.dump import Dump, read_manifest, write_manifest
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import index_folder
@@ -35,7 +36,8 @@ from dpjax.index.search import PhraseIndex
 from dpjax.io import save_npy_atomic, save_npz_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import FILTER_HEAD, data_paths, filter_head_digest, restore_model
+from dpjax.workdir import (FILTER_HEAD, check_dump_of, data_paths, filter_head_digest,
+                           restore_model)
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +140,18 @@ def run_filter(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   fc = config.filter
   model, step = restore_model(config, workdir)
+  paths = data_paths(config, workdir)
+  # (its logits are rewritten with the head trained here, after the training)
+  check_dump_of(config, workdir, model, read_manifest(paths["dump"]))
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   mesh = make_mesh()
   batch = round_to_devices(config.eval.batch_size, mesh)
   splits, rates = _window_splits(config, workdir, model, tokenizer, mesh, batch)
+  for name, rate in rates.items():
+    if not rate > 0:  # (NaN: no context token at all) AUC-PR or the loss would be undefined
+      raise DataError(f"filter: the {len(splits[name][0])} {name} windows sampled hold no "
+                      f"answer start or end token (filter.{name}_windows); the head can be "
+                      "neither trained nor validated on them")
   head = nnx.state(model.filter_head, nnx.Param)
   kernel, bias, history = train_head(
       splits["train"], splits["dev"], np.asarray(head["kernel"][...]),
@@ -149,7 +159,6 @@ def run_filter(config, workdir: str) -> dict:
       batch_size=fc.batch_size, seed=fc.seed)
   best_auc = max(h["dev_auc_pr"] for h in history)
   save_npz_atomic(workdir / FILTER_HEAD, kernel=kernel, bias=bias)
-  paths = data_paths(config, workdir)
   rewrite_dump_logits(paths["dump"], kernel, bias)
   questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)
   q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],

@@ -116,14 +116,15 @@ def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
   del model
   out = workdir / spec.subdir
   checkpointer = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints)
-  _restore(trainer, checkpointer, config, out, data)
+  meta = _restore(trainer, checkpointer, config, out, data)
   first = int(trainer.state.step)
   # Each process builds and transfers only its own rows of every global batch.
   mine = local_rows(batch_sharding(mesh), tc.batch_size)
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
   return Run(config, out, trainer, batches, dev, mesh, total, first, checkpointer,
-             MetricsWriter(out / "metrics.jsonl", first), to_device, data)
+             MetricsWriter(out / "metrics.jsonl", first), to_device, data,
+             window=_restored_window(meta))
 
 
 def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | GroupedBatches:
@@ -208,11 +209,13 @@ def random_with_answer(batches) -> dict:
   return {"hard_negatives_random_with_answer": count}
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir, data: str) -> None:
-  """Resumes from the latest checkpoint, refusing one trained with other settings or data."""
+def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir,
+             data: str) -> dict:
+  """Resumes from the latest checkpoint, refusing one trained with other settings or data;
+  returns its meta ({} for a fresh run)."""
   restored = checkpointer.restore(abstract_like(trainer.state))
   if not restored:
-    return
+    return {}
   trainer.state, meta = restored
   if "config" in meta:  # a resumed run must continue the same training, not another one
     conflicts = resume_conflicts(json.loads(meta["config"]), json.loads(config.to_json()))
@@ -226,6 +229,7 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir, data
         f"{workdir / 'checkpoints'} holds a run trained on other data than the configured data "
         f"(data.dir {config.data.get('dir', '-')!r}) gives now: the training features differ; "
         "train into a new --workdir.")
+  return meta
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -267,7 +271,26 @@ def _finished(run: Run) -> dict:
 def _meta(run: Run, done: int) -> dict:
   epoch, index = run.batches.position(done)
   return {"step": done, "epoch": epoch, "index_in_epoch": index,
-          "config": run.config.to_json(), "data": run.data}
+          "config": run.config.to_json(), "data": run.data, "log_window": _window_record(run)}
+
+
+def _window_record(run: Run) -> dict:
+  """The metrics summed since the last log (`run.window`), for a resume to log them as an
+  uninterrupted run would: {"steps": n, "sums": {name: [value, dtype]}} (exact: float32 and
+  int values survive JSON)."""
+  total, steps = run.window
+  sums = {k: [np.asarray(v).item(), str(np.asarray(v).dtype)]
+          for k, v in (jax.device_get(total) if total is not None else {}).items()}
+  return {"steps": steps, "sums": sums}
+
+
+def _restored_window(meta: dict) -> list:
+  """`run.window` as a checkpoint's meta recorded it (none before these were recorded)."""
+  record = meta.get("log_window") or {}
+  if not record.get("steps"):
+    return [None, 0]
+  return [{k: jnp.asarray(v, dtype) for k, (v, dtype) in record["sums"].items()},
+          record["steps"]]
 
 
 _add_metrics = jax.jit(lambda total, metrics: jax.tree.map(jnp.add, total, metrics))

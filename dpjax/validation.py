@@ -32,6 +32,7 @@ from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.search import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
 from dpjax.models.encoders import bound, encode_questions
+from dpjax.trainer import MetricsWriter
 from dpjax.workdir import data_paths, load_searcher
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,11 @@ def parse_kind(kind: str) -> tuple[str, float]:
       value = float(kind[1:])
     except ValueError:
       value = None
-    if value is not None and value > 0 and (kind[0] == "R" or value.is_integer()):
+    if value is not None and value > 0 and (value <= 1 if kind[0] == "R" else
+                                            value.is_integer()):
       return kind[0], value
   raise ConfigError(f"validation.kinds: unknown subcorpus {kind!r}: expected C0, R<fraction> "
-                    "(e.g. R0.1), H<k> (e.g. H8) or full")
+                    "(0 < fraction <= 1, e.g. R0.1), H<k> (e.g. H8) or full")
 
 
 def select(kind: str, num_passages: int, c0: np.ndarray, retrieved=None,
@@ -163,7 +165,9 @@ def run_subcorpus(config, workdir: str) -> dict:
     # A seeded random sample of the dev questions (the first N come from a few articles only).
     sample = sample_questions(read_questions(questions_file), config.validation.sample_questions,
                               config.validation.seed)
-    questions_file = str(out / "questions.json")
+    # One file per sample: a later run with another sample leaves earlier subcorpora theirs.
+    questions_file = str(out / f"questions_n{config.validation.sample_questions}_seed"
+                               f"{config.validation.seed}.json")
     write_squad_subset(paths["questions"], questions_file, [q.id for q in sample])
   summary = SkipSummary()
   corpus = list(read_corpus(paths["corpus"], summary))
@@ -223,7 +227,11 @@ class Validator:
     self.batch_size, self.writer = batch_size, writer
     self.checkpointer = Checkpointer(workdir / "checkpoints_best", keep=1,
                                      best_metric=self.metric)
-    self.history: dict[int, dict] = {}
+    # The validations before a resume (metrics.jsonl holds them up to the restored step).
+    self.history: dict[int, dict] = {
+        r["step"]: r for _, r in (MetricsWriter.read(writer.path)
+                                  if writer is not None and writer.path.is_file() else [])
+        if r.get("split") == "validation"}
     log.info("validation every %d steps on %s (%d passages, %d questions of %s), best by %s",
              self.every_steps, vc.corpus, len(self.passages), len(self.questions), questions,
              self.metric)
@@ -235,6 +243,8 @@ class Validator:
       raise ConfigError(f"validation.metric {vc.metric!r} is not one of {', '.join(METRICS)}")
     if not pathlib.Path(vc.corpus).is_file():
       raise ConfigError(f"validation.corpus {vc.corpus}: no such file")
+    if not read_subcorpus(vc.corpus):
+      raise ConfigError(f"validation.corpus {vc.corpus}: no passage in it")
 
   def __call__(self, step: int, model, state, meta: dict) -> dict:
     report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,

@@ -20,7 +20,7 @@ from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.io import digest
-from dpjax.index.dump import Dump
+from dpjax.index.dump import Dump, encoder_fingerprint
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
 
@@ -74,6 +74,18 @@ def check_dump_config(config, workdir: pathlib.Path, manifest: dict) -> None:
   if differ:
     raise DataError(f"{where} is a dump of other windows: {', '.join(differ)}; dump into a new "
                     "index.dump_name, or set data.* / index.dump_* back")
+
+
+def check_dump_of(config, workdir: pathlib.Path, model, manifest: dict) -> None:
+  """Refuses a dump that `model` (the workdir's checkpoint) did not make, or that is not of the
+  configured corpus and windows (`check_dump_config`): for what reads the dump's vectors with
+  the model's question encoders or filter head (QSFT, the token filter)."""
+  if manifest.get("fingerprint") != encoder_fingerprint(model):
+    raise DataError(f"{pathlib.Path(workdir) / config.index.dump_name} was dumped by another "
+                    "model than this workdir's checkpoint (phrase encoder fingerprints differ): "
+                    "dump the corpus again with this model (`run.py dump` into a new "
+                    "index.dump_name)")
+  check_dump_config(config, workdir, manifest)
 
 
 def filter_head_digest(kernel, bias) -> dict:

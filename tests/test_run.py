@@ -167,6 +167,46 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path,
   assert _train_losses(broken) == _train_losses(straight)
 
 
+def test_metrics_since_the_last_log_survive_a_stop_between_logs(tmp_path, monkeypatch):
+  """log_every 4, checkpoint_every 3: a SIGTERM at step 2, or a crash after checkpoint 3, lost
+  the metrics summed since the last log (the next record averaged fewer steps than an unbroken
+  run's). The checkpoint's meta now holds them: every train record equals the unbroken run's."""
+  import os
+  import signal
+
+  from dpjax import train
+  base = BASE + ["--set", "train.log_every=4"]
+  straight = tmp_path / "straight"
+  assert run.main(base + ["--workdir", str(straight)]) == 0
+  accumulate = train._accumulate
+
+  def records(workdir):
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_per_sec")}
+            for line in (workdir / "metrics.jsonl").read_text().splitlines()
+            if '"train"' in line]
+
+  def stop_at(step, how):
+    def hook(run_, done, metrics):
+      accumulate(run_, done, metrics)
+      if done == step:
+        how()
+    monkeypatch.setattr(train, "_accumulate", hook)
+
+  def crash():
+    raise RuntimeError("killed")
+
+  broken, crashed = tmp_path / "broken", tmp_path / "crashed"
+  stop_at(2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  assert run.main(base + ["--workdir", str(broken)]) == 143
+  stop_at(4, crash)  # after checkpoint 3, before the log of step 4
+  with pytest.raises(RuntimeError, match="killed"):
+    run.main(base + ["--workdir", str(crashed)])
+  monkeypatch.setattr(train, "_accumulate", accumulate)
+  for workdir in (broken, crashed):
+    assert run.main(base + ["--workdir", str(workdir)]) == 0
+    assert records(workdir) == records(straight) and len(records(straight)) == 2
+
+
 _CACHED = """
 import collections
 import jax, jax.numpy as jnp

@@ -1,5 +1,6 @@
 """The separately trained token filter and its threshold sweep, on the tiny pipeline."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from dpjax.token_filter import rewrite_dump_logits, train_head
 import run
 
 
-def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
+def test_filter_training_sweep_and_filtered_index(tmp_path, capsys, caplog):
   base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
   for mode in ("train", "dump"):
     assert run.main([mode] + base) == 0
@@ -61,6 +62,20 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys):
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
   text = (tmp_path / "results" / "filter.md").read_text()
   assert f"{result['dev_auc_pr']:.4f}" in text and (tmp_path / "results" / "filter.png").is_file()
+  # The workdir's checkpoint replaced by another model's: filter and QSFT refuse the dump (they
+  # read its vectors with this model's head and question encoders, and filter rewrote its logits).
+  assert run.main(["index"] + base) == 0  # (QSFT searches the Flat index)
+  other = tmp_path / "other"
+  assert run.main(["train", "--config", "experiments/demo.py:tiny", "--workdir", str(other),
+                   "--set", "model.seed=1"]) == 0
+  shutil.rmtree(tmp_path / "checkpoints")
+  shutil.copytree(other / "checkpoints", tmp_path / "checkpoints")
+  logits = Dump.load(tmp_path / "dump").filter_logits.copy()
+  for mode in ("filter", "qsft"):
+    caplog.clear()
+    assert run.main([mode] + base) == 2, mode
+    assert "was dumped by another model than this workdir's checkpoint" in caplog.text, mode
+  assert (Dump.load(tmp_path / "dump").filter_logits == logits).all()  # not rewritten
 
 
 def test_filter_head_trains_on_fewer_windows_than_a_batch():

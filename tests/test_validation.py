@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from dpjax import metrics, validation
+from dpjax.checkpoint import Checkpointer
+from dpjax.trainer import MetricsWriter
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import Passage, Question, build_windows, read_squad
@@ -71,11 +73,11 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
   # A seeded random sample of the dev questions: written out, C0 = its gold passages only.
   assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['C0','H2']",
                                           "--set", "validation.sample_questions=5"]) == 0
-  sample_passages, sample, _ = read_squad(out / "questions.json")
+  sample_passages, sample, _ = read_squad(out / "questions_n5_seed0.json")
   assert len(sample) == 5 and {q.id for q in sample} < {q.id for q in dev_questions}
   assert [q.id for q in sample] != [q.id for q in dev_questions[:5]]  # drawn, not the first 5
   meta = json.loads((out / "C0.meta.json").read_text())
-  assert meta["questions"] == str(out / "questions.json") and meta["sample_questions"] == 5
+  assert meta["questions"] == str(out / "questions_n5_seed0.json") and meta["sample_questions"] == 5
   c0 = [json.loads(line) for line in (out / "C0.jsonl").read_text().splitlines()]
   assert {(p["title"], p["text"]) for p in c0} == {
       (sample_passages[q.passage_index].title, sample_passages[q.passage_index].context)
@@ -179,12 +181,37 @@ def test_validation_keeps_the_best_checkpoint(tmp_path):
   assert kept == [str(results["best_step"])]
   # eval.checkpoint=best restores that one.
   assert run.main(["eval_rc"] + base + ["--set", "eval.checkpoint=best"]) == 0
+  # A resumed run's Validator knows the validations before the resume (metrics.jsonl): its
+  # best() gave None for a best step validated before it.
+  config = load_config("experiments/demo.py:tiny", [f"validation.corpus={corpus}",
+                                                     "validation.metric=mrr@20"])
+  writer = MetricsWriter(tmp_path / "metrics.jsonl", 6)
+  resumed = Validator(config.validation, config, tmp_path, tmp_path / "data" / "dev.json", None,
+                      None, 8, writer)
+  assert resumed.best() == {"best_step": results["best_step"], "best_validation_mrr@20": best}
+  resumed.close()
+  # A step saved into checkpoints_best before a kill and validated again by the exact resume
+  # (regular checkpoints lag behind) is kept: Orbax refused to save it twice, every resume failed.
+  checkpointer = Checkpointer(tmp_path / "checkpoints_best", keep=1, best_metric="mrr@20")
+  step = checkpointer.best_step()
+  state = checkpointer.restore(None, step)
+  checkpointer.save(step, *state, metrics={"mrr@20": 0.0})
+  assert checkpointer.best_step() == step
+  checkpointer.close()
 
 
 def test_bad_validation_settings_are_config_errors(tmp_path, caplog):
   base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
   assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['C0','Z3']"]) == 2
   assert "validation.kinds: unknown subcorpus 'Z3'" in caplog.text
+  assert run.main(["subcorpus"] + base + ["--set", "validation.kinds=['R2']"]) == 2
+  assert "unknown subcorpus 'R2'" in caplog.text  # (a ValueError traceback after the work)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  caplog.clear()  # an empty subcorpus: refused before training, not a KeyError at validation
+  assert run.main(["train"] + base + ["--set", f"validation.corpus={empty}", "--set",
+                                      "validation.every_steps=3"]) == 2
+  assert "empty" in caplog.text and not (tmp_path / "checkpoints").exists()
   # A metric validation does not report fails before training, not after `every_steps`.
   assert run.main(["train"] + base + ["--set", "validation.metric=em@5",
                                       "--set", "validation.corpus=x.jsonl"]) == 2
