@@ -414,7 +414,10 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
     drawn = random_with_answer(run.batches)
     record = {**record, **drawn} if record else record
   if run.first >= run.total and not record:
-    record = _finished(run) or evaluate(run, run.first)
+    record = _finished(run)
+    if not record:  # (killed after the last checkpoint: its evaluation's record is replaced)
+      run.writer.drop(run.first, "dev")
+      record = evaluate(run, run.first)
   if validator:
     record = {**record, **validator.best()}
     validator.close()

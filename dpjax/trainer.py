@@ -300,6 +300,14 @@ class MetricsWriter:
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
 
+  def drop(self, step: int, split: str) -> None:
+    """Removes the records of `step` and `split` (one about to be written again)."""
+    if not (self.enabled and self.path.exists()):
+      return
+    kept = [line for line, record in self.read(self.path)
+            if (record["step"], record.get("split")) != (step, split)]
+    write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+
 
 def every(step: int, n: int) -> bool:
   return n > 0 and step % n == 0

@@ -92,6 +92,13 @@ def test_train_resume_gives_the_same_losses(tmp_path, straight):
   assert (broken / "metrics.jsonl").read_text().count('"split": "dev"') == evaluations
   assert (json.loads((broken / "results.json").read_text())
           == json.loads((workdir / "results.json").read_text()))
+  # Killed after the last checkpoint and its evaluation, before results.json: the evaluation is
+  # done again and replaces its record (it was logged twice for the step).
+  (broken / "results.json").unlink()
+  assert run.main(base + ["--workdir", str(broken)]) == 0
+  assert (broken / "metrics.jsonl").read_text().count('"split": "dev"') == evaluations
+  assert (json.loads((broken / "results.json").read_text())
+          == json.loads((workdir / "results.json").read_text()))
 
 
 def test_logged_losses_are_the_means_since_the_last_log(tmp_path, straight):
