@@ -159,6 +159,18 @@ def digest_texts(*texts: str, length: int = 16) -> str:
   return h.hexdigest()[:length]
 
 
+def file_digest(path: str | os.PathLike, length: int = 16) -> str:
+  """A short sha256 of a file's bytes (read in 1 MiB blocks)."""
+  h = hashlib.sha256()
+  try:
+    with open(path, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+  except OSError as e:
+    raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+  return h.hexdigest()[:length]
+
+
 def digest(*arrays, length: int = 16) -> str:
   """A short sha256 of arrays' bytes (parameter and data fingerprints)."""
   h = hashlib.sha256()

@@ -34,7 +34,7 @@ from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.rc import evaluate_rc
-from dpjax.io import digest, workdir_lock
+from dpjax.io import digest, digest_texts, file_digest, workdir_lock
 from dpjax.trainer import (Hook, MetricsWriter, Preemption, Trainer, build_trainer,
                            check_finite, every, run_steps)
 from dpjax.validation import Validator
@@ -80,6 +80,7 @@ class Run:
   writer: MetricsWriter
   to_device: Callable[[int], dict]  # step -> this process's rows of the global batch, on device
   data: str = ""  # fingerprint of the training features (checkpoint meta; resume checks it)
+  inputs: dict = dataclasses.field(default_factory=dict)  # `_inputs` (checkpoint meta, too)
   record: dict = dataclasses.field(default_factory=dict)  # the last RC evaluation
   clock: list = dataclasses.field(default_factory=list)  # [time, step] of the last log
   window: list = dataclasses.field(default_factory=lambda: [None, 0])  # [sums, steps] to log
@@ -116,14 +117,15 @@ def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
   del model
   out = workdir / spec.subdir
   checkpointer = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints)
-  meta = _restore(trainer, checkpointer, config, out, data)
+  inputs = _inputs(config, batches)
+  meta = _restore(trainer, checkpointer, config, out, data, inputs)
   first = int(trainer.state.step)
   # Each process builds and transfers only its own rows of every global batch.
   mine = local_rows(batch_sharding(mesh), tc.batch_size)
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
   return Run(config, out, trainer, batches, dev, mesh, total, first, checkpointer,
-             MetricsWriter(out / "metrics.jsonl", first), to_device, data,
+             MetricsWriter(out / "metrics.jsonl", first), to_device, data, inputs,
              window=_restored_window(meta))
 
 
@@ -209,10 +211,22 @@ def random_with_answer(batches) -> dict:
   return {"hard_negatives_random_with_answer": count}
 
 
+def _inputs(config, batches) -> dict:
+  """Fingerprints of what a run reads besides its features and settings: the teacher's logits
+  and the hard-negatives file (the same paths may hold other contents by a resume)."""
+  inputs = {}
+  if getattr(batches, "teacher", None) is not None:
+    inputs["teacher_logits"] = digest_texts(json.dumps(batches.teacher.fingerprint,
+                                                       sort_keys=True))
+  if getattr(batches, "hard_negatives", None) is not None:
+    inputs["hard_negatives"] = file_digest(config.train.hard_negatives.file)
+  return inputs
+
+
 def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir,
-             data: str) -> dict:
-  """Resumes from the latest checkpoint, refusing one trained with other settings or data;
-  returns its meta ({} for a fresh run)."""
+             data: str, inputs: dict) -> dict:
+  """Resumes from the latest checkpoint, refusing one trained with other settings, data or
+  inputs (`_inputs`); returns its meta ({} for a fresh run)."""
   restored = checkpointer.restore(abstract_like(trainer.state))
   if not restored:
     return {}
@@ -229,6 +243,13 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir,
         f"{workdir / 'checkpoints'} holds a run trained on other data than the configured data "
         f"(data.dir {config.data.get('dir', '-')!r}) gives now: the training features differ; "
         "train into a new --workdir.")
+  changed = sorted(k for k in set(meta.get("inputs", inputs)) | set(inputs)
+                   if meta.get("inputs", inputs).get(k) != inputs.get(k))
+  if changed:  # (checkpoints before inputs were recorded: not checked)
+    raise ConfigError(
+        f"{workdir / 'checkpoints'} holds a run trained with other {' and '.join(changed)} than "
+        "the configured files hold now (rewritten since); resuming would mix the two: train "
+        "into a new --workdir.")
   return meta
 
 
@@ -271,7 +292,8 @@ def _finished(run: Run) -> dict:
 def _meta(run: Run, done: int) -> dict:
   epoch, index = run.batches.position(done)
   return {"step": done, "epoch": epoch, "index_in_epoch": index,
-          "config": run.config.to_json(), "data": run.data, "log_window": _window_record(run)}
+          "config": run.config.to_json(), "data": run.data, "inputs": run.inputs,
+          "log_window": _window_record(run)}
 
 
 def _window_record(run: Run) -> dict:

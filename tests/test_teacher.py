@@ -396,3 +396,20 @@ def test_teacher_logits_refuse_other_rows_of_the_same_count(tmp_path):
   assert write_teacher_logits(tmp_path, fingerprint, np.array([0, 1, 2]), compute)["complete"]
   with pytest.raises(DataError, match="other rows"):
     write_teacher_logits(tmp_path, fingerprint, np.array([3, 4, 5]), compute)
+
+
+def test_a_distillation_run_records_its_teachers_logits():
+  """A phrase run resumed after `run.py teacher` rewrote the logits with another teacher went
+  on, mixing two teachers: the checkpoint records the logits' fingerprint (`_inputs`), and
+  `_restore` refuses other ones (as for a re-mined hard-negatives file, test_validation)."""
+  from types import SimpleNamespace
+
+  from dpjax.train import _inputs
+  config = load_config("experiments/demo.py:tiny")
+  def teacher(step):
+    return SimpleNamespace(teacher=SimpleNamespace(fingerprint={"params": "abc", "step": step}),
+                           hard_negatives=None)
+  assert _inputs(config, teacher(6)) == _inputs(config, teacher(6))
+  assert _inputs(config, teacher(6)) != _inputs(config, teacher(7))
+  assert set(_inputs(config, teacher(6))) == {"teacher_logits"}
+  assert _inputs(config, SimpleNamespace()) == {}

@@ -54,7 +54,7 @@ def _tiny_pipeline(workdir):
   return base
 
 
-def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
+def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys, caplog):
   base = _tiny_pipeline(tmp_path)
   assert run.main(["subcorpus"] + base +
                   ["--set", "validation.kinds=['C0','R0.5','H1','H2','H4']"]) == 0
@@ -120,6 +120,19 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys):
   assert json.loads((hard / "results.json").read_text())["hard_negatives_random_with_answer"] == 0
   assert "hard_negatives_random_with_answer" not in json.loads(
       (tmp_path / "results.json").read_text())  # no hard negatives, no count
+  # Mined again into the same file between a stop and the resume: refused (only the path was
+  # compared, so the run went on with other negatives).
+  copy = tmp_path / "hard_copy.jsonl"
+  copy.write_text((tmp_path / "hard_negatives.jsonl").read_text())
+  again = ["train", "--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path / "hard2"),
+           "--set", f"train.hard_negatives.file={copy}", "--set",
+           "train.hard_negatives.per_example=2"]
+  assert run.main(again + ["--set", "train.stop_at_step=3"]) == 0
+  copy.write_text("".join(json.dumps({**m, "passages": [], "start_chars": []}) + "\n"
+                          for m in mined))
+  caplog.clear()
+  assert run.main(again) == 2
+  assert "trained with other hard_negatives than the configured files" in caplog.text
 
 
 def test_hard_negative_windows(tokenizer, caplog):
