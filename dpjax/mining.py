@@ -24,7 +24,7 @@ import numpy as np
 
 from dpjax import metrics
 from dpjax.data import data_files
-from dpjax.data.squad import DataError, PassageWindows, Question, read_squad
+from dpjax.data.squad import JSON_ERRORS, DataError, PassageWindows, Question, read_squad
 from dpjax.io import write_lines_atomic
 from dpjax.workdir import load_searcher
 
@@ -92,8 +92,10 @@ def mine_hard_negatives(searcher, questions: Sequence[Question], train_passages:
   return counts
 
 
-def read_hard_negatives(path: str | os.PathLike, questions: Sequence[Question]) -> list[list]:
-  """Per training question (by position), its [(passage, start_char)] hard negatives."""
+def read_hard_negatives(path: str | os.PathLike, questions: Sequence[Question],
+                        num_passages: int) -> list[list]:
+  """Per training question (by position), its [(passage, start_char)] hard negatives (passage:
+  a row of the `num_passages` training passages; a record out of range is a DataError)."""
   index = {q.id: i for i, q in enumerate(questions)}
   mined: list[list] = [[] for _ in questions]
   path = pathlib.Path(path)
@@ -105,8 +107,13 @@ def read_hard_negatives(path: str | os.PathLike, questions: Sequence[Question]) 
       try:
         row = json.loads(line)
         pairs = list(zip(row["passages"], row["start_chars"]))
-      except (json.JSONDecodeError, KeyError, TypeError) as e:
+      except (*JSON_ERRORS, KeyError, TypeError) as e:
         raise DataError(f"{path}:{number}: not a hard-negative record ({e})") from None
+      bad = [p for p, c in pairs if not (_row(p) and 0 <= p < num_passages and _row(c))]
+      if bad:
+        raise DataError(f"{path}:{number}: passage {bad[0]!r} is not a row of the "
+                        f"{num_passages} training passages (mined from other training data? "
+                        "run `run.py mine` again)")
       if row["id"] in index:
         mined[index[row["id"]]] = pairs
       else:
@@ -114,6 +121,10 @@ def read_hard_negatives(path: str | os.PathLike, questions: Sequence[Question]) 
   if unknown:
     log.warning("%s: %d records for questions not in the training set (ignored)", path, unknown)
   return mined
+
+
+def _row(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class HardNegatives:

@@ -184,7 +184,8 @@ PHRASE = Spec("phrase model", "", model_for_data, _phrase_objective, _batches)
 def _hard_negatives(tc, train) -> HardNegatives | None:
   if not tc.hard_negatives.file:
     return None
-  hard = HardNegatives(read_hard_negatives(tc.hard_negatives.file, train.questions),
+  hard = HardNegatives(read_hard_negatives(tc.hard_negatives.file, train.questions,
+                                           len(train.passages)),
                        train.features.windows, train.questions,
                        [p.text for p in train.passages], tc.hard_negatives.per_example, tc.seed)
   if tc.loss.recipe != "unified":

@@ -45,8 +45,8 @@ def gold_rows(corpus: Sequence[Passage], questions_file: str | os.PathLike) -> n
   wanted = {(passages[q.passage_index].title, passages[q.passage_index].text)
             for q in questions if q.answers}  # (one without answer texts is not asked)
   rows = np.array([i for i, p in enumerate(corpus) if (p.title, p.text) in wanted], np.int64)
-  missing = len(wanted) - len(rows)
-  if missing:
+  missing = len(wanted - {(corpus[i].title, corpus[i].text) for i in rows})  # (a set: a gold
+  if missing:  # passage twice in the corpus does not stand for another one missing)
     raise DataError(f"{questions_file}: {missing} of {len(wanted)} gold passages are not in the "
                     "corpus (C_0 must be part of C)")
   return rows

@@ -125,7 +125,8 @@ def test_json_that_python_refuses_beyond_syntax_is_a_data_error(tmp_path, capsys
   questions), a skipped and counted line in a JSONL corpus; they were tracebacks."""
   from dpjax.data.corpus import read_corpus
   from dpjax.data.questions import read_questions
-  deep, huge = "[" * 100_000 + "]" * 100_000, '{"id": "q", "question": "x?", "n": ' + "9" * 5000 + "}"
+  deep = "[" * 100_000 + "]" * 100_000
+  huge = '{"id": "q", "question": "x?", "n": ' + "9" * 5000 + "}"
   for name, text, why in (("deep", deep, "nested too deeply"), ("huge", huge, "4300 digits")):
     with pytest.raises(DataError, match=f"{name}.json: invalid JSON: .*{why}"):
       read_squad(_write(tmp_path, text, f"{name}.json"))

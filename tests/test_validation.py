@@ -11,7 +11,7 @@ from dpjax.checkpoint import Checkpointer
 from dpjax.trainer import MetricsWriter
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
-from dpjax.data.squad import Passage, Question, build_windows, read_squad
+from dpjax.data.squad import DataError, Passage, Question, build_windows, read_squad
 from dpjax.mining import HardNegatives, filter_negatives
 from dpjax.train import random_with_answer
 from dpjax.validation import Validator
@@ -133,6 +133,27 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys, caplog):
   caplog.clear()
   assert run.main(again) == 2
   assert "trained with other hard_negatives than the configured files" in caplog.text
+  # Rows that are not training passages (mined from other data): named, not an IndexError.
+  foreign = tmp_path / "foreign.jsonl"
+  foreign.write_text(json.dumps({"id": mined[0]["id"], "passages": [10 ** 6],
+                                 "start_chars": [0]}) + "\n")
+  caplog.clear()
+  assert run.main(["train", "--config", "experiments/demo.py:tiny", "--workdir",
+                   str(tmp_path / "hard3"), "--set", f"train.hard_negatives.file={foreign}"]) == 2
+  assert "foreign.jsonl:1: passage 1000000 is not a row of the" in caplog.text
+
+
+def test_gold_rows_counts_distinct_gold_passages(tmp_path):
+  """A corpus holding one gold passage twice and another not at all passed as holding both
+  (the rows were counted, not the passages)."""
+  dev = tmp_path / "dev.json"
+  dev.write_text(json.dumps({"data": [{"title": t, "paragraphs": [{"context": f"{t} text.", "qas": [
+      {"id": t, "question": "?", "answers": [{"text": t, "answer_start": 0}]}]}]}
+      for t in ("A", "B")]}))
+  a = Passage("a", "A", "A text.")
+  assert list(validation.gold_rows([a, Passage("b", "B", "B text.")], dev)) == [0, 1]
+  with pytest.raises(DataError, match="1 of 2 gold passages are not in the corpus"):
+    validation.gold_rows([a, Passage("a2", "A", "A text.")], dev)
 
 
 def test_hard_negative_windows(tokenizer, caplog):
