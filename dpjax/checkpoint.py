@@ -42,10 +42,14 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None) -> None:
     if self.best_metric and (not metrics or self.best_metric not in metrics):
       raise ValueError(f"a best-{self.best_metric} checkpoint needs that metric, got {metrics}")
-    if step in self.manager.all_steps():  # saved before a kill, redone by the exact resume
-      log.info("checkpoint %d is in %s already (saved before the resume): kept", step,
-               self.directory)
-      return
+    if step in self.manager.all_steps():
+      if metrics is not None and self.manager.metrics(step) == metrics:
+        # saved before a kill and redone by the exact resume: the same state
+        log.info("checkpoint %d is in %s already (saved before the resume): kept", step,
+                 self.directory)
+        return
+      log.warning("%s: replacing checkpoint %d, of another run", self.directory, step)
+      self.manager.delete(step)
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)),
                       metrics=metrics, force=True)

@@ -19,8 +19,8 @@ from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
-from dpjax.io import digest
 from dpjax.index.dump import Dump, encoder_fingerprint
+from dpjax.io import digest
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
 
@@ -41,12 +41,9 @@ def data_paths(config, workdir: pathlib.Path) -> dict:
           "dump": pathlib.Path(workdir) / config.index.dump_name}
 
 
-# The dump settings that decide which windows (so which vectors) a dump holds.
-WINDOW_SETTINGS = ("max_seq_length", "doc_stride", "include_title", "min_context")
-
-
 def dump_windows(config) -> dict:
-  """What the config's dump windows are (`WINDOW_SETTINGS`), as a dump's manifest records them."""
+  """The dump settings that decide which windows (so which vectors) a dump holds, as the
+  config gives them and a dump's manifest records them."""
   return {"max_seq_length": (config.index.get("dump_max_seq_length", 0)
                              or config.data.max_seq_length),
           "doc_stride": config.data.doc_stride, "include_title": config.data.include_title,

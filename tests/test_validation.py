@@ -226,11 +226,15 @@ def test_validation_keeps_the_best_checkpoint(tmp_path):
   resumed.close()
   # A step saved into checkpoints_best before a kill and validated again by the exact resume
   # (regular checkpoints lag behind) is kept: Orbax refused to save it twice, every resume failed.
+  # A step of another run (other metrics) is replaced, with a warning.
   checkpointer = Checkpointer(tmp_path / "checkpoints_best", keep=1, best_metric="mrr@20")
   step = checkpointer.best_step()
   state = checkpointer.restore(None, step)
+  checkpointer.save(step, *state, metrics={"mrr@20": best})
+  assert checkpointer.best_step() == step and checkpointer.manager.metrics(step) == {
+      "mrr@20": best}
   checkpointer.save(step, *state, metrics={"mrr@20": 0.0})
-  assert checkpointer.best_step() == step
+  assert checkpointer.manager.metrics(step) == {"mrr@20": 0.0}
   checkpointer.close()
 
 

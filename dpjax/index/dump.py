@@ -815,9 +815,12 @@ def _existing(out_dir: pathlib.Path, manifest: dict) -> dict | None:
                        for k, v in manifest["settings"].items() if settings.get(k) != v)
     raise DumpError(f"{out_dir} holds a dump with other settings: {differ}; use a new directory "
                     "(index.dump_name) or delete it")
-  # (manifests from before these were recorded: not compared)
-  for key, what in (("tokenizer", "another tokenizer"),
-                    ("filter_head", "another token filter head (filter_head.npz)")):
+  # (manifests from before these were recorded: not compared). A complete dump is not touched
+  # again: its tokenization is its own (its serialisation may change with the library), but its
+  # filter logits must be the workdir's head's.
+  checked = (("filter_head", "another token filter head (filter_head.npz)"),) + (
+      () if old.get("complete") else (("tokenizer", "another tokenizer"),))
+  for key, what in checked:
     if key in old and old[key] != manifest[key]:
       raise DumpError(f"{out_dir} holds a dump made with {what} ({old[key]}, now "
                       f"{manifest[key]}); use a new directory (index.dump_name) or delete it")
