@@ -218,9 +218,8 @@ class Validator:
 
   def __init__(self, vc, config, workdir: pathlib.Path, dev_file, tokenizer, mesh, batch_size,
                writer):
-    self.check(vc)
+    self.passages = self.check(vc)
     self.every_steps, self.metric = vc.every_steps, vc.metric
-    self.passages = read_subcorpus(vc.corpus)
     questions = vc.questions or subcorpus_questions(vc.corpus) or dev_file
     self.questions = read_questions(questions)[:vc.limit or None]
     self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
@@ -237,14 +236,17 @@ class Validator:
              self.metric)
 
   @staticmethod
-  def check(vc) -> None:
-    """Config errors surface before any work, not after the first `every_steps` of training."""
+  def check(vc) -> list[Passage]:
+    """Config errors surface before any work, not after the first `every_steps` of training;
+    returns the subcorpus's passages."""
     if vc.metric not in METRICS:
       raise ConfigError(f"validation.metric {vc.metric!r} is not one of {', '.join(METRICS)}")
     if not pathlib.Path(vc.corpus).is_file():
       raise ConfigError(f"validation.corpus {vc.corpus}: no such file")
-    if not read_subcorpus(vc.corpus):
+    passages = read_subcorpus(vc.corpus)
+    if not passages:
       raise ConfigError(f"validation.corpus {vc.corpus}: no passage in it")
+    return passages
 
   def __call__(self, step: int, model, state, meta: dict) -> dict:
     report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,

@@ -6,7 +6,6 @@ tokens; both are switched off here): windowing and padding are the feature build
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -16,6 +15,7 @@ import numpy as np
 import regex as unicode_regex
 import tokenizers
 
+from dpjax.io import digest_texts
 from dpjax.model_files import DEFAULT_MODEL, resolve_model_dir
 
 
@@ -49,7 +49,7 @@ class Tokenizer:
   @functools.cached_property
   def fingerprint(self) -> str:
     """A short hash of the whole tokenizer (vocabulary, normalizer, pre-tokenizer, ...)."""
-    return hashlib.sha256(self.backend.to_str().encode("utf-8")).hexdigest()[:16]
+    return digest_texts(self.backend.to_str())
 
   @property
   def vocab_size(self) -> int:

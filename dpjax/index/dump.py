@@ -604,8 +604,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); in
     # blocks, so that encoding starts after 64 passages, not the whole shard.
     made = {0: maker.submit_blocks(head[0])} if head and distributed.process_share(0) else {}
-    manifest = _new_manifest(model, tokenizer, config, model_info=model_info,
-                             corpus_info=corpus_info, filter_head=filter_head)
+    manifest = _new_manifest(model, tokenizer, config, model_info, corpus_info, filter_head)
     encode = bound(model, "phrases_and_filter")
     old = _existing(out_dir, manifest)
     if old is not None and old["complete"]:
@@ -636,15 +635,16 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
 
 
-def _new_manifest(model, tokenizer: Tokenizer, config: DumpConfig, **recorded) -> dict:
+def _new_manifest(model, tokenizer: Tokenizer, config: DumpConfig, model_info: dict | None,
+                  corpus_info: dict | None, filter_head: dict | None) -> dict:
   """An incomplete dump's manifest: what identifies its vectors (`_existing` compares them)."""
   # The width multiple is speed only (the vectors differ by rounding at most): recorded, but
   # not a setting a dump is refused or resumed by.
   settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
   return {"complete": False, "fingerprint": encoder_fingerprint(model),
-          "model": recorded["model_info"] or {}, "settings": settings,
-          "tokenizer": tokenizer.fingerprint, "filter_head": recorded["filter_head"],
-          "width_multiple": config.width_multiple, "corpus": recorded["corpus_info"] or {},
+          "model": model_info or {}, "settings": settings,
+          "tokenizer": tokenizer.fingerprint, "filter_head": filter_head,
+          "width_multiple": config.width_multiple, "corpus": corpus_info or {},
           "dim": model.config.hidden_size, "shards": []}
 
 

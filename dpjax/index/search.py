@@ -220,6 +220,11 @@ def _count(value, name: str) -> int:
   return int(value)
 
 
+def _tokenless(attention_mask: np.ndarray) -> np.ndarray:
+  """The rows of tokenised questions that hold [CLS] [SEP] only."""
+  return np.flatnonzero(attention_mask.sum(1) <= 2)
+
+
 class PhraseIndex:
   """A complete dump with one of its faiss indexes."""
 
@@ -699,14 +704,13 @@ class DensePhrases:
   def empty_questions(self, questions: Sequence[str]) -> list[int]:
     """The questions that hold no token: empty, or only characters the tokenizer drops (control
     and format characters such as a zero-width space, U+FEFF, NUL)."""
-    return [i for i, (ids, _) in enumerate(self.tokenizer.tokenize(list(questions)))
-            if not len(ids)]
+    return _tokenless(self.tokenizer.encode(list(questions), self.max_query_length)[1]).tolist()
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(questions, str):
       raise ValueError("questions must be a list of strings, not one string")
     ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
-    empty = np.flatnonzero(mask.sum(1) <= 2)  # [CLS] [SEP] only
+    empty = _tokenless(mask)
     if len(empty):
       raise ValueError(f"question {int(empty[0])} ({questions[empty[0]][:40]!r}) has no tokens: "
                        f"it is empty or only characters the tokenizer drops ({len(empty)} such)")
