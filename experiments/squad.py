@@ -26,12 +26,12 @@ def get_config(arg=None):
       "dev_file": "dev-v1.1.json", "max_seq_length": 384, "doc_stride": 128,
       "max_query_length": 64, "include_title": True,
   })
-  # The accelerator recipe: length 384, batch 48 (Kim et al.), 2 epochs, with the unified loss at
-  # lambda_inb = lambda_prb = 1 and lr 1e-4. Measured on an H100 (issue 21, all 10,570 dev
-  # questions): RC EM 52.5 / F1 63.8, against EM 35.1 / F1 48.3 for the paper's lambda 256 and
-  # lr 3e-5 (`:paper`), tuned for SpanBERT-base, not MiniLM-L6.
-  config.train = common.train_config(batch_size=48, epochs=2, learning_rate=1e-4,
-                                     checkpoint_every=1000)
+  # The accelerator recipe: length 384, 48 windows a step, each with up to 5 of its questions
+  # (passage-grouped batches, the CPU study's one winner on RC and retrieval: results/recipe.md),
+  # 4 epochs, the unified loss at lambda_inb = lambda_prb = 1, lr 1e-4; the full-scale check of
+  # it and of its candidates is results/gpu_check.md.
+  config.train = common.train_config(batch_size=48, epochs=4, learning_rate=1e-4,
+                                     checkpoint_every=1000, questions_per_window=5)
   config.train.loss.lambda_inb = 1.0
   # SQuAD-open small: every token of the 20,963 train + dev paragraphs (20,958 unique).
   config.index = common.index_config(specs=["Flat", "IVFauto,SQ4", "OPQ96,IVFauto,PQ96x8"])
@@ -70,7 +70,7 @@ def get_config(arg=None):
     # `--set model.dtype=float32` for the float32 recipe (recipe_runs.sh fp32).
     config.model.dtype = "bfloat16"
   if arg == "paper":  # Kim et al.'s hyperparameters exactly: lambda_inb = lambda_prb = 256, lr 3e-5
-    config.train.update(learning_rate=3e-5)
+    config.train.update(learning_rate=3e-5, questions_per_window=1, epochs=2)
     config.train.loss.lambda_inb = 256.0
   elif arg in ("cpu", "cpu-base"):
     # `cpu-base`: the CPU budget's baseline, one question per window, 1,500 steps (~34 min of
@@ -80,6 +80,7 @@ def get_config(arg=None):
     # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)
     config.train.update(batch_size=12, num_steps=1500, learning_rate=1e-4, dropout=False,
+                        questions_per_window=1,
                         checkpoint_every=250, log_every=25)
     # The unified loss with lambda_inb = lambda_prb = 1, not the paper's 256: at this budget
     # (batch 12, 1,500 steps) lambda 1 is ahead on RC (EM 42.6 vs 33.5) and on phrase retrieval

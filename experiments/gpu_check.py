@@ -1,0 +1,335 @@
+"""The full-scale check: train the default, dump, index and answer SQuAD-open small, then speed.
+
+Stages, in order, each a `run.py` (or benchmark) process under a time limit cut to what is left
+of `--deadline`; OUT/gpu_check.json is rewritten after every stage, so a timeout keeps what
+finished. Every figure in it is read from the files the processes wrote.
+
+  train      `run.py train` of the config (and of each `--alt` candidate, alongside): its RC
+             EM/F1 on the dev questions (results.json), wall time, steps and time per step
+  chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval`: EM@1/10,
+             passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s
+  dump_warm  the default's dump again into another folder, executables from the compile cache
+  step       experiments/benchmarks/train_step.py: the recipe's bf16 step (its dropout) on
+             XLA's attention; `step_pallas` the same on the Pallas kernel
+  flash_tests  tests/test_flash_attention.py compiled for the GPU (not run by default)
+
+  python experiments/gpu_check.py --workdir /root/w/check --out $OUT \\
+      --set data.dir=/root/gpu/data/squad --alt 'inb256=--set train.loss.lambda_inb=256.0'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # dpjax, when run as a script
+STAGES = ("train", "chain", "dump_warm", "step", "step_pallas")
+# Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
+TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
+           ("step_ms", "<=", 20.0), ("dump_cold_tokens_per_s", ">=", 400e3),
+           ("dump_warm_tokens_per_s", ">=", 1e6), ("eval_questions_per_s", ">=", 1000.0))
+OPEN_KEYS = ("questions", "em@1", "f1@1", "em@10", "top1", "top5", "top20", "mrr@20",
+             "search_seconds", "questions_per_sec_batch64", "index_tokens", "index_spec",
+             "index_bytes_per_token", "model_step")
+DUMP_KEYS = ("num_passages", "num_tokens", "encoded_tokens", "seconds", "compile_seconds",
+             "compiles", "host_seconds", "processes", "width_multiple")
+
+
+def parse(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", required=True, help="folder of the candidates' workdirs")
+  parser.add_argument("--out", required=True, help="folder of gpu_check.json and the logs")
+  parser.add_argument("--json", help="where gpu_check.json goes (default: in --out)")
+  parser.add_argument("--config", default="experiments/squad.py")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="passed to every run.py command (e.g. data.dir)")
+  parser.add_argument("--alt", action="append", default=[], metavar="NAME=ARGS",
+                      help="a candidate trained and evaluated beside the default: run.py args")
+  parser.add_argument("--stages", nargs="+", default=list(STAGES),
+                      choices=[*STAGES, "flash_tests"])
+  parser.add_argument("--deadline", type=float, default=520.0,
+                      help="seconds for all stages; each stage's limit is cut to what is left")
+  parser.add_argument("--step-args", default="--batch 48 --steps 20 --warmup 3",
+                      help="train_step.py's arguments (the tiny test uses smaller ones)")
+  parser.add_argument("--python", default=sys.executable)
+  return parser.parse_args(argv)
+
+
+class Check:
+  """The runs, their limits and the report written after each stage."""
+
+  def __init__(self, args):
+    self.args, self.start = args, time.monotonic()
+    self.root, self.out = pathlib.Path(args.workdir), pathlib.Path(args.out)
+    self.candidates = {"default": []}
+    for alt in args.alt:
+      name, _, rest = alt.partition("=")
+      if not name or name == "default" or not rest:
+        raise SystemExit(f"gpu_check.py: --alt {alt!r}: expected NAME=RUN.PY ARGS")
+      self.candidates[name] = shlex.split(rest)
+    self.configs = {n: _resolved(args.config, [*args.set, *_sets(a)])
+                    for n, a in self.candidates.items()}
+    self.report = {"command": shlex.join(["python", "experiments/gpu_check.py",
+                                          *(sys.argv[1:] if argv_is_cli() else [])]),
+                   # the device's copy of the tree may have no .git: DPJAX_COMMIT names it
+                   "commit": os.environ.get("DPJAX_COMMIT") or _git("rev-parse", "HEAD"), "config": args.config,
+                   "settings": args.set, "device": _device(args.python), "stages": {},
+                   "candidates": {n: {"args": a, "recipe": self.configs[n]}
+                                  for n, a in self.candidates.items()},
+                   "speed": {}}
+
+  def left(self) -> float:
+    return self.args.deadline - (time.monotonic() - self.start)
+
+  def common(self, name: str) -> list[str]:
+    return ["--config", self.args.config, "--workdir", str(self.root / name),
+            "--set", "train.progress_bar=False",
+            *(x for s in self.args.set for x in ("--set", s)), *self.candidates[name]]
+
+  def launch(self, label: str, argv: list[str], env=None) -> tuple:
+    log = (self.out / f"{label}.log").open("w")
+    process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    return label, process, log, time.monotonic()
+
+  def finish(self, launched: tuple, rc) -> dict:
+    label, _, log, started = launched
+    log.close()
+    record = {"rc": rc, "wall_s": round(time.monotonic() - started, 2)}
+    self.report["stages"][label] = record
+    return record
+
+  def chains(self, jobs: dict, after) -> None:
+    """Runs each name's jobs [(label, argv, env), ...] in turn, the names alongside each other;
+    `after(name, label)` as each ends. A job that fails ends its name's chain; the deadline
+    kills what still runs (rc "timeout")."""
+    queues = {name: list(items) for name, items in jobs.items() if items}
+    running = {name: self.launch(*queues[name].pop(0)) for name in queues}
+    while running:
+      for name, launched in list(running.items()):
+        rc = launched[1].poll()
+        if rc is None and self.left() > 0:
+          continue
+        if rc is None:
+          launched[1].kill()
+          launched[1].wait()
+          rc = "timeout"
+        record = self.finish(launched, rc)
+        del running[name]
+        after(name, launched[0])
+        self.save()
+        if record["rc"] == 0 and queues[name] and self.left() > 1:
+          running[name] = self.launch(*queues[name].pop(0))
+      time.sleep(0.2)
+
+  def run(self, label: str, argv: list[str], env=None) -> dict:
+    self.chains({label: [(label, argv, env)]}, lambda name, label: None)
+    return self.report["stages"][label]
+
+  def save(self):
+    self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
+    self.report["figures"] = figures(self.report)
+    self.report["targets"] = [
+        {"figure": key, "target": f"{op} {target:g}", "value": self.report["figures"].get(key),
+         "met": _met(self.report["figures"].get(key), op, target)} for key, op, target in TARGETS]
+    path = pathlib.Path(self.args.json or self.out / "gpu_check.json")
+    path.with_suffix(".tmp").write_text(json.dumps(self.report, indent=1))
+    path.with_suffix(".tmp").replace(path)
+
+
+def _sets(argv: list[str]) -> list[str]:
+  """The KEY=VALUE of each `--set` in run.py arguments."""
+  return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
+
+
+RECIPE_KEYS = ("model.dtype", "data.max_seq_length", "train.batch_size",
+               "train.questions_per_window", "train.epochs", "train.num_steps",
+               "train.learning_rate", "train.dropout", "train.loss.lambda_inb",
+               "train.loss.prebatch_size", "index.dump_dtype", "index.dump_min_context")
+
+
+def _resolved(config: str, sets: list[str]) -> dict:
+  """The recipe's settings as the run resolves them (RECIPE_KEYS)."""
+  from dpjax.config import load_config
+  resolved = load_config(config, sets)
+  found = {}
+  for key in RECIPE_KEYS:
+    value = resolved
+    for part in key.split("."):
+      value = value.get(part) if value is not None else None
+    found[key] = value
+  return found
+
+
+def argv_is_cli() -> bool:
+  return pathlib.Path(sys.argv[0]).name == "gpu_check.py"
+
+
+def _met(value, op: str, target: float):
+  if value is None:
+    return None
+  return value >= target if op == ">=" else value <= target
+
+
+def _git(*args) -> str:
+  result = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+  return result.stdout.strip() or "unknown"
+
+
+def _device(python: str) -> str:
+  code = "import jax; d = jax.devices()[0]; print(d.platform, d.device_kind, len(jax.devices()))"
+  result = subprocess.run([python, "-c", code], cwd=REPO, capture_output=True, text=True)
+  return result.stdout.strip() or result.stderr.strip()[-300:]
+
+
+def _json(path: pathlib.Path):
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def read_train(workdir: pathlib.Path, batch_size: int) -> dict:
+  """RC EM/F1 of results.json; the training's steps and median time per step over its logs."""
+  found = {}
+  results = _json(workdir / "results.json")
+  if results:
+    found.update({k: results.get(k) for k in ("rc_exact_match", "rc_f1", "count", "step")})
+  records = []
+  if (workdir / "metrics.jsonl").is_file():
+    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x]
+  rates = [r["examples_per_sec"] for r in records
+           if r.get("split") == "train" and r.get("examples_per_sec")]
+  if rates:  # examples_per_sec: steps/s x batch_size (windows, in passage-grouped batches)
+    found["train_step_ms_median"] = 1e3 * batch_size / statistics.median(rates)
+  steps = [r["step"] for r in records if r.get("split") == "train"]
+  if steps:
+    found["steps"] = max(steps)
+  return found
+
+
+def read_dump(folder: pathlib.Path) -> dict:
+  manifest = _json(folder / "manifest.json")
+  if not manifest or not manifest.get("complete"):
+    return {}
+  found = {k: manifest.get(k) for k in DUMP_KEYS}
+  found["stored_tokens_per_s"] = manifest["num_tokens"] / manifest["seconds"]
+  return found
+
+
+def read_open(workdir: pathlib.Path) -> dict:
+  report = _json(workdir / "open_eval_Flat.json")
+  if not report:
+    return {}
+  found = {k: report.get(k) for k in OPEN_KEYS}
+  found["questions_per_s"] = report["questions"] / report["search_seconds"]
+  return found
+
+
+def figures(report: dict) -> dict:
+  """The default candidate's figures under the targets' names, from the report's records."""
+  default = report["candidates"]["default"]
+  found = {**default.get("train", {}), **default.get("open", {})}
+  stages = report["stages"]
+  if default.get("dump"):
+    found["dump_stored_tokens_per_s"] = default["dump"]["stored_tokens_per_s"]
+  if stages.get("default.dump", {}).get("rc") == 0 and default.get("dump"):
+    # the whole cold dump: the process's wall, its start and every compile included
+    found["dump_cold_tokens_per_s"] = default["dump"]["num_tokens"] / stages["default.dump"][
+        "wall_s"]
+  warm = report["speed"].get("dump_warm")
+  if warm:
+    found["dump_warm_tokens_per_s"] = warm["stored_tokens_per_s"]
+  if "questions_per_s" in found:  # the questions answered over the eval's search time
+    found["eval_questions_per_s"] = found["questions_per_s"]
+    if stages.get("default.eval", {}).get("rc") == 0:  # its whole process: start, load, write
+      found["eval_process_questions_per_s"] = found["questions"] / stages["default.eval"][
+          "wall_s"]
+  step = report["speed"].get("step")
+  if step and "median_step_s" in step:
+    found["step_ms"] = 1e3 * step["median_step_s"]
+  pallas = report["speed"].get("step_pallas")
+  if pallas and "median_step_s" in pallas:
+    found["step_pallas_ms"] = 1e3 * pallas["median_step_s"]
+  return found
+
+
+def stage_train(check: Check):
+  def after(name, label):
+    check.report["candidates"][name]["train"] = read_train(
+        check.root / name, check.configs[name]["train.batch_size"])
+  check.chains({name: [(f"{name}.train", [check.args.python, "run.py", "train",
+                                          *check.common(name)], None)]
+                for name in check.candidates}, after)
+
+
+def stage_chain(check: Check):
+  """Each trained candidate's dump, Flat index and eval, the candidates alongside each other."""
+  def after(name, label):
+    candidate = check.report["candidates"][name]
+    candidate["dump"] = read_dump(check.root / name / "dump")
+    candidate["open"] = read_open(check.root / name)
+
+  jobs = {}
+  for name in check.candidates:
+    if not (check.root / name / "results.json").is_file():
+      continue
+    run = [check.args.python, "run.py"]
+    jobs[name] = [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
+                  (f"{name}.index", [*run, "index", *check.common(name),
+                                     "--set", 'index.specs=["Flat"]'], None),
+                  (f"{name}.eval", [*run, "eval", *check.common(name),
+                                    "--set", "index.search_index=Flat"], None)]
+  check.chains(jobs, after)
+
+
+def stage_dump_warm(check: Check):
+  check.run("dump_warm", [check.args.python, "run.py", "dump", *check.common("default"),
+                          "--set", "index.dump_name=dump_warm"])
+  check.report["speed"]["dump_warm"] = read_dump(check.root / "default" / "dump_warm")
+
+
+def _step(check: Check, label: str, env=None):
+  argv = [check.args.python, "experiments/benchmarks/train_step.py", "--framework", "jax",
+          "--dtype", "bfloat16", *shlex.split(check.args.step_args)]
+  record = check.run(label, argv, env)
+  lines = [x for x in (check.out / f"{label}.log").read_text().splitlines() if x.startswith("{")]
+  if record["rc"] == 0 and lines:
+    found = json.loads(lines[-1])
+    found.pop("all_step_s", None)
+    check.report["speed"][label] = found
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  check = Check(args)
+  check.out.mkdir(parents=True, exist_ok=True)
+  check.root.mkdir(parents=True, exist_ok=True)
+  check.save()
+  actions = {"train": stage_train, "chain": stage_chain, "dump_warm": stage_dump_warm,
+             "step": lambda c: _step(c, "step"),
+             "step_pallas": lambda c: _step(c, "step_pallas", {"DPJAX_ATTENTION": "pallas"}),
+             "flash_tests": lambda c: c.run("flash_tests", [
+                 args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 "tests/test_flash_attention.py"], {"JAX_PLATFORMS": "cuda",
+                                                    "JAX_DEFAULT_MATMUL_PRECISION": "highest"})}
+  for stage in args.stages:
+    if check.left() <= 1:
+      check.report["stages"][stage] = {"rc": "skipped: deadline"}
+    else:
+      actions[stage](check)
+    check.save()
+  print(json.dumps({"figures": check.report["figures"], "targets": check.report["targets"]},
+                   indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

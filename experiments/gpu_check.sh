@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The full-scale check on a lent GPU machine, after ../shared/gpu/README.md's setup:
+# experiments/gpu_check.py with that machine's paths (weights and wheels under /root/site, SQuAD
+# under /root/gpu/data/squad); results in $OUT/gpu_check.json (rendered afterwards by
+# `python experiments/report.py gpu_check OUT/gpu_check.json`), the stages' logs in
+# $OUT/logs.tgz (the device tool brings back at most 8 files).
+# Usage: OUT=/path bash experiments/gpu_check.sh [gpu_check.py arguments, e.g. --alt NAME=ARGS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# Two processes (the default and an --alt candidate) share the GPU.
+export PYTHONPATH=/root/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+W=${W:-/root/w/check}
+python3 experiments/gpu_check.py --workdir "$W" --out "$W/logs" --json "${OUT:?set OUT}/gpu_check.json" \
+  --set data.dir=/root/gpu/data/squad "$@"
+rc=$?
+tar czf "$OUT/logs.tgz" -C "$W/logs" .
+exit $rc
