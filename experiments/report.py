@@ -57,3 +57,87 @@ def p_text(p: float | None) -> str:
   if p is None:
     return "-"
   return "< 1e-300" if p == 0 else f"{p:.3g}"
+
+
+GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1"),
+            ("open EM@10", "em@10"), ("passage Top-1", "top1"), ("passage Top-5", "top5"),
+            ("passage Top-20", "top20"), ("MRR@20", "mrr@20"), ("training steps", "steps"),
+            ("training's median step (ms)", "train_step_ms_median"),
+            ("dump: stored tokens/s after compiles", "stored_tokens_per_s"),
+            ("eval: questions/s over its search", "questions_per_s"))
+
+
+def _cell(value) -> str:
+  if value is None:
+    return "-"
+  if isinstance(value, float):
+    return f"{value:.2f}" if abs(value) >= 0.01 or value == 0 else f"{value:g}"
+  return str(value)
+
+
+def render_gpu_check(results: dict, command: str) -> str:
+  """results/gpu_check.md: the device, the parts' commands, each candidate's recipe and
+  figures, the issue's targets (met, missed or not measured) and each stage's wall time."""
+  names = list(results["candidates"])
+  lines = ["# Full-scale check on a GPU (experiments/gpu_check.py)", "",
+           f"Device: {results['device']}. Rendered by `{command}`.", "", "Commands (in order):", ""]
+  lines += [f"- `{p['command']}` at {p['commit'][:10]} ({p['elapsed_s']} s)"
+            for p in results.get("parts", [results])]
+  recipe_keys = list(results["candidates"]["default"]["recipe"])
+  lines += ["", "| setting | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  lines += [f"| {k} | " + " | ".join(_cell(results["candidates"][n]["recipe"].get(k))
+                                     for n in names) + " |" for k in recipe_keys]
+  lines += ["", "| figure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  for label, key in GPU_ROWS:
+    values = []
+    for n in names:
+      c = results["candidates"][n]
+      values.append(_cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {})}
+                          .get(key)))
+    lines.append(f"| {label} | " + " | ".join(values) + " |")
+  lines.append("| training's wall (s): data, compiles, steps, RC eval | " + " | ".join(
+      _cell(results["stages"].get(f"{n}.train", {}).get("wall_s")) for n in names) + " |")
+  lines += ["", "Targets (the default candidate):", "", "| figure | target | value | met |",
+            "|---|---|---|---|"]
+  met = {True: "yes", False: "**no**", None: "not measured"}
+  lines += [f"| {t['figure']} | {t['target']} | {_cell(t['value'])} | {met[t['met']]} |"
+            for t in results["targets"]]
+  lines += ["", "Stages (wall seconds, exit status):", "", "| stage | wall s | rc |", "|---|---|---|"]
+  lines += [f"| {k} | {_cell(v.get('wall_s'))} | {v['rc']} |" for k, v in results["stages"].items()]
+  return with_notes(lines, results.get("notes", []))
+
+
+def gpu_check_report(argv: Sequence[str]) -> int:
+  """`report.py gpu_check PART.json [...] [--note TEXT]`: merges a check run in parts into
+  results/gpu_check.{json,md} and appends it to results/gpu_runs.jsonl (once)."""
+  import argparse
+  import json
+  parser = argparse.ArgumentParser(prog="report.py gpu_check")
+  parser.add_argument("parts", nargs="+", help="gpu_check.json of each command, in order")
+  parser.add_argument("--out", default="results/gpu_check.json")
+  parser.add_argument("--history", default="results/gpu_runs.jsonl")
+  parser.add_argument("--note", action="append", default=[])
+  args = parser.parse_args(argv)
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  from gpu_check import merge
+  results = merge([json.loads(pathlib.Path(p).read_text()) for p in args.parts])
+  results["notes"] = args.note
+  save_results(args.out, results, render_gpu_check, "experiments/report.py",
+               ["gpu_check", *elide_notes(argv)])
+  history = pathlib.Path(args.history)
+  key = [p["command"] for p in results["parts"]], results["parts"][0]["commit"]
+  seen = [json.loads(x) for x in history.read_text().splitlines()] if history.is_file() else []
+  if not any((r["commands"], r["commit"]) == key for r in seen):
+    run = {"commands": key[0], "commit": key[1], "device": results["device"],
+           "recipe": results["candidates"]["default"]["recipe"], "figures": results["figures"],
+           "candidates": {n: {**c.get("train", {}), **c.get("open", {})}
+                          for n, c in results["candidates"].items()}}
+    with history.open("a") as f:
+      f.write(json.dumps(run) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] != ["gpu_check"]:
+    sys.exit("usage: python experiments/report.py gpu_check PART.json [...] [--note TEXT]")
+  sys.exit(gpu_check_report(sys.argv[2:]))
