@@ -206,7 +206,7 @@ def bench_torch(steps: int, warmup: int) -> dict:
 
 
 def main():
-  global BATCH
+  global BATCH, LENGTH, QUERY_LENGTH
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--framework", choices=["both", "jax", "torch"], default="both")
   parser.add_argument("--steps", type=int, default=7)
@@ -218,6 +218,8 @@ def main():
                       help="dpjax's compute dtype (PyTorch's step stays float32)")
   parser.add_argument("--batch", type=int, default=8,
                       help="passages (and questions) per step (48: the accelerator recipe's)")
+  parser.add_argument("--length", type=int, default=LENGTH,
+                      help="passage tokens (questions: a sixth of it, 8 to 64)")
   parser.add_argument("--no-dropout", action="store_true",
                       help="dpjax's step without dropout (DPJAX_ATTENTION=cudnn then applies)")
   parser.add_argument("--profile", metavar="DIR",
@@ -228,7 +230,8 @@ def main():
                            "(`Trainer.step`, flattened in Python each call: the loop before "
                            "it kept the flat leaves), in the same process")
   args = parser.parse_args()
-  BATCH = args.batch
+  BATCH, LENGTH = args.batch, args.length
+  QUERY_LENGTH = min(QUERY_LENGTH, max(8, LENGTH // 6))
   if args.framework == "jax":
     print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout,
                                args.profile, args.pytree)))
