@@ -203,3 +203,10 @@ def test_readme_is_a_guide():
   text = (ROOT / "README.md").read_text(encoding="utf-8")
   assert len(text.splitlines()) <= 300 and len(text.encode()) <= 25_000
   assert not re.search(r"\bp\s?[=<]\s?\d|McNemar|\b20\d\d-\d\d-\d\d\b", text)
+
+
+def test_results_index_names_every_results_file():
+  index = (ROOT / "results" / "README.md").read_text(encoding="utf-8")
+  missing = [path.name for path in (ROOT / "results").iterdir() if path.name != "README.md"
+             and f"`{path.name}" not in index and f"`{path.stem}." not in index]
+  assert not missing, f"results/README.md does not list {missing}"
