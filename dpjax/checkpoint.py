@@ -186,7 +186,7 @@ def restore_params(directory: str | pathlib.Path, model, step: int | None = None
     raise DataError(f"{directory / str(step)}: a checkpoint of another model than the configured "
                     f"one (parameters {differ[:4]} differ)")
   # As device arrays: numpy parameters would be copied to the device at every jitted call
-  # (~70 ms per call of the question encoders on CPU).
+  # (results/code_measurements.md).
   values = jax.tree.map(lambda leaf: jnp.asarray(leaf["value"]), restored["params"],
                         is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
   nnx.replace_by_pure_dict(params, values)

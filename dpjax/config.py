@@ -356,8 +356,9 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # at 384, -0.34 at 256 on SQuAD dev: results/dump_window_length.md).
       "dump_max_seq_length": 0,
       # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
-      # makes ~100k tokens/s and holds the GIL the encoder's feeder needs: use several on an
-      # accelerator (each takes seconds to start; dpjax.index.dump.WindowMaker).
+      # is slower than an accelerator encodes and holds the GIL the encoder's feeder needs: use
+      # several on an accelerator (each takes seconds to start; dpjax.index.dump.WindowMaker;
+      # results/code_measurements.md).
       "dump_workers": 0,
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
       # products (vectors stored float16 either way; the manifest records which).

@@ -51,7 +51,7 @@ def enable_compilation_cache() -> str | None:
   # entry) and least-recently-used eviction.
   if jax.config.jax_compilation_cache_max_size <= 0:
     jax.config.update("jax_compilation_cache_max_size", 4 << 30)
-  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's default is 1 s
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's is one second
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   return path
 

@@ -166,9 +166,9 @@ def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int,
             numpy_inputs: bool) -> list:
   """A batch's arrays padded to `padded` rows, as `fn`'s inputs: with `numpy_inputs`
   (`_one_device(sharding)`: one device of a single process) the numpy arrays themselves (jit
-  places them on its parameters' device in its C++ dispatch: a call of the CPU dump's phrase
-  encoder then takes 0.65 instead of 1.5 ms of the host thread's CPU), else global arrays of
-  this process's rows (`global_batch`)."""
+  places them on its parameters' device in its C++ dispatch, which costs the host thread less
+  than a global array built per call: results/code_measurements.md), else global arrays of this
+  process's rows (`global_batch`)."""
   batch = [pad_to_multiple(a, padded) for a in batch]
   if numpy_inputs:
     return batch

@@ -137,9 +137,9 @@ def make_train_step(graphdef, tx, schedule, loss_fn: Callable, sharding: TrainSt
   (`leaves`: the tuple `jax.tree.leaves` gives of a state of `sharding`'s structure).
 
   Flat leaves, because JAX flattens a tuple of arrays in C++ and the state's `nnx.State`s in
-  Python: for DensePhrases-MiniLM's 913 leaves flattening took 4-5 ms, and a call returned
-  after 17.4 ms against 5.3 ms flat (a 2-core CPU, batch 2 x 64, medians of 10). The input's
-  flattening comes before the launch: an accelerator waits for it every step.
+  Python, several times slower for DensePhrases-MiniLM's hundreds of leaves
+  (results/code_measurements.md). The input's flattening comes before the launch: an
+  accelerator waits for it every step.
   `labels` ('train'/'frozen' per parameter, from `make_optimizer`) lets the step skip the
   gradients of frozen parameters (the optimizer ignores them anyway).
   """

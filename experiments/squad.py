@@ -35,25 +35,23 @@ def get_config(arg=None):
   config.train.loss.lambda_inb = 1.0
   # SQuAD-open small: every token of the 20,963 train + dev paragraphs (20,958 unique).
   config.index = common.index_config(specs=["Flat", "IVFauto,SQ4", "OPQ96,IVFauto,PQ96x8"])
-  # Dump windows as few as keep 32 tokens of context around every token: on all of SQuAD dev at
-  # 192/64, 1.175 tokens encoded per stored token instead of 1.368, EM@1 / Top-20 within noise of
-  # windows every doc_stride; 16 or 8 encode fewer but lose EM@1 (p < 0.05), 24 loses Top-20
-  # against 32 (results/dump_windows.md).
+  # Dump windows as few as keep 32 tokens of context around every token: fewer tokens encoded
+  # than windows every doc_stride, with EM@1 / Top-20 within noise of them; 16 or 8 encode fewer
+  # still but lose EM@1, 24 loses Top-20 against 32 (results/dump_windows.md).
   config.index.dump_min_context = 32
-  # Four processes tokenize the shards ahead (one thread makes ~100k tokens/s, below what an
-  # accelerator encodes; with four an H200 dump stored ~520-610k tokens/s: results/speed_gpu.md).
-  # `:cpu` keeps the thread (a process costs seconds to start and competes with the encoder for
-  # 2 cores: results/speed.md at 128b361).
+  # Four processes tokenize the shards ahead: one thread tokenizes slower than an accelerator
+  # encodes (results/code_measurements.md, results/speed_gpu.md). `:cpu` keeps the thread (a
+  # process costs seconds to start and competes with the encoder for 2 cores: results/speed.md
+  # at 128b361).
   config.index.dump_workers = 4
   # The dump's call widths at multiples of 128 (3 shapes to compile, not 12 at the accelerator's
-  # default 32): on an H200 a cold SQuAD-open small dump took 19.8 s against 44.5 s (compiling
-  # 13.7 s against 37.5 s), encoding at the same ~518k stored tokens/s (MiniLM leaves the GPU
-  # idle: the host's work sets the pace); results/speed_gpu.md. `:cpu` keeps 16.
+  # default 32): a cold dump spends less than half the time compiling and encodes as fast
+  # (MiniLM leaves the GPU idle: the host's work sets the pace); results/speed_gpu.md. `:cpu`
+  # keeps 16.
   config.index.dump_width_multiple = 128
-  # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): on
-  # the 2-core Xeon with AMX 1.6x float32's tokens/s (on one without AMX slower: set float32
-  # there), and over the full SQuAD-open small dump of `:cpu`'s model, 2,000 dev questions, EM@1
-  # 31.65 vs 31.85 (1 / 5 questions, McNemar p = 0.22), Top-20 88.40 vs 88.45
+  # The dump computes in bfloat16 (parameters float32; vectors stored float16 either way): faster
+  # than float32 on most CPUs measured, slower on some (set float32 there; results/speed_bf16.md,
+  # results/code_measurements.md), and it retrieves as the float32 dump does within noise
   # (results/dump_bf16.md). `--set index.dump_dtype=float32` for the exact one.
   config.index.dump_dtype = "bfloat16"
   config.validation = common.validation_config()
@@ -64,19 +62,19 @@ def get_config(arg=None):
   config.serve = common.serve_config()
   if not arg:
     # The accelerator recipe computes in bfloat16 (parameters, softmax, LayerNorm and loss in
-    # float32): at the CPU budget (`:cpu-base`, 1,500 steps) bf16 training and evaluation gave RC
-    # EM 42.62 / F1 55.24 against float32's 42.63 / 55.17, 43 / 44 questions right only in one
-    # (McNemar p = 1; results/recipe.md); on an H100 the bf16 step was 38.3 ms against 49.6.
+    # float32): at the CPU budget (`:cpu-base`, 1,500 steps) bf16 training and evaluation matched
+    # float32's RC EM / F1 (results/recipe.md), and on an H100 the bf16 step is faster
+    # (results/code_measurements.md).
     # `--set model.dtype=float32` for the float32 recipe (recipe_runs.sh fp32).
     config.model.dtype = "bfloat16"
   if arg == "paper":  # Kim et al.'s hyperparameters exactly: lambda_inb = lambda_prb = 256, lr 3e-5
     config.train.update(learning_rate=3e-5, questions_per_window=1, epochs=2)
     config.train.loss.lambda_inb = 256.0
   elif arg in ("cpu", "cpu-base"):
-    # `cpu-base`: the CPU budget's baseline, one question per window, 1,500 steps (~34 min of
-    # training on the 2-core machine of 2026-11-24, 1.35 s/step; ~4 s/step on earlier ones); the
-    # recipe study's factors are measured against it (results/recipe.md). Results and commands
-    # dated before 2026-11-24 that say `squad.py:cpu` mean this configuration.
+    # `cpu-base`: the CPU budget's baseline, one question per window, 1,500 steps (its training
+    # time: results/recipe.md); the recipe study's factors are measured against it
+    # (results/recipe.md). Results and commands dated before 2026-11-24 that say `squad.py:cpu`
+    # mean this configuration.
     # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)
     config.train.update(batch_size=12, num_steps=1500, learning_rate=1e-4, dropout=False,
@@ -92,11 +90,10 @@ def get_config(arg=None):
     config.index.dump_width_multiple = 0  # the CPU's 16: compute there is per token
     if arg == "cpu-base":  # the study's baseline: float32 dumps, as all of its figures
       config.index.dump_dtype = "float32"
-    # QSFT on a random 16,000 training questions (2 epochs; ~1 h on one core), dev EM@1 on a
-    # random 2,000, at the reference's lr 3e-5. On the :cpu-base model (results/qsft_q_base.md):
-    # 1e-4 lowered EM@1 (23.40 -> 22.45 at 4,000 questions), 3e-5 raised it, the more the more
-    # questions (4,000: 24.55, p = 0.077; 8,000: 24.95; 16,000: 25.75, p = 0.001); 4 epochs of
-    # 4,000 overfit (23.25).
+    # QSFT on a random 16,000 training questions (2 epochs), dev EM@1 on a random 2,000, at the
+    # reference's lr 3e-5. On the :cpu-base model (results/qsft_q_base.md): 1e-4 lowered EM@1
+    # (23.40 -> 22.45 at 4,000 questions), 3e-5 raised it, the more the more questions (4,000:
+    # 24.55; 8,000: 24.95; 16,000: 25.75); 4 epochs of 4,000 overfit (23.25).
     config.qsft.update(limit=16000, dev_limit=2000, learning_rate=3e-5, dropout=False)
     # The filter head trained on 2,000 training windows' frozen vectors (~300k tokens; it is a
     # 384 x 2 layer), AUC-PR on 1,000 dev windows, the sweep on a random 2,000 dev questions.
@@ -104,7 +101,7 @@ def get_config(arg=None):
     config.eval.passage_k = 20  # passage Top-1/5/20, MRR@20, P@20 (Top-100: eval.passage_k=100)
     if arg == "cpu":  # the best CPU-budget recipe of the study (results/recipe.md)
       # Passage-grouped batches: each of the 12 windows with up to 5 of its questions (~45 per
-      # step instead of 12, at ~1.6x the step time), 2,000 steps.
+      # step instead of 12, at a longer step: results/code_measurements.md), 2,000 steps.
       config.train.update(questions_per_window=5, num_steps=2000)
   elif arg == "tiny":
     config = common.make_tiny(config)

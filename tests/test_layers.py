@@ -160,10 +160,10 @@ def test_no_function_over_60_lines_and_a_thin_command_line():
   assert len((PACKAGE / "cli.py").read_text().splitlines()) < 80
 
 
-def test_readme_layout_table_matches_the_tree():
+def test_architecture_layout_table_matches_the_tree():
   import re
-  readme = (REPO / "README.md").read_text()
-  named = set(re.findall(r"`(dpjax/[\w/]+\.py)`", readme))
+  page = (REPO / "docs" / "architecture.md").read_text()
+  named = set(re.findall(r"`(dpjax/[\w/]+\.py)`", page))
   files = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-  assert not files - named, f"modules missing from the README layout: {sorted(files - named)}"
-  assert not named - files, f"README names modules that do not exist: {sorted(named - files)}"
+  assert not files - named, f"modules missing from docs/architecture.md: {sorted(files - named)}"
+  assert not named - files, f"docs/architecture.md names no such modules: {sorted(named - files)}"

@@ -1,6 +1,6 @@
 """Two processes on localhost (CPU, 2 forced devices each) on JAX's distributed runtime.
 
-The commands are the README's "Running on many hosts" ones: `run.py MODE ... --coordinator
+The commands are those of docs/multihost.md: `run.py MODE ... --coordinator
 127.0.0.1:PORT --num_processes 2 --process_id I`, with XLA_FLAGS forcing 2 CPU devices each.
 """
 import json

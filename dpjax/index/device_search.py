@@ -1,8 +1,8 @@
 """Exact inner-product search on the accelerator: a faiss `IndexFlatIP` stand-in in JAX.
 
-On a GPU or TPU machine the host's faiss scan is what an exact (Flat) search waits on: the
-SQuAD-open small eval (3.19M tokens, 10,570 questions) took 649 s on an H100 machine's 16 CPU
-cores, while the same scan is ~50 TFLOP of matrix products, about a second of an H100's float32.
+On a GPU or TPU machine the host's faiss scan is what an exact (Flat) search waits on, while
+the same scan is matrix products that the accelerator runs far faster
+(results/code_measurements.md).
 `DeviceFlat` keeps the float16 token vectors on the process's devices (rows sharded over them),
 scores a chunk of queries against them block by block in float32, keeps a running top-k per
 device and merges the devices' top-k: the (scores, labels) that faiss's `search` returns, up to

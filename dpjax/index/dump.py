@@ -58,18 +58,14 @@ SHARD_INFO = "shard.json"
 # Shard 0's windows are made in blocks of 64, 128, 256, ... passages (`WindowMaker.submit_blocks`):
 # the encoder waits for 64 passages to be tokenized, not a shard's worth, at the start of a dump,
 # and the blocks' calls encode about the whole shard's tokens (`encode_shard`). On a CPU the
-# tokenizer's thread then runs beside the encoder's threads on the same cores, yet warm 600-passage
-# SQuAD dumps on 2 cores were as fast in blocks as whole (the two alternating in one process,
-# medians of pairs: 3,480 against 3,476 stored tokens/s in 14, 3,574 against 3,567 in 6; 4,016
-# against 4,291 in 7 earlier ones), and the main thread's host time fell (2.62 against 3.46, 2.76
-# against 3.77, 1.97 against 2.99 us/token).
+# tokenizer's thread then runs beside the encoder's threads on the same cores, yet dumps were as
+# fast in blocks as whole, with less host time in the main thread (results/code_measurements.md).
 FIRST_BLOCK = 64
 
 
 # On an accelerator a dump of a full shard or more compiles the phrase encoder for every call width
-# before its first call, all widths at once (`compile_ahead`): on an H200 the SQuAD-open small
-# dump's 12 widths compiled in 36.6 s so, against 41.4 s for 11 as they came (the compiles
-# contend: 323 s of compile time in 12 threads). A smaller corpus, whose windows may need few of
+# before its first call, all widths at once (`compile_ahead`), sooner than as they come although
+# the compiles contend (results/speed_gpu.md). A smaller corpus, whose windows may need few of
 # the widths, and a CPU (short compiles; its cores are the tokenizer's and the encoder's)
 # compile the widths as they come.
 def _compile_ahead(mesh) -> bool:
@@ -305,17 +301,15 @@ class WindowMaker:
   """Makes shards' windows (`shard_windows`) ahead of the encoder: in one thread, or in
   `workers` spawned processes. Tokenizing holds the GIL for much of its time (the tokenizer's
   outputs, packing the windows), which stalls the thread that feeds the encoder, and one thread
-  tokenizes ~100k tokens/s: an accelerator's dump needs processes. A process takes a second or
-  two to start (it imports the tokenizer and the SQuAD module, not JAX), so small dumps (and
-  shard 0, made while the parameters are hashed) use the thread.
+  tokenizes slower than an accelerator encodes: an accelerator's dump needs processes. A process
+  takes a second or two to start (it imports the tokenizer and the SQuAD module, not JAX), so
+  small dumps (and shard 0, made while the parameters are hashed) use the thread.
 
   Only a thread of its own (`handing`) creates the process pool and hands it jobs (`submit`
   returns at once): starting a process blocks the thread that starts it until the child has
-  imported the program's main module and read its setup (~0.3 s on a 2-core CPU for a main
-  module that imports only dpjax.cli, 2.2 s for one that imports JAX). When the first `workers`
-  shards' `submit` started them from the thread that feeds the encoder, that thread waited once
-  per worker: in a 5-shard dump (a stub encoder, 4 workers, a 3 s pause for its compiles) 1.32 s
-  in 3 starts."""
+  imported the program's main module and read its setup. When the first `workers` shards'
+  `submit` started them from the thread that feeds the encoder, that thread waited once per
+  worker (results/code_measurements.md)."""
 
   def __init__(self, tokenizer: Tokenizer, config: DumpConfig, workers: int = 0):
     self.tokenizer, self.config, self.workers = tokenizer, config, workers

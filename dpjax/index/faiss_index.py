@@ -35,9 +35,9 @@ def tune_exact_search() -> None:
   1,024 queries x 65,536 vectors (256 MiB of scratch).
 
   faiss 1.15's defaults run searches of fewer than 128,000 queries through its sequential
-  kernel, or through BLAS in 1,024-vector database blocks: a batch of 64 questions over 400 k
-  vectors took 2.3 s on this project's 2-core CPU, 0.18 s tuned (same results; 4,096 queries
-  145 -> 158 GFLOPS). Flat indexes and IVF coarse quantizers both search this way.
+  kernel, or through BLAS in 1,024-vector database blocks, an order of magnitude slower for a
+  batch of questions with the same results (results/code_measurements.md). Flat indexes and IVF
+  coarse quantizers both search this way.
   """
   faiss.cvar.distance_compute_blas_threshold = 20
   faiss.cvar.distance_compute_blas_query_bs = 1024

@@ -69,9 +69,8 @@ class BertConfig:
 
 def _float32_sums(dtype) -> bool:
   """Whether products of `dtype` are summed into float32 and rounded after (`_dot_general`):
-  bfloat16 on XLA:CPU, whose bfloat16-out matrix products run 2.5x slower than bfloat16 in,
-  float32 out (an [12288, 384] x [384, 1536] product on one core of an AVX-512 Xeon: 163 vs
-  65 ms; float32: 134; the phrase encoder's forward at [64, 192], 2 cores: 1.6x float32's).
+  bfloat16 on XLA:CPU, whose bfloat16-out matrix products run slower than bfloat16 in, float32
+  out, and slower than float32 (results/code_measurements.md).
   GPUs sum in float32 inside their bfloat16 kernels already; their programs are left as they
   were measured."""
   return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
@@ -127,12 +126,11 @@ def attention_implementation(dtype) -> str:
   those dtypes; "cpu" (`_cpu_attention`) on a CPU unless `DPJAX_ATTENTION=xla` asks for
   `jax.nn.dot_product_attention` there; else "xla" (JAX's own choice for `implementation=None`
   is XLA too). Both kernels are opt-in. cuDNN runs only where nothing needs the probabilities
-  (no attention dropout): on an H200 the bf16 train step without dropout at 48 x 384 took
-  17.4 ms with it against 25.2 ms with XLA (results/speed_gpu.md); the dump and search with it
-  are unmeasured. The Pallas kernel takes dropout too: on an H100 the bf16 train step with the
-  recipe's dropout at 48 x 384 took 25.8 ms with it against 38.1 ms with XLA (sizes it does not
-  take, e.g. one query, run as "xla"); opt-in until its remaining GPU tests and a full training
-  have run there."""
+  (no attention dropout): it made the bf16 train step without dropout faster than XLA on an
+  H200 (results/speed_gpu.md); the dump and search with it are unmeasured. The Pallas kernel
+  takes dropout too, and made the recipe's bf16 step with dropout faster than XLA on an H100
+  (results/speed_gpu.md; sizes it does not take, e.g. one query, run as "xla"); opt-in until its
+  remaining GPU tests and a full training have run there."""
   asked = os.environ.get("DPJAX_ATTENTION")
   if asked not in (None, "xla", "cudnn", "pallas"):
     raise ValueError(f"DPJAX_ATTENTION={asked!r}: must be xla, cudnn or pallas")
@@ -153,8 +151,7 @@ def _cpu_attention(q, k, v, attention_bias, dtype, dropout=None):
   heads moved ahead of the products, scores in float32, the softmax's division deferred to the
   [B, H, Lq, Dh] context instead of the [B, H, Lq, L] weights (the exponentials' sums are taken
   all the same), and large batches in chunks of rows (`CPU_ATTENTION_CHUNKING`; not with
-  dropout). A layer's attention at [64, 192] x 12 heads of 32 on the 2-core Xeon: 38 ms forward
-  against 134 ms for `jax.nn.dot_product_attention`; at [8, 384] with the backward pass 133 ms.
+  dropout); faster there than `jax.nn.dot_product_attention` (results/code_measurements.md).
   `dropout(weights)`: dropout on the unnormalised weights, the same as on the probabilities.
   Products of bfloat16 sum into float32 (`_float32_sums`)."""
   batch, num_queries, heads, head_dim = q.shape

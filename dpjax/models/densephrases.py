@@ -158,8 +158,8 @@ def with_compute_dtype(model: DensePhrases, dtype) -> DensePhrases:
 @functools.lru_cache(maxsize=8)
 def _graphdef(config: BertConfig, share_query_encoders: bool, dtype: str):
   """The graph of a DensePhrases computing in `dtype`, made once a process: building it (the
-  modules' initialisers traced abstractly) takes ~1.7 s for MiniLM on a 2-core CPU, which every
-  bfloat16 dump of a float32 model paid again (15% of a warm 600-passage dump's time)."""
+  modules' initialisers traced abstractly) takes seconds, which every bfloat16 dump of a
+  float32 model paid again (results/code_measurements.md)."""
   return nnx.graphdef(nnx.eval_shape(lambda: DensePhrases(
       config, dtype=jnp.dtype(dtype), share_query_encoders=share_query_encoders,
       rngs=nnx.Rngs(0))))

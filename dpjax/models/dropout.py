@@ -1,12 +1,12 @@
-"""Dropout with a counter-based hash mask: the interface of `nnx.Dropout`, ~30x cheaper masks.
+"""Dropout with a counter-based hash mask: the interface of `nnx.Dropout`, cheaper masks.
 
 `jax.random.bernoulli` draws every mask element through threefry: on a CPU the attention dropout
-of one layer at [8, 12, 384, 384] costs ~300 ms on one core (`rbg` ~130 ms), more than the
-layer's matrix products. Here one threefry draw per call makes a 64-bit seed, and each element's
-32 random bits are a hash of its index in the (global) array and that seed,
+mask of one layer costs more than the layer's matrix products (results/code_measurements.md).
+Here one threefry draw per call makes a 64-bit seed, and each element's 32 random bits are a
+hash of its index in the (global) array and that seed,
 `mix(mix(index ^ seed0) + seed1)` with `mix` the lowbias32 integer finalizer (C. Wellons' hash
-prospector; full avalanche, bias ~0.1 of murmur3's): ~8 ms for the same mask, elementwise, so
-XLA can fuse it into its consumer (unmeasured on an accelerator).
+prospector; full avalanche, bias ~0.1 of murmur3's): far cheaper for the same mask, elementwise,
+so XLA can fuse it into its consumer (unmeasured on an accelerator).
 
 For one seed the map index -> bits is a bijection of uint32, like a counter-based generator
 (Philox) under one key; two seeds give unrelated masks. The index is the element's position in

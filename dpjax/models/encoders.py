@@ -23,27 +23,22 @@ from dpjax.parallel import (batch_spec, make_mesh, map_batches, padded_rows,
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
 # rounded up to a multiple of a few tokens. On a CPU, where compute is per token, the calls take
 # at most CPU_QUESTION_CHUNK rows at multiples of CPU_QUESTION_WIDTH, so that short questions are
-# not padded to the longest of a big batch: 64 SQuAD questions (max_query_length 32) in 0.95 s
-# instead of 1.56 s on 2 cores. An accelerator takes the whole batch in one call at multiples of
-# QUESTION_WIDTH (per-call latency dominates there; fewer shapes to compile).
+# not padded to the longest of a big batch (results/code_measurements.md). An accelerator takes
+# the whole batch in one call at multiples of QUESTION_WIDTH (per-call latency dominates there;
+# fewer shapes to compile).
 QUESTION_WIDTH = 16
 CPU_QUESTION_WIDTH = 8
 CPU_QUESTION_CHUNK = 16
 # On a CPU the questions are also packed, several to a row of CPU_PACKED_WIDTH tokens (or the
 # longest question's width) and at most PACKED_QUESTIONS a row, each attending to its own tokens
-# only (`DensePhrases.encode_packed_questions`): SQuAD dev's first 1,280 questions
-# (max_query_length 32) take 1.42x their tokens in the sorted chunks above (in batches of 64)
-# and 1.03x packed all at once (1.14x a batch of 64 at a time: 16-row calls); encoding them all
-# at once took 0.31 instead of 0.42 s per 64 questions on 2 cores, 64 at a time 0.37-0.42
-# instead of 0.41-0.45 (MiniLM, float32; question vectors within 3e-6 of the unpacked ones).
+# only (`DensePhrases.encode_packed_questions`): compute goes to real tokens rather than padding,
+# and the vectors equal the unpacked ones to float32 rounding (results/code_measurements.md).
 CPU_PACKED_WIDTH = 64
 PACKED_QUESTIONS = 8
 # Passage windows likewise (the dump, RC evaluation, the token filter): on a CPU at most
-# CPU_PHRASE_CHUNK rows per call at multiples of CPU_PHRASE_WIDTH: the phrase encoder's forward
-# at 16 x 192 runs 1.2x the tokens/s of 64 x 192 (the 2-core Xeon, float32: 8.9k vs 7.5k), and
-# the dump's windows of SQuAD dev's first 600 passages (192 tokens) take 1.21x their real tokens
-# in such calls instead of 1.36x in 64-row batches cut to 32-multiples. Accelerators keep the
-# batch size and multiples of PHRASE_WIDTH.
+# CPU_PHRASE_CHUNK rows per call at multiples of CPU_PHRASE_WIDTH: small calls run faster per
+# token on a CPU and pad less (results/code_measurements.md). Accelerators keep the batch size
+# and multiples of PHRASE_WIDTH.
 PHRASE_WIDTH = 32
 CPU_PHRASE_WIDTH = 16
 CPU_PHRASE_CHUNK = 16
@@ -100,8 +95,8 @@ def bound(model, encoder: str) -> Callable:
   """`fn(input_ids, attention_mask)` of one of the model's jitted `Encoders` (by field name).
 
   The model's state goes in as the tuple of its arrays, flattened once here: JAX flattens a
-  tuple of arrays in C++ at every call, an `nnx.State` in Python (a call's host CPU 0.27 instead
-  of 0.72 ms for DensePhrases-MiniLM, time of the thread that feeds the encoder)."""
+  tuple of arrays in C++ at every call, an `nnx.State` in Python, which costs the thread that
+  feeds the encoder time at every call (results/code_measurements.md)."""
   graphdef, state = nnx.split(model)
   leaves, treedef = jax.tree.flatten(state)
   return functools.partial(_flat_encoder(graphdef, treedef, encoder), tuple(leaves))
@@ -156,10 +151,8 @@ def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
   """Compiles a `bound` encoder for `inputs` int32 [rows, width] batches on `mesh` (as
   `map_batches` passes them: `batch_spec`), every width at once in `threads` threads (XLA
   compiles outside the GIL): the calls of a long job at those shapes (`map_batches` with
-  `pad_last`) then compile nothing. The compiles contend
-  (on an H200 the SQuAD-open small dump's 12 widths: 36.6 s at once, 323 s of compile time; 11
-  widths one after the other as the calls came: 41.4 s; results/speed_gpu.md). Returns the
-  shapes compiled."""
+  `pad_last`) then compile nothing. The compiles contend, yet finish sooner together than one
+  after the other as the calls come (results/speed_gpu.md). Returns the shapes compiled."""
   flat, (leaves,) = encode.func, encode.args
 
   def compile_width(width: int) -> None:
