@@ -2,8 +2,9 @@
 # The full-scale check on a lent GPU machine, after ../shared/gpu/README.md's setup:
 # experiments/gpu_check.py with that machine's paths (weights and wheels under /root/site, SQuAD
 # under /root/gpu/data/squad); results in $OUT/gpu_check.json (rendered afterwards by
-# `python experiments/report.py gpu_check OUT/gpu_check.json`), the stages' logs in
-# $OUT/logs.tgz (the device tool brings back at most 8 files).
+# `python experiments/report.py gpu_check OUT/gpu_check.json`); the stages' logs and each
+# candidate's small outputs (metrics.jsonl, RC and open-domain predictions and run files, for
+# paired tests here) in $OUT/runs.tgz: the device tool brings back at most 8 files.
 # Usage: OUT=/path bash experiments/gpu_check.sh [gpu_check.py arguments, e.g. --alt NAME=ARGS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,8 @@ W=${W:-/root/w/check}
 python3 experiments/gpu_check.py --workdir "$W" --out "$W/logs" --json "${OUT:?set OUT}/gpu_check.json" \
   --set data.dir=/root/gpu/data/squad "$@"
 rc=$?
-tar czf "$OUT/logs.tgz" -C "$W/logs" .
+small=(metrics.jsonl results.json rc_predictions.json open_eval_Flat.json
+       open_predictions_Flat.jsonl open_run_Flat.trec)
+tar czf "$OUT/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do ls -d */"$f"; done \
+  2>/dev/null)
 exit $rc

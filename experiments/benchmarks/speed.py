@@ -28,7 +28,8 @@ on sys.path), so old and new are the real code paths on the same inputs:
   untimed, so that no question-encoder shape compiles while timed); questions/s, and EM@1 /
   passage Top-20 of both trees, which must be equal (and, with --dump-min-context, the new code
   over the old windows' dump: what the dump windows change in retrieval).
-- train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch, same batch), its ratio.
+- train step: experiments/benchmarks/train_step.py (dpjax vs PyTorch doing the same work, eager
+  and under torch.compile, both float32), its ratios.
 Writes the JSON (keys of issue 22) and a Markdown report beside it.
 """
 from __future__ import annotations
@@ -401,7 +402,8 @@ def markdown(results: dict, command: str) -> str:
              "dump_new_model_dtype_over_old": "(--dump-dtype: the model's dtype)",
              "dump_over_torch": "(>= 1 wanted)",
              "eval_new_over_old_flat": ">= 2.0", "eval_new_over_old_ivf_sq4": ">= 4.0",
-             "train_step_over_torch": ">= 1.0"}
+             "train_step_over_torch": ">= 1.0",
+             "train_step_over_torch_compiled": "(torch.compile: >= 1 wanted)"}
   for key, target in targets.items():
     value = s.get(key)
     lines.append(f"| `{key}` | {'n/a' if value is None else f'{value:.2f}'} | {target} |")
@@ -520,6 +522,7 @@ def run_all(args) -> int:
       "eval_new_over_old_flat": evaluation["Flat"]["new_over_old"],
       "eval_new_over_old_ivf_sq4": evaluation["IVF_SQ4"]["new_over_old"],
       "train_step_over_torch": train and train.get("torch_over_jax_step_time"),
+      "train_step_over_torch_compiled": train and train.get("torch_compiled_over_jax_step_time"),
       "compiles": {"dump_new": dump["new"]["compiles"], "dump_old": dump["old"]["compiles"],
                    **{f"eval_{i}_{t}": r[t]["compiles_timed"] for i, r in evaluation.items()
                       for t in ("old", "new")}}}
