@@ -37,7 +37,7 @@ from dpjax.io import save_npy_atomic, save_npz_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.workdir import (FILTER_HEAD, check_dump_of, data_paths, filter_head_digest,
-                           restore_model)
+                           restore_model, writes_to)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
   write_manifest(dump_dir, manifest)
 
 
+@writes_to
 def run_filter(config, workdir: str) -> dict:
   """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
   workdir = pathlib.Path(workdir)

@@ -7,6 +7,7 @@ Layout of a workdir: `checkpoints/` (train), `checkpoints_best/` (validation), `
 """
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from typing import Sequence
@@ -14,13 +15,14 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
+from dpjax import distributed
 from dpjax.checkpoint import best_checkpoint_step, restore_params
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import Dump, encoder_fingerprint
-from dpjax.io import digest
+from dpjax.io import digest, workdir_lock
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
 
@@ -28,6 +30,24 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
 QSFT_METRIC = "em@1"  # what `checkpoints_qsft` keeps the best of
 FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
+
+
+WORKDIR_LOCK = "workdir.lock"  # held by the `run.py` mode writing into the workdir (`writes_to`)
+
+
+def writes_to(mode):
+  """A `run.py` mode `mode(config, workdir, ...)` that writes into its workdir, run under the
+  workdir's lock (`WORKDIR_LOCK`, held by process 0 of a job): one writer at a time, a second
+  one refused at once naming the first one's pid and command (two dumps in one workdir removed
+  each other's shards); the lock of a run that is gone is taken over with a warning."""
+  @functools.wraps(mode)
+  def run(config, workdir, *args, **kwargs):
+    if not distributed.is_main():
+      return mode(config, workdir, *args, **kwargs)
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    with workdir_lock(pathlib.Path(workdir) / WORKDIR_LOCK, ""):
+      return mode(config, workdir, *args, **kwargs)
+  return run
 
 
 def data_paths(config, workdir: pathlib.Path) -> dict:

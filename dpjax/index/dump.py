@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import io
 import itertools
@@ -161,8 +162,14 @@ def _write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarra
 
 
 def _write_error(shard: pathlib.Path, e: OSError) -> DumpError:
-  return DumpError(f"{shard}: could not write the shard: {e.strerror or e} (errno {e.errno}); "
-                   "free space and run the dump again (it resumes)")
+  """The cause as the OS names it (errno's meaning); freeing space is advised only when space
+  is what ran out (a file removed under the dump, by another run, is not a full disk)."""
+  cause = os.strerror(e.errno) if e.errno else str(e)
+  where = f" ({e.filename})" if e.filename and str(e.filename) != str(shard) else ""
+  advice = ("free space and run the dump again (it resumes)"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else "run the dump again (it resumes)")
+  return DumpError(f"{shard}: could not write the shard: {cause} (errno {e.errno}){where}; "
+                   f"{advice}")
 
 
 class ShardStream:
