@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import time
+import zlib
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -178,6 +179,46 @@ def digest(*arrays, length: int = 16) -> str:
   for array in arrays:
     h.update(np.ascontiguousarray(array).tobytes())
   return h.hexdigest()[:length]
+
+
+def file_checksum(path: str | os.PathLike) -> dict:
+  """{"bytes": size, "crc32": hex} of a file a later run reads, recorded when it is written.
+  CRC-32 (zlib) because it is the fastest whole-file check the standard library has (several
+  times blake2b's or sha256's speed: results/integrity.md) and it catches any damaged run of
+  bytes up to 32 bits and other damage but once in 2^32; it guards against faults, not against
+  deliberate tampering."""
+  crc, size = 0, 0
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      crc, size = zlib.crc32(block, crc), size + len(block)
+  return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def folder_checksums(folder: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, dict]:
+  """`file_checksum` of every file under `folder` but `skip`, by path relative to it."""
+  folder, skip = pathlib.Path(folder), set(skip)
+  return {path.relative_to(folder).as_posix(): file_checksum(path)
+          for path in sorted(folder.rglob("*"))
+          if path.is_file() and path.relative_to(folder).as_posix() not in skip}
+
+
+def checksum_problems(folder: str | os.PathLike, recorded: dict[str, dict], *,
+                      contents: bool) -> list[str]:
+  """What is wrong with the files `recorded` (`folder_checksums`) under `folder`, one
+  "<path>: <what>" each: missing or of another size (always checked: a stat), or with
+  `contents` other bytes than when they were written (a read of every byte)."""
+  problems = []
+  for name, record in recorded.items():
+    path = pathlib.Path(folder) / name
+    try:
+      size = path.stat().st_size
+      if size != record["bytes"]:
+        problems.append(f"{path}: {size} bytes, {record['bytes']} when it was written")
+      elif contents and file_checksum(path)["crc32"] != record["crc32"]:
+        problems.append(f"{path}: its bytes differ from when it was written (crc32)")
+    except OSError as e:
+      problems.append(f"{path}: {os.strerror(e.errno) if e.errno else e}")
+  return problems
 
 
 @contextlib.contextmanager

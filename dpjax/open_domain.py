@@ -108,7 +108,7 @@ def run_eval_open(config, workdir: str) -> dict:
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
-  searcher, step = load_searcher(config, workdir)
+  searcher, step = load_searcher(config, workdir, verify=config.index.get("verify", True))
   index, texts = searcher.index, [q.question for q in questions]
   empty = searcher.empty_questions(texts)
   if empty:  # before any work (the encoder refuses them)
