@@ -3,7 +3,9 @@
 A save writes the whole train state (model parameters, optimizer state, pre-batch queue, step,
 rng) and a small JSON record (data position, config) into a temporary directory that Orbax
 renames into place only once complete, so a run killed mid-save leaves at most an unfinished
-temporary directory, which is never restored (and is cleaned up by the next run).
+temporary directory, which is never restored (and is cleaned up by the next run). Then the size
+and digest of every file of the step are recorded (`CHECKSUMS`): restores check the sizes, and
+`run.py verify` and serve/eval the contents (Orbax does not notice a zeroed block of an array).
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dpjax.errors import DataError
+from dpjax.io import checksum_problems, folder_checksums, read_json, write_json
 
 log = logging.getLogger(__name__)
+CHECKSUMS = "dpjax_checksums.json"  # in a step's folder: its other files' sizes and digests
 
 
 class Checkpointer:
@@ -54,6 +58,8 @@ class Checkpointer:
                                                     meta=ocp.args.JsonSave(meta)),
                       metrics=metrics, force=True)
     self.manager.wait_until_finished()
+    if jax.process_index() == 0:  # every process's files are in place once the save returns
+      record_checkpoint_files(self.directory / str(step))
     log.info("saved checkpoint %d to %s", step, self.directory)
 
   def latest_step(self) -> int | None:
@@ -71,6 +77,7 @@ class Checkpointer:
     step = self.manager.latest_step() if step is None else step
     if step is None:
       return None
+    check_checkpoint(self.directory / str(step))
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -83,6 +90,35 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def record_checkpoint_files(step_dir: pathlib.Path) -> None:
+  """Records the size and digest of every file of a saved step (`CHECKSUMS`)."""
+  write_json(step_dir / CHECKSUMS, folder_checksums(step_dir, skip=[CHECKSUMS]))
+
+
+def checkpoint_rerun(step_dir: pathlib.Path) -> str:
+  return (f"delete {step_dir} (an earlier checkpoint is then used, and `run.py train` resumes "
+          "from it)")
+
+
+def checkpoint_problems(step_dir: pathlib.Path, *, contents: bool) -> list[str] | None:
+  """What is wrong with a step's files against the sizes and (`contents`) digests recorded when
+  it was saved (`checksum_problems`); None when none were (a checkpoint of an older dpjax)."""
+  if not (step_dir / CHECKSUMS).is_file():
+    return None
+  recorded = read_json(step_dir / CHECKSUMS, DataError, checkpoint_rerun(step_dir))
+  return checksum_problems(step_dir, recorded, contents=contents)
+
+
+def check_checkpoint(step_dir: pathlib.Path, *, contents: bool = False) -> None:
+  """Refuses a checkpoint step whose files are missing, of other sizes or (`contents`) of other
+  bytes than when saved: a DataError naming the first such file."""
+  problems = checkpoint_problems(step_dir, contents=contents)
+  if problems:
+    raise DataError(f"{problems[0]}: the checkpoint is damaged; {checkpoint_rerun(step_dir)}")
+  if problems is None:
+    log.info("%s: a checkpoint saved before digests were recorded: unverified", step_dir)
 
 
 def abstract_like(state: Any) -> Any:
@@ -153,9 +189,12 @@ def _check_shapes(checkpoint: pathlib.Path, target: dict) -> None:
                     "--config and its --set model.* overrides against the run that wrote it")
 
 
-def restore_params(directory: str | pathlib.Path, model, step: int | None = None) -> int | None:
+def restore_params(directory: str | pathlib.Path, model, step: int | None = None, *,
+                   verify: bool = False) -> int | None:
   """Puts the parameters of checkpoint `step` (default: the latest) under `directory` into
   `model`, reading nothing else of the train state (no optimizer or queue is built or read).
+  The step's file sizes are checked against those recorded at its save, with `verify` their
+  contents too (`check_checkpoint`).
 
   Returns the step restored, or None when the directory holds no complete checkpoint.
   """
@@ -166,6 +205,7 @@ def restore_params(directory: str | pathlib.Path, model, step: int | None = None
   step = steps[-1] if step is None else step
   if step not in steps:
     raise DataError(f"{directory}: no checkpoint of step {step} (there are {steps})")
+  check_checkpoint(directory / str(step), contents=verify)
   params = nnx.state(model, nnx.Param)
   # A checkpoint holds each parameter as {"value": array} (the NNX variable's state).
   target = {"params": jax.tree.map(lambda x: {"value": np.asarray(x)}, nnx.to_pure_dict(params))}

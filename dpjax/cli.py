@@ -11,8 +11,7 @@ from dpjax.errors import EXPECTED, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
 MODES = {
-    "train": ("dpjax.train:train_and_evaluate", "train the phrase and question encoders, "
-              "evaluating RC EM/F1 on dev; resumes"),
+    "train": ("dpjax.train:train_and_evaluate", "train both encoders, RC EM/F1 on dev; resumes"),
     "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
     "teacher": ("dpjax.teacher:run_teacher", "train the cross-encoder teacher; write its logits"),
     "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
@@ -26,6 +25,7 @@ MODES = {
     "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
     "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
     "serve": ("dpjax.serve:run_serve", "HTTP search service and web page (serve.host/port)"),
+    "verify": ("dpjax.verify:run_verify", "check every file against its digest from writing"),
 }
 
 

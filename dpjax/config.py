@@ -374,6 +374,10 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # Where a Flat index is searched: "auto" = on the accelerator when there is one (JAX, the
       # vectors in at most half its memory), else by faiss on the host; "jax"; "faiss".
       "search_device": "auto",
+      # serve and eval check every byte of the checkpoint, dump and index they load against the
+      # digests recorded when these were written (file sizes are checked by every load); False
+      # skips it, for indexes too large to read twice at start (cost: results/integrity.md).
+      "verify": True,
       "top_k": 5,
       "unit": "phrase",
   })

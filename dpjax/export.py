@@ -12,11 +12,12 @@ import pathlib
 from dpjax.errors import ConfigError
 from dpjax.models.densephrases import EXPORT_INFO, export_dense_phrases
 from dpjax.models.pretrained import resolve_model_dir
-from dpjax.workdir import apply_filter_head, restore_model
+from dpjax.workdir import apply_filter_head, restore_model, writes_to
 
 log = logging.getLogger(__name__)
 
 
+@writes_to
 def run_export(config, workdir: str, out: str) -> pathlib.Path:
   """Exports the workdir's model (the checkpoint `eval.checkpoint` names) to `out`."""
   if not out:

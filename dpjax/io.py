@@ -15,10 +15,12 @@ import json
 import logging
 import os
 import pathlib
+import shlex
 import shutil
 import socket
 import sys
 import time
+import zlib
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -179,34 +181,80 @@ def digest(*arrays, length: int = 16) -> str:
   return h.hexdigest()[:length]
 
 
+def file_checksum(path: str | os.PathLike) -> dict:
+  """{"bytes": size, "crc32": hex} of a file a later run reads, recorded when it is written.
+  CRC-32 (zlib) because it is the fastest whole-file check the standard library has (several
+  times blake2b's or sha256's speed: results/integrity.md) and it catches any damaged run of
+  bytes up to 32 bits and other damage but once in 2^32; it guards against faults, not against
+  deliberate tampering."""
+  crc, size = 0, 0
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      crc, size = zlib.crc32(block, crc), size + len(block)
+  return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def folder_checksums(folder: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, dict]:
+  """`file_checksum` of every file under `folder` but `skip`, by path relative to it."""
+  folder, skip = pathlib.Path(folder), set(skip)
+  return {path.relative_to(folder).as_posix(): file_checksum(path)
+          for path in sorted(folder.rglob("*"))
+          if path.is_file() and path.relative_to(folder).as_posix() not in skip}
+
+
+def checksum_problems(folder: str | os.PathLike, recorded: dict[str, dict], *,
+                      contents: bool) -> list[str]:
+  """What is wrong with the files `recorded` (`folder_checksums`) under `folder`, one
+  "<path>: <what>" each: missing or of another size (always checked: a stat), or with
+  `contents` other bytes than when they were written (a read of every byte)."""
+  problems = []
+  for name, record in recorded.items():
+    path = pathlib.Path(folder) / name
+    try:
+      size = path.stat().st_size
+      if size != record["bytes"]:
+        problems.append(f"{path}: {size} bytes, {record['bytes']} when it was written")
+      elif contents and file_checksum(path)["crc32"] != record["crc32"]:
+        problems.append(f"{path}: its bytes differ from when it was written (crc32)")
+    except OSError as e:
+      problems.append(f"{path}: {os.strerror(e.errno) if e.errno else e}")
+  return problems
+
+
 @contextlib.contextmanager
-def workdir_lock(path: str | os.PathLike, what: str = "training"):
+def workdir_lock(path: str | os.PathLike, what: str = "training", command: str | None = None):
   """Holds the lock file `path` (e.g. `<workdir>/train.lock`) for one run: a second run of the
   same kind in the workdir would delete the first one's checkpoints and interleave its metrics
-  (a BusyError). A lock whose process is gone (a killed run on this host) is taken over; one
-  of another host is never (its process cannot be checked from here). The lock file is created
-  with its pid and host in it at once (hard link of a written file), so no reader sees it empty.
+  (a BusyError naming the holder's pid and command line: `command`, by default this process's).
+  A lock whose process is gone (a killed run on this host) is taken over; one of another host is
+  never (its process cannot be checked from here). The lock file is created with its pid, host
+  and command in it at once (hard link of a written file), so no reader sees it empty.
   Taking and releasing run under an flock of the lock's directory: two runs that both find a
   dead run's lock cannot both take it over (each read, unlink and link is one step for the
   others), and a run releases only its own lock."""
   path = pathlib.Path(path)
   me = (os.getpid(), socket.gethostname())
+  command = " ".join((command or shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+                      ).split())  # one line, whatever the arguments hold
   with _directory_flock(path.parent):
     pid, host = _lock_holder(path)
+    held_by = f": {_lock_command(path)}" if pid is not None and _lock_command(path) else ""
     if pid is not None and (host not in (None, me[1]) or (pid and _process_alive(pid))):
       where = "" if host in (None, me[1]) else f" on host {host}"
-      raise BusyError(f"{path}: another {what} run (pid {pid}{where}) is using this workdir; wait "
-                      "for it, or run in a second workdir" + (
-                          f" (if that run is gone, delete {path})" if where else ""))
+      raise BusyError(f"{path}: another {what + ' ' if what else ''}run (pid {pid}{where}"
+                      f"{held_by}) is using this workdir; wait for it, or run in a second "
+                      "workdir" + (f" (if that run is gone, delete {path})" if where else ""))
     if pid is not None:
-      log.warning("%s: taking over the lock of a run that is gone (pid %s)", path, pid or "?")
+      log.warning("%s: taking over the lock of a run that is gone (pid %s%s)", path, pid or "?",
+                  held_by)
       path.unlink(missing_ok=True)
     tmp = _temporary(path)
-    tmp.write_text(f"{me[0]} {me[1]}")
+    tmp.write_text(f"{me[0]} {me[1]} {command}")
     try:
       os.link(tmp, path)
     except FileExistsError:
-      raise BusyError(f"{path}: could not take the lock (another {what} run took it)") from None
+      raise BusyError(f"{path}: could not take the lock (another {what + ' ' if what else ''}run "
+                      "took it)") from None
     finally:
       tmp.unlink(missing_ok=True)
   try:
@@ -248,6 +296,14 @@ def _lock_holder(path: pathlib.Path) -> tuple[int | None, str | None]:
     return int(fields[0]) if fields else 0, (fields[1] if len(fields) > 1 else None)
   except ValueError:
     return 0, None
+
+
+def _lock_command(path: pathlib.Path) -> str:
+  """The command line a lock file records after its pid and host ("" if none)."""
+  try:
+    return " ".join(path.read_text().split()[2:])
+  except OSError:
+    return ""
 
 
 def _process_alive(pid: int) -> bool:

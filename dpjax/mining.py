@@ -26,7 +26,7 @@ from dpjax import metrics
 from dpjax.data import data_files
 from dpjax.data.squad import JSON_ERRORS, DataError, PassageWindows, Question, read_squad
 from dpjax.io import write_lines_atomic
-from dpjax.workdir import load_searcher
+from dpjax.workdir import load_searcher, writes_to
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class HardNegatives:
             "hard_passage_ids": w.passage_index[windows].astype(np.int32)}
 
 
+@writes_to
 def run_mine(config, workdir: str) -> dict:
   """Mines hard negatives for the training questions with the model and its full index."""
   workdir = pathlib.Path(workdir)

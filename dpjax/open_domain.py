@@ -26,7 +26,7 @@ from dpjax.index.faiss_index import build_index, index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.workdir import (apply_filter_head, check_dump_config, data_paths, dump_windows,
-                           load_searcher, restore_model)
+                           load_searcher, restore_model, writes_to)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ def dump_settings(config, mesh) -> DumpConfig:
                     compute_dtype=config.index.get("dump_dtype") or config.model.dtype)
 
 
+@writes_to
 def run_dump(config, workdir: str) -> dict:
   """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
   workdir = pathlib.Path(workdir)
@@ -74,6 +75,7 @@ def _size(path) -> int | None:
   return pathlib.Path(path).stat().st_size if pathlib.Path(path).is_file() else None
 
 
+@writes_to
 def run_index(config, workdir: str) -> list[pathlib.Path]:
   """`run.py index`: the configured faiss indexes (`index.specs`) over the dump."""
   dump = pathlib.Path(workdir) / config.index.dump_name
@@ -106,7 +108,7 @@ def run_eval_open(config, workdir: str) -> dict:
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
-  searcher, step = load_searcher(config, workdir)
+  searcher, step = load_searcher(config, workdir, verify=config.index.get("verify", True))
   index, texts = searcher.index, [q.question for q in questions]
   empty = searcher.empty_questions(texts)
   if empty:  # before any work (the encoder refuses them)

@@ -37,7 +37,7 @@ from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import QSFT_METRIC, check_dump_of, data_paths, restore_model
+from dpjax.workdir import QSFT_METRIC, check_dump_of, data_paths, restore_model, writes_to
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def workdir_lock(path: pathlib.Path):
   return io.workdir_lock(path, "QSFT")
 
 
+@writes_to
 def run_qsft(config, workdir: str) -> dict:
   """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
   per workdir at a time: `<workdir>/qsft.lock`)."""

@@ -375,7 +375,8 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
   the question encoder compiled ahead for every call shape a micro-batch may take."""
   sc = config.serve
-  searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
+  searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None,
+                                 verify=config.index.get("verify", True))
   start = time.perf_counter()  # every shape of its calls: no compile while serving
   shapes = searcher.compile(sc.max_batch)
   log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,

@@ -34,6 +34,7 @@ from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.rc import reader_logits
 from dpjax.train import PHRASE, Spec, features_fingerprint, train_and_evaluate
+from dpjax.workdir import writes_to
 
 log = logging.getLogger(__name__)
 SUBDIR = "teacher"
@@ -54,6 +55,7 @@ TEACHER = Spec("teacher", SUBDIR, _reader, lambda config, model: TEACHER_OBJECTI
                    train.features, config.train.batch_size, config.train.seed))
 
 
+@writes_to
 def run_teacher(config, workdir: str) -> dict:
   """`run.py teacher`: trains (or resumes) the teacher, then writes (or resumes) its logits."""
   workdir = pathlib.Path(workdir)

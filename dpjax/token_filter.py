@@ -29,15 +29,15 @@ from dpjax import losses, metrics
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import DataError
-from dpjax.index.dump import Dump, read_manifest, write_manifest
+from dpjax.index.dump import Dump, read_manifest, record_rewrite, write_manifest
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import index_folder
 from dpjax.index.search import PhraseIndex
-from dpjax.io import save_npy_atomic, save_npz_atomic, write_json
+from dpjax.io import save_npy_atomic, write_json
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import (FILTER_HEAD, check_dump_of, data_paths, filter_head_digest,
-                           restore_model)
+from dpjax.workdir import (check_dump_of, data_paths, filter_head_digest, restore_model,
+                           save_filter_head, writes_to)
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,12 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
     logits = np.concatenate([filter_scores(vectors[lo:lo + 65536], kernel, bias)
                              for lo in range(0, len(vectors), 65536)]).astype(np.float16)
     save_npy_atomic(path / "filter_logits.npy", logits)
+    record_rewrite(path, shard, "filter_logits.npy")
   manifest["filter_head"] = filter_head_digest(kernel, bias)
   write_manifest(dump_dir, manifest)
 
 
+@writes_to
 def run_filter(config, workdir: str) -> dict:
   """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
   workdir = pathlib.Path(workdir)
@@ -158,7 +160,7 @@ def run_filter(config, workdir: str) -> dict:
       np.asarray(head["bias"][...]), epochs=fc.epochs, learning_rate=fc.learning_rate,
       batch_size=fc.batch_size, seed=fc.seed)
   best_auc = max(h["dev_auc_pr"] for h in history)
-  save_npz_atomic(workdir / FILTER_HEAD, kernel=kernel, bias=bias)
+  save_filter_head(workdir, kernel, bias)
   rewrite_dump_logits(paths["dump"], kernel, bias)
   questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)
   q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],

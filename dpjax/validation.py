@@ -33,7 +33,7 @@ from dpjax.index.search import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
 from dpjax.models.encoders import bound, encode_questions
 from dpjax.trainer import MetricsWriter
-from dpjax.workdir import data_paths, load_searcher
+from dpjax.workdir import data_paths, load_searcher, writes_to
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def read_subcorpus(path: str | os.PathLike) -> list[Passage]:
   return passages
 
 
+@writes_to
 def run_subcorpus(config, workdir: str) -> dict:
   """Writes the validation subcorpora `validation.kinds` (C0, R<r>, H<k>, full) of the corpus to
   workdir/subcorpora/<kind>.jsonl with their metadata; H_k uses the model and the full index."""

@@ -7,6 +7,7 @@ Layout of a workdir: `checkpoints/` (train), `checkpoints_best/` (validation), `
 """
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from typing import Sequence
@@ -14,13 +15,14 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
+from dpjax import distributed
 from dpjax.checkpoint import best_checkpoint_step, restore_params
 from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import Dump, encoder_fingerprint
-from dpjax.io import digest
+from dpjax.io import digest, save_npz_atomic, workdir_lock
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
 
@@ -28,6 +30,22 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
 QSFT_METRIC = "em@1"  # what `checkpoints_qsft` keeps the best of
 FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
+WORKDIR_LOCK = "workdir.lock"  # held by the `run.py` mode writing into the workdir (`writes_to`)
+
+
+def writes_to(mode):
+  """A `run.py` mode `mode(config, workdir, ...)` that writes into its workdir, run under the
+  workdir's lock (`WORKDIR_LOCK`, held by process 0 of a job): one writer at a time, a second
+  one refused at once naming the first one's pid and command (two dumps in one workdir removed
+  each other's shards); the lock of a run that is gone is taken over with a warning."""
+  @functools.wraps(mode)
+  def run(config, workdir, *args, **kwargs):
+    if not distributed.is_main():
+      return mode(config, workdir, *args, **kwargs)
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    with workdir_lock(pathlib.Path(workdir) / WORKDIR_LOCK, ""):
+      return mode(config, workdir, *args, **kwargs)
+  return run
 
 
 def data_paths(config, workdir: pathlib.Path) -> dict:
@@ -91,12 +109,35 @@ def filter_head_digest(kernel, bias) -> dict:
                                              np.asarray(bias, np.float32))}
 
 
+def save_filter_head(workdir: pathlib.Path, kernel, bias) -> None:
+  """Writes `run.py filter`'s head with its digest (`filter_head_digest`), which
+  `read_filter_head` checks."""
+  save_npz_atomic(pathlib.Path(workdir) / FILTER_HEAD, kernel=kernel, bias=bias,
+                  sha=np.array(filter_head_digest(kernel, bias)["sha"]))
+
+
+def read_filter_head(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+  """(kernel, bias) of a saved filter head; a damaged file, or one whose arrays differ from the
+  digest written with them, is a DataError naming it (one saved without a digest: unchecked)."""
+  redo = "run `run.py filter` again (or delete it to use the jointly trained filter head)"
+  try:
+    with np.load(path) as saved:
+      kernel, bias = saved["kernel"].astype(np.float32), saved["bias"].astype(np.float32)
+      sha = str(saved["sha"]) if "sha" in saved.files else None
+  except Exception as e:  # a damaged file (zip, pickle or key errors)
+    raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}); {redo}") from None
+  if sha is not None and filter_head_digest(kernel, bias)["sha"] != sha:
+    raise DataError(f"{path}: its arrays differ from the digest written with them; {redo}")
+  return kernel, bias
+
+
 def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
-                  allow_untrained: bool | None = None):
+                  allow_untrained: bool | None = None, verify: bool = False):
   """(model, step): the configured model with the parameters of the latest checkpoint in
   `workdir` (or of the best one by validation, `eval.checkpoint=best`, of QSFT's, `qsft`, or of
   checkpoint `step`). A workdir without checkpoints is refused (a DataError) unless
-  `allow_untrained` (default: `eval.allow_untrained`): then the untrained model, step None."""
+  `allow_untrained` (default: `eval.allow_untrained`): then the untrained model, step None.
+  `verify`: the checkpoint's files are checked against their digests (`restore_params`)."""
   which = config.eval.get("checkpoint", "latest")
   if which not in CHECKPOINTS:
     raise ConfigError(f"eval.checkpoint must be one of {sorted(CHECKPOINTS)}, not {which!r}")
@@ -117,7 +158,7 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
   if step is None and which != "latest":  # the best one kept, not the newest one on disk
     step = best_checkpoint_step(checkpoints, config.validation.metric if which == "best"
                                 else QSFT_METRIC)
-  restored = restore_params(checkpoints, model, step)  # a DataError for a missing step
+  restored = restore_params(checkpoints, model, step, verify=verify)  # DataError: no such step
   if restored is None:
     raise DataError(f"{checkpoints}: no complete checkpoint to load")
   return model, restored
@@ -129,12 +170,7 @@ def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   path = pathlib.Path(workdir) / FILTER_HEAD
   if not path.is_file():
     return None
-  try:
-    with np.load(path) as saved:
-      kernel, bias = saved["kernel"].astype(np.float32), saved["bias"].astype(np.float32)
-  except Exception as e:  # a damaged file (zip, pickle or key errors)
-    raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}); run `run.py filter` again "
-                    "(or delete it to use the jointly trained filter head)") from None
+  kernel, bias = read_filter_head(path)
   head = nnx.state(model.filter_head, nnx.Param)
   if kernel.shape != head["kernel"][...].shape or bias.shape != head["bias"][...].shape:
     raise DataError(f"{path}: a filter head of another model (kernel {kernel.shape}, the "
@@ -146,14 +182,16 @@ def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   return filter_head_digest(kernel, bias)
 
 
-def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None):
+def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, *,
+                  verify: bool = False):
   """(DensePhrases over the workdir's index `index_name` (default index.search_index), the
-  model's checkpoint step)."""
+  model's checkpoint step). `verify`: the checkpoint's, dump's and index's files are checked
+  against the digests recorded when they were written (serve and eval: `index.verify`)."""
   workdir = pathlib.Path(workdir)
-  model, step = restore_model(config, workdir)
+  model, step = restore_model(config, workdir, verify=verify)
   index = PhraseIndex(workdir / config.index.dump_name, index_name or config.index.search_index,
                       nprobe=config.index.nprobe,
-                      search_device=config.index.get("search_device", "auto"))
+                      search_device=config.index.get("search_device", "auto"), verify=verify)
   check_dump_config(config, workdir, index.dump.manifest)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,

@@ -350,16 +350,18 @@ def test_damaged_files_are_named_not_tracebacks(tmp_path, caplog):
   assert run.main(TRAIN + ["--workdir", str(tmp_path), "--set", "train.stop_at_step=3"]) == 0
   assert run.main(["dump"] + base) == 0 and run.main(["index"] + base) == 0
   index = tmp_path / "dump" / "indexes" / "Flat"
-  cases = [(tmp_path / "dump" / "manifest.json", "dump", "delete the dump's directory"),
-           (index / "index_manifest.json", "eval", "build the index again"),
-           (index / "index.faiss", "eval", "build the index again"),
-           (tmp_path / "filter_head.npz", "dump", "run `run.py filter` again")]
-  for path, mode, hint in cases:
+  cases = [(tmp_path / "dump" / "manifest.json", "dump", "unreadable",
+            "delete the dump's directory"),
+           (index / "index_manifest.json", "eval", "unreadable", "build the index again"),
+           # (its size, recorded when it was written, is checked before faiss reads it)
+           (index / "index.faiss", "eval", "20 bytes", "build it again"),
+           (tmp_path / "filter_head.npz", "dump", "unreadable", "run `run.py filter` again")]
+  for path, mode, what, hint in cases:
     kept = path.read_bytes() if path.exists() else None
     path.write_bytes((kept or b"PK\x03\x04 not a zip")[:20])  # cut short
     caplog.clear()
     assert run.main([mode] + base) == 2, path
-    assert f"{path}: unreadable" in caplog.text and hint in caplog.text, caplog.text
+    assert f"{path}: {what}" in caplog.text and hint in caplog.text, caplog.text
     if kept is None:
       path.unlink()
     else:

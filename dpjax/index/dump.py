@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import io
 import itertools
@@ -46,8 +47,9 @@ from dpjax.data.squad import (Passage, build_windows, windows_worker, windows_wo
                               windows_worker_setup)
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
-from dpjax.io import (Progress, atomic_directory, commit_directory, digest, digest_texts,
-                      read_json, remove, write_json, write_jsonl)
+from dpjax.io import (Progress, atomic_directory, checksum_problems, commit_directory, digest,
+                      digest_texts, file_checksum, folder_checksums, read_json, remove,
+                      write_json, write_jsonl)
 from dpjax.models.encoders import bound, call_widths, compile_ahead, phrase_batches, phrase_calls
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
 from dpjax.parallel import compile_stats
@@ -138,7 +140,7 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
   An unfinished shard of an older layout in its place is replaced."""
   try:
     with atomic_directory(directory / name) as tmp:
-      return _write_shard_files(tmp, name, arrays, passages, len(arrays["vectors"]))
+      return _seal(tmp, _write_shard_files(tmp, name, arrays, passages, len(arrays["vectors"])))
   except OSError as e:  # disk full, read-only, quota: name the place and the cause
     raise _write_error(directory / name, e) from None
 
@@ -156,9 +158,60 @@ def _write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarra
   return entry
 
 
+def _seal(shard: pathlib.Path, entry: dict) -> dict:
+  """The shard's info with the size and digest of each of its files (`file_checksum`), written
+  last: loads check the sizes by it, `run.py verify` and serve/eval the contents."""
+  entry = {**entry, "files": folder_checksums(shard, skip=[SHARD_INFO])}
+  write_json(shard / SHARD_INFO, entry, indent=None)
+  return entry
+
+
+def record_rewrite(shard: pathlib.Path, entry: dict, name: str) -> None:
+  """Records in `entry` (a manifest's) and the shard's info the new size and digest of its file
+  `name`, rewritten in place (`run.py filter`'s logits); a shard without digests is left so."""
+  if "files" in entry:
+    entry["files"][name] = file_checksum(shard / name)
+    write_json(shard / SHARD_INFO, entry, indent=None)
+
+
+def shard_rerun(shard: pathlib.Path) -> str:
+  """What remakes a damaged shard of a dump (and the indexes built from it)."""
+  return (f"delete {shard} and {shard.parent / MANIFEST}, then run `run.py dump` (it encodes "
+          "that shard again) and `run.py index`")
+
+
+def shard_problems(shard: pathlib.Path, entry: dict, *, contents: bool,
+                   names: Iterable[str] | None = None) -> list[str]:
+  """What is wrong with a shard's files (`names`: those only) against the sizes and digests
+  its info (`entry`) recorded (`checksum_problems`); none recorded (an older dump): none."""
+  files = entry.get("files", {})
+  return checksum_problems(shard, {n: files[n] for n in (files if names is None else names)
+                                   if n in files}, contents=contents)
+
+
+def check_shards(directory: pathlib.Path, manifest: dict, *, contents: bool = False) -> None:
+  """Refuses a dump whose shard files are missing, of other sizes or (`contents`) of other
+  bytes than when written: one DumpError naming the first such file and what to rerun. A dump
+  from before digests were recorded is used, with a warning that it is unverified."""
+  for shard in manifest["shards"]:
+    problems = shard_problems(directory / shard["name"], shard, contents=contents)
+    if problems:
+      raise DumpError(f"{problems[0]}: the dump is damaged; "
+                      f"{shard_rerun(directory / shard['name'])}")
+  if any("files" not in shard for shard in manifest["shards"]):
+    log.warning("%s: a dump made before digests were recorded: its shards are unverified",
+                directory)
+
+
 def _write_error(shard: pathlib.Path, e: OSError) -> DumpError:
-  return DumpError(f"{shard}: could not write the shard: {e.strerror or e} (errno {e.errno}); "
-                   "free space and run the dump again (it resumes)")
+  """The cause as the OS names it (errno's meaning); freeing space is advised only when space
+  is what ran out (a file removed under the dump, by another run, is not a full disk)."""
+  cause = os.strerror(e.errno) if e.errno else str(e)
+  where = f" ({e.filename})" if e.filename and str(e.filename) != str(shard) else ""
+  advice = ("free space and run the dump again (it resumes)"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else "run the dump again (it resumes)")
+  return DumpError(f"{shard}: could not write the shard: {cause} (errno {e.errno}){where}; "
+                   f"{advice}")
 
 
 class ShardStream:
@@ -263,6 +316,7 @@ class ShardStream:
       _pwrite_all(fd, memoryview(header), 0)
       os.ftruncate(fd, offset + total * width * 2)  # the size np.load expects (0 tokens too)
     self._close_files()
+    self.entry = _seal(self.tmp, self.entry)
     commit_directory(self.tmp, self.final)
     log.info("%s: %d passages, %d tokens", self.final.name, self.entry["passages"], total)
     return self.entry
@@ -885,9 +939,12 @@ class Dump:
   passages: list[Passage]
 
   @classmethod
-  def load(cls, directory: str | os.PathLike) -> "Dump":
+  def load(cls, directory: str | os.PathLike, *, verify: bool = False) -> "Dump":
+    """The dump in `directory`; its shards' file sizes checked against those recorded, and with
+    `verify` their contents (`check_shards`)."""
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
+    check_shards(directory, manifest, contents=verify)
     arrays = {k: [] for k in ("vectors", "filter_logits", "token_passage", "char_spans")}
     passages, offset = [], 0
     for shard in manifest["shards"]:

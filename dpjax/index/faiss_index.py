@@ -23,8 +23,9 @@ import numpy as np
 
 from dpjax import distributed
 from dpjax.errors import ConfigError
-from dpjax.index.dump import DumpError, read_manifest, shard_token_offsets
-from dpjax.io import commit_directory, remove, write_json
+from dpjax.index.dump import (DumpError, read_manifest, shard_problems, shard_rerun,
+                              shard_token_offsets)
+from dpjax.io import checksum_problems, commit_directory, folder_checksums, remove, write_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "index_manifest.json"
@@ -80,7 +81,11 @@ def _use_gpu() -> bool:
 
 
 def _shard_arrays(dump_dir: pathlib.Path, shard: dict, key: str) -> np.ndarray:
+  """A shard's array `key`, memory mapped, its size checked against the one recorded."""
   path = dump_dir / shard["name"] / f"{key}.npy"
+  problems = shard_problems(path.parent, shard, contents=False, names=[path.name])
+  if problems:
+    raise DumpError(f"{problems[0]}: the dump is damaged; {shard_rerun(path.parent)}")
   try:
     return np.load(path, mmap_mode="r")
   except (OSError, ValueError) as e:
@@ -232,11 +237,28 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
               "fingerprint": plan["dump"]["fingerprint"],
               "dump_id": plan["dump"].get("dump_id", ""), "build_seconds": seconds,
               "processes": jax.process_count(),
-              "index_bytes": (tmp / "index.faiss").stat().st_size}
+              "index_bytes": (tmp / "index.faiss").stat().st_size,
+              "files": folder_checksums(tmp, skip=[MANIFEST])}  # (`check_index`)
   write_json(tmp / MANIFEST, manifest)
   commit_directory(tmp, final)
   log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, plan["total_kept"],
            plan["resolved"], seconds, manifest["index_bytes"] / plan["total_kept"])
+
+
+def index_problems(directory: pathlib.Path, manifest: dict, *, contents: bool) -> list[str]:
+  """What is wrong with an index's files against the sizes and digests its manifest recorded
+  (`checksum_problems`; an index built before they were recorded: nothing)."""
+  return checksum_problems(directory, manifest.get("files", {}), contents=contents)
+
+
+def check_index(directory: pathlib.Path, manifest: dict, *, contents: bool = False) -> None:
+  """Refuses an index whose files are missing, of other sizes or (`contents`) of other bytes
+  than when written (a DumpError naming the first); one without digests is used, unverified."""
+  problems = index_problems(directory, manifest, contents=contents)
+  if problems:
+    raise DumpError(f"{problems[0]}: the index is damaged; build it again with `run.py index`")
+  if "files" not in manifest:
+    log.warning("%s: an index built before digests were recorded: unverified", directory)
 
 
 def _faiss_message(error: RuntimeError) -> str:

@@ -36,7 +36,7 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve_texts
-from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, index_folder
+from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, check_index, index_folder
 from dpjax.io import read_json
 from dpjax.model_files import DEFAULT_MODEL
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
@@ -229,8 +229,10 @@ class PhraseIndex:
   """A complete dump with one of its faiss indexes."""
 
   def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
-               nprobe: int | None = None, search_device: str = "auto"):
-    self.dump = dump if isinstance(dump, Dump) else Dump.load(dump)
+               nprobe: int | None = None, search_device: str = "auto", *, verify: bool = False):
+    """The dump's index `index_name`; the sizes of its and the dump's files are checked against
+    those recorded when written, and with `verify` their contents (`index.verify`)."""
+    self.dump = dump if isinstance(dump, Dump) else Dump.load(dump, verify=verify)
     if not (self.dump.directory / "indexes" / index_name).is_dir():
       index_name = index_folder(index_name)  # a factory string ("IVFauto,SQ4") names its folder
     directory = self.dump.directory / "indexes" / index_name
@@ -241,6 +243,7 @@ class PhraseIndex:
                       "build it with `run.py index`")
     self.manifest = read_json(directory / INDEX_MANIFEST, DumpError,
                               "build the index again with `run.py index`")
+    check_index(directory, self.manifest, contents=verify)
     if (self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]
         or self.manifest.get("dump_tokens") != self.dump.manifest["num_tokens"]
         or self.manifest.get("dump_id", "") != self.dump.manifest.get("dump_id", "")):

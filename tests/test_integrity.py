@@ -1,0 +1,214 @@
+"""One writer per workdir, and every artifact a later run reads checked against the digest
+recorded when it was written (issue 61, items 2 and 3). Each case passed silently before: two
+dumps in one workdir removed each other's shards, and a zeroed block in a shard, an index or a
+checkpoint was searched or restored without a word."""
+import errno
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from dpjax.errors import DataError, DumpError
+from dpjax.index import dump as dump_module
+from dpjax.index.dump import DumpConfig, dump_phrases
+from dpjax.parallel import make_mesh
+from dpjax.workdir import FILTER_HEAD, read_filter_head, save_filter_head
+
+import run
+
+TINY = ["--config", "experiments/demo.py:tiny"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> pathlib.Path:
+  """A tiny workdir, trained (steps 3 and 6 kept), dumped and indexed; tests use copies."""
+  workdir = tmp_path_factory.mktemp("trained")
+  base = TINY + ["--workdir", str(workdir)]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0
+  return workdir
+
+
+def _copy(trained: pathlib.Path, tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
+  workdir = tmp_path / "w"
+  shutil.copytree(trained, workdir)
+  return workdir, TINY + ["--workdir", str(workdir)]
+
+
+def _zero_block(path: pathlib.Path) -> None:
+  """Zeroes 4 KiB (or a quarter) in the middle of a file: its size stays the same."""
+  size = path.stat().st_size
+  with path.open("r+b") as f:
+    f.seek(size // 2)
+    f.write(bytes(min(4096, size // 4)))
+
+
+def _largest_array_file(workdir: pathlib.Path) -> pathlib.Path:
+  """The biggest array data file of the latest checkpoint step (what eval restores)."""
+  step = max((p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()),
+             key=lambda p: int(p.name))
+  return max((p for p in (step / "state").rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+
+
+# --- one writer at a time -----------------------------------------------------------------------
+
+
+# run.py whose dump and index build first wait a few seconds (inside the workdir's lock): a tiny
+# index is built in less time than two processes' start-ups may differ by.
+SLOW_RUN = """import sys, time
+import dpjax.open_domain as od
+def slow(fn):
+  return lambda *args, **kwargs: (time.sleep(4), fn(*args, **kwargs))[1]
+od.dump_phrases, od.build_index = slow(od.dump_phrases), slow(od.build_index)
+import run
+sys.argv[0] = "run.py"
+sys.exit(run.main())
+"""
+
+
+def _together(mode: str, base: list[str]) -> list[tuple[int, int, str]]:
+  """Two `run.py MODE` processes started together: (pid, exit code, stderr) of each, in the
+  order they exited; the first to exit is checked to have done so while the other still ran."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  runs = [subprocess.Popen([sys.executable, "-c", SLOW_RUN, mode] + base, cwd=REPO, env=env,
+                           stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  deadline = time.monotonic() + 300
+  while all(r.poll() is None for r in runs) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  first = next(r for r in runs if r.poll() is not None)
+  other = next(r for r in runs if r is not first)
+  still_running = other.poll() is None
+  done = []
+  for r in (first, other):
+    _, stderr = r.communicate(timeout=300)
+    done.append((r.pid, r.returncode, stderr))
+  assert still_running, "the first to exit should be refused before the other finished"
+  return done
+
+
+@pytest.mark.slow
+def test_two_dumps_or_index_builds_at_once_one_runs_one_is_refused(trained, tmp_path):
+  """Two dumps started a second apart in one workdir: one exited 0, the other told the user to
+  "free space" (a file the first removed), and `run.py index` then found a shard gone."""
+  workdir, base = _copy(trained, tmp_path)
+  shutil.rmtree(workdir / "dump")
+  lock = workdir / "workdir.lock"
+  for mode in ("dump", "index"):
+    (refused_pid, refused, message), (pid, code, _) = _together(mode, base)
+    assert (refused, code) == (2, 0), message
+    line = next(l for l in message.splitlines() if "ERROR" in l)
+    assert f"{lock}: another run (pid {pid}: run.py {mode} --config" in line, message
+    assert "Traceback" not in message and refused_pid != pid
+    assert not lock.exists()
+  assert run.main(["verify"] + base) == 0
+  assert run.main(["eval"] + base) == 0
+
+
+def test_a_live_writers_lock_refuses_and_a_dead_ones_is_taken_over(trained, tmp_path, caplog):
+  workdir, base = _copy(trained, tmp_path)
+  lock = workdir / "workdir.lock"
+  lock.write_text(f"{os.getppid()} {os.uname().nodename} run.py filter --config x")
+  assert run.main(["index"] + base) == 2
+  assert f"another run (pid {os.getppid()}: run.py filter --config x)" in caplog.text
+  gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  lock.write_text(f"{gone} {os.uname().nodename} run.py dump --config x")
+  caplog.clear()
+  assert run.main(["index"] + base) == 0
+  assert f"taking over the lock of a run that is gone (pid {gone}: run.py dump" in caplog.text
+  assert not lock.exists()
+
+
+def test_a_write_error_names_its_cause_not_a_guess(tmp_path, monkeypatch, tokenizer):
+  """A missing file (another run removed the shard's folder) was reported as "free space"."""
+  from flax import nnx
+
+  from dpjax.data.squad import Passage
+  from dpjax.models import BertConfig, DensePhrases
+  model = DensePhrases(BertConfig(vocab_size=30522, hidden_size=12, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=13,
+                                  max_position_embeddings=64), rngs=nnx.Rngs(0))
+
+  def gone(path, *args, **kwargs):
+    raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+
+  monkeypatch.setattr(dump_module.np, "save", gone)
+  with pytest.raises(DumpError, match=r"shard_00000: could not write the shard: No such file "
+                                      r"or directory \(errno 2\)") as error:
+    dump_phrases(model, tokenizer, [Passage("p", "T", "a few words of text")], tmp_path,
+                 DumpConfig(max_seq_length=29, doc_stride=7, batch_size=8), mesh=make_mesh())
+  assert "free space" not in str(error.value)
+
+
+# --- integrity ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target, rerun", [
+    (lambda w: w / "dump" / "shard_00000" / "vectors.npy", "then run `run.py dump`"),
+    (lambda w: w / "dump" / "indexes" / "Flat" / "index.faiss", "build the index again"),
+    (_largest_array_file, "an earlier checkpoint is then used"),
+])
+def test_verify_finds_a_zeroed_block_and_eval_refuses_it(trained, tmp_path, caplog, target,
+                                                         rerun):
+  workdir, base = _copy(trained, tmp_path)
+  assert run.main(["verify"] + base) == 0
+  path = target(workdir)
+  _zero_block(path)
+  caplog.clear()
+  assert run.main(["verify"] + base) == 2
+  damaged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert any(m.startswith(f"{path}: its bytes differ") and rerun in m for m in damaged), damaged
+  caplog.clear()
+  assert run.main(["eval"] + base) == 2
+  errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert len(errors) == 1 and errors[0].startswith(f"{path}: its bytes differ"), errors
+  assert "\n" not in errors[0]
+  # index.verify=False skips the contents (very large indexes; Orbax's reads may still notice a
+  # checkpoint's damage); sizes are still checked.
+  if "checkpoints" not in path.parts:
+    assert run.main(["eval"] + base + ["--set", "index.verify=False"]) == 0
+  with path.open("ab") as f:
+    f.write(b"\0")
+  caplog.clear()
+  assert run.main(["eval"] + base + ["--set", "index.verify=False"]) == 2
+  assert f"{path}: {path.stat().st_size} bytes, {path.stat().st_size - 1} when" in caplog.text
+
+
+def test_artifacts_without_digests_are_unverified_not_refused(trained, tmp_path, caplog):
+  """Dumps, indexes and checkpoints written before digests were recorded still load."""
+  workdir, base = _copy(trained, tmp_path)
+  for path in [workdir / "dump" / "manifest.json", *workdir.glob("dump/shard_*/shard.json")]:
+    manifest = json.loads(path.read_text())
+    for shard in manifest.get("shards", [manifest]):
+      del shard["files"]
+    path.write_text(json.dumps(manifest))
+  index = workdir / "dump" / "indexes" / "Flat" / "index_manifest.json"
+  index.write_text(json.dumps({k: v for k, v in json.loads(index.read_text()).items()
+                               if k != "files"}))
+  for record in workdir.glob("checkpoints/*/dpjax_checksums.json"):
+    record.unlink()
+  caplog.clear()
+  assert run.main(["verify"] + base) == 0
+  assert caplog.text.count("unverified (written before digests were recorded)") == 4
+  assert run.main(["eval"] + base) == 0
+
+
+def test_filter_head_digest_is_checked(tmp_path):
+  kernel, bias = np.ones((12, 2), np.float32), np.zeros(2, np.float32)
+  save_filter_head(tmp_path, kernel, bias)
+  read_filter_head(tmp_path / FILTER_HEAD)
+  with np.load(tmp_path / FILTER_HEAD) as saved:
+    sha = saved["sha"]
+  np.savez(tmp_path / FILTER_HEAD, kernel=kernel, bias=bias + 1, sha=sha)
+  with pytest.raises(DataError, match="filter_head.npz: its arrays differ from the digest"):
+    read_filter_head(tmp_path / FILTER_HEAD)
+  np.savez(tmp_path / FILTER_HEAD, kernel=kernel, bias=bias)  # an older head: no digest
+  read_filter_head(tmp_path / FILTER_HEAD)
