@@ -124,11 +124,11 @@ class Sweep:
     code, out, seconds = run()
     last = final_line(out)
     if raises is not None:
-      stated = [f"raises {raises[0]} /{raises[1]}/"]
+      stated = [f"raises {raises[0]} matching `{raises[1]}`"]
       holds = (code == 0 and last.startswith(f"ERROR {raises[0]}: ")
                and re.search(raises[1], last) is not None)
     elif error is not None:
-      stated = [f"exit 2, final line /{error}/"]
+      stated = [f"exit 2, final line matches `{error}`"]
       holds = code == 2 and re.search(error, last) is not None and not RAW_ERRNO.match(last)
     else:
       stated, holds = ["exit 0"], code == 0 and not last.startswith("ERROR")
@@ -188,7 +188,8 @@ def dump_holds(dump: pathlib.Path, ids: list[str], tokens: int | None = None):
 
 def printed(pattern: str, what: str | None = None):
   """A check: the output holds a line matching `pattern` (a count the program reports)."""
-  return (what or f"output /{pattern}/", lambda out: re.search(pattern, out, re.M) is not None)
+  return (what or f"output matches `{pattern}`",
+          lambda out: re.search(pattern, out, re.M) is not None)
 
 
 SEARCH_LINE = re.compile(r"^\s+\d+\. '(.*)' \((-?[\d.]+)\) — (.+?): (.*)$", re.M)
@@ -236,67 +237,70 @@ def squad_files(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
   return folder
 
 
+MUST_BE = ": must be a number >= 1"
+CONFIG_CASES = [  # (argv, case, pattern of the error)
+    (["eval_rc", "--config", "experiments/nope.py"], "missing config file",
+     r"config file not found: experiments/nope\.py"),
+    (["eval_rc", "--config", "experiments/demo.py:huge"], "unknown config arg",
+     r"unknown config arg 'huge'"),
+    (["eval_rc", "--config", "BAD_PY"], "config without get_config",
+     r"no_get_config\.py defines no get_config"),
+    (["eval_rc", *TINY, "--set", "nope=1"], "--set unknown top-level key",
+     r"^--set nope: no such config field"),
+    (["eval_rc", *TINY, "--set", "train.nope=1"], "--set unknown nested key",
+     r"^--set train\.nope: no such config field"),
+    (["eval_rc", *TINY, "--set", "eval.batch_size=abc"], "--set wrong type",
+     r"^--set eval\.batch_size=abc: wrong type for this field"),
+    (["eval_rc", *TINY, "--set", "eval.batch_size"], "--set without =",
+     r"^--set 'eval\.batch_size' is not of the form key=value"),
+    (["train", *TINY, "--set", "train.batch_size=0"], "train.batch_size 0",
+     r"^train\.batch_size = 0" + MUST_BE),
+    (["train", *TINY, "--set", "train.batch_size=-4"], "train.batch_size < 0",
+     r"^train\.batch_size = -4" + MUST_BE),
+    (["search", *TINY, "--set", "index.top_k=0", "--query", "who?"], "index.top_k 0",
+     r"^index\.top_k = 0" + MUST_BE),
+    (["search", *TINY, "--set", "index.top_k=-1", "--query", "who?"], "index.top_k < 0",
+     r"^index\.top_k = -1" + MUST_BE),
+    (["eval", *TINY, "--set", "index.nprobe=-1"], "index.nprobe < 0",
+     r"^index\.nprobe = -1" + MUST_BE),
+    (["index", *TINY, "--set", "index.train_size=0"], "index.train_size 0",
+     r"^index\.train_size = 0" + MUST_BE),
+    (["eval", *TINY, "--set", "eval.batch_size=0"], "eval.batch_size 0",
+     r"^eval\.batch_size = 0" + MUST_BE),
+    (["train", *TINY, "--set", "train.learning_rate=0"], "learning rate 0",
+     r"^train\.learning_rate = 0\.0: must be > 0"),
+    (["train", *TINY, "--set", "train.learning_rate=-1e-4"], "negative learning rate",
+     r"^train\.learning_rate = -0\.0001: must be > 0"),
+    (["search", *TINY, "--set", "index.unit=word", "--query", "who?"], "unknown unit",
+     r"^index\.unit = 'word': must be one of phrase, sentence, passage, document"),
+    (["train", *TINY, "--set", "train.loss.recipe=magic"], "unknown loss recipe",
+     r"^train\.loss\.recipe = 'magic': must be one of unified, original"),
+    (["eval", *TINY, "--set", "eval.checkpoint=newest"], "unknown eval.checkpoint",
+     r"^eval\.checkpoint = 'newest': must be one of latest, best, qsft"),
+    (["train", *TINY, "--set", "data.max_seq_length=0"], "max_seq_length 0",
+     r"^data\.max_seq_length = 0" + MUST_BE),
+    (["train", *TINY, "--set", "train.questions_per_window=0"], "questions_per_window 0",
+     r"^train\.questions_per_window = 0" + MUST_BE),
+    (["train", *TINY, "--set", "train.num_steps=0", "--set", "train.epochs=0"],
+     "nothing to train", r"^train\.num_steps and train\.epochs are both 0: nothing to train"),
+    (["train", *TINY, "--set", "train.questions_per_window=2", "--set",
+      "train.loss.recipe=original"], "grouped batches with the original loss",
+     r"^train\.questions_per_window > 1 .* does not go with train\.loss\.recipe"),
+    (["eval_rc", "--config", "experiments/demo.py", "--set", "model.name=/no/such/model"],
+     "model directory missing", r"^cannot resolve model '/no/such/model': not a local directory"),
+    (["eval_rc", *TINY, "--set", "model.init=magic"], "unknown model.init",
+     r"^unknown model\.init 'magic' \(pretrained or random\)"),
+    (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
+     r"serve\.port 70000: cannot listen there \(.*0-65535"),
+]
+
+
 def config_cases(s: Sweep) -> None:
   w = s.workdir("config")
   bad_py = s.scratch / "no_get_config.py"
   bad_py.write_text("X = 1\n")
-  must_be = ": must be a number >= 1"
-  cases = [
-      (["eval_rc", "--config", "experiments/nope.py"], "missing config file",
-       r"config file not found: experiments/nope\.py"),
-      (["eval_rc", "--config", "experiments/demo.py:huge"], "unknown config arg",
-       r"unknown config arg 'huge'"),
-      (["eval_rc", "--config", str(bad_py)], "config without get_config",
-       r"no_get_config\.py defines no get_config"),
-      (["eval_rc", *TINY, "--set", "nope=1"], "--set unknown top-level key",
-       r"^--set nope: no such config field"),
-      (["eval_rc", *TINY, "--set", "train.nope=1"], "--set unknown nested key",
-       r"^--set train\.nope: no such config field"),
-      (["eval_rc", *TINY, "--set", "eval.batch_size=abc"], "--set wrong type",
-       r"^--set eval\.batch_size=abc: wrong type for this field"),
-      (["eval_rc", *TINY, "--set", "eval.batch_size"], "--set without =",
-       r"^--set 'eval\.batch_size' is not of the form key=value"),
-      (["train", *TINY, "--set", "train.batch_size=0"], "train.batch_size 0",
-       r"^train\.batch_size = 0" + must_be),
-      (["train", *TINY, "--set", "train.batch_size=-4"], "train.batch_size < 0",
-       r"^train\.batch_size = -4" + must_be),
-      (["search", *TINY, "--set", "index.top_k=0", "--query", "who?"], "index.top_k 0",
-       r"^index\.top_k = 0" + must_be),
-      (["search", *TINY, "--set", "index.top_k=-1", "--query", "who?"], "index.top_k < 0",
-       r"^index\.top_k = -1" + must_be),
-      (["eval", *TINY, "--set", "index.nprobe=-1"], "index.nprobe < 0",
-       r"^index\.nprobe = -1" + must_be),
-      (["index", *TINY, "--set", "index.train_size=0"], "index.train_size 0",
-       r"^index\.train_size = 0" + must_be),
-      (["eval", *TINY, "--set", "eval.batch_size=0"], "eval.batch_size 0",
-       r"^eval\.batch_size = 0" + must_be),
-      (["train", *TINY, "--set", "train.learning_rate=0"], "learning rate 0",
-       r"^train\.learning_rate = 0\.0: must be > 0"),
-      (["train", *TINY, "--set", "train.learning_rate=-1e-4"], "negative learning rate",
-       r"^train\.learning_rate = -0\.0001: must be > 0"),
-      (["search", *TINY, "--set", "index.unit=word", "--query", "who?"], "unknown unit",
-       r"^index\.unit = 'word': must be one of phrase, sentence, passage, document"),
-      (["train", *TINY, "--set", "train.loss.recipe=magic"], "unknown loss recipe",
-       r"^train\.loss\.recipe = 'magic': must be one of unified, original"),
-      (["eval", *TINY, "--set", "eval.checkpoint=newest"], "unknown eval.checkpoint",
-       r"^eval\.checkpoint = 'newest': must be one of latest, best, qsft"),
-      (["train", *TINY, "--set", "data.max_seq_length=0"], "max_seq_length 0",
-       r"^data\.max_seq_length = 0" + must_be),
-      (["train", *TINY, "--set", "train.questions_per_window=0"], "questions_per_window 0",
-       r"^train\.questions_per_window = 0" + must_be),
-      (["train", *TINY, "--set", "train.num_steps=0", "--set", "train.epochs=0"],
-       "nothing to train", r"^train\.num_steps and train\.epochs are both 0: nothing to train"),
-      (["train", *TINY, "--set", "train.questions_per_window=2", "--set",
-        "train.loss.recipe=original"], "grouped batches with the original loss",
-       r"^train\.questions_per_window > 1 .* does not go with train\.loss\.recipe"),
-      (["eval_rc", "--config", "experiments/demo.py", "--set", "model.name=/no/such/model"],
-       "model directory missing", r"^cannot resolve model '/no/such/model': not a local directory"),
-      (["eval_rc", *TINY, "--set", "model.init=magic"], "unknown model.init",
-       r"^unknown model\.init 'magic' \(pretrained or random\)"),
-      (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
-       r"serve\.port 70000: cannot listen there \(.*0-65535"),
-  ]
-  for argv, what, error in cases:
+  for argv, what, error in CONFIG_CASES:
+    argv = [str(bad_py) if arg == "BAD_PY" else arg for arg in argv]
     s.case("config", what, lambda: cli(*argv, "--workdir", str(w)), error=error, clean_dir=w,
            command="run.py " + " ".join(argv))
   cpu8 = s.workdir("cpu8", trained=False)
@@ -545,7 +549,11 @@ def damaged_dump_cases(s: Sweep) -> None:
 
   def cut(path: pathlib.Path) -> None:
     text = path.read_text()
-    path.write_text(text[:len(text) // 2])  # mid-record
+    path.write_text(text[:text.index('"text": ') + 12])  # inside the first record
+
+  def drop_last_records(path: pathlib.Path) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:len(lines) // 2]))  # whole records, half of them
 
   cases = [
       ("truncated dump manifest", "manifest.json", lambda p: p.write_text('{"complete": tr'),
@@ -557,6 +565,8 @@ def damaged_dump_cases(s: Sweep) -> None:
       ("a shard file zeroed", "shard_00000/vectors.npy", zero, damaged.format("ValueError")),
       ("a shard's passages.jsonl cut mid-record", "shard_00000/passages.jsonl", cut,
        damaged.format("JSONDecodeError")),
+      ("a shard's passages.jsonl missing its last records", "shard_00000/passages.jsonl",
+       drop_last_records, r"/dump: shard contents do not match the manifest counts"),
       ("a dump missing a whole shard folder", "shard_00000", shutil.rmtree,
        damaged.format("FileNotFoundError")),
       ("a manifest with wrong token counts", "manifest.json", miscount,
@@ -634,6 +644,7 @@ def audit_cases(s: Sweep) -> None:
         printed(r"^\s+'qas' is not a list.*: 1 \(e\.g\.", "the skip counted as 'qas' not a list")]),
   ]:
     path = s.scratch / f"audit_{len(s.rows)}"
+    shutil.rmtree(path, ignore_errors=True)  # a kept scratch folder of an earlier run
     shutil.copytree(folder, path)
     (path / "train-v1.1.json").write_text(text)
     s.case("data", what, lambda: cli("data", *SQUAD_TINY, "--workdir", w, "--set",

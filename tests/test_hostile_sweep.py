@@ -27,7 +27,7 @@ def _verdict(tmp_path, outcome, **kwargs):
 def test_error_cases_need_exit_2_and_the_pattern_on_the_final_line(tmp_path, outcome, verdict):
   row = _verdict(tmp_path, outcome, error=r"/c: the corpus is empty$")
   assert row["verdict"] == verdict and row["checks_result"]
-  assert row["checked"] == "exit 2, final line //c: the corpus is empty$/"
+  assert row["checked"] == "exit 2, final line matches `/c: the corpus is empty$`"
 
 
 def test_api_cases_need_the_exception_class(tmp_path):
@@ -44,7 +44,7 @@ def test_ok_cases_are_clean_only_when_their_checks_hold(tmp_path):
   four = [sweep.printed(r"^dump: 4 passages$")]
   assert _verdict(tmp_path, (0, "dump: 4 passages\n", 1.0), checks=four)["verdict"] == "clean"
   row = _verdict(tmp_path, (0, "dump: 5 passages\n", 1.0), checks=four)
-  assert row["verdict"] == "silent" and row["failed"] == ["output /^dump: 4 passages$/"]
+  assert row["verdict"] == "silent" and row["failed"] == ["output matches `^dump: 4 passages$`"]
   raising = [("a file that is missing", lambda out: (tmp_path / "nope").read_text())]
   assert _verdict(tmp_path, (0, "ok\n", 1.0), checks=raising)["verdict"] == "silent"
 
