@@ -3,11 +3,12 @@ entry point of `pip install .`), or `python run.py MODE ...` in a checkout."""
 import argparse
 import importlib
 import logging
+import pathlib
 import sys
 import traceback
 
 from dpjax.config import load_config, setup_logging
-from dpjax.errors import EXPECTED, Preempted
+from dpjax.errors import EXPECTED, DataError, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
 MODES = {
@@ -52,6 +53,19 @@ def parse(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def check_workdir(workdir: str) -> None:
+  """Refuses a --workdir that is, or lies under, a file (the modes' mkdir would say only
+  "[Errno 17] File exists" or "[Errno 20] Not a directory")."""
+  path = pathlib.Path(workdir)
+  for candidate in (path, *path.parents):
+    if candidate.exists():
+      if not candidate.is_dir():
+        where = "is" if candidate == path else f"lies under {candidate}, which is"
+        raise DataError(f"--workdir {workdir} {where} a file, not a directory: pick another "
+                        "--workdir")
+      return
+
+
 def main(argv=None) -> int:
   args = parse(argv)
   from dpjax import distributed  # starts JAX: not for `--help`
@@ -60,6 +74,7 @@ def main(argv=None) -> int:
     distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout=args.init_timeout)
+    check_workdir(args.workdir)
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
     extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})

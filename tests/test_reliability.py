@@ -185,6 +185,17 @@ def test_failed_index_build_is_a_config_error_and_leaves_no_temporary(model, tok
   assert not list((tmp_path / "indexes").glob("*.tmp"))
 
 
+def test_index_of_a_dump_without_tokens_says_so(model, tokenizer, tmp_path):
+  """A corpus whose passages tokenize to nothing dumps 0 tokens; indexing it blamed "the filter
+  threshold None", which no one had set."""
+  passages = [Passage("a", "", "\u200b"), Passage("b", "", "\u200b\u200b")]
+  manifest = dump_phrases(model, tokenizer, passages, tmp_path, CONFIG, mesh=make_mesh())
+  assert (manifest["num_passages"], manifest["num_tokens"]) == (2, 0)
+  with pytest.raises(DumpError, match=r"the dump holds no token \(2 passages"):
+    build_index(tmp_path, "Flat")
+  assert not list((tmp_path / "indexes").glob("*.tmp"))
+
+
 # --- records the tokenizer or the evaluation cannot take ----------------------------------------
 
 
@@ -275,6 +286,28 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
   for args, message in cases:
     code, stderr = _cli("eval_rc", *args, "--workdir", str(tmp_path))
     assert code == 2 and message in stderr and "Traceback" not in stderr, (args, stderr)
+
+
+def test_a_workdir_that_is_a_file_is_named(tmp_path, caplog):
+  """A --workdir that is (or lies under) a file stopped with a bare "[Errno 17] File exists"."""
+  path = tmp_path / "a_file"
+  path.write_text("not a directory")
+  for workdir, message in ((path, "is a file, not a directory"),
+                           (path / "sub", f"lies under {path}, which is a file")):
+    caplog.clear()
+    assert run.main(TRAIN + ["--workdir", str(workdir)]) == 2
+    assert f"--workdir {workdir} {message}" in caplog.text, caplog.text
+    assert "Errno" not in caplog.text
+
+
+def test_batch_not_a_multiple_of_the_devices_is_refused(tmp_path, caplog):
+  """train.batch_size 6 on the 8 forced CPU devices (conftest) stops before any work with the
+  field and the device count, and saves nothing."""
+  import jax
+  assert jax.device_count() == 8
+  assert run.main(TRAIN + ["--workdir", str(tmp_path), "--set", "train.batch_size=6"]) == 2
+  assert "train.batch_size 6 must be a multiple of the 8 devices" in caplog.text
+  assert not (tmp_path / "checkpoints").exists()
 
 
 def test_untrained_model_is_refused_unless_asked(tmp_path):

@@ -150,6 +150,10 @@ def _plan(dump_dir: pathlib.Path, spec: str, filter_threshold, train_size: int) 
   if filter_threshold is not None:
     log.info("filter threshold %.3f keeps %d of %d tokens (%.1f%%)", filter_threshold,
              total_kept, offsets[-1], 100 * total_kept / max(offsets[-1], 1))
+  if not offsets[-1]:  # every passage tokenized to nothing (e.g. only format characters)
+    raise DumpError(f"{dump_dir}: the dump holds no token ({dump['num_passages']} passages, "
+                    "none with a token the tokenizer keeps): nothing to index; check "
+                    "index.corpus")
   if not total_kept:
     raise DumpError(f"{dump_dir}: no token passes the filter threshold {filter_threshold}")
   resolved, notes = resolve_spec(spec, total_kept, train_size)
