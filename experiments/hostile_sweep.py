@@ -25,6 +25,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -533,9 +534,10 @@ def resumed_dump_case(s: Sweep, other: pathlib.Path) -> None:
 
 
 def damaged_dump_cases(s: Sweep) -> None:
-  """A dump damaged on disk (a copy cut short, a disk fault, a hand edit): eval names the shard or
-  file, and says to dump again."""
-  damaged = r"/dump/shard_00000: shard is missing or damaged \({}"
+  """A dump damaged on disk (a copy cut short, a disk fault, a hand edit): eval names the file,
+  by the sizes and CRC-32s recorded when it was written, and says to dump again."""
+  damaged = r"/dump/shard_00000/{}: {}: the dump is damaged; delete .*/dump/shard_00000"
+  size = r"\d+ bytes, \d+ when it was written"
 
   def truncate(path: pathlib.Path) -> None:
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
@@ -559,16 +561,17 @@ def damaged_dump_cases(s: Sweep) -> None:
       ("truncated dump manifest", "manifest.json", lambda p: p.write_text('{"complete": tr'),
        r"/dump/manifest\.json: unreadable \(JSONDecodeError: .*\); delete the dump"),
       ("a shard file deleted", "shard_00000/vectors.npy", pathlib.Path.unlink,
-       damaged.format("FileNotFoundError")),
+       damaged.format(r"vectors\.npy", "No such file or directory")),
       ("a shard file truncated", "shard_00000/vectors.npy", truncate,
-       damaged.format("ValueError")),
-      ("a shard file zeroed", "shard_00000/vectors.npy", zero, damaged.format("ValueError")),
+       damaged.format(r"vectors\.npy", size)),
+      ("a shard file zeroed", "shard_00000/vectors.npy", zero,
+       damaged.format(r"vectors\.npy", r"its bytes differ from when it was written \(crc32\)")),
       ("a shard's passages.jsonl cut mid-record", "shard_00000/passages.jsonl", cut,
-       damaged.format("JSONDecodeError")),
+       damaged.format(r"passages\.jsonl", size)),
       ("a shard's passages.jsonl missing its last records", "shard_00000/passages.jsonl",
-       drop_last_records, r"/dump: shard contents do not match the manifest counts"),
+       drop_last_records, damaged.format(r"passages\.jsonl", size)),
       ("a dump missing a whole shard folder", "shard_00000", shutil.rmtree,
-       damaged.format("FileNotFoundError")),
+       damaged.format(r"\w+\.npy", "No such file or directory")),
       ("a manifest with wrong token counts", "manifest.json", miscount,
        r"/dump: shard contents do not match the manifest counts"),
   ]
@@ -577,6 +580,55 @@ def damaged_dump_cases(s: Sweep) -> None:
     damage(w / "dump" / name)
     s.case("state", what, lambda: cli("eval", *TINY, "--workdir", str(w)), error=error,
            checks=[("no open-domain results written", lambda out: not list(w.glob("open_*")))])
+
+
+def lock_and_verify_cases(s: Sweep) -> None:
+  """One writer a workdir (workdir.lock, as train.lock); `run.py verify` and eval against the
+  digests recorded when the index and checkpoints were written."""
+  w = s.workdir("held")
+  (w / "workdir.lock").write_text(f"{os.getpid()} {socket.gethostname()} run.py dump --x")
+  before = manifest_of(w / "dump")
+  s.case("state", "a dump while another writer holds the workdir", lambda: cli(
+      "dump", *TINY, "--workdir", str(w)),
+      error=rf"/held/workdir\.lock: another run \(pid {os.getpid()}: run\.py dump --x\) is "
+            "using this workdir",
+      checks=[("the dump untouched", lambda out: manifest_of(w / "dump") == before)])
+  s.case("state", "an index build while another writer holds the workdir", lambda: cli(
+      "index", *TINY, "--workdir", str(w)),
+      error=rf"/held/workdir\.lock: another run \(pid {os.getpid()}: run\.py dump --x\)")
+  w = s.workdir("gone")
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True).stdout.strip()
+  (w / "workdir.lock").write_text(f"{dead} {socket.gethostname()} run.py index")
+  s.case("state", "an index build over a dead run's lock, then searched", lambda: chain(
+      lambda: cli("index", *TINY, "--workdir", str(w)), search_cli(w, "--set", "index.top_k=3")),
+      checks=[printed(rf"taking over the lock of a run that is gone \(pid {dead}",
+                      "warned of the lock taken over"),
+              ("the lock released", lambda out: not (w / "workdir.lock").exists()),
+              *index_checks(s, w, "Flat")], clean_dir=w)
+  w = s.workdir("sound")
+  s.case("state", "verify of a sound workdir", lambda: cli("verify", *TINY, "--workdir", str(w)),
+         checks=[printed(r"verify .*/sound: \d+ artifacts verified, 0 unverified, 0 damaged",
+                         "every artifact verified, none unverified or damaged")])
+  index = "dump/indexes/Flat/index.faiss"
+  step = max((p for p in (s.base / "checkpoints").glob("[0-9]*")), key=lambda p: int(p.name))
+  array = sorted((step / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
+  array = str(array.relative_to(s.base))
+  named = r"/zeroed/{}: its bytes differ from when it was written \(crc32\)"
+  cases = (("verify of a zeroed faiss index", index, "verify",
+            r"/zeroed: 1 damaged artifacts: .*/zeroed/dump/indexes/Flat "),
+           ("eval of a zeroed faiss index", index, "eval", named.format(re.escape(index))),
+           ("verify of a zeroed checkpoint array", array, "verify",
+            rf"/zeroed: 1 damaged artifacts: .*/zeroed/checkpoints/{step.name} "))
+  for what, target, mode, error in cases:
+    w = s.workdir("zeroed")
+    path = w / target
+    data = bytearray(path.read_bytes())
+    data[len(data) // 4:len(data) // 4 + 4096] = bytes(min(4096, len(data) - len(data) // 4))
+    path.write_bytes(bytes(data))
+    s.case("state", what, lambda: cli(mode, *TINY, "--workdir", str(w)), error=error,
+           checks=[printed(named.format(re.escape(target)), f"names {target}"),
+                   ("no open-domain results written", lambda out: not list(w.glob("open_*")))])
 
 
 def training_cases(s: Sweep) -> None:
@@ -860,7 +912,8 @@ def main(argv=None) -> int:
   if not (base / "dump" / "indexes" / "Flat").is_dir():
     prepare(base)
   sweep = Sweep(base, scratch, args.only)
-  for group in (config_cases, data_cases, corpus_cases, state_cases, api_cases, audit_cases):
+  for group in (config_cases, data_cases, corpus_cases, state_cases, lock_and_verify_cases,
+                api_cases, audit_cases):
     group(sweep)
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
