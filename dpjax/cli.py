@@ -11,8 +11,7 @@ from dpjax.errors import EXPECTED, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
 MODES = {
-    "train": ("dpjax.train:train_and_evaluate", "train the phrase and question encoders, "
-              "evaluating RC EM/F1 on dev; resumes"),
+    "train": ("dpjax.train:train_and_evaluate", "train the encoders, RC EM/F1 on dev; resumes"),
     "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
     "teacher": ("dpjax.teacher:run_teacher", "train the cross-encoder teacher; write its logits"),
     "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
@@ -49,13 +48,14 @@ def parse(argv=None) -> argparse.Namespace:
   hosts.add_argument("--init_timeout", type=int, default=300,
                      help="seconds to wait for the coordinator and the other processes")
   parser.add_argument("--debug", action="store_true", help="tracebacks of expected errors too")
+  parser.add_argument("--verbose", action="store_true", help="faiss's, Orbax's INFO logs too")
   return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse(argv)
   from dpjax import distributed  # starts JAX: not for `--help`
-  setup_logging(debug=args.debug)
+  setup_logging(debug=args.debug, verbose=args.verbose)
   try:
     distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,

@@ -135,14 +135,21 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 # Pieces shared by the experiment configs in experiments/.
+# Loggers whose INFO lines are the libraries' own business, kept out of the default output.
+LIBRARY_CHATTER = ("faiss.loader", "absl", "jax._src.xla_bridge")
+
+
 def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s",
-                  debug: bool = False):
-  """INFO logging for the command line and scripts, without Orbax's per-save chatter and JAX's
-  backend probing (plus the `quiet` loggers); dpjax's DEBUG messages too with `debug`."""
+                  debug: bool = False, verbose: bool = False):
+  """INFO logging for the command line and scripts, without the libraries' loader chatter (plus
+  the `quiet` loggers): faiss's attempts at each CPU build ("Could not load library with AVX2
+  support ... ModuleNotFoundError", which reads like a failure but is not), Orbax's per-save
+  messages (absl) and JAX's backend probing; `verbose` keeps them. dpjax's DEBUG messages too
+  with `debug`. dpjax's own INFO lines (the progress of every long stage) always show."""
   logging.basicConfig(level=logging.INFO, format=fmt)
   if debug:
     logging.getLogger("dpjax").setLevel(logging.DEBUG)
-  for noisy in ("absl", "jax._src.xla_bridge", *quiet):
+  for noisy in (() if verbose else LIBRARY_CHATTER) + quiet:
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

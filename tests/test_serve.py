@@ -432,3 +432,17 @@ def test_a_client_that_hangs_up_mid_body_is_no_failed_search(service):
   assert after.get("client_disconnects", 0) == before.get("client_disconnects", 0) + 1
   assert after.get("refused_500", 0) == before.get("refused_500", 0)
   assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
+
+
+def test_library_loader_chatter_is_kept_out_unless_verbose(service):
+  """faiss's loader logged "Could not load library with AVX2 support ... ModuleNotFoundError" at
+  INFO on every run, which reads like a failure; `--verbose` brings it back. dpjax's lines stay."""
+  _, _, workdir, _, _ = service
+  command = [sys.executable, "run.py", "search", "--config", CONFIG, "--workdir", str(workdir),
+             "--query", "who?", *(f"--set={s}" for s in SETTINGS)]
+  quiet, verbose = (subprocess.run(command + flag, cwd=REPO, capture_output=True, text=True,
+                                   timeout=300) for flag in ([], ["--verbose"]))
+  assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-2000:]
+  assert "faiss.loader" not in quiet.stderr and "ModuleNotFoundError" not in quiet.stderr
+  assert "faiss.loader: Successfully loaded faiss" in verbose.stderr
+  assert "Q: who?" in quiet.stdout and "WARNING dpjax.workdir" in quiet.stderr
