@@ -45,12 +45,18 @@ def service(tmp_path_factory):
   batcher.stop()
 
 
-def request(port, method, path, body=None, content_type="application/json"):
+def request(port, method, path, body=None, content_type="application/json", headers=()):
+  status, _, answer = raw_request(port, method, path, body, content_type, headers)
+  return status, json.loads(answer or b"null")
+
+
+def raw_request(port, method, path, body=None, content_type="application/json", headers=()):
+  """(status, headers, body bytes) of one request on a connection of its own."""
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  headers = {"Content-Type": content_type} if body is not None else {}
-  connection.request(method, path, body, headers)
+  sent = {"Content-Type": content_type} if body is not None else {}
+  connection.request(method, path, body, {**sent, **dict(headers)})
   response = connection.getresponse()
-  return response.status, json.loads(response.read() or b"null")
+  return response.status, dict(response.getheaders()), response.read()
 
 
 def same(served, direct):
@@ -446,3 +452,138 @@ def test_library_loader_chatter_is_kept_out_unless_verbose(service):
   assert "faiss.loader" not in quiet.stderr and "ModuleNotFoundError" not in quiet.stderr
   assert "faiss.loader: Successfully loaded faiss" in verbose.stderr
   assert "Q: who?" in quiet.stdout and "WARNING dpjax.workdir" in quiet.stderr
+
+
+# Every route the service has, with its methods (the docs' own, /openapi.json and /docs, aside).
+ROUTES = {"/search": {"get", "post"}, "/health": {"get"}, "/info": {"get"}, "/stats": {"get"},
+          "/metrics": {"get"}, "/": {"get"}}
+
+
+def _validator(schema, name):
+  """A JSON Schema validator of the OpenAPI schema's component `name` (refs resolved in it)."""
+  import jsonschema
+  return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                          "components": schema["components"]})
+
+
+def test_openapi_schema_validates_lists_every_route_and_its_examples_are_served(service):
+  """The schema and its docs page were switched off (`openapi_url=None`)."""
+  import jsonschema
+  from openapi_spec_validator import validate
+  from dpjax.serve import Limits, create_app
+  port, _, _, _, batcher = service
+  status, schema = request(port, "GET", "/openapi.json")
+  assert status == 200
+  validate(schema)
+  assert {path: set(operations) for path, operations in schema["paths"].items()} == ROUTES
+  app = create_app(batcher, Limits(), request(port, "GET", "/info")[1])
+  served = {(route.path, method.lower()) for route in app.routes
+            for method in getattr(route, "methods", ()) if method != "HEAD"}
+  served -= {("/openapi.json", "get"), ("/docs", "get"), ("/docs/oauth2-redirect", "get")}
+  assert served == {(path, method) for path, methods in ROUTES.items() for method in methods}
+  status, headers, page = raw_request(port, "GET", "/docs")
+  assert status == 200 and b"swagger-ui" in page
+  # The documented examples are served, and the answers are what the schema says.
+  post = schema["paths"]["/search"]["post"]
+  examples = post["requestBody"]["content"]["application/json"]["examples"]
+  assert set(examples) == {"one", "many"}
+  body_schema = jsonschema.Draft202012Validator(
+      post["requestBody"]["content"]["application/json"]["schema"])
+  for example in examples.values():
+    body_schema.validate(example["value"])
+    status, answer = request(port, "POST", "/search", json.dumps(example["value"]))
+    assert status == 200
+    _validator(schema, "OneAnswer" if "question" in example["value"] else "ManyAnswers"
+               ).validate(answer)
+  get = {p["name"]: p for p in schema["paths"]["/search"]["get"]["parameters"]}
+  assert set(get) == {"q", "k", "unit"} and get["unit"]["schema"]["enum"] == [
+      "phrase", "sentence", "passage", "document"]
+  status, answer = request(port, "GET", "/search?q=who+founded+the+city%3F&unit=sentence")
+  assert status == 200 and "sentence" in answer["results"][0]
+  _validator(schema, "OneAnswer").validate(answer)
+  for path, name in (("/health", "Health"), ("/info", "ServiceInfo"), ("/stats", "Stats")):
+    _validator(schema, name).validate(request(port, "GET", path)[1])
+  status, refused = request(port, "POST", "/search", '{"question": "who?", "k": 0}')
+  assert status == 400 and "400" in post["responses"]
+  _validator(schema, "ErrorAnswer").validate(refused)
+
+
+def test_info_names_the_model_index_limits_and_version(service):
+  import dpjax
+  port, config, workdir, _, _ = service
+  status, info = request(port, "GET", "/info")
+  assert status == 200
+  assert info == {**info, "model": config.model.name, "model_step": None, "index": "Flat",
+                  "workdir": str(workdir), "units": ["phrase", "sentence", "passage", "document"],
+                  "max_k": 100, "max_questions": 64, "max_question_chars": 1000,
+                  "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__}
+  assert info["vectors"] > 0 and info["passages"] > 0
+  status, health = request(port, "GET", "/health")
+  assert health == {"status": "ok", "index": "Flat", "vectors": info["vectors"],
+                    "passages": info["passages"], "model_step": None}
+
+
+def _metrics(port, headers=()):
+  from prometheus_client.parser import text_string_to_metric_families
+  status, sent, body = raw_request(port, "GET", "/metrics", headers=headers)
+  assert status == 200 and sent["content-type"].startswith("text/plain"), (status, body)
+  return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def _sample(families, family, sample=None, **labels):
+  return sum(s.value for s in families[family].samples
+             if s.name == (sample or family) and all(s.labels.get(n) == v
+                                                     for n, v in labels.items()))
+
+
+def test_metrics_are_prometheus_text_and_stats_a_view_of_them(service):
+  port, _, _, questions, _ = service
+  before = _metrics(port)
+  assert request(port, "POST", "/search", json.dumps({"questions": questions[:3]}))[0] == 200
+  assert request(port, "POST", "/search", '{"question": "who?", "k": 0}')[0] == 400
+  assert request(port, "POST", "/search", '{"questions": ["who?", "\\u200b"]}')[0] == 400
+  assert request(port, "GET", "/nowhere")[0] == 404
+  after = _metrics(port)
+  assert {family.type for family in after.values()} == {"counter", "histogram", "gauge"}
+  grew = {(family, sample, tuple(labels.items())): _sample(after, family, sample, **labels)
+          - _sample(before, family, sample, **labels) for family, sample, labels in (
+              ("dpjax_requests", "dpjax_requests_total", {"status": "200"}),
+              ("dpjax_requests", "dpjax_requests_total", {"status": "400"}),
+              ("dpjax_requests", "dpjax_requests_total", {"status": "404"}),
+              ("dpjax_questions", "dpjax_questions_total", {"status": "200"}),
+              ("dpjax_questions", "dpjax_questions_total", {"status": "400"}),
+              ("dpjax_searched_requests", "dpjax_searched_requests_total", {}),
+              ("dpjax_batch_questions", "dpjax_batch_questions_sum", {}),
+              ("dpjax_request_latency_seconds", "dpjax_request_latency_seconds_count", {}))}
+  # (a request refused before its questions were read counts none)
+  assert list(grew.values()) == [1, 2, 1, 3, 2, 1, 3, 1]
+  info = request(port, "GET", "/info")[1]
+  assert _sample(after, "dpjax_index_vectors") == info["vectors"]
+  assert _sample(after, "dpjax_index_passages") == info["passages"]
+  assert _sample(after, "dpjax_queue_depth") == 0
+  assert _sample(after, "dpjax_service_info", index="Flat",
+                 version=info["version"]) == 1
+  buckets = [s for s in after["dpjax_batch_questions"].samples if s.name.endswith("_bucket")]
+  assert [s.labels["le"] for s in buckets] == ["1.0", "2.0", "4.0", "8.0", "+Inf"]  # max_batch 8
+  # /stats: the same counters, read again (no request between the two reads)
+  stats = request(port, "GET", "/stats")[1]
+  again = _metrics(port)
+  assert stats["requests"] == _sample(again, "dpjax_searched_requests",
+                                      "dpjax_searched_requests_total")
+  assert stats["batches"] == _sample(again, "dpjax_batch_questions", "dpjax_batch_questions_count")
+  assert stats["questions"] == _sample(again, "dpjax_batch_questions", "dpjax_batch_questions_sum")
+  assert stats["refused_404"] == _sample(again, "dpjax_requests", "dpjax_requests_total",
+                                         status="404")
+
+
+def test_latency_quantiles_are_interpolated_within_their_bucket():
+  from prometheus_client import CollectorRegistry, Histogram
+  from dpjax.serve import quantile
+  histogram = Histogram("h", "h", buckets=(1, 2, 4), registry=CollectorRegistry())
+  assert quantile(histogram, 0.5) is None
+  for value in (0.5, 1.5, 1.5, 3):  # 1 in (0, 1], 2 in (1, 2], 1 in (2, 4]
+    histogram.observe(value)
+  assert quantile(histogram, 0.25) == 1.0 and quantile(histogram, 0.5) == 1.5
+  assert quantile(histogram, 1.0) == 4.0
+  histogram.observe(100)  # past the last bound: the last bound is the estimate
+  assert quantile(histogram, 1.0) == 4.0
