@@ -277,8 +277,13 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
 def serve_config(**overrides) -> ml_collections.ConfigDict:
   """`run.py serve`: the HTTP search service over the workdir's index."""
   config = ml_collections.ConfigDict({
-      "host": "127.0.0.1",  # 0.0.0.0 to listen on every interface
+      "host": "127.0.0.1",  # 0.0.0.0 to listen on every interface (needs an API key)
       "port": 8000,
+      # With a key, every route but /health, / and the docs needs `Authorization: Bearer <key>`.
+      # The environment variable keeps the key out of command lines and config files.
+      "api_key": "",
+      "api_key_env": "DPJAX_API_KEY",  # the variable holding the key when api_key is empty
+      "allow_open": False,  # listen beyond loopback without a key, on purpose
       "index": "",  # index name under <dump>/indexes; empty: index.search_index
       # Micro-batching: the requests waiting when the search thread is free share one question
       # encoding, up to max_batch questions; it waits at most max_wait_ms for more to arrive.

@@ -12,6 +12,9 @@
   `serve.max_batch` questions, waiting at most `serve.max_wait_ms` for more) and encodes their
   questions in one call of the jitted question encoder, then searches the index once per distinct
   (k, unit); so throughput grows with the number of concurrent clients.
+- Access: with an API key (`serve.api_key` or the environment variable `serve.api_key_env`
+  names) every data route needs `Authorization: Bearer <key>`; without one the service listens
+  on loopback only, unless `serve.allow_open`.
 - Bad requests get a 4xx and one line `{"error": "..."}`; a search that fails answers 500 for
   its requests only; a full queue answers 503. Nothing a client sends stops the server.
 """
@@ -20,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import math
+import os
 import pathlib
 import queue
 import re
@@ -182,12 +189,13 @@ class ErrorAnswer(BaseModel):
 
 
 class Health(BaseModel):
-  """GET /health: the index, its size, the model's step."""
+  """GET /health (open to all, also with an API key)."""
   status: Literal["ok"]
   index: str
   vectors: int
   passages: int
   model_step: int | None = Field(description="the checkpoint step (null: untrained weights)")
+  auth: bool = Field(description="whether the data routes need `Authorization: Bearer <key>`")
 
 
 class ServiceInfo(BaseModel):
@@ -526,15 +534,88 @@ async def _payload(request: Request) -> dict:
   return payload
 
 
-def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
+# Served to anyone, also with an API key: the health check, and the pages a browser opens
+# without a way to attach a header (the search page and the docs, which ask for the key and send
+# it with each request they make).
+OPEN_PATHS = frozenset({"/health", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+
+
+class BearerAuth:
+  """ASGI middleware: a request to a path outside OPEN_PATHS needs `Authorization: Bearer <key>`,
+  or gets a 401 with one line (counted in the metrics). The keys' SHA-256 digests are compared
+  by hmac.compare_digest, in a time that tells nothing of the key."""
+
+  def __init__(self, app, *, key: str, metrics: ServiceMetrics):
+    self.app, self.metrics = app, metrics
+    self.digest = hashlib.sha256(key.encode()).digest()
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+      reason = self.refusal(dict(scope["headers"]).get(b"authorization"))
+      if reason:
+        self.metrics.request(401)
+        response = JSONResponse({"error": reason}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return await response(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+  def refusal(self, header: bytes | None) -> str | None:
+    """Why a request with this Authorization header is refused; None: it is not."""
+    if header is None:
+      return "this service needs its API key: send Authorization: Bearer <key>"
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer":
+      return "send the API key as Authorization: Bearer <key>"
+    if not hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest):
+      return "wrong API key"
+    return None
+
+
+def api_key(serve) -> str:
+  """The key the service requires ('' for none): `serve.api_key`, or the value of the environment
+  variable `serve.api_key_env` names, which keeps the key out of command lines and config files.
+  A ConfigError if both are set and differ, or if the key cannot be sent in a header."""
+  env = serve.api_key_env
+  from_env = os.environ.get(env, "") if env else ""
+  if serve.api_key and from_env and serve.api_key != from_env:
+    raise ConfigError(f"serve.api_key and ${env} are both set and differ: give the key once")
+  key = serve.api_key or from_env
+  if key and not re.fullmatch(r"[!-~]+", key):
+    raise ConfigError(f"the API key ({'serve.api_key' if serve.api_key else '$' + env}) must be "
+                      "printable ASCII without spaces")
+  return key
+
+
+def check_exposure(host: str, key: str, allow_open: bool) -> None:
+  """Refuses (a ConfigError) to listen where other machines reach the service without a key:
+  a host that is not this machine's loopback (0.0.0.0, a LAN address) needs an API key, or
+  `serve.allow_open` set on purpose."""
+  if key or allow_open or _loopback(host):
+    return
+  raise ConfigError(f"serve.host {host!r} is reachable from other machines and no API key is "
+                    "set: put one in the environment variable serve.api_key_env names "
+                    "(DPJAX_API_KEY by default) or in serve.api_key, or --set "
+                    "serve.allow_open=True to serve anyone on purpose")
+
+
+def _loopback(host: str) -> bool:
+  """Whether every address `host` names is a loopback address (localhost, 127.0.0.1, ::1)."""
+  try:
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+  except (OSError, ValueError):  # not a name or an address of any machine
+    return False
+
+
+def create_app(batcher: Batcher, limits: Limits, info: dict, key: str = "") -> FastAPI:
   """The service's routes over a started Batcher (`info`: what /info reports, ServiceInfo's
-  fields)."""
+  fields); with an API key (`key`), every route outside OPEN_PATHS needs it (BearerAuth)."""
   metrics = batcher.metrics
   metrics.describe(info)
   app = FastAPI(title="dpjax", version=__version__, redoc_url=None,
                 description="Dense phrase retrieval: the top-k phrases, sentences, passages or "
                             "documents of questions over an indexed corpus.")
-  health = {"status": "ok",
+  health = {"status": "ok", "auth": bool(key),
             **{name: info[name] for name in ("index", "vectors", "passages", "model_step")}}
   search = _search_route(batcher, limits)
   described = {"response_model": OneAnswer | ManyAnswers, "responses": _ERRORS,
@@ -544,7 +625,7 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
 
   @app.get("/health", response_model=Health)
   async def health_check():
-    """Whether the service is up, what it serves."""
+    """Whether the service is up, what it serves; open to all, also with an API key."""
     return health
 
   @app.get("/info", response_model=ServiceInfo)
@@ -578,6 +659,10 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
   async def invalid(request, e):
     metrics.request(422)
     return _error(422, "; ".join(str(err.get("msg")) for err in e.errors()))
+
+  if key:
+    app.add_middleware(BearerAuth, key=key, metrics=metrics)
+    _document_auth(app)
   return app
 
 
@@ -615,6 +700,29 @@ def _search_route(batcher: Batcher, limits: Limits):
   return search
 
 
+def _document_auth(app: FastAPI) -> None:
+  """The schema declares the bearer key and the 401 on every route outside OPEN_PATHS (the
+  docs' Authorize button then sends it)."""
+  generate = app.openapi
+
+  def openapi() -> dict:
+    if app.openapi_schema is None:
+      schema = generate()
+      schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+      for path, operations in schema["paths"].items():
+        if path in OPEN_PATHS:
+          continue
+        for operation in operations.values():
+          operation["security"] = [{"bearer": []}]
+          operation["responses"]["401"] = {
+              "description": "no or a wrong API key",
+              "content": {"application/json": {"schema": {
+                  "$ref": "#/components/schemas/ErrorAnswer"}}}}
+    return app.openapi_schema
+
+  app.openapi = openapi
+
+
 def bind(host: str, port: int) -> socket.socket:
   """A socket listening on (host, port) (port 0: a free one, `getsockname()[1]`) for the server;
   a port in use or a host not of this machine is a ConfigError naming them. It listens at once
@@ -648,8 +756,10 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
 
 def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
-  the question encoder compiled ahead for every call shape a micro-batch may take."""
+  the question encoder compiled ahead for every call shape a micro-batch may take; with an API
+  key (`api_key`) its data routes need it."""
   sc = config.serve
+  key = api_key(sc)
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None)
   start = time.perf_counter()  # every shape of its calls: no compile while serving
   shapes = searcher.compile(sc.max_batch)
@@ -670,17 +780,22 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
           "max_k": sc.max_k, "max_questions": sc.max_questions,
           "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
           "max_batch": sc.max_batch, "version": __version__}
-  return create_app(batcher.start(), Limits.from_config(sc), info), batcher
+  return create_app(batcher.start(), Limits.from_config(sc), info, key), batcher
 
 
 def run_serve(config, workdir: str) -> None:
   """`run.py serve`: serves the workdir's index until interrupted (the port is taken before the
-  index loads, so a port in use fails at once; `serve.port=0`: a free one, logged)."""
-  host = config.serve.host
-  with bind(host, config.serve.port) as sock:
+  index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host other
+  machines reach needs an API key or `serve.allow_open` (check_exposure)."""
+  sc = config.serve
+  key = api_key(sc)
+  check_exposure(sc.host, key, sc.allow_open)
+  with bind(sc.host, sc.port) as sock:
     app, batcher = make_service(config, workdir)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/"
-    log.info("serving %s on %s (Ctrl-C stops)", workdir, url)
+    host = f"[{sc.host}]" if ":" in sc.host else sc.host
+    url = f"http://{host}:{sock.getsockname()[1]}/"
+    log.info("serving %s on %s (%s; Ctrl-C stops)", workdir, url,
+             "API key required" if key else "no API key")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
       server.run(sockets=[sock])
@@ -714,6 +829,7 @@ PAGE = """<!doctype html>
  <select id="unit"><option>phrase</option><option>sentence</option><option>passage</option>
  <option>document</option></select>
  <select id="k"><option>1</option><option>5</option><option selected>10</option></select>
+ <input id="key" type="password" placeholder="API key" autocomplete="off" hidden>
  <button type="submit" id="go">Search</button>
 </form>
 <div id="status"></div><div id="results"></div>
@@ -738,15 +854,25 @@ function show(r, rank) {
   div.appendChild(p);
   return div;
 }
+// With an API key (/health says so, or a search is refused with 401) the page asks for it and
+// sends it with each search; the tab keeps it (sessionStorage) across reloads.
+function askForKey() { $("key").hidden = false; }
+$("key").value = sessionStorage.getItem("dpjax-key") || "";
+fetch("health").then((r) => r.json()).then((h) => { if (h.auth) askForKey(); }, () => {});
 $("form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const body = {question: $("question").value, k: Number($("k").value), unit: $("unit").value};
+  const headers = {"Content-Type": "application/json"};
+  if ($("key").value) {
+    headers["Authorization"] = "Bearer " + $("key").value;
+    sessionStorage.setItem("dpjax-key", $("key").value);
+  }
   $("status").textContent = "searching\\u2026"; $("status").className = "";
   $("results").replaceChildren();
   try {
-    const response = await fetch("search", {method: "POST", body: JSON.stringify(body),
-                                            headers: {"Content-Type": "application/json"}});
+    const response = await fetch("search", {method: "POST", body: JSON.stringify(body), headers});
     const data = await response.json();
+    if (response.status === 401) askForKey();
     if (!response.ok) throw new Error(data.error || response.statusText);
     $("status").textContent = data.results.length + " results in " +
         (1000 * data.seconds).toFixed(0) + " ms";

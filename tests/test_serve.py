@@ -2,6 +2,7 @@
 import http.client
 import io
 import json
+import re
 import shutil
 import signal
 import socket
@@ -23,8 +24,8 @@ import run
 CONFIG = "experiments/demo.py:tiny"
 # The untrained tiny encoder (the service, not the model, is under test); micro-batches of up to
 # 8 questions, so the warm-up compiles the packed question encoder (a CPU's) for calls of 8 rows
-# (one a device) x 8 widths (8 to 64 tokens).
-SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8"]
+# (one a device) x 8 widths (8 to 64 tokens). No API key, whatever $DPJAX_API_KEY says.
+SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8", "serve.api_key_env="]
 load_test = load_script("experiments/benchmarks/serve_load.py")
 
 
@@ -156,7 +157,8 @@ def test_serve_command_answers_and_stops_on_sigint(service):
   at once (exit 2, one line), before the index loads."""
   _, _, workdir, _, _ = service
   command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
-             "--set", "eval.allow_untrained=True", "--set", "serve.max_batch=2"]
+             "--set", "eval.allow_untrained=True", "--set", "serve.max_batch=2",
+             "--set", "serve.api_key_env="]
   server, port = load_test.start_serving(command + ["--set", "serve.port=0"], timeout=300)
   try:
     assert load_test.wait_healthy(port, server, timeout=300)["index"] == "Flat"
@@ -519,7 +521,7 @@ def test_info_names_the_model_index_limits_and_version(service):
                   "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__}
   assert info["vectors"] > 0 and info["passages"] > 0
   status, health = request(port, "GET", "/health")
-  assert health == {"status": "ok", "index": "Flat", "vectors": info["vectors"],
+  assert health == {"status": "ok", "auth": False, "index": "Flat", "vectors": info["vectors"],
                     "passages": info["passages"], "model_step": None}
 
 
@@ -587,3 +589,101 @@ def test_latency_quantiles_are_interpolated_within_their_bucket():
   assert quantile(histogram, 1.0) == 4.0
   histogram.observe(100)  # past the last bound: the last bound is the estimate
   assert quantile(histogram, 1.0) == 4.0
+
+
+KEY = "s3cret-key_0123456789"
+
+
+def test_an_api_key_guards_every_route_but_health_and_the_pages(service, monkeypatch):
+  """401 without the key or with a wrong one (one line, counted in /metrics), 200 with it; the
+  keys are compared by hmac.compare_digest."""
+  import hmac
+
+  from dpjax import serve
+  port, _, _, questions, batcher = service
+  compared, compare = [], hmac.compare_digest
+  monkeypatch.setattr(serve.hmac, "compare_digest",
+                      lambda a, b: compared.append(1) or compare(a, b))
+  app = serve.create_app(batcher, serve.Limits(), request(port, "GET", "/info")[1], KEY)
+  server, thread, guarded = start_server(app)
+  good = {"Authorization": f"Bearer {KEY}"}
+  try:
+    before = _metrics(guarded, good)
+    refused = 0
+    for method, path, body, status in (("GET", "/search?q=who", None, 200),
+                                       ("POST", "/search", '{"question": "who?"}', 200),
+                                       ("GET", "/info", None, 200), ("GET", "/stats", None, 200),
+                                       ("GET", "/metrics", None, 200),
+                                       ("GET", "/nowhere", None, 404)):
+      for headers, reason in (({}, "needs its API key"),
+                              ({"Authorization": "Bearer wrong"}, "wrong API key"),
+                              ({"Authorization": f"Bearer {KEY}x"}, "wrong API key"),
+                              ({"Authorization": KEY}, "Authorization: Bearer <key>")):
+        got, sent, answer = raw_request(guarded, method, path, body, headers=headers)
+        assert got == 401 and sent["www-authenticate"] == "Bearer", (path, headers)
+        assert reason in json.loads(answer)["error"] and b"\n" not in answer
+        refused += 1
+      assert raw_request(guarded, method, path, body, headers=good)[0] == status, path
+    assert len(compared) == 2 * 6 + 6 + 1  # each wrong key and each good one, and the scrape
+    # the load benchmark's clients with the key (experiments/benchmarks/serve_load.py --auth)
+    assert load_test.measured(guarded, questions, 4, 20, key=KEY)["errors"] == 0
+    after = _metrics(guarded, good)
+    assert (_sample(after, "dpjax_requests", "dpjax_requests_total", status="401")
+            - _sample(before, "dpjax_requests", "dpjax_requests_total", status="401")) == refused
+    for path in ("/health", "/", "/docs", "/openapi.json"):  # open: no data, or a browser's page
+      assert raw_request(guarded, "GET", path)[0] == 200, path
+    assert request(guarded, "GET", "/health")[1]["auth"] is True
+    schema = request(guarded, "GET", "/openapi.json")[1]
+    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http",
+                                                                  "scheme": "bearer"}}
+    assert schema["paths"]["/info"]["get"]["security"] == [{"bearer": []}]
+    assert "401" in schema["paths"]["/search"]["post"]["responses"]
+    assert "security" not in schema["paths"]["/health"]["get"]
+  finally:
+    server.should_exit = True
+    thread.join()
+
+
+def test_the_api_key_comes_from_the_config_or_the_environment(monkeypatch):
+  from dpjax.errors import ConfigError
+  from dpjax.serve import api_key
+  serve = load_config(CONFIG).serve
+  monkeypatch.delenv("DPJAX_API_KEY", raising=False)
+  assert api_key(serve) == ""
+  monkeypatch.setenv("DPJAX_API_KEY", KEY)
+  assert api_key(serve) == KEY
+  serve.api_key = KEY
+  assert api_key(serve) == KEY  # the same key twice
+  for key, env, message in (("other", KEY, r"serve.api_key and \$DPJAX_API_KEY are both set and "
+                                           "differ"),
+                            ("two words", "", r"API key \(serve.api_key\) must be printable"),
+                            ("", "tab\tkey", r"API key \(\$DPJAX_API_KEY\) must be printable")):
+    serve.api_key = key
+    monkeypatch.setenv("DPJAX_API_KEY", env)
+    with pytest.raises(ConfigError, match=message):
+      api_key(serve)
+
+
+@pytest.mark.parametrize("host, key, allow_open, refused", [
+    ("0.0.0.0", "", False, True), ("::", "", False, True), ("192.0.2.1", "", False, True),
+    ("127.0.0.1", "", False, False), ("localhost", "", False, False), ("::1", "", False, False),
+    ("0.0.0.0", KEY, False, False), ("0.0.0.0", "", True, False)])
+def test_an_open_address_needs_a_key_or_allow_open(host, key, allow_open, refused):
+  from dpjax.errors import ConfigError
+  from dpjax.serve import check_exposure
+  if refused:
+    with pytest.raises(ConfigError, match=rf"serve.host '{re.escape(host)}' is reachable from "
+                                          "other machines and no API key is set"):
+      check_exposure(host, key, allow_open)
+  else:
+    check_exposure(host, key, allow_open)
+
+
+def test_serve_refuses_an_open_address_without_a_key_before_loading(monkeypatch, caplog,
+                                                                    tmp_path):
+  monkeypatch.delenv("DPJAX_API_KEY", raising=False)
+  code = run.main(["serve", "--config", CONFIG, "--workdir", str(tmp_path),
+                   "--set", "serve.host=0.0.0.0", "--set", "serve.port=0"])
+  assert code == 2
+  assert "serve.host '0.0.0.0' is reachable from other machines" in caplog.text
+  assert "allow_open=True" in caplog.text and "question encoder compiled" not in caplog.text
