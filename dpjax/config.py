@@ -72,7 +72,7 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "filter.train_windows", "filter.dev_windows", "train.hard_negatives.per_example",
              "data.max_seq_length", "data.doc_stride", "data.max_query_length",
              "serve.max_batch", "serve.max_queue", "serve.max_k",
-             "serve.max_questions", "serve.max_question_chars")
+             "serve.max_questions", "serve.max_question_chars", "serve.shutdown_timeout_s")
 _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
@@ -284,6 +284,7 @@ def serve_config(**overrides) -> ml_collections.ConfigDict:
       "api_key": "",
       "api_key_env": "DPJAX_API_KEY",  # the variable holding the key when api_key is empty
       "allow_open": False,  # listen beyond loopback without a key, on purpose
+      "shutdown_timeout_s": 30,  # on SIGTERM/SIGINT, the longest wait for requests it holds
       "index": "",  # index name under <dump>/indexes; empty: index.search_index
       # Micro-batching: the requests waiting when the search thread is free share one question
       # encoding, up to max_batch questions; it waits at most max_wait_ms for more to arrive.

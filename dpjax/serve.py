@@ -16,7 +16,8 @@
   names) every data route needs `Authorization: Bearer <key>`; without one the service listens
   on loopback only, unless `serve.allow_open`.
 - Bad requests get a 4xx and one line `{"error": "..."}`; a search that fails answers 500 for
-  its requests only; a full queue answers 503. Nothing a client sends stops the server.
+  its requests only; a full queue answers 503. Nothing a client sends stops the server. SIGTERM
+  or SIGINT: it stops accepting, answers the requests it holds, and exits.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import os
 import pathlib
 import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -406,10 +408,14 @@ class Batcher:
     self._thread.start()
     return self
 
-  def stop(self) -> None:
+  def stop(self, timeout: float | None = None) -> None:
+    """Ends the search thread once it has answered every request queued before this call (a
+    search still running after `timeout` seconds is left to end with the process)."""
     if self._thread.is_alive():
       self._queue.put(_STOP)
-      self._thread.join()
+      self._thread.join(timeout)
+      if self._thread.is_alive():
+        log.warning("the search thread did not end within %.0f s", timeout)
 
   def submit(self, questions: list[str], k: int, unit: str) -> concurrent.futures.Future:
     """A future of the top-k units of each question (lists of result dicts)."""
@@ -784,9 +790,11 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
 
 
 def run_serve(config, workdir: str) -> None:
-  """`run.py serve`: serves the workdir's index until interrupted (the port is taken before the
-  index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host other
-  machines reach needs an API key or `serve.allow_open` (check_exposure)."""
+  """`run.py serve`: serves the workdir's index until SIGINT or SIGTERM (the port is taken before
+  the index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host
+  other machines reach needs an API key or `serve.allow_open` (check_exposure). On a signal it
+  stops accepting, answers the requests it holds (for at most `serve.shutdown_timeout_s`) and
+  returns."""
   sc = config.serve
   key = api_key(sc)
   check_exposure(sc.host, key, sc.allow_open)
@@ -794,17 +802,28 @@ def run_serve(config, workdir: str) -> None:
     app, batcher = make_service(config, workdir)
     host = f"[{sc.host}]" if ":" in sc.host else sc.host
     url = f"http://{host}:{sock.getsockname()[1]}/"
-    log.info("serving %s on %s (%s; Ctrl-C stops)", workdir, url,
+    log.info("serving %s on %s (%s; Ctrl-C or SIGTERM stops)", workdir, url,
              "API key required" if key else "no API key")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=sc.shutdown_timeout_s))
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the
+    # handler it found: SIGTERM's default would then kill the process (status -15), so SIGTERM
+    # ends it as Ctrl-C does instead.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
       server.run(sockets=[sock])
-    except KeyboardInterrupt:  # the SIGINT (SIGTERM) uvicorn raises again once it has stopped
+    except KeyboardInterrupt:
       pass
     finally:
-      batcher.stop()
+      signal.signal(signal.SIGTERM, previous)
+      batcher.stop(timeout=sc.shutdown_timeout_s)
   if not server.started:  # uvicorn logged why
     raise OSError(f"the server on {url} did not start")
+  log.info("stopped")
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 PAGE = """<!doctype html>

@@ -687,3 +687,71 @@ def test_serve_refuses_an_open_address_without_a_key_before_loading(monkeypatch,
   assert code == 2
   assert "serve.host '0.0.0.0' is reachable from other machines" in caplog.text
   assert "allow_open=True" in caplog.text and "question encoder compiled" not in caplog.text
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(service):
+  """SIGTERM with requests queued (the search thread waits serve.max_wait_ms for a fuller
+  micro-batch): the server stops accepting at once, answers every one of them, and exits 0
+  (uvicorn re-raised the SIGTERM once stopped, which killed the process: status -15)."""
+  import concurrent.futures
+  import threading
+
+  _, _, workdir, questions, _ = service
+  command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
+             *(f"--set={s}" for s in SETTINGS), "--set", "serve.port=0",
+             "--set", "serve.max_wait_ms=4000", "--set", "serve.shutdown_timeout_s=60"]
+  server, port = load_test.start_serving(command, timeout=300)
+  try:
+    load_test.wait_healthy(port, server, timeout=300)
+    sent = threading.Barrier(7)
+
+    def ask(question):
+      connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+      connection.request("POST", "/search", json.dumps({"question": question, "k": 2}),
+                         {"Content-Type": "application/json"})
+      sent.wait(30)
+      response = connection.getresponse()
+      return response.status, json.loads(response.read())
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      answers = [pool.submit(ask, question) for question in questions[:6]]
+      sent.wait(30)
+      time.sleep(0.5)  # read by the server: queued behind the batch waiting for more
+      stopping = time.perf_counter()
+      server.send_signal(signal.SIGTERM)
+      time.sleep(1.0)
+      with pytest.raises(ConnectionRefusedError):  # no longer accepting
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+      results = [answer.result(timeout=120) for answer in answers]
+    stopped = server.wait(timeout=60)
+  finally:
+    if server.poll() is None:
+      server.kill()
+  assert stopped == 0
+  assert [status for status, _ in results] == [200] * 6
+  assert [len(answer["results"]) for _, answer in results] == [2] * 6
+  assert time.perf_counter() - stopping < 60
+
+
+def test_sigterm_waits_at_most_shutdown_timeout_s_for_requests(service):
+  """A request the server would hold for long (the search thread waits 60 s for a fuller batch)
+  is given serve.shutdown_timeout_s after SIGTERM, then the server exits 0 all the same."""
+  _, _, workdir, _, _ = service
+  command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
+             *(f"--set={s}" for s in SETTINGS), "--set", "serve.port=0",
+             "--set", "serve.max_wait_ms=60000", "--set", "serve.shutdown_timeout_s=2"]
+  server, port = load_test.start_serving(command, timeout=300)
+  try:
+    load_test.wait_healthy(port, server, timeout=300)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("POST", "/search", '{"question": "who?"}',
+                       {"Content-Type": "application/json"})
+    time.sleep(0.5)  # read by the server, held by the search thread
+    stopping = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    stopped = server.wait(timeout=60)
+    waited = time.perf_counter() - stopping
+  finally:
+    if server.poll() is None:
+      server.kill()
+  assert stopped == 0 and waited < 20
