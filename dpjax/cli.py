@@ -6,7 +6,7 @@ import logging
 import sys
 import traceback
 
-from dpjax.config import load_config, setup_logging
+from dpjax.config import run_in_workdir, setup_logging
 from dpjax.errors import EXPECTED, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
@@ -33,7 +33,7 @@ def parse(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=f"{__doc__}\nModes:\n{modes}",
                                    formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument("mode", choices=list(MODES))
-  parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
+  parser.add_argument("--config", help="experiments/<name>.py[:arg]; default: the workdir's")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config field, e.g. --set eval.batch_size=16")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
     extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
-    mode(load_config(args.config, args.set), args.workdir, **extra)
+    run_in_workdir(mode, args.config, args.set, args.workdir, **extra)
   except (*EXPECTED, OSError, Preempted) as e:  # bad input or state, I/O: one line (stack:
     logging.error("%s", e, exc_info=args.debug)  # --debug); SIGTERM: stopped with a checkpoint
     return distributed.exit_for(e)

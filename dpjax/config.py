@@ -11,6 +11,7 @@ from typing import Sequence
 import ml_collections
 
 from dpjax.errors import ConfigError
+from dpjax.io import read_json, write_json
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -40,6 +41,95 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     model.tokenizer = model.name  # --set model.name=X: X's tokenizer, unless one is set too
   check_config(config)
   return config
+
+
+SAVED_CONFIG = "dpjax_config.json"  # in a workdir: the resolved config of the run that made it
+# The fields a workdir's artifacts (checkpoints, data, dumps) are built with: a --config that gives
+# them other values is refused there. The rest (train.*, index.*, eval.*, serve.*, data.dir: where
+# the data is read from) may change from run to run.
+BUILT_WITH = ("model.name", "model.tokenizer", "model.init", "model.random",
+              "model.share_query_encoders", "data")
+NOT_BUILT_WITH = ("data.dir",)
+
+
+def run_in_workdir(mode, spec: str | None, overrides: Sequence[str], workdir: str, **kwargs):
+  """Runs `mode(config, workdir, **kwargs)` with `workdir_config`'s config. The run that makes
+  the workdir (absent or empty before, holding something after) saves that config there
+  (SAVED_CONFIG) when it ends, also when it stops early: what it made, it made with this config.
+  The API key is not saved."""
+  config = workdir_config(spec, overrides, workdir)
+  path = pathlib.Path(workdir)
+  new = not path.is_dir() or not any(path.iterdir())
+  try:
+    return mode(config, workdir, **kwargs)
+  finally:
+    if new and path.is_dir() and any(path.iterdir()) and not (path / SAVED_CONFIG).exists():
+      saved = ml_collections.ConfigDict(config.to_dict())
+      if "serve" in saved:  # the key stays out of files (serve.api_key_env names a variable)
+        saved.serve.api_key = ""
+      given = [o for o in overrides if o.partition("=")[0].strip() != "serve.api_key"]
+      write_json(path / SAVED_CONFIG, {"config": spec, "set": given, "resolved": saved.to_dict()})
+
+
+def workdir_config(spec: str | None, overrides: Sequence[str],
+                   workdir: str) -> ml_collections.ConfigDict:
+  """The config of a run in `workdir`: the file `spec` (`path.py[:arg]`) or, without one, the
+  config the workdir saved (SAVED_CONFIG), with the overrides. A ConfigError if neither exists,
+  or if `spec`, with the overrides the workdir was made with, gives a field its artifacts were
+  built with (BUILT_WITH) another value: another experiment's config. (This run's own overrides
+  are left to the checks of each artifact, which name what they contradict.)"""
+  file = pathlib.Path(workdir) / SAVED_CONFIG
+  saved = read_json(file, ConfigError) if file.is_file() else None
+  if saved is not None and not (isinstance(saved, dict) and {"config", "set", "resolved"} <= set(
+      saved)):
+    raise ConfigError(f"{file}: not a saved config (config, set and resolved); remove it and "
+                      "give --config")
+  if spec is None and saved is None:
+    raise ConfigError(f"give --config experiments/<name>.py: {workdir} has no saved config "
+                      f"({SAVED_CONFIG}, written by the run that makes a workdir)")
+  if spec is None:
+    config = ml_collections.ConfigDict(saved["resolved"])
+    for override in overrides:
+      _override(config, override)
+    check_config(config)
+    return config
+  if saved is not None:
+    built = _flat(saved["resolved"], BUILT_WITH)
+    try:
+      given = load_config(spec, saved["set"])
+    except ConfigError:  # the workdir's overrides do not fit that config: another experiment's
+      given = load_config(spec)
+    now = _flat(given.to_dict(), BUILT_WITH)
+    differ = [f"{key} {built.get(key)!r} (--config {spec}: {now.get(key)!r})"
+              for key in dict.fromkeys([*built, *now]) if built.get(key) != now.get(key)]
+    if differ:
+      more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+      raise ConfigError(f"{workdir} was made with another config ({saved['config']}, {file}): "
+                        f"{'; '.join(differ[:3])}{more}; leave --config out to use the "
+                        "workdir's, or use another --workdir")
+  return load_config(spec, overrides)
+
+
+def _flat(config: dict, keys: Sequence[str]) -> dict:
+  """{dotted key: value} of the fields under `keys` (but NOT_BUILT_WITH) of a config's dict."""
+  flat = {}
+
+  def walk(prefix: str, value):
+    if prefix in NOT_BUILT_WITH:
+      return
+    if isinstance(value, dict):
+      for name, inner in value.items():
+        walk(f"{prefix}.{name}", inner)
+    else:
+      flat[prefix] = value
+
+  for key in keys:
+    node = config
+    for name in key.split("."):
+      node = node.get(name) if isinstance(node, dict) else None
+    if node is not None:
+      walk(key, node)
+  return flat
 
 
 def _override(config: ml_collections.ConfigDict, override: str) -> None:

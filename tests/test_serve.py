@@ -735,10 +735,10 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(service):
 
 def test_sigterm_waits_at_most_shutdown_timeout_s_for_requests(service):
   """A request the server would hold for long (the search thread waits 60 s for a fuller batch)
-  is given serve.shutdown_timeout_s after SIGTERM, then the server exits 0 all the same."""
+  is given serve.shutdown_timeout_s after SIGTERM, then the server exits 0 all the same. (No
+  --config: the workdir's own, saved by the dump that made it, with SETTINGS.)"""
   _, _, workdir, _, _ = service
-  command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
-             *(f"--set={s}" for s in SETTINGS), "--set", "serve.port=0",
+  command = [sys.executable, "run.py", "serve", "--workdir", str(workdir), "--set", "serve.port=0",
              "--set", "serve.max_wait_ms=60000", "--set", "serve.shutdown_timeout_s=2"]
   server, port = load_test.start_serving(command, timeout=300)
   try:
