@@ -29,9 +29,12 @@ setup(
         "PyStemmer>=2.2,<4",  # its English (Porter2) stemmer; Pyserini stems too
         "fastapi>=0.110,<1",  # `run.py serve`
         "uvicorn>=0.30,<1",
+        "prometheus_client>=0.20,<1",  # its /metrics
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],
+        # openapi-spec-validator and jsonschema: the service's OpenAPI schema and its answers
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7",
+                 "openapi-spec-validator>=0.7,<1", "jsonschema>=4.18,<5"],
         # `jupyter nbconvert --execute` of experiments/notebooks/ (the tests run their code directly)
         "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8"],
         # the web page check of tests/test_serve.py and experiments/benchmarks/serve_load.py, with

@@ -3,16 +3,15 @@ entry point of `pip install .`), or `python run.py MODE ...` in a checkout."""
 import argparse
 import importlib
 import logging
-import pathlib
 import sys
 import traceback
 
-from dpjax.config import load_config, setup_logging
-from dpjax.errors import EXPECTED, DataError, Preempted
+from dpjax.config import run_in_workdir, setup_logging
+from dpjax.errors import EXPECTED, Preempted
 
 # mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
 MODES = {
-    "train": ("dpjax.train:train_and_evaluate", "train both encoders, RC EM/F1 on dev; resumes"),
+    "train": ("dpjax.train:train_and_evaluate", "train the encoders, RC EM/F1 on dev; resumes"),
     "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
     "teacher": ("dpjax.teacher:run_teacher", "train the cross-encoder teacher; write its logits"),
     "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
@@ -26,7 +25,6 @@ MODES = {
     "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
     "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
     "serve": ("dpjax.serve:run_serve", "HTTP search service and web page (serve.host/port)"),
-    "verify": ("dpjax.verify:run_verify", "check every file against its digest from writing"),
 }
 
 
@@ -35,7 +33,7 @@ def parse(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=f"{__doc__}\nModes:\n{modes}",
                                    formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument("mode", choices=list(MODES))
-  parser.add_argument("--config", required=True, help="experiments/<name>.py[:arg]")
+  parser.add_argument("--config", help="experiments/<name>.py[:arg]; default: the workdir's")
   parser.add_argument("--workdir", required=True, help="where outputs and checkpoints go")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config field, e.g. --set eval.batch_size=16")
@@ -50,35 +48,22 @@ def parse(argv=None) -> argparse.Namespace:
   hosts.add_argument("--init_timeout", type=int, default=300,
                      help="seconds to wait for the coordinator and the other processes")
   parser.add_argument("--debug", action="store_true", help="tracebacks of expected errors too")
+  parser.add_argument("--verbose", action="store_true", help="faiss's, Orbax's INFO logs too")
   return parser.parse_args(argv)
-
-
-def check_workdir(workdir: str) -> None:
-  """Refuses a --workdir that is, or lies under, a file (the modes' mkdir would say only
-  "[Errno 17] File exists" or "[Errno 20] Not a directory")."""
-  path = pathlib.Path(workdir)
-  for candidate in (path, *path.parents):
-    if candidate.exists():
-      if not candidate.is_dir():
-        where = "is" if candidate == path else f"lies under {candidate}, which is"
-        raise DataError(f"--workdir {workdir} {where} a file, not a directory: pick another "
-                        "--workdir")
-      return
 
 
 def main(argv=None) -> int:
   args = parse(argv)
   from dpjax import distributed  # starts JAX: not for `--help`
-  setup_logging(debug=args.debug)
+  setup_logging(debug=args.debug, verbose=args.verbose)
   try:
     distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout=args.init_timeout)
-    check_workdir(args.workdir)
     module, _, name = MODES[args.mode][0].partition(":")
     mode = getattr(importlib.import_module(module), name)
     extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
-    mode(load_config(args.config, args.set), args.workdir, **extra)
+    run_in_workdir(mode, args.config, args.set, args.workdir, **extra)
   except (*EXPECTED, OSError, Preempted) as e:  # bad input or state, I/O: one line (stack:
     logging.error("%s", e, exc_info=args.debug)  # --debug); SIGTERM: stopped with a checkpoint
     return distributed.exit_for(e)

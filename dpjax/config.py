@@ -10,7 +10,8 @@ from typing import Sequence
 
 import ml_collections
 
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, DataError
+from dpjax.io import read_json, write_json
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -40,6 +41,109 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     model.tokenizer = model.name  # --set model.name=X: X's tokenizer, unless one is set too
   check_config(config)
   return config
+
+
+SAVED_CONFIG = "dpjax_config.json"  # in a workdir: the resolved config of the run that made it
+# The fields a workdir's artifacts (checkpoints, data, dumps) are built with: a --config that gives
+# them other values is refused there. The rest (train.*, index.*, eval.*, serve.*, data.dir: where
+# the data is read from) may change from run to run.
+BUILT_WITH = ("model.name", "model.tokenizer", "model.init", "model.random",
+              "model.share_query_encoders", "data")
+NOT_BUILT_WITH = ("data.dir",)
+
+
+def check_workdir(workdir: str) -> None:
+  """Refuses a --workdir that is, or lies under, a file (the modes' mkdir would say only
+  "[Errno 17] File exists" or "[Errno 20] Not a directory")."""
+  path = pathlib.Path(workdir)
+  for candidate in (path, *path.parents):
+    if candidate.exists():
+      if not candidate.is_dir():
+        where = "is" if candidate == path else f"lies under {candidate}, which is"
+        raise DataError(f"--workdir {workdir} {where} a file, not a directory: pick another "
+                        "--workdir")
+      return
+
+
+def run_in_workdir(mode, spec: str | None, overrides: Sequence[str], workdir: str, **kwargs):
+  """Runs `mode(config, workdir, **kwargs)` with `workdir_config`'s config. The run that makes
+  the workdir (absent or empty before, holding something after) saves that config there
+  (SAVED_CONFIG) when it ends, also when it stops early: what it made, it made with this config.
+  The API key is not saved."""
+  check_workdir(workdir)
+  config = workdir_config(spec, overrides, workdir)
+  path = pathlib.Path(workdir)
+  new = not path.is_dir() or not any(path.iterdir())
+  try:
+    return mode(config, workdir, **kwargs)
+  finally:
+    if new and path.is_dir() and any(path.iterdir()) and not (path / SAVED_CONFIG).exists():
+      saved = ml_collections.ConfigDict(config.to_dict())
+      if "serve" in saved:  # the key stays out of files (serve.api_key_env names a variable)
+        saved.serve.api_key = ""
+      given = [o for o in overrides if o.partition("=")[0].strip() != "serve.api_key"]
+      write_json(path / SAVED_CONFIG, {"config": spec, "set": given, "resolved": saved.to_dict()})
+
+
+def workdir_config(spec: str | None, overrides: Sequence[str],
+                   workdir: str) -> ml_collections.ConfigDict:
+  """The config of a run in `workdir`: the file `spec` (`path.py[:arg]`) or, without one, the
+  config the workdir saved (SAVED_CONFIG), with the overrides. A ConfigError if neither exists,
+  or if `spec`, with the overrides the workdir was made with, gives a field its artifacts were
+  built with (BUILT_WITH) another value: another experiment's config. (This run's own overrides
+  are left to the checks of each artifact, which name what they contradict.)"""
+  file = pathlib.Path(workdir) / SAVED_CONFIG
+  saved = read_json(file, ConfigError) if file.is_file() else None
+  if saved is not None and not (isinstance(saved, dict) and {"config", "set", "resolved"} <= set(
+      saved)):
+    raise ConfigError(f"{file}: not a saved config (config, set and resolved); remove it and "
+                      "give --config")
+  if spec is None and saved is None:
+    raise ConfigError(f"give --config experiments/<name>.py: {workdir} has no saved config "
+                      f"({SAVED_CONFIG}, written by the run that makes a workdir)")
+  if spec is None:
+    config = ml_collections.ConfigDict(saved["resolved"])
+    for override in overrides:
+      _override(config, override)
+    check_config(config)
+    return config
+  if saved is not None:
+    built = _flat(saved["resolved"], BUILT_WITH)
+    try:
+      given = load_config(spec, saved["set"])
+    except ConfigError:  # the workdir's overrides do not fit that config: another experiment's
+      given = load_config(spec)
+    now = _flat(given.to_dict(), BUILT_WITH)
+    differ = [f"{key} {built.get(key)!r} (--config {spec}: {now.get(key)!r})"
+              for key in dict.fromkeys([*built, *now]) if built.get(key) != now.get(key)]
+    if differ:
+      more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+      raise ConfigError(f"{workdir} was made with another config ({saved['config']}, {file}): "
+                        f"{'; '.join(differ[:3])}{more}; leave --config out to use the "
+                        "workdir's, or use another --workdir")
+  return load_config(spec, overrides)
+
+
+def _flat(config: dict, keys: Sequence[str]) -> dict:
+  """{dotted key: value} of the fields under `keys` (but NOT_BUILT_WITH) of a config's dict."""
+  flat = {}
+
+  def walk(prefix: str, value):
+    if prefix in NOT_BUILT_WITH:
+      return
+    if isinstance(value, dict):
+      for name, inner in value.items():
+        walk(f"{prefix}.{name}", inner)
+    else:
+      flat[prefix] = value
+
+  for key in keys:
+    node = config
+    for name in key.split("."):
+      node = node.get(name) if isinstance(node, dict) else None
+    if node is not None:
+      walk(key, node)
+  return flat
 
 
 def _override(config: ml_collections.ConfigDict, override: str) -> None:
@@ -72,7 +176,7 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "filter.train_windows", "filter.dev_windows", "train.hard_negatives.per_example",
              "data.max_seq_length", "data.doc_stride", "data.max_query_length",
              "serve.max_batch", "serve.max_queue", "serve.max_k",
-             "serve.max_questions", "serve.max_question_chars")
+             "serve.max_questions", "serve.max_question_chars", "serve.shutdown_timeout_s")
 _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
@@ -135,14 +239,21 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 # Pieces shared by the experiment configs in experiments/.
+# Loggers whose INFO lines are the libraries' own business, kept out of the default output.
+LIBRARY_CHATTER = ("faiss.loader", "absl", "jax._src.xla_bridge")
+
+
 def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s",
-                  debug: bool = False):
-  """INFO logging for the command line and scripts, without Orbax's per-save chatter and JAX's
-  backend probing (plus the `quiet` loggers); dpjax's DEBUG messages too with `debug`."""
+                  debug: bool = False, verbose: bool = False):
+  """INFO logging for the command line and scripts, without the libraries' loader chatter (plus
+  the `quiet` loggers): faiss's attempts at each CPU build ("Could not load library with AVX2
+  support ... ModuleNotFoundError", which reads like a failure but is not), Orbax's per-save
+  messages (absl) and JAX's backend probing; `verbose` keeps them. dpjax's DEBUG messages too
+  with `debug`. dpjax's own INFO lines (the progress of every long stage) always show."""
   logging.basicConfig(level=logging.INFO, format=fmt)
   if debug:
     logging.getLogger("dpjax").setLevel(logging.DEBUG)
-  for noisy in ("absl", "jax._src.xla_bridge", *quiet):
+  for noisy in (() if verbose else LIBRARY_CHATTER) + quiet:
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -270,8 +381,14 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
 def serve_config(**overrides) -> ml_collections.ConfigDict:
   """`run.py serve`: the HTTP search service over the workdir's index."""
   config = ml_collections.ConfigDict({
-      "host": "127.0.0.1",  # 0.0.0.0 to listen on every interface
+      "host": "127.0.0.1",  # 0.0.0.0 to listen on every interface (needs an API key)
       "port": 8000,
+      # With a key, every route but /health, / and the docs needs `Authorization: Bearer <key>`.
+      # The environment variable keeps the key out of command lines and config files.
+      "api_key": "",
+      "api_key_env": "DPJAX_API_KEY",  # the variable holding the key when api_key is empty
+      "allow_open": False,  # listen beyond loopback without a key, on purpose
+      "shutdown_timeout_s": 30,  # on SIGTERM/SIGINT, the longest wait for requests it holds
       "index": "",  # index name under <dump>/indexes; empty: index.search_index
       # Micro-batching: the requests waiting when the search thread is free share one question
       # encoding, up to max_batch questions; it waits at most max_wait_ms for more to arrive.

@@ -4,39 +4,56 @@
   `{"question": "..."}` or `{"questions": [...]}` plus optional `k` and `unit`: the top-k units
   (phrase, sentence, passage, document), each with its answer phrase, score, passage id, row and
   title, the passage text and the answer's character span in it (as `DensePhrases.search`).
-- `GET /health` (the index, its size, the model's step), `GET /stats` (requests, questions,
-  micro-batches, latency p50/p99, refused requests by status), `GET /` a search page.
+- `GET /health` (the index, its size, the model's step), `GET /info` (model, checkpoint step,
+  index, units and the limits a client must respect, version), `GET /metrics` (Prometheus),
+  `GET /stats` (a JSON view of the same counters), `GET /` a search page, `GET /docs` the
+  OpenAPI docs of the schema at `/openapi.json`.
 - Micro-batching: one search thread takes every request waiting when it is free (up to
   `serve.max_batch` questions, waiting at most `serve.max_wait_ms` for more) and encodes their
   questions in one call of the jitted question encoder, then searches the index once per distinct
   (k, unit); so throughput grows with the number of concurrent clients.
+- Access: with an API key (`serve.api_key` or the environment variable `serve.api_key_env`
+  names) every data route needs `Authorization: Bearer <key>`; without one the service listens
+  on loopback only, unless `serve.allow_open`.
 - Bad requests get a 4xx and one line `{"error": "..."}`; a search that fails answers 500 for
-  its requests only; a full queue answers 503. Nothing a client sends stops the server.
+  its requests only; a full queue answers 503. Nothing a client sends stops the server. SIGTERM
+  or SIGINT: it stops accepting, answers the requests it holds, and exits.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
+import math
+import os
 import pathlib
 import queue
 import re
+import signal
 import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               Info, generate_latest)
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from dpjax import __version__
 from dpjax.errors import ConfigError
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS
@@ -110,6 +127,261 @@ def parse_search(payload: dict, limits: Limits) -> tuple[list[str], bool, int, s
   return questions, single, k, unit
 
 
+# The API's shapes, as the OpenAPI schema at /openapi.json documents them. parse_search, not
+# pydantic, reads a request (its refusals name the field and the limit in one line), and answers
+# are written as they are (FastAPI's encoder would walk every result in Python first); the
+# tests check that the schema's examples are served and that answers fit these models.
+Unit = Literal[UNITS]
+EXAMPLE_RESULT = {"answer": "Romulus", "score": 21.4, "start_char": 0, "end_char": 7,
+                  "passage_id": "1832", "passage_row": 1831, "title": "Rome",
+                  "passage": "Romulus founded the city in 753 BC."}
+
+
+class SearchRequest(BaseModel):
+  """POST /search: one question or a list of them (give exactly one), k and the unit."""
+  model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+      {"question": "who founded the city?", "k": 3, "unit": "passage"},
+      {"questions": ["who founded the city?", "when was it built?"], "k": 5}]})
+  question: str | None = Field(None, description="a question; the answer has `question` and "
+                               "`results`, one list")
+  questions: list[str] | None = Field(None, description="questions (1 to serve.max_questions); "
+                                      "the answer has `questions` and one list of results each")
+  k: int = Field(10, ge=1, description="results per question (1 to serve.max_k)")
+  unit: Unit = Field("phrase", description="what a result is: the answer phrase, or its "
+                     "sentence, passage or document (the best phrase of each)")
+
+
+class Result(BaseModel):
+  """A retrieved unit, as `DensePhrases.search` returns it."""
+  model_config = ConfigDict(json_schema_extra={"examples": [EXAMPLE_RESULT]})
+  answer: str = Field(description="the answer phrase")
+  score: float
+  start_char: int = Field(description="the answer's span in `passage`, in code points")
+  end_char: int
+  passage_id: str
+  passage_row: int = Field(description="the passage's row in the dump")
+  title: str
+  passage: str
+  sentence: str | None = Field(None, description="the answer's sentence (unit sentence only)")
+
+
+class OneAnswer(BaseModel):
+  """The answer to one question (`question` in the request, or one `q`)."""
+  question: str
+  results: list[Result]
+  k: int
+  unit: Unit
+  seconds: float = Field(description="time from the request's queueing to its answer")
+
+
+class ManyAnswers(BaseModel):
+  """The answers to a list of questions, one list of results each, in their order."""
+  questions: list[str]
+  results: list[list[Result]]
+  k: int
+  unit: Unit
+  seconds: float
+
+
+class ErrorAnswer(BaseModel):
+  """A refused request or a failed search: one line saying why."""
+  model_config = ConfigDict(json_schema_extra={"examples": [{"error": "k = 0: must be between "
+                                                                      "1 and 100"}]})
+  error: str
+
+
+class Health(BaseModel):
+  """GET /health (open to all, also with an API key)."""
+  status: Literal["ok"]
+  index: str
+  vectors: int
+  passages: int
+  model_step: int | None = Field(description="the checkpoint step (null: untrained weights)")
+  auth: bool = Field(description="whether the data routes need `Authorization: Bearer <key>`")
+
+
+class ServiceInfo(BaseModel):
+  """GET /info: what is served and the limits a client must respect."""
+  model: str = Field(description="the encoder (the config's model.name)")
+  model_step: int | None = Field(description="the checkpoint step (null: untrained weights)")
+  index: str = Field(description="the index folder under <dump>/indexes")
+  dump: str
+  workdir: str
+  vectors: int
+  passages: int
+  units: list[Unit]
+  max_k: int
+  max_questions: int = Field(description="questions per request")
+  max_question_chars: int
+  max_body_bytes: int = Field(description="the largest POST body")
+  max_batch: int = Field(description="questions per micro-batch")
+  version: str = Field(description="dpjax's version")
+
+
+class Stats(BaseModel):
+  """GET /stats: a JSON view of /metrics' counters; `refused_<status>` for each status other
+  than 200 answered; latency quantiles estimated from the latency histogram's buckets."""
+  model_config = ConfigDict(extra="allow")
+  uptime_s: float
+  requests: int = Field(description="requests searched (answered or failed)")
+  questions: int
+  batches: int
+  largest_batch: int
+  client_disconnects: int
+  waiting: int = Field(description="requests in the queue")
+  mean_batch_questions: float
+  questions_per_s: float
+  latency_p50_ms: float | None
+  latency_p99_ms: float | None
+
+
+_ERRORS = {status: {"model": ErrorAnswer, "description": text} for status, text in (
+    (400, "a malformed request: the error names the field"),
+    (413, "too many questions, a question or a body too long"),
+    (415, "a body that is not application/json"), (500, "the search failed"),
+    (503, "the queue is full: try again"))}
+_SEARCH_EXAMPLES = {"one": {"summary": "one question", "value": {
+                        "question": "who founded the city?", "k": 3, "unit": "passage"}},
+                    "many": {"summary": "several questions", "value": {
+                        "questions": ["who founded the city?", "when was it built?"], "k": 5}}}
+_POST_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": SearchRequest.model_json_schema(), "examples": _SEARCH_EXAMPLES}}}}
+_GET_QUERY = {"parameters": [
+    {"name": "q", "in": "query", "required": True, "style": "form", "explode": True,
+     "description": "a question; repeat q for several (the answer then has `questions`)",
+     "schema": {"type": "array", "items": {"type": "string"}},
+     "example": ["who founded the city?"]},
+    {"name": "k", "in": "query", "description": "results per question (1 to serve.max_k)",
+     "schema": {"type": "integer", "minimum": 1, "default": 10}},
+    {"name": "unit", "in": "query", "schema": {"type": "string", "enum": list(UNITS),
+                                               "default": "phrase"}}]}
+
+
+# Latency buckets from a millisecond up, each bound sqrt(2) times the last: /stats' p50 and p99,
+# estimated from these buckets, are within a factor of sqrt(2) of the true values.
+LATENCY_BUCKETS = tuple(0.001 * 2 ** (i / 2) for i in range(30))
+
+
+class ServiceMetrics:
+  """The service's counters, kept once: requests and questions by status, micro-batch sizes,
+  queue depth, latencies, index size. /metrics exposes them in Prometheus' text format, /stats is
+  a JSON view of the same values. prometheus_client writes the format as Prometheus' own parser
+  reads it (escaping, histogram buckets), in a registry of each service's own, so several
+  services in one process (the tests) count apart."""
+
+  content_type = CONTENT_TYPE_LATEST
+
+  def __init__(self, max_batch: int = 64):
+    self.registry = registry = CollectorRegistry()
+    self.started = time.time()
+    self.requests = Counter("dpjax_requests", "HTTP requests by status: every /search request "
+                            "and every refused request on any route", ["status"],
+                            registry=registry)
+    self.questions = Counter("dpjax_questions", "Questions of /search requests by the request's "
+                             "status (one refused before its questions were read counts none)",
+                             ["status"], registry=registry)
+    self.searched = Counter("dpjax_searched_requests", "Requests the search thread searched "
+                            "(answered or failed)", registry=registry)
+    self.disconnects = Counter("dpjax_client_disconnects", "Clients that hung up while sending "
+                               "their request", registry=registry)
+    sizes = sorted({2 ** i for i in range(max(max_batch, 1).bit_length())} | {max_batch})
+    self.batch_questions = Histogram("dpjax_batch_questions", "Questions per micro-batch",
+                                     buckets=sizes, registry=registry)
+    self.largest_batch = Gauge("dpjax_largest_batch_questions", "Questions of the largest "
+                               "micro-batch so far", registry=registry)
+    self._largest = 0
+    self.latency = Histogram("dpjax_request_latency_seconds", "A searched request's time from "
+                             "its queueing to its answer", buckets=LATENCY_BUCKETS,
+                             registry=registry)
+    self.batch_seconds = Histogram("dpjax_batch_search_seconds", "Time to encode and search one "
+                                   "micro-batch", buckets=LATENCY_BUCKETS, registry=registry)
+    self.queue_depth = Gauge("dpjax_queue_depth", "Requests waiting for the search thread",
+                             registry=registry)
+    self.index_vectors = Gauge("dpjax_index_vectors", "Token vectors in the served index",
+                               registry=registry)
+    self.index_passages = Gauge("dpjax_index_passages", "Passages of the served index",
+                                registry=registry)
+    self.service = Info("dpjax_service", "The served model, index and dpjax version",
+                        registry=registry)
+    Gauge("dpjax_start_time_seconds", "When the service started (Unix time)",
+          registry=registry).set(self.started)
+
+  def watch_queue(self, depth: Callable[[], int]) -> None:
+    """The queue depth, read at each scrape."""
+    self.queue_depth.set_function(depth)
+
+  def describe(self, info: dict) -> None:
+    """The index size and the service's description from `/info`'s fields."""
+    self.index_vectors.set(info["vectors"])
+    self.index_passages.set(info["passages"])
+    self.service.info({name: str(info[name]) for name in
+                       ("version", "model", "model_step", "index")})
+
+  def request(self, status: int, questions: int = 0) -> None:
+    """A request answered or refused with `status`, of `questions` questions (0: unread)."""
+    self.requests.labels(str(status)).inc()
+    if questions:
+      self.questions.labels(str(status)).inc(questions)
+
+  def client_disconnect(self) -> None:
+    self.disconnects.inc()
+
+  def searched_batch(self, questions: int, latencies: Sequence[float], seconds: float) -> None:
+    """A micro-batch searched: its questions, each request's latency, the search's time. Only
+    the search thread calls it, so the largest batch is read and set without a race."""
+    self.searched.inc(len(latencies))
+    self.batch_questions.observe(questions)
+    self._largest = max(self._largest, questions)
+    self.largest_batch.set(self._largest)
+    for latency in latencies:
+      self.latency.observe(latency)
+    self.batch_seconds.observe(seconds)
+
+  def exposition(self) -> bytes:
+    """Every metric in Prometheus' text format."""
+    return generate_latest(self.registry)
+
+  def value(self, name: str, **labels) -> float:
+    return self.registry.get_sample_value(name, labels) or 0.0
+
+  def stats(self) -> dict:
+    """`/stats`: a JSON view of the metrics (refused_<status>: requests answered other than 200)."""
+    uptime = time.time() - self.started
+    batches = self.value("dpjax_batch_questions_count")
+    questions = self.value("dpjax_batch_questions_sum")
+    refused = {f"refused_{sample.labels['status']}": int(sample.value)
+               for sample in self.requests.collect()[0].samples
+               if sample.name == "dpjax_requests_total" and sample.labels["status"] != "200"}
+    p50, p99 = (quantile(self.latency, q) for q in (0.5, 0.99))
+    return {"uptime_s": uptime, "requests": int(self.value("dpjax_searched_requests_total")),
+            "questions": int(questions), "batches": int(batches),
+            "largest_batch": int(self.value("dpjax_largest_batch_questions")), **refused,
+            "client_disconnects": int(self.value("dpjax_client_disconnects_total")),
+            "waiting": int(self.value("dpjax_queue_depth")),
+            "mean_batch_questions": questions / batches if batches else 0.0,
+            "questions_per_s": questions / uptime if uptime else 0.0,
+            "latency_p50_ms": None if p50 is None else p50 * 1e3,
+            "latency_p99_ms": None if p99 is None else p99 * 1e3}
+
+
+def quantile(histogram: Histogram, q: float) -> float | None:
+  """The q-quantile of a histogram's observations, interpolated linearly within the bucket that
+  holds it (as Prometheus' histogram_quantile); None before any observation."""
+  buckets = [(float(s.labels["le"]), s.value) for s in histogram.collect()[0].samples
+             if s.name.endswith("_bucket")]
+  total = buckets[-1][1]
+  if not total:
+    return None
+  rank, lower, below = q * total, 0.0, 0.0
+  for bound, count in buckets:
+    if count >= rank and count > below:
+      if math.isinf(bound):  # past the last finite bound: that bound is all one can say
+        return lower
+      return lower + (bound - lower) * (rank - below) / (count - below)
+    lower, below = bound, count
+  return lower
+
+
 @dataclasses.dataclass
 class _Job:
   questions: list[str]
@@ -128,20 +400,22 @@ class Batcher:
     self.max_wait, self.max_answer_length = max_wait_ms / 1000, max_answer_length
     self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
     self._carry: _Job | None = None  # taken from the queue but over the last batch's cap
-    self._lock = threading.Lock()
-    self.counts = collections.Counter()
-    self.latencies: collections.deque = collections.deque(maxlen=10_000)
-    self.started = time.time()
+    self.metrics = ServiceMetrics(max_batch)
+    self.metrics.watch_queue(self._queue.qsize)
     self._thread = threading.Thread(target=self._loop, name="dpjax-search", daemon=True)
 
   def start(self) -> "Batcher":
     self._thread.start()
     return self
 
-  def stop(self) -> None:
+  def stop(self, timeout: float | None = None) -> None:
+    """Ends the search thread once it has answered every request queued before this call (a
+    search still running after `timeout` seconds is left to end with the process)."""
     if self._thread.is_alive():
       self._queue.put(_STOP)
-      self._thread.join()
+      self._thread.join(timeout)
+      if self._thread.is_alive():
+        log.warning("the search thread did not end within %.0f s", timeout)
 
   def submit(self, questions: list[str], k: int, unit: str) -> concurrent.futures.Future:
     """A future of the top-k units of each question (lists of result dicts)."""
@@ -175,13 +449,16 @@ class Batcher:
 
   def _loop(self) -> None:
     while (batch := self._next_batch()) is not None:
+      start = time.perf_counter()
       try:
         results = self.search(batch)
       except Exception:  # one request may have broken the batch: the others still get answers
         log.exception("search failed for a batch of %d requests; retrying them one by one",
                       len(batch))
         results = [self._alone(job) for job in batch]
-      self._record(batch)
+      now = time.perf_counter()
+      self.metrics.searched_batch(sum(len(job.questions) for job in batch),
+                                  [now - job.received for job in batch], now - start)
       for job, result in zip(batch, results):
         if not job.future.set_running_or_notify_cancel():  # its request went away meanwhile
           continue
@@ -219,32 +496,9 @@ class Batcher:
         at += n
     return results
 
-  def _record(self, batch: list[_Job]) -> None:
-    now = time.perf_counter()
-    with self._lock:
-      self.counts.update(requests=len(batch), batches=1,
-                         questions=sum(len(job.questions) for job in batch))
-      self.counts["largest_batch"] = max(self.counts["largest_batch"],
-                                         sum(len(job.questions) for job in batch))
-      self.latencies.extend(now - job.received for job in batch)
-
-  def refused(self, status: int) -> None:
-    self.count(f"refused_{status}")
-
-  def count(self, what: str) -> None:
-    with self._lock:
-      self.counts[what] += 1
-
   def stats(self) -> dict:
-    with self._lock:
-      counts, latencies = dict(self.counts), np.array(self.latencies)
-    uptime = time.time() - self.started
-    batches = counts.get("batches", 0)
-    return {"uptime_s": uptime, **counts, "waiting": self._queue.qsize(),
-            "mean_batch_questions": counts.get("questions", 0) / batches if batches else 0.0,
-            "questions_per_s": counts.get("questions", 0) / uptime if uptime else 0.0,
-            "latency_p50_ms": float(np.percentile(latencies, 50) * 1e3) if len(latencies) else None,
-            "latency_p99_ms": float(np.percentile(latencies, 99) * 1e3) if len(latencies) else None}
+    """`/stats`: the metrics' counts, micro-batches and latencies as one JSON object."""
+    return self.metrics.stats()
 
 
 def _error(status: int, reason: str) -> JSONResponse:
@@ -286,12 +540,145 @@ async def _payload(request: Request) -> dict:
   return payload
 
 
-def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
-  """The service's routes over a started Batcher (`info`: what /health reports)."""
-  app = FastAPI(title="dpjax", docs_url=None, redoc_url=None, openapi_url=None)
+# Served to anyone, also with an API key: the health check, and the pages a browser opens
+# without a way to attach a header (the search page and the docs, which ask for the key and send
+# it with each request they make).
+OPEN_PATHS = frozenset({"/health", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 
-  @app.api_route("/search", methods=["GET", "POST"])
-  async def search(request: Request):
+
+class BearerAuth:
+  """ASGI middleware: a request to a path outside OPEN_PATHS needs `Authorization: Bearer <key>`,
+  or gets a 401 with one line (counted in the metrics). The keys' SHA-256 digests are compared
+  by hmac.compare_digest, in a time that tells nothing of the key."""
+
+  def __init__(self, app, *, key: str, metrics: ServiceMetrics):
+    self.app, self.metrics = app, metrics
+    self.digest = hashlib.sha256(key.encode()).digest()
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+      reason = self.refusal(dict(scope["headers"]).get(b"authorization"))
+      if reason:
+        self.metrics.request(401)
+        response = JSONResponse({"error": reason}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return await response(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+  def refusal(self, header: bytes | None) -> str | None:
+    """Why a request with this Authorization header is refused; None: it is not."""
+    if header is None:
+      return "this service needs its API key: send Authorization: Bearer <key>"
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer":
+      return "send the API key as Authorization: Bearer <key>"
+    if not hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest):
+      return "wrong API key"
+    return None
+
+
+def api_key(serve) -> str:
+  """The key the service requires ('' for none): `serve.api_key`, or the value of the environment
+  variable `serve.api_key_env` names, which keeps the key out of command lines and config files.
+  A ConfigError if both are set and differ, or if the key cannot be sent in a header."""
+  env = serve.api_key_env
+  from_env = os.environ.get(env, "") if env else ""
+  if serve.api_key and from_env and serve.api_key != from_env:
+    raise ConfigError(f"serve.api_key and ${env} are both set and differ: give the key once")
+  key = serve.api_key or from_env
+  if key and not re.fullmatch(r"[!-~]+", key):
+    raise ConfigError(f"the API key ({'serve.api_key' if serve.api_key else '$' + env}) must be "
+                      "printable ASCII without spaces")
+  return key
+
+
+def check_exposure(host: str, key: str, allow_open: bool) -> None:
+  """Refuses (a ConfigError) to listen where other machines reach the service without a key:
+  a host that is not this machine's loopback (0.0.0.0, a LAN address) needs an API key, or
+  `serve.allow_open` set on purpose."""
+  if key or allow_open or _loopback(host):
+    return
+  raise ConfigError(f"serve.host {host!r} is reachable from other machines and no API key is "
+                    "set: put one in the environment variable serve.api_key_env names "
+                    "(DPJAX_API_KEY by default) or in serve.api_key, or --set "
+                    "serve.allow_open=True to serve anyone on purpose")
+
+
+def _loopback(host: str) -> bool:
+  """Whether every address `host` names is a loopback address (localhost, 127.0.0.1, ::1)."""
+  try:
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+  except (OSError, ValueError):  # not a name or an address of any machine
+    return False
+
+
+def create_app(batcher: Batcher, limits: Limits, info: dict, key: str = "") -> FastAPI:
+  """The service's routes over a started Batcher (`info`: what /info reports, ServiceInfo's
+  fields); with an API key (`key`), every route outside OPEN_PATHS needs it (BearerAuth)."""
+  metrics = batcher.metrics
+  metrics.describe(info)
+  app = FastAPI(title="dpjax", version=__version__, redoc_url=None,
+                description="Dense phrase retrieval: the top-k phrases, sentences, passages or "
+                            "documents of questions over an indexed corpus.")
+  health = {"status": "ok", "auth": bool(key),
+            **{name: info[name] for name in ("index", "vectors", "passages", "model_step")}}
+  search = _search_route(batcher, limits)
+  described = {"response_model": OneAnswer | ManyAnswers, "responses": _ERRORS,
+               "summary": "The top-k units of one or more questions"}
+  app.get("/search", openapi_extra=_GET_QUERY, operation_id="search_get", **described)(search)
+  app.post("/search", openapi_extra=_POST_BODY, operation_id="search_post", **described)(search)
+
+  @app.get("/health", response_model=Health)
+  async def health_check():
+    """Whether the service is up, what it serves; open to all, also with an API key."""
+    return health
+
+  @app.get("/info", response_model=ServiceInfo)
+  async def service_info():
+    """The model, index, units and limits a client must respect, and dpjax's version."""
+    return info
+
+  @app.get("/stats", response_model=Stats)
+  async def stats():
+    """A JSON view of /metrics' counters."""
+    return JSONResponse(batcher.stats())
+
+  @app.get("/metrics", response_class=Response, responses={200: {
+      "description": "Prometheus' text format", "content": {"text/plain": {}}}})
+  async def prometheus_metrics():
+    """Requests and questions by status, micro-batch sizes, queue depth, latency histograms,
+    index size, in Prometheus' text format."""
+    return Response(metrics.exposition(), media_type=metrics.content_type)
+
+  @app.get("/", response_class=HTMLResponse)
+  async def page():
+    """The search page."""
+    return PAGE
+
+  @app.exception_handler(HTTPException)
+  async def http_error(request, e):  # 404, 405: the same one-line shape
+    metrics.request(e.status_code)
+    return _error(e.status_code, str(e.detail))
+
+  @app.exception_handler(RequestValidationError)
+  async def invalid(request, e):
+    metrics.request(422)
+    return _error(422, "; ".join(str(err.get("msg")) for err in e.errors()))
+
+  if key:
+    app.add_middleware(BearerAuth, key=key, metrics=metrics)
+    _document_auth(app)
+  return app
+
+
+def _search_route(batcher: Batcher, limits: Limits):
+  """GET and POST /search: a request's questions searched in the next micro-batch, or refused
+  with its status and one line; each counted by status in the metrics."""
+  metrics = batcher.metrics
+
+  async def search(request: Request) -> Response:
+    questions: list[str] = []
     try:
       questions, single, k, unit = parse_search(await _payload(request), limits)
       empty = batcher.searcher.empty_questions(questions)
@@ -301,43 +688,45 @@ def create_app(batcher: Batcher, limits: Limits, info: dict) -> FastAPI:
       start = time.perf_counter()
       results = await asyncio.wrap_future(batcher.submit(questions, k, unit))
     except ClientDisconnect:  # the client left while sending its request: no one to answer
-      batcher.count("client_disconnects")
+      metrics.client_disconnect()
       return Response(status_code=400)
     except RequestError as e:
-      batcher.refused(e.status)
+      metrics.request(e.status, len(questions))
       return _error(e.status, str(e))
     except Exception as e:  # the search failed (logged by the search thread)
-      batcher.refused(500)
+      metrics.request(500, len(questions))
       return _error(500, f"search failed: {type(e).__name__}: {e}")
+    metrics.request(200, len(questions))
     answer = {"k": k, "unit": unit, "seconds": time.perf_counter() - start}
     # A JSONResponse as is: FastAPI's encoder would walk every result in Python first.
     if single:
       return JSONResponse({"question": questions[0], "results": results[0], **answer})
     return JSONResponse({"questions": questions, "results": results, **answer})
 
-  @app.get("/health")
-  async def health():
-    return {"status": "ok", **info}
+  return search
 
-  @app.get("/stats")
-  async def stats():
-    return batcher.stats()
 
-  @app.get("/", response_class=HTMLResponse)
-  async def page():
-    return PAGE
+def _document_auth(app: FastAPI) -> None:
+  """The schema declares the bearer key and the 401 on every route outside OPEN_PATHS (the
+  docs' Authorize button then sends it)."""
+  generate = app.openapi
 
-  @app.exception_handler(HTTPException)
-  async def http_error(request, e):  # 404, 405: the same one-line shape
-    batcher.refused(e.status_code)
-    return _error(e.status_code, str(e.detail))
+  def openapi() -> dict:
+    if app.openapi_schema is None:
+      schema = generate()
+      schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+      for path, operations in schema["paths"].items():
+        if path in OPEN_PATHS:
+          continue
+        for operation in operations.values():
+          operation["security"] = [{"bearer": []}]
+          operation["responses"]["401"] = {
+              "description": "no or a wrong API key",
+              "content": {"application/json": {"schema": {
+                  "$ref": "#/components/schemas/ErrorAnswer"}}}}
+    return app.openapi_schema
 
-  @app.exception_handler(RequestValidationError)
-  async def invalid(request, e):
-    batcher.refused(422)
-    return _error(422, "; ".join(str(err.get("msg")) for err in e.errors()))
-
-  return app
+  app.openapi = openapi
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -373,8 +762,10 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
 
 def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
-  the question encoder compiled ahead for every call shape a micro-batch may take."""
+  the question encoder compiled ahead for every call shape a micro-batch may take; with an API
+  key (`api_key`) its data routes need it."""
   sc = config.serve
+  key = api_key(sc)
   searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None,
                                  verify=config.index.get("verify", True))
   start = time.perf_counter()  # every shape of its calls: no compile while serving
@@ -389,30 +780,51 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   batcher = Batcher(searcher, max_batch=sc.max_batch, max_wait_ms=sc.max_wait_ms,
                     max_queue=sc.max_queue, max_answer_length=config.eval.max_answer_length)
   index = searcher.index
-  info = {"workdir": str(workdir), "index": sc.index or config.index.search_index,
-          "dump": str(index.dump.directory), "vectors": int(index.num_vectors),
-          "passages": int(index.dump.manifest["num_passages"]), "model_step": step,
-          "max_k": sc.max_k, "max_questions": sc.max_questions, "units": list(UNITS)}
-  return create_app(batcher.start(), Limits.from_config(sc), info), batcher
+  info = {"model": config.model.name, "model_step": step,
+          "index": sc.index or config.index.search_index, "dump": str(index.dump.directory),
+          "workdir": str(workdir), "vectors": int(index.num_vectors),
+          "passages": int(index.dump.manifest["num_passages"]), "units": list(UNITS),
+          "max_k": sc.max_k, "max_questions": sc.max_questions,
+          "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
+          "max_batch": sc.max_batch, "version": __version__}
+  return create_app(batcher.start(), Limits.from_config(sc), info, key), batcher
 
 
 def run_serve(config, workdir: str) -> None:
-  """`run.py serve`: serves the workdir's index until interrupted (the port is taken before the
-  index loads, so a port in use fails at once; `serve.port=0`: a free one, logged)."""
-  host = config.serve.host
-  with bind(host, config.serve.port) as sock:
+  """`run.py serve`: serves the workdir's index until SIGINT or SIGTERM (the port is taken before
+  the index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host
+  other machines reach needs an API key or `serve.allow_open` (check_exposure). On a signal it
+  stops accepting, answers the requests it holds (for at most `serve.shutdown_timeout_s`) and
+  returns."""
+  sc = config.serve
+  key = api_key(sc)
+  check_exposure(sc.host, key, sc.allow_open)
+  with bind(sc.host, sc.port) as sock:
     app, batcher = make_service(config, workdir)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/"
-    log.info("serving %s on %s (Ctrl-C stops)", workdir, url)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    host = f"[{sc.host}]" if ":" in sc.host else sc.host
+    url = f"http://{host}:{sock.getsockname()[1]}/"
+    log.info("serving %s on %s (%s; Ctrl-C or SIGTERM stops)", workdir, url,
+             "API key required" if key else "no API key")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=sc.shutdown_timeout_s))
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the
+    # handler it found: SIGTERM's default would then kill the process (status -15), so SIGTERM
+    # ends it as Ctrl-C does instead.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
       server.run(sockets=[sock])
-    except KeyboardInterrupt:  # the SIGINT (SIGTERM) uvicorn raises again once it has stopped
+    except KeyboardInterrupt:
       pass
     finally:
-      batcher.stop()
+      signal.signal(signal.SIGTERM, previous)
+      batcher.stop(timeout=sc.shutdown_timeout_s)
   if not server.started:  # uvicorn logged why
     raise OSError(f"the server on {url} did not start")
+  log.info("stopped")
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 PAGE = """<!doctype html>
@@ -437,6 +849,7 @@ PAGE = """<!doctype html>
  <select id="unit"><option>phrase</option><option>sentence</option><option>passage</option>
  <option>document</option></select>
  <select id="k"><option>1</option><option>5</option><option selected>10</option></select>
+ <input id="key" type="password" placeholder="API key" autocomplete="off" hidden>
  <button type="submit" id="go">Search</button>
 </form>
 <div id="status"></div><div id="results"></div>
@@ -461,15 +874,25 @@ function show(r, rank) {
   div.appendChild(p);
   return div;
 }
+// With an API key (/health says so, or a search is refused with 401) the page asks for it and
+// sends it with each search; the tab keeps it (sessionStorage) across reloads.
+function askForKey() { $("key").hidden = false; }
+$("key").value = sessionStorage.getItem("dpjax-key") || "";
+fetch("health").then((r) => r.json()).then((h) => { if (h.auth) askForKey(); }, () => {});
 $("form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const body = {question: $("question").value, k: Number($("k").value), unit: $("unit").value};
+  const headers = {"Content-Type": "application/json"};
+  if ($("key").value) {
+    headers["Authorization"] = "Bearer " + $("key").value;
+    sessionStorage.setItem("dpjax-key", $("key").value);
+  }
   $("status").textContent = "searching\\u2026"; $("status").className = "";
   $("results").replaceChildren();
   try {
-    const response = await fetch("search", {method: "POST", body: JSON.stringify(body),
-                                            headers: {"Content-Type": "application/json"}});
+    const response = await fetch("search", {method: "POST", body: JSON.stringify(body), headers});
     const data = await response.json();
+    if (response.status === 401) askForKey();
     if (!response.ok) throw new Error(data.error || response.statusText);
     $("status").textContent = data.results.length + " results in " +
         (1000 * data.seconds).toFixed(0) + " ms";

@@ -535,7 +535,7 @@ def resumed_dump_case(s: Sweep, other: pathlib.Path) -> None:
 
 def damaged_dump_cases(s: Sweep) -> None:
   """A dump damaged on disk (a copy cut short, a disk fault, a hand edit): eval names the file,
-  by the sizes and CRC-32s recorded when it was written, and says to dump again."""
+  by the sizes and checksums recorded when it was written, and says to dump again."""
   damaged = r"/dump/shard_00000/{}: {}: the dump is damaged; delete .*/dump/shard_00000"
   size = r"\d+ bytes, \d+ when it was written"
 

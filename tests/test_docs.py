@@ -96,6 +96,8 @@ def _check_run(args: list[str]) -> None:
       parsed = cli.parse(args)
     except SystemExit:
       raise AssertionError(f"run.py {' '.join(args)}: {err.getvalue().strip()}") from None
+  if parsed.config is None:  # the workdir's saved config: the docs' workdirs are the demo's
+    parsed.config = "experiments/demo.py"
   config = pathlib.Path(parsed.config.partition(":")[0])
   spec = str(ROOT / config) + parsed.config[len(str(config)):]
   load_config(spec, parsed.set)  # unknown file, arg or --set key: ConfigError

@@ -86,6 +86,8 @@ def _graph():
   graph, lazy = {m: set() for m in modules}, set()
   for module, path in modules.items():
     for name, at_top in _imports(path):
+      if name == "dpjax.__version__":  # a constant of the package, loaded before any submodule
+        continue
       if not at_top and name.partition(".")[0] != "dpjax" or name == "__future__":
         lazy.add((module, name))
       # `from dpjax.data import squad` names a module; `from dpjax.data import Tokenizer` a symbol.

@@ -28,9 +28,10 @@ def test_data_mode_and_bad_file(tmp_path, capsys):
   (bad / "train-v1.1.json").write_text("{\"data\": [")
   (bad / "dev-v1.1.json").write_text("{}")
   # A malformed file ends the run with a one-line error, not a traceback.
-  result = subprocess.run(
+  result = subprocess.run(  # a workdir of its own: tmp_path was made with demo.py's config
       [sys.executable, "run.py", "data", "--config", "experiments/squad.py:tiny", "--workdir",
-       str(tmp_path), "--set", f"data.dir={bad}"], cwd=REPO, capture_output=True, text=True)
+       str(tmp_path / "squad"), "--set", f"data.dir={bad}"], cwd=REPO, capture_output=True,
+      text=True)
   assert result.returncode == 2
   assert "train-v1.1.json: invalid JSON at line 1" in result.stderr
   assert "Traceback" not in result.stderr
@@ -247,3 +248,36 @@ def test_compilation_cache_serves_the_next_process(tmp_path):
   env["DPJAX_COMPILATION_CACHE"] = "off"
   folder, _, hits = run_once()
   assert (folder, hits) == ("None", 0)
+
+
+def test_the_workdir_remembers_its_config_and_refuses_another(tmp_path, caplog):
+  """The run that makes a workdir saves its resolved config there (without the API key); later
+  runs take it when --config is left out, and a --config of another experiment (other model or
+  data fields, with the overrides the workdir was made with) is refused in one line."""
+  from dpjax.config import SAVED_CONFIG, load_config
+  workdir, tiny = str(tmp_path / "w"), "experiments/demo.py:tiny"
+  saved_file = tmp_path / "w" / SAVED_CONFIG
+  assert run.main(["data", "--workdir", workdir]) == 2
+  assert f"give --config experiments/<name>.py: {workdir} has no saved config" in caplog.text
+  assert not (tmp_path / "w").exists()
+  empty = tmp_path / "empty"
+  empty.mkdir()  # a run refused before it makes anything saves nothing
+  assert run.main(["index", "--config", tiny, "--workdir", str(empty)]) == 2  # no dump
+  assert not any(empty.iterdir())
+  assert run.main(["data", "--config", tiny, "--workdir", workdir, "--set", "data.seed=3",
+                   "--set", "serve.api_key=s3cret-key"]) == 0
+  saved = json.loads(saved_file.read_text())
+  assert saved == {"config": tiny, "set": ["data.seed=3"],
+                   "resolved": load_config(tiny, ["data.seed=3"]).to_dict()}
+  assert "s3cret-key" not in saved_file.read_text()
+  assert run.main(["data", "--workdir", workdir, "--set", "eval.batch_size=3"]) == 0
+  assert run.main(["data", "--config", tiny, "--workdir", workdir, "--set", "data.seed=3"]) == 0
+  for spec, message in (
+      ("experiments/demo.py", "model.init 'random' (--config experiments/demo.py: 'pretrained')"),
+      ("experiments/squad.py:tiny", "data.dev_entities 4 (--config experiments/squad.py:tiny: "
+                                    "None)")):
+    caplog.clear()
+    assert run.main(["data", "--config", spec, "--workdir", workdir]) == 2, spec
+    assert (f"{workdir} was made with another config ({tiny}, {saved_file}): " in caplog.text
+            and message in caplog.text and "leave --config out" in caplog.text), caplog.text
+  assert json.loads(saved_file.read_text()) == saved  # written once, by the run that made it

@@ -2,6 +2,7 @@
 import http.client
 import io
 import json
+import re
 import shutil
 import signal
 import socket
@@ -23,8 +24,8 @@ import run
 CONFIG = "experiments/demo.py:tiny"
 # The untrained tiny encoder (the service, not the model, is under test); micro-batches of up to
 # 8 questions, so the warm-up compiles the packed question encoder (a CPU's) for calls of 8 rows
-# (one a device) x 8 widths (8 to 64 tokens).
-SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8"]
+# (one a device) x 8 widths (8 to 64 tokens). No API key, whatever $DPJAX_API_KEY says.
+SETTINGS = ["eval.allow_untrained=True", "serve.max_batch=8", "serve.api_key_env="]
 load_test = load_script("experiments/benchmarks/serve_load.py")
 
 
@@ -45,12 +46,18 @@ def service(tmp_path_factory):
   batcher.stop()
 
 
-def request(port, method, path, body=None, content_type="application/json"):
+def request(port, method, path, body=None, content_type="application/json", headers=()):
+  status, _, answer = raw_request(port, method, path, body, content_type, headers)
+  return status, json.loads(answer or b"null")
+
+
+def raw_request(port, method, path, body=None, content_type="application/json", headers=()):
+  """(status, headers, body bytes) of one request on a connection of its own."""
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-  headers = {"Content-Type": content_type} if body is not None else {}
-  connection.request(method, path, body, headers)
+  sent = {"Content-Type": content_type} if body is not None else {}
+  connection.request(method, path, body, {**sent, **dict(headers)})
   response = connection.getresponse()
-  return response.status, json.loads(response.read() or b"null")
+  return response.status, dict(response.getheaders()), response.read()
 
 
 def same(served, direct):
@@ -150,7 +157,8 @@ def test_serve_command_answers_and_stops_on_sigint(service):
   at once (exit 2, one line), before the index loads."""
   _, _, workdir, _, _ = service
   command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
-             "--set", "eval.allow_untrained=True", "--set", "serve.max_batch=2"]
+             "--set", "eval.allow_untrained=True", "--set", "serve.max_batch=2",
+             "--set", "serve.api_key_env="]
   server, port = load_test.start_serving(command + ["--set", "serve.port=0"], timeout=300)
   try:
     assert load_test.wait_healthy(port, server, timeout=300)["index"] == "Flat"
@@ -432,3 +440,318 @@ def test_a_client_that_hangs_up_mid_body_is_no_failed_search(service):
   assert after.get("client_disconnects", 0) == before.get("client_disconnects", 0) + 1
   assert after.get("refused_500", 0) == before.get("refused_500", 0)
   assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
+
+
+def test_library_loader_chatter_is_kept_out_unless_verbose(service):
+  """faiss's loader logged "Could not load library with AVX2 support ... ModuleNotFoundError" at
+  INFO on every run, which reads like a failure; `--verbose` brings it back. dpjax's lines stay."""
+  _, _, workdir, _, _ = service
+  command = [sys.executable, "run.py", "search", "--config", CONFIG, "--workdir", str(workdir),
+             "--query", "who?", *(f"--set={s}" for s in SETTINGS)]
+  quiet, verbose = (subprocess.run(command + flag, cwd=REPO, capture_output=True, text=True,
+                                   timeout=300) for flag in ([], ["--verbose"]))
+  assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-2000:]
+  assert "faiss.loader" not in quiet.stderr and "ModuleNotFoundError" not in quiet.stderr
+  assert "faiss.loader: Successfully loaded faiss" in verbose.stderr
+  assert "Q: who?" in quiet.stdout and "WARNING dpjax.workdir" in quiet.stderr
+
+
+# Every route the service has, with its methods (the docs' own, /openapi.json and /docs, aside).
+ROUTES = {"/search": {"get", "post"}, "/health": {"get"}, "/info": {"get"}, "/stats": {"get"},
+          "/metrics": {"get"}, "/": {"get"}}
+
+
+def _validator(schema, name):
+  """A JSON Schema validator of the OpenAPI schema's component `name` (refs resolved in it)."""
+  import jsonschema
+  return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                          "components": schema["components"]})
+
+
+def test_openapi_schema_validates_lists_every_route_and_its_examples_are_served(service):
+  """The schema and its docs page were switched off (`openapi_url=None`)."""
+  import jsonschema
+  from openapi_spec_validator import validate
+  from dpjax.serve import Limits, create_app
+  port, _, _, _, batcher = service
+  status, schema = request(port, "GET", "/openapi.json")
+  assert status == 200
+  validate(schema)
+  assert {path: set(operations) for path, operations in schema["paths"].items()} == ROUTES
+  app = create_app(batcher, Limits(), request(port, "GET", "/info")[1])
+  served = {(route.path, method.lower()) for route in app.routes
+            for method in getattr(route, "methods", ()) if method != "HEAD"}
+  served -= {("/openapi.json", "get"), ("/docs", "get"), ("/docs/oauth2-redirect", "get")}
+  assert served == {(path, method) for path, methods in ROUTES.items() for method in methods}
+  status, headers, page = raw_request(port, "GET", "/docs")
+  assert status == 200 and b"swagger-ui" in page
+  # The documented examples are served, and the answers are what the schema says.
+  post = schema["paths"]["/search"]["post"]
+  examples = post["requestBody"]["content"]["application/json"]["examples"]
+  assert set(examples) == {"one", "many"}
+  body_schema = jsonschema.Draft202012Validator(
+      post["requestBody"]["content"]["application/json"]["schema"])
+  for example in examples.values():
+    body_schema.validate(example["value"])
+    status, answer = request(port, "POST", "/search", json.dumps(example["value"]))
+    assert status == 200
+    _validator(schema, "OneAnswer" if "question" in example["value"] else "ManyAnswers"
+               ).validate(answer)
+  get = {p["name"]: p for p in schema["paths"]["/search"]["get"]["parameters"]}
+  assert set(get) == {"q", "k", "unit"} and get["unit"]["schema"]["enum"] == [
+      "phrase", "sentence", "passage", "document"]
+  status, answer = request(port, "GET", "/search?q=who+founded+the+city%3F&unit=sentence")
+  assert status == 200 and "sentence" in answer["results"][0]
+  _validator(schema, "OneAnswer").validate(answer)
+  for path, name in (("/health", "Health"), ("/info", "ServiceInfo"), ("/stats", "Stats")):
+    _validator(schema, name).validate(request(port, "GET", path)[1])
+  status, refused = request(port, "POST", "/search", '{"question": "who?", "k": 0}')
+  assert status == 400 and "400" in post["responses"]
+  _validator(schema, "ErrorAnswer").validate(refused)
+
+
+def test_info_names_the_model_index_limits_and_version(service):
+  import dpjax
+  port, config, workdir, _, _ = service
+  status, info = request(port, "GET", "/info")
+  assert status == 200
+  assert info == {**info, "model": config.model.name, "model_step": None, "index": "Flat",
+                  "workdir": str(workdir), "units": ["phrase", "sentence", "passage", "document"],
+                  "max_k": 100, "max_questions": 64, "max_question_chars": 1000,
+                  "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__}
+  assert info["vectors"] > 0 and info["passages"] > 0
+  status, health = request(port, "GET", "/health")
+  assert health == {"status": "ok", "auth": False, "index": "Flat", "vectors": info["vectors"],
+                    "passages": info["passages"], "model_step": None}
+
+
+def _metrics(port, headers=()):
+  from prometheus_client.parser import text_string_to_metric_families
+  status, sent, body = raw_request(port, "GET", "/metrics", headers=headers)
+  assert status == 200 and sent["content-type"].startswith("text/plain"), (status, body)
+  return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def _sample(families, family, sample=None, **labels):
+  return sum(s.value for s in families[family].samples
+             if s.name == (sample or family) and all(s.labels.get(n) == v
+                                                     for n, v in labels.items()))
+
+
+def test_metrics_are_prometheus_text_and_stats_a_view_of_them(service):
+  port, _, _, questions, _ = service
+  before = _metrics(port)
+  assert request(port, "POST", "/search", json.dumps({"questions": questions[:3]}))[0] == 200
+  assert request(port, "POST", "/search", '{"question": "who?", "k": 0}')[0] == 400
+  assert request(port, "POST", "/search", '{"questions": ["who?", "\\u200b"]}')[0] == 400
+  assert request(port, "GET", "/nowhere")[0] == 404
+  after = _metrics(port)
+  assert {family.type for family in after.values()} == {"counter", "histogram", "gauge"}
+  grew = {(family, sample, tuple(labels.items())): _sample(after, family, sample, **labels)
+          - _sample(before, family, sample, **labels) for family, sample, labels in (
+              ("dpjax_requests", "dpjax_requests_total", {"status": "200"}),
+              ("dpjax_requests", "dpjax_requests_total", {"status": "400"}),
+              ("dpjax_requests", "dpjax_requests_total", {"status": "404"}),
+              ("dpjax_questions", "dpjax_questions_total", {"status": "200"}),
+              ("dpjax_questions", "dpjax_questions_total", {"status": "400"}),
+              ("dpjax_searched_requests", "dpjax_searched_requests_total", {}),
+              ("dpjax_batch_questions", "dpjax_batch_questions_sum", {}),
+              ("dpjax_request_latency_seconds", "dpjax_request_latency_seconds_count", {}))}
+  # (a request refused before its questions were read counts none)
+  assert list(grew.values()) == [1, 2, 1, 3, 2, 1, 3, 1]
+  info = request(port, "GET", "/info")[1]
+  assert _sample(after, "dpjax_index_vectors") == info["vectors"]
+  assert _sample(after, "dpjax_index_passages") == info["passages"]
+  assert _sample(after, "dpjax_queue_depth") == 0
+  assert _sample(after, "dpjax_service_info", index="Flat",
+                 version=info["version"]) == 1
+  buckets = [s for s in after["dpjax_batch_questions"].samples if s.name.endswith("_bucket")]
+  assert [s.labels["le"] for s in buckets] == ["1.0", "2.0", "4.0", "8.0", "+Inf"]  # max_batch 8
+  # /stats: the same counters, read again (no request between the two reads)
+  stats = request(port, "GET", "/stats")[1]
+  again = _metrics(port)
+  assert stats["requests"] == _sample(again, "dpjax_searched_requests",
+                                      "dpjax_searched_requests_total")
+  assert stats["batches"] == _sample(again, "dpjax_batch_questions", "dpjax_batch_questions_count")
+  assert stats["questions"] == _sample(again, "dpjax_batch_questions", "dpjax_batch_questions_sum")
+  assert stats["refused_404"] == _sample(again, "dpjax_requests", "dpjax_requests_total",
+                                         status="404")
+
+
+def test_latency_quantiles_are_interpolated_within_their_bucket():
+  from prometheus_client import CollectorRegistry, Histogram
+  from dpjax.serve import quantile
+  histogram = Histogram("h", "h", buckets=(1, 2, 4), registry=CollectorRegistry())
+  assert quantile(histogram, 0.5) is None
+  for value in (0.5, 1.5, 1.5, 3):  # 1 in (0, 1], 2 in (1, 2], 1 in (2, 4]
+    histogram.observe(value)
+  assert quantile(histogram, 0.25) == 1.0 and quantile(histogram, 0.5) == 1.5
+  assert quantile(histogram, 1.0) == 4.0
+  histogram.observe(100)  # past the last bound: the last bound is the estimate
+  assert quantile(histogram, 1.0) == 4.0
+
+
+KEY = "s3cret-key_0123456789"
+
+
+def test_an_api_key_guards_every_route_but_health_and_the_pages(service, monkeypatch):
+  """401 without the key or with a wrong one (one line, counted in /metrics), 200 with it; the
+  keys are compared by hmac.compare_digest."""
+  import hmac
+
+  from dpjax import serve
+  port, _, _, questions, batcher = service
+  compared, compare = [], hmac.compare_digest
+  monkeypatch.setattr(serve.hmac, "compare_digest",
+                      lambda a, b: compared.append(1) or compare(a, b))
+  app = serve.create_app(batcher, serve.Limits(), request(port, "GET", "/info")[1], KEY)
+  server, thread, guarded = start_server(app)
+  good = {"Authorization": f"Bearer {KEY}"}
+  try:
+    before = _metrics(guarded, good)
+    refused = 0
+    for method, path, body, status in (("GET", "/search?q=who", None, 200),
+                                       ("POST", "/search", '{"question": "who?"}', 200),
+                                       ("GET", "/info", None, 200), ("GET", "/stats", None, 200),
+                                       ("GET", "/metrics", None, 200),
+                                       ("GET", "/nowhere", None, 404)):
+      for headers, reason in (({}, "needs its API key"),
+                              ({"Authorization": "Bearer wrong"}, "wrong API key"),
+                              ({"Authorization": f"Bearer {KEY}x"}, "wrong API key"),
+                              ({"Authorization": KEY}, "Authorization: Bearer <key>")):
+        got, sent, answer = raw_request(guarded, method, path, body, headers=headers)
+        assert got == 401 and sent["www-authenticate"] == "Bearer", (path, headers)
+        assert reason in json.loads(answer)["error"] and b"\n" not in answer
+        refused += 1
+      assert raw_request(guarded, method, path, body, headers=good)[0] == status, path
+    assert len(compared) == 2 * 6 + 6 + 1  # each wrong key and each good one, and the scrape
+    # the load benchmark's clients with the key (experiments/benchmarks/serve_load.py --auth)
+    assert load_test.measured(guarded, questions, 4, 20, key=KEY)["errors"] == 0
+    after = _metrics(guarded, good)
+    assert (_sample(after, "dpjax_requests", "dpjax_requests_total", status="401")
+            - _sample(before, "dpjax_requests", "dpjax_requests_total", status="401")) == refused
+    for path in ("/health", "/", "/docs", "/openapi.json"):  # open: no data, or a browser's page
+      assert raw_request(guarded, "GET", path)[0] == 200, path
+    assert request(guarded, "GET", "/health")[1]["auth"] is True
+    schema = request(guarded, "GET", "/openapi.json")[1]
+    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http",
+                                                                  "scheme": "bearer"}}
+    assert schema["paths"]["/info"]["get"]["security"] == [{"bearer": []}]
+    assert "401" in schema["paths"]["/search"]["post"]["responses"]
+    assert "security" not in schema["paths"]["/health"]["get"]
+  finally:
+    server.should_exit = True
+    thread.join()
+
+
+def test_the_api_key_comes_from_the_config_or_the_environment(monkeypatch):
+  from dpjax.errors import ConfigError
+  from dpjax.serve import api_key
+  serve = load_config(CONFIG).serve
+  monkeypatch.delenv("DPJAX_API_KEY", raising=False)
+  assert api_key(serve) == ""
+  monkeypatch.setenv("DPJAX_API_KEY", KEY)
+  assert api_key(serve) == KEY
+  serve.api_key = KEY
+  assert api_key(serve) == KEY  # the same key twice
+  for key, env, message in (("other", KEY, r"serve.api_key and \$DPJAX_API_KEY are both set and "
+                                           "differ"),
+                            ("two words", "", r"API key \(serve.api_key\) must be printable"),
+                            ("", "tab\tkey", r"API key \(\$DPJAX_API_KEY\) must be printable")):
+    serve.api_key = key
+    monkeypatch.setenv("DPJAX_API_KEY", env)
+    with pytest.raises(ConfigError, match=message):
+      api_key(serve)
+
+
+@pytest.mark.parametrize("host, key, allow_open, refused", [
+    ("0.0.0.0", "", False, True), ("::", "", False, True), ("192.0.2.1", "", False, True),
+    ("127.0.0.1", "", False, False), ("localhost", "", False, False), ("::1", "", False, False),
+    ("0.0.0.0", KEY, False, False), ("0.0.0.0", "", True, False)])
+def test_an_open_address_needs_a_key_or_allow_open(host, key, allow_open, refused):
+  from dpjax.errors import ConfigError
+  from dpjax.serve import check_exposure
+  if refused:
+    with pytest.raises(ConfigError, match=rf"serve.host '{re.escape(host)}' is reachable from "
+                                          "other machines and no API key is set"):
+      check_exposure(host, key, allow_open)
+  else:
+    check_exposure(host, key, allow_open)
+
+
+def test_serve_refuses_an_open_address_without_a_key_before_loading(monkeypatch, caplog,
+                                                                    tmp_path):
+  monkeypatch.delenv("DPJAX_API_KEY", raising=False)
+  code = run.main(["serve", "--config", CONFIG, "--workdir", str(tmp_path),
+                   "--set", "serve.host=0.0.0.0", "--set", "serve.port=0"])
+  assert code == 2
+  assert "serve.host '0.0.0.0' is reachable from other machines" in caplog.text
+  assert "allow_open=True" in caplog.text and "question encoder compiled" not in caplog.text
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(service):
+  """SIGTERM with requests queued (the search thread waits serve.max_wait_ms for a fuller
+  micro-batch): the server stops accepting at once, answers every one of them, and exits 0
+  (uvicorn re-raised the SIGTERM once stopped, which killed the process: status -15)."""
+  import concurrent.futures
+  import threading
+
+  _, _, workdir, questions, _ = service
+  command = [sys.executable, "run.py", "serve", "--config", CONFIG, "--workdir", str(workdir),
+             *(f"--set={s}" for s in SETTINGS), "--set", "serve.port=0",
+             "--set", "serve.max_wait_ms=4000", "--set", "serve.shutdown_timeout_s=60"]
+  server, port = load_test.start_serving(command, timeout=300)
+  try:
+    load_test.wait_healthy(port, server, timeout=300)
+    sent = threading.Barrier(7)
+
+    def ask(question):
+      connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+      connection.request("POST", "/search", json.dumps({"question": question, "k": 2}),
+                         {"Content-Type": "application/json"})
+      sent.wait(30)
+      response = connection.getresponse()
+      return response.status, json.loads(response.read())
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      answers = [pool.submit(ask, question) for question in questions[:6]]
+      sent.wait(30)
+      time.sleep(0.5)  # read by the server: queued behind the batch waiting for more
+      stopping = time.perf_counter()
+      server.send_signal(signal.SIGTERM)
+      time.sleep(1.0)
+      with pytest.raises(ConnectionRefusedError):  # no longer accepting
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+      results = [answer.result(timeout=120) for answer in answers]
+    stopped = server.wait(timeout=60)
+  finally:
+    if server.poll() is None:
+      server.kill()
+  assert stopped == 0
+  assert [status for status, _ in results] == [200] * 6
+  assert [len(answer["results"]) for _, answer in results] == [2] * 6
+  assert time.perf_counter() - stopping < 60
+
+
+def test_sigterm_waits_at_most_shutdown_timeout_s_for_requests(service):
+  """A request the server would hold for long (the search thread waits 60 s for a fuller batch)
+  is given serve.shutdown_timeout_s after SIGTERM, then the server exits 0 all the same. (No
+  --config: the workdir's own, saved by the dump that made it, with SETTINGS.)"""
+  _, _, workdir, _, _ = service
+  command = [sys.executable, "run.py", "serve", "--workdir", str(workdir), "--set", "serve.port=0",
+             "--set", "serve.max_wait_ms=60000", "--set", "serve.shutdown_timeout_s=2"]
+  server, port = load_test.start_serving(command, timeout=300)
+  try:
+    load_test.wait_healthy(port, server, timeout=300)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("POST", "/search", '{"question": "who?"}',
+                       {"Content-Type": "application/json"})
+    time.sleep(0.5)  # read by the server, held by the search thread
+    stopping = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    stopped = server.wait(timeout=60)
+    waited = time.perf_counter() - stopping
+  finally:
+    if server.poll() is None:
+      server.kill()
+  assert stopped == 0 and waited < 20

@@ -7,6 +7,8 @@ other, then `--requests` from `--clients` concurrent clients (each a keep-alive 
 Reports questions/s, client-side latency p50/p99 and errors of both, the concurrency gain (the
 micro-batching), the server's /stats, and with `--screenshot` the web page after a search in
 headless chromium (playwright). The server is stopped with SIGINT and must exit cleanly.
+With `--auth` the server requires an API key (a random one, passed in $DPJAX_API_KEY) and every
+client request and the page send it.
 
   python experiments/benchmarks/serve_load.py --config experiments/demo.py \
       --workdir workdirs/demo --out results/serve.json --screenshot results/serve_page.png
@@ -20,6 +22,7 @@ import os
 import pathlib
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,11 +36,12 @@ sys.path.insert(0, str(REPO))
 from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
 
 
-def start_serving(command: list[str], timeout: float = 600) -> tuple[subprocess.Popen, int]:
+def start_serving(command: list[str], timeout: float = 600,
+                  env: dict | None = None) -> tuple[subprocess.Popen, int]:
   """Starts `command` (`run.py serve ... --set serve.port=0`: the server takes a free port
-  itself, so no other process can take it first); returns (process, port) once its log names
-  the port. Its log goes on to this stderr."""
-  server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  itself, so no other process can take it first) with `env`; returns (process, port) once its
+  log names the port. Its log goes on to this stderr."""
+  server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True, env=env)
   ports: queue.Queue = queue.Queue()
 
   def relay():
@@ -58,14 +62,20 @@ def start_serving(command: list[str], timeout: float = 600) -> tuple[subprocess.
   return server, port
 
 
-def post(connection: http.client.HTTPConnection, body: dict) -> tuple[int, dict]:
-  connection.request("POST", "/search", json.dumps(body), {"Content-Type": "application/json"})
+def authorization(key: str) -> dict:
+  """The header that carries an API key ('' : none)."""
+  return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def post(connection: http.client.HTTPConnection, body: dict, key: str = "") -> tuple[int, dict]:
+  connection.request("POST", "/search", json.dumps(body),
+                     {"Content-Type": "application/json", **authorization(key)})
   response = connection.getresponse()
   return response.status, json.loads(response.read())
 
 
 def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 10,
-         unit: str = "phrase") -> dict:
+         unit: str = "phrase", key: str = "") -> dict:
   """`total` single-question searches from `clients` threads with a connection each."""
   latencies, errors, lock = [], [], threading.Lock()
   counter = iter(range(total))
@@ -80,7 +90,7 @@ def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 
       start = time.perf_counter()
       try:
         status, answer = post(connection, {"question": questions[i % len(questions)], "k": k,
-                                           "unit": unit})
+                                           "unit": unit}, key)
         ok = status == 200 and len(answer["results"]) > 0
       except (OSError, http.client.HTTPException, ValueError) as e:
         status, ok = repr(e), False
@@ -105,10 +115,10 @@ def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 
           "error_examples": [str(e) for e in errors[:5]]}
 
 
-def server_stats(port: int) -> dict:
+def server_stats(port: int, key: str = "") -> dict:
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
   try:
-    connection.request("GET", "/stats")
+    connection.request("GET", "/stats", headers=authorization(key))
     return json.loads(connection.getresponse().read())
   finally:
     connection.close()
@@ -117,9 +127,9 @@ def server_stats(port: int) -> dict:
 def measured(port: int, questions: list[str], clients: int, total: int, **kwargs) -> dict:
   """`load`, with the micro-batches the server formed for these requests alone (/stats is
   cumulative: the difference of the counts before and after)."""
-  before = server_stats(port)
+  before = server_stats(port, kwargs.get("key", ""))
   result = load(port, questions, clients, total, **kwargs)
-  after = server_stats(port)
+  after = server_stats(port, kwargs.get("key", ""))
   batches = after.get("batches", 0) - before.get("batches", 0)
   asked = after.get("questions", 0) - before.get("questions", 0)
   return {**result, "server_batches": batches,
@@ -140,14 +150,17 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float = 600) -> d
   raise SystemExit(f"no /health answer on port {port} within {timeout:.0f} s")
 
 
-def screenshot(port: int, question: str, path: pathlib.Path, browser: str) -> dict:
-  """Types `question` into the page, waits for the highlighted answer, saves a screenshot."""
+def screenshot(port: int, question: str, path: pathlib.Path, browser: str, key: str = "") -> dict:
+  """Types `question` (and the API key, if any) into the page, waits for the highlighted
+  answer, saves a screenshot."""
   from playwright.sync_api import sync_playwright
   with sync_playwright() as p:
     chromium = p.chromium.launch(executable_path=browser, args=["--no-sandbox"])
     page = chromium.new_page(viewport={"width": 1000, "height": 800})
     page.goto(f"http://127.0.0.1:{port}/")
     page.fill("#question", question)
+    if key:  # the page shows its key field when /health says the service needs one
+      page.fill("#key", key)
     page.select_option("#k", "5")
     page.click("#go")
     page.wait_for_selector(".result mark", timeout=60_000)
@@ -170,7 +183,8 @@ def render(r: dict, command: str) -> str:
       "# Serving: `run.py serve` under load", "",
       f"Index: {r['health']['index']} over {r['health']['passages']} passages "
       f"({r['health']['vectors']} token vectors), model step {r['health']['model_step']}; "
-      f"single-question POST /search, k={r['k']}, unit={r['unit']}, over loopback on this "
+      f"single-question POST /search, k={r['k']}, unit={r['unit']}"
+      f"{', with an API key' if r.get('auth') else ''}, over loopback on this "
       f"machine ({os.cpu_count()} cores), server and clients in separate processes.", "",
       "| load | clients | requests | questions/s | p50 ms | p99 ms | errors |",
       "|---|---|---|---|---|---|---|", *rows, "",
@@ -204,6 +218,7 @@ def main(argv=None):
   parser.add_argument("--screenshot", help="a PNG of the web page after a search")
   parser.add_argument("--browser", default="/usr/bin/chromium")
   parser.add_argument("--note", action="append", default=[], help="a paragraph for the report")
+  parser.add_argument("--auth", action="store_true", help="serve with a random API key")
   args = parser.parse_args(argv)
 
   from dpjax.config import load_config
@@ -214,19 +229,23 @@ def main(argv=None):
                read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
   command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
              args.workdir] + [f"--set={s}" for s in args.set] + ["--set", "serve.port=0"]
-  server, port = start_serving(command)
+  key = secrets.token_urlsafe(24) if args.auth else ""
+  server, port = start_serving(command, env={**os.environ, "DPJAX_API_KEY": key})
   try:
     health = wait_healthy(port, server)
-    load(port, questions, 4, 64, k=args.k, unit=args.unit)  # warm the connections and caches
-    one = measured(port, questions, 1, args.single, k=args.k, unit=args.unit)
-    many = measured(port, questions, args.clients, args.requests, k=args.k, unit=args.unit)
-    stats = server_stats(port)
-    page = (screenshot(port, questions[0], pathlib.Path(args.screenshot), args.browser)
+    # warm the connections and caches
+    load(port, questions, 4, 64, k=args.k, unit=args.unit, key=key)
+    one = measured(port, questions, 1, args.single, k=args.k, unit=args.unit, key=key)
+    many = measured(port, questions, args.clients, args.requests, k=args.k, unit=args.unit,
+                    key=key)
+    stats = server_stats(port, key)
+    page = (screenshot(port, questions[0], pathlib.Path(args.screenshot), args.browser, key)
             if args.screenshot else None)
   finally:
     server.send_signal(signal.SIGINT)
     exit_status = server.wait(timeout=60)
-  results = {"health": health, "k": args.k, "unit": args.unit, "one_client": one,
+  results = {"health": health, "auth": args.auth, "k": args.k, "unit": args.unit,
+             "one_client": one,
              "concurrent": many, "concurrency_gain": many["questions_per_s"] /
              one["questions_per_s"], "server_stats": stats, "server_exit": exit_status,
              "page": page, "screenshot": args.screenshot, "notes": args.note}
