@@ -1,5 +1,4 @@
-"""dpjax command line: `dpjax MODE --config experiments/x.py[:arg] --workdir DIR` (the console
-entry point of `pip install .`), or `python run.py MODE ...` in a checkout."""
+"""dpjax command line: `dpjax MODE --workdir DIR [--config x.py[:arg]]`, or `python run.py ...`."""
 import argparse
 import importlib
 import logging
@@ -25,6 +24,7 @@ MODES = {
     "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
     "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
     "serve": ("dpjax.serve:run_serve", "HTTP search service and web page (serve.host/port)"),
+    "verify": ("dpjax.verify:run_verify", "check every file against its digest from writing"),
 }
 
 

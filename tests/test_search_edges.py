@@ -67,7 +67,7 @@ def test_open_eval_without_passages(toy_dump, tmp_path, monkeypatch):
   config = load_config("experiments/demo.py:tiny", [f"index.questions={questions}",
                                                      "eval.passage_k=0"])
   searcher = _Searcher(PhraseIndex.over_passages(dump), q_start, q_end)
-  monkeypatch.setattr(open_domain, "load_searcher", lambda config, workdir: (searcher, 7))
+  monkeypatch.setattr(open_domain, "load_searcher", lambda config, workdir, **kwargs: (searcher, 7))
   report = open_domain.run_eval_open(config, str(tmp_path))
   assert report["em@1"] == 100.0 and "top20" not in report
   assert json.loads((tmp_path / "open_eval_Flat.json").read_text())["em@1"] == 100.0

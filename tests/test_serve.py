@@ -122,15 +122,26 @@ def test_bad_requests_get_a_4xx_with_a_reason(service, method, body, content_typ
   assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200  # still serving
 
 
-def test_health_stats_and_concurrent_clients_are_micro_batched(service):
+def test_health_stats_and_concurrent_clients_are_micro_batched(service, monkeypatch):
+  """Concurrent clients' questions share encoder calls: with each call held 30 ms (a slower
+  encoder), the requests that arrive meanwhile are encoded together in the next one."""
   port, _, _, questions, batcher = service
   status, health = request(port, "GET", "/health")
   assert status == 200 and health["status"] == "ok" and health["vectors"] > 0
+  encode, calls = batcher.searcher.encode, []
+
+  def slow_encode(asked, *args, **kwargs):
+    calls.append(len(asked))
+    time.sleep(0.03)
+    return encode(asked, *args, **kwargs)
+
+  monkeypatch.setattr(batcher.searcher, "encode", slow_encode)
   before = batcher.stats()
   result = load_test.measured(port, questions, 8, 200)
   assert result["errors"] == 0, result["error_examples"]
-  # The benchmark's per-phase micro-batches: this phase's 200 questions, in fewer batches.
-  assert 1 <= result["server_batches"] <= 200
+  # This phase's 200 questions in far fewer encoder calls than requests.
+  assert sum(calls) == 200 and len(calls) == result["server_batches"] <= 100
+  assert max(calls) >= 4 and result["mean_batch_questions"] >= 2
   assert result["server_batches"] * result["mean_batch_questions"] == pytest.approx(200)
   status, stats = request(port, "GET", "/stats")
   assert status == 200 and stats["requests"] - before.get("requests", 0) == 200
