@@ -287,10 +287,14 @@ CONFIG_CASES = [  # (argv, case, pattern of the error)
     (["train", *TINY, "--set", "train.questions_per_window=2", "--set",
       "train.loss.recipe=original"], "grouped batches with the original loss",
      r"^train\.questions_per_window > 1 .* does not go with train\.loss\.recipe"),
-    (["eval_rc", "--config", "experiments/demo.py", "--set", "model.name=/no/such/model"],
+    (["eval_rc", *TINY, "--set", "model.name=/no/such/model"],
      "model directory missing", r"^cannot resolve model '/no/such/model': not a local directory"),
     (["eval_rc", *TINY, "--set", "model.init=magic"], "unknown model.init",
      r"^unknown model\.init 'magic' \(pretrained or random\)"),
+    (["search", "--config", "experiments/demo.py", "--query", "who?"],
+     "a --config of another experiment than the workdir's",
+     r"/config was made with another config \(experiments/demo\.py:tiny, .*dpjax_config\.json\): "
+     r"model\.init 'random' \(--config experiments/demo\.py: 'pretrained'\).*leave --config out"),
     (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
      r"serve\.port 70000: cannot listen there \(.*0-65535"),
 ]
@@ -496,7 +500,8 @@ def state_cases(s: Sweep) -> None:
     if f.is_file() and f.stat().st_size > 1000:
       f.write_bytes(b"\0" * 16)
   s.case("state", "damaged checkpoint files", lambda: cli("eval", *TINY, "--workdir", str(w)),
-         error=rf"/ckpt/checkpoints/{latest.name}: parameters cannot be restored")
+         error=rf"/ckpt/checkpoints/{latest.name}/state/\S+: \d+ bytes, \d+ when it was "
+               rf"written: the checkpoint is damaged; delete .*/ckpt/checkpoints/{latest.name} ")
   for what, setting, error in [
       ("eval.checkpoint=best without validation", "eval.checkpoint=best",
        r"/which/checkpoints_best: no best checkpoint"),
