@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import hashlib
 import hmac
 import ipaddress
@@ -801,6 +802,11 @@ def run_serve(config, workdir: str) -> None:
   check_exposure(sc.host, key, sc.allow_open)
   with bind(sc.host, sc.port) as sock:
     app, batcher = make_service(config, workdir)
+    # What loading made (the model, the tokenizer, the passages) lives as long as the service:
+    # moved out of the collector's generations, a full collection no longer walks it and
+    # stalls every request in flight (results/serve_soak.md).
+    gc.collect()
+    gc.freeze()
     host = f"[{sc.host}]" if ":" in sc.host else sc.host
     url = f"http://{host}:{sock.getsockname()[1]}/"
     log.info("serving %s on %s (%s; Ctrl-C or SIGTERM stops)", workdir, url,
