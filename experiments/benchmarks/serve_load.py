@@ -101,18 +101,23 @@ def load(port: int, questions: list[str], clients: int, total: int, *, k: int = 
           errors.append(status)
     connection.close()
 
+  seconds = run_clients(client, clients)
+  ms = np.array(latencies) * 1e3
+  return {"clients": clients, "requests": total, "seconds": seconds,
+          "questions_per_s": total / seconds, "latency_p50_ms": float(np.percentile(ms, 50)),
+          "latency_p99_ms": float(np.percentile(ms, 99)), "errors": len(errors),
+          "error_examples": [str(e) for e in errors[:5]]}
+
+
+def run_clients(client, clients: int) -> float:
+  """Runs `client` in `clients` threads at once; the seconds until the last one ends."""
   threads = [threading.Thread(target=client) for _ in range(clients)]
   start = time.perf_counter()
   for thread in threads:
     thread.start()
   for thread in threads:
     thread.join()
-  seconds = time.perf_counter() - start
-  ms = np.array(latencies) * 1e3
-  return {"clients": clients, "requests": total, "seconds": seconds,
-          "questions_per_s": total / seconds, "latency_p50_ms": float(np.percentile(ms, 50)),
-          "latency_p99_ms": float(np.percentile(ms, 99)), "errors": len(errors),
-          "error_examples": [str(e) for e in errors[:5]]}
+  return time.perf_counter() - start
 
 
 def server_stats(port: int, key: str = "") -> dict:
@@ -204,23 +209,20 @@ def render(r: dict, command: str) -> str:
   return with_notes(lines, r.get("notes", []))
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def server_arguments(parser: argparse.ArgumentParser, requests: int, out: str) -> None:
+  """The serving benchmarks' common arguments: the workdir to serve, the clients, the report."""
   parser.add_argument("--config", required=True)
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--clients", type=int, default=16)
-  parser.add_argument("--requests", type=int, default=2000)
-  parser.add_argument("--single", type=int, default=300, help="requests of the one client")
-  parser.add_argument("--k", type=int, default=10)
-  parser.add_argument("--unit", default="phrase")
-  parser.add_argument("--out", default="results/serve.json")
-  parser.add_argument("--screenshot", help="a PNG of the web page after a search")
-  parser.add_argument("--browser", default="/usr/bin/chromium")
+  parser.add_argument("--requests", type=int, default=requests)
+  parser.add_argument("--out", default=out)
   parser.add_argument("--note", action="append", default=[], help="a paragraph for the report")
-  parser.add_argument("--auth", action="store_true", help="serve with a random API key")
-  args = parser.parse_args(argv)
 
+
+def workload(args) -> tuple:
+  """(the config, the workdir's evaluation questions, the `run.py serve` command on a free
+  port) of the serving benchmarks' arguments."""
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
   from dpjax.workdir import data_paths
@@ -229,6 +231,21 @@ def main(argv=None):
                read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
   command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
              args.workdir] + [f"--set={s}" for s in args.set] + ["--set", "serve.port=0"]
+  return config, questions, command
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  server_arguments(parser, requests=2000, out="results/serve.json")
+  parser.add_argument("--single", type=int, default=300, help="requests of the one client")
+  parser.add_argument("--k", type=int, default=10)
+  parser.add_argument("--unit", default="phrase")
+  parser.add_argument("--screenshot", help="a PNG of the web page after a search")
+  parser.add_argument("--browser", default="/usr/bin/chromium")
+  parser.add_argument("--auth", action="store_true", help="serve with a random API key")
+  args = parser.parse_args(argv)
+
+  _, questions, command = workload(args)
   key = secrets.token_urlsafe(24) if args.auth else ""
   server, port = start_serving(command, env={**os.environ, "DPJAX_API_KEY": key})
   try:

@@ -38,7 +38,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments" / "benchmarks"))
 from experiments.report import elide_notes, save_results, with_notes  # noqa: E402
-from serve_load import start_serving, wait_healthy  # noqa: E402
+from serve_load import (run_clients, server_arguments, start_serving, wait_healthy,  # noqa: E402
+                        workload)
 
 BAD = {"malformed": 400, "empty": 400, "long": 413, "declared": 413, "unit": 400, "k": 400,
        "type": 415, "slow": 200}
@@ -131,13 +132,7 @@ def soak(port: int, questions: list[str], args, pid: int) -> dict:
         if len(done) % args.window == 0:
           close_window()
 
-  threads = [threading.Thread(target=client) for _ in range(args.clients)]
-  start = time.perf_counter()
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  seconds = time.perf_counter() - start
+  seconds = run_clients(client, args.clients)
   if len(done) % args.window:
     close_window()
   kinds = collections.Counter(kind for kind, _, _ in done)
@@ -187,27 +182,13 @@ def render(r: dict, command: str) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--set", action="append", default=[])
-  parser.add_argument("--clients", type=int, default=16)
-  parser.add_argument("--requests", type=int, default=50_000)
+  server_arguments(parser, requests=50_000, out="results/serve_soak.json")
   parser.add_argument("--bad-fraction", type=float, default=0.1)
   parser.add_argument("--window", type=int, default=1000)
   parser.add_argument("--api-key", default="", help="sent as a bearer token when given")
-  parser.add_argument("--out", default="results/serve_soak.json")
-  parser.add_argument("--note", action="append", default=[])
   args = parser.parse_args(argv)
-
-  from dpjax.config import load_config
-  from dpjax.data.questions import read_questions
-  from dpjax.workdir import data_paths
-  config = load_config(args.config, args.set)
+  config, questions, command = workload(args)
   args.max_question_chars = config.serve.max_question_chars
-  questions = [q.question for q in
-               read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
-  command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
-             args.workdir] + [f"--set={s}" for s in args.set] + ["--set", "serve.port=0"]
   server, port = start_serving(command)
   try:
     wait_healthy(port, server)
