@@ -80,13 +80,18 @@ def commands(block: str) -> list[list[str]]:
 
 
 def _script_flags(path: pathlib.Path) -> set[str]:
-  """The `--flags` a script's argparse defines (string constants of add_argument calls)."""
+  """The `--flags` a script's argparse defines (string constants of add_argument calls), its
+  own and those of the modules beside it that it imports from (shared arguments)."""
   flags = set()
   for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
         and node.func.attr == "add_argument"):
       flags |= {a.value for a in node.args
                 if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      sibling = path.parent / f"{node.module}.py"
+      if sibling.is_file() and sibling != path:
+        flags |= _script_flags(sibling)
   return flags
 
 
