@@ -182,6 +182,21 @@ def test_verify_finds_a_zeroed_block_and_eval_refuses_it(trained, tmp_path, capl
   assert f"{path}: {path.stat().st_size} bytes, {path.stat().st_size - 1} when" in caplog.text
 
 
+@pytest.mark.slow
+def test_serve_refuses_a_zeroed_shard_or_index(trained, tmp_path):
+  """`run.py serve` checks the contents at start as eval does: exit 2, one line naming the file
+  (a subprocess with a time limit: a server that started would not return)."""
+  for name in ("dump/shard_00000/vectors.npy", "dump/indexes/Flat/index.faiss"):
+    workdir, base = _copy(trained, tmp_path / name.replace("/", "_"))
+    path = workdir / name
+    _zero_block(path)
+    result = subprocess.run([sys.executable, "run.py", "serve", *base, "--set", "serve.port=0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"{path}: its bytes differ from when it was written" in errors[0]
+
+
 def test_artifacts_without_digests_are_unverified_not_refused(trained, tmp_path, caplog):
   """Dumps, indexes and checkpoints written before digests were recorded still load."""
   workdir, base = _copy(trained, tmp_path)
