@@ -1,6 +1,9 @@
 """dpjax: dense phrase retrieval in JAX/Flax."""
 from setuptools import find_packages, setup
 
+SERVE = ["fastapi>=0.110,<1", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1"]
+BENCH = ["bm25s>=0.2,<0.4", "PyStemmer>=2.2,<4", "matplotlib>=3.8,<4"]
+
 setup(
     name="dpjax",
     version="0.1.0",
@@ -24,19 +27,19 @@ setup(
         "ml_collections>=1.0,<2",
         "tqdm>=4.66,<5",
         "threadpoolctl>=3.1,<4",  # BLAS held at one thread while the rescoring threads run
-        "matplotlib>=3.8,<4",  # figures of the result notebooks
-        "bm25s>=0.2,<0.4",  # the BM25 peer of experiments/benchmarks/passage_retrieval.py
-        "PyStemmer>=2.2,<4",  # its English (Porter2) stemmer; Pyserini stems too
-        "fastapi>=0.110,<1",  # `run.py serve`
-        "uvicorn>=0.30,<1",
-        "prometheus_client>=0.20,<1",  # its /metrics
     ],
     extras_require={
-        # openapi-spec-validator and jsonschema: the service's OpenAPI schema and its answers
+        # `run.py serve`, its OpenAPI models and /metrics
+        "serve": SERVE,
+        # the BM25 peer of experiments/benchmarks/passage_retrieval.py (with its English Porter2
+        # stemmer, as Pyserini stems) and the benchmarks' figures
+        "bench": BENCH,
+        # the suite runs the service and the benchmarks; openapi-spec-validator and jsonschema
+        # check the service's OpenAPI schema and its answers
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7",
-                 "openapi-spec-validator>=0.7,<1", "jsonschema>=4.18,<5"],
+                 "openapi-spec-validator>=0.7,<1", "jsonschema>=4.18,<5", *SERVE, *BENCH],
         # `jupyter nbconvert --execute` of experiments/notebooks/ (the tests run their code directly)
-        "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8"],
+        "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8", "matplotlib>=3.8,<4"],
         # the web page check of tests/test_serve.py and experiments/benchmarks/serve_load.py, with
         # Debian's chromium (`apt install chromium`); skipped without them
         "browser": ["playwright>=1.40,<2"],

@@ -44,18 +44,23 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               Info, generate_latest)
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from dpjax import __version__
 from dpjax.errors import ConfigError
+
+try:  # the service's own dependencies are an extra of the install
+  import uvicorn
+  from fastapi import FastAPI, Request
+  from fastapi.exceptions import RequestValidationError
+  from fastapi.responses import HTMLResponse, JSONResponse, Response
+  from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                                 Histogram, Info, generate_latest)
+  from pydantic import BaseModel, ConfigDict, Field
+  from starlette.exceptions import HTTPException
+  from starlette.requests import ClientDisconnect
+except ModuleNotFoundError as e:
+  raise ConfigError(f"the service needs {e.name}, which is not installed: "
+                    "pip install 'dpjax[serve]'") from None
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS
 from dpjax.workdir import load_searcher

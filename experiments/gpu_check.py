@@ -65,7 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
 class Check:
   """The runs, their limits and the report written after each stage."""
 
-  def __init__(self, args):
+  def __init__(self, args, argv: list[str]):
     self.args = args
     self.root, self.out = pathlib.Path(args.workdir), pathlib.Path(args.out)
     self.candidates = {"default": []}
@@ -76,10 +76,10 @@ class Check:
       self.candidates[name] = shlex.split(rest)
     self.configs = {n: _resolved(args.config, [*args.set, *_sets(a)])
                     for n, a in self.candidates.items()}
-    self.report = {"command": shlex.join(["python", "experiments/gpu_check.py",
-                                          *(sys.argv[1:] if argv_is_cli() else [])]),
-                   # the device's copy of the tree may have no .git: DPJAX_COMMIT names it
-                   "commit": os.environ.get("DPJAX_COMMIT") or _git("rev-parse", "HEAD"), "config": args.config,
+    # The device's copy of the tree may have no .git: DPJAX_COMMIT names the commit.
+    commit = os.environ.get("DPJAX_COMMIT") or _git("rev-parse", "HEAD")
+    self.report = {"command": shlex.join(["python", "experiments/gpu_check.py", *argv]),
+                   "commit": commit, "config": args.config,
                    "settings": args.set, "device": _device(args.python), "stages": {},
                    "candidates": {n: {"args": a, "recipe": self.configs[n]}
                                   for n, a in self.candidates.items()},
@@ -167,10 +167,6 @@ def _resolved(config: str, sets: list[str]) -> dict:
       value = value.get(part) if value is not None else None
     found[key] = value
   return found
-
-
-def argv_is_cli() -> bool:
-  return pathlib.Path(sys.argv[0]).name == "gpu_check.py"
 
 
 def _met(value, op: str, target: float):
@@ -311,8 +307,9 @@ def _step(check: Check, label: str, env=None):
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse(argv)
-  check = Check(args)
+  check = Check(args, argv)
   check.out.mkdir(parents=True, exist_ok=True)
   check.root.mkdir(parents=True, exist_ok=True)
   check.save()

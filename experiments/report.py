@@ -102,7 +102,8 @@ def render_gpu_check(results: dict, command: str) -> str:
   met = {True: "yes", False: "**no**", None: "not measured"}
   lines += [f"| {t['figure']} | {t['target']} | {_cell(t['value'])} | {met[t['met']]} |"
             for t in results["targets"]]
-  lines += ["", "Stages (wall seconds, exit status):", "", "| stage | wall s | rc |", "|---|---|---|"]
+  lines += ["", "Stages (wall seconds, exit status):", "", "| stage | wall s | rc |",
+            "|---|---|---|"]
   lines += [f"| {k} | {_cell(v.get('wall_s'))} | {v['rc']} |" for k, v in results["stages"].items()]
   return with_notes(lines, results.get("notes", []))
 

@@ -36,6 +36,7 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   assert figures["dump_warm_tokens_per_s"] == warm["num_tokens"] / warm["seconds"]
   assert figures["step_ms"] == 1e3 * result["speed"]["step"]["median_step_s"] > 0
   assert result["candidates"]["default"]["recipe"]["train.batch_size"] == 8
+  assert result["command"].startswith("python experiments/gpu_check.py --workdir ")
   assert [t["figure"] for t in result["targets"]] == [k for k, _, _ in gpu_check.TARGETS]
   assert all(isinstance(t["met"], bool) for t in result["targets"])
 

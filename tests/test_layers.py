@@ -64,7 +64,10 @@ def _module_name(path: pathlib.Path) -> str:
 def _imports(path: pathlib.Path):
   """(imported module, at module level?) for every import statement of a file."""
   tree = ast.parse(path.read_text())
+  # Module level: the statements of the file's body, and those of a `try` there (an optional
+  # dependency guarded at import time is still imported with the module).
   top = {id(node) for node in tree.body}
+  top |= {id(inner) for node in tree.body if isinstance(node, ast.Try) for inner in node.body}
   package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(
       ".")[0]
   for node in ast.walk(tree):
