@@ -1,7 +1,7 @@
 """dpjax: dense phrase retrieval in JAX/Flax."""
 from setuptools import find_packages, setup
 
-SERVE = ["fastapi>=0.110,<1", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1"]
+SERVE = ["fastapi>=0.110,<1", "pydantic>=2,<3", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1"]
 BENCH = ["bm25s>=0.2,<0.4", "PyStemmer>=2.2,<4", "matplotlib>=3.8,<4"]
 
 setup(

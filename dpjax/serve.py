@@ -58,8 +58,8 @@ try:  # the service's own dependencies are an extra of the install
   from pydantic import BaseModel, ConfigDict, Field
   from starlette.exceptions import HTTPException
   from starlette.requests import ClientDisconnect
-except ModuleNotFoundError as e:
-  raise ConfigError(f"the service needs {e.name}, which is not installed: "
+except ImportError as e:  # missing, or a version without what is imported (pydantic 1)
+  raise ConfigError(f"the service cannot import {e.name or 'its dependencies'} ({e}): "
                     "pip install 'dpjax[serve]'") from None
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.search import UNITS

@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,7 @@ class Check:
   def launch(self, label: str, argv: list[str], env=None) -> tuple:
     log = (self.out / f"{label}.log").open("w")
     process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, **(env or {})}, start_new_session=True)
     return label, process, log, time.monotonic()
 
   def finish(self, launched: tuple, rc) -> dict:
@@ -113,22 +114,26 @@ class Check:
     kills what still runs (rc "timeout")."""
     queues = {name: list(items) for name, items in jobs.items() if items}
     running = {name: self.launch(*queues[name].pop(0)) for name in queues}
-    while running:
-      for name, launched in list(running.items()):
-        rc = launched[1].poll()
-        if rc is None and self.left() > 0:
-          continue
-        if rc is None:
-          launched[1].kill()
-          launched[1].wait()
-          rc = "timeout"
-        record = self.finish(launched, rc)
-        del running[name]
-        after(name, launched[0])
-        self.save()
-        if record["rc"] == 0 and queues[name] and self.left() > 1:
-          running[name] = self.launch(*queues[name].pop(0))
-      time.sleep(0.2)
+    try:
+      while running:
+        for name, launched in list(running.items()):
+          rc = launched[1].poll()
+          if rc is None and self.left() > 0:
+            continue
+          if rc is None:
+            _kill(launched[1])
+            rc = "timeout"
+          record = self.finish(launched, rc)
+          del running[name]
+          after(name, launched[0])
+          self.save()
+          if record["rc"] == 0 and queues[name] and self.left() > 1:
+            running[name] = self.launch(*queues[name].pop(0))
+        time.sleep(0.2)
+    finally:  # whatever broke here, no stage goes on holding the accelerator
+      for launched in running.values():
+        _kill(launched[1])
+        launched[2].close()
 
   def run(self, label: str, argv: list[str], env=None) -> dict:
     self.chains({label: [(label, argv, env)]}, lambda name, label: None)
@@ -169,6 +174,15 @@ def _resolved(config: str, sets: list[str]) -> dict:
   return found
 
 
+def _kill(process: subprocess.Popen) -> None:
+  """Kills a stage with its process group (a dump's tokenizing processes too) and reaps it."""
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  process.wait()
+
+
 def _met(value, op: str, target: float):
   if value is None:
     return None
@@ -200,8 +214,12 @@ def read_train(workdir: pathlib.Path, batch_size: int) -> dict:
   if results:
     found.update({k: results.get(k) for k in ("rc_exact_match", "rc_f1", "count", "step")})
   records = []
-  if (workdir / "metrics.jsonl").is_file():
-    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x]
+  if (workdir / "metrics.jsonl").is_file():  # a line cut by a killed run is left out
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+      try:
+        records.append(json.loads(line))
+      except ValueError:
+        continue
   rates = [r["examples_per_sec"] for r in records
            if r.get("split") == "train" and r.get("examples_per_sec")]
   if rates:  # examples_per_sec: steps/s x batch_size (windows, in passage-grouped batches)
@@ -217,7 +235,8 @@ def read_dump(folder: pathlib.Path) -> dict:
   if not manifest or not manifest.get("complete"):
     return {}
   found = {k: manifest.get(k) for k in DUMP_KEYS}
-  found["stored_tokens_per_s"] = manifest["num_tokens"] / manifest["seconds"]
+  if manifest.get("num_tokens") and manifest.get("seconds"):
+    found["stored_tokens_per_s"] = manifest["num_tokens"] / manifest["seconds"]
   return found
 
 
@@ -226,7 +245,8 @@ def read_open(workdir: pathlib.Path) -> dict:
   if not report:
     return {}
   found = {k: report.get(k) for k in OPEN_KEYS}
-  found["questions_per_s"] = report["questions"] / report["search_seconds"]
+  if report.get("questions") and report.get("search_seconds"):
+    found["questions_per_s"] = report["questions"] / report["search_seconds"]
   return found
 
 
@@ -235,7 +255,7 @@ def figures(report: dict) -> dict:
   default = report["candidates"]["default"]
   found = {**default.get("train", {}), **default.get("open", {})}
   stages = report["stages"]
-  if default.get("dump"):
+  if default.get("dump", {}).get("stored_tokens_per_s"):
     found["dump_stored_tokens_per_s"] = default["dump"]["stored_tokens_per_s"]
   dump_stage = stages.get("default.dump", {})
   # The whole cold dump: the process's wall, its start and every compile included; a wall below
@@ -342,15 +362,22 @@ def merge(parts: list[dict]) -> dict:
   merged = json.loads(json.dumps(parts[0]))
   merged["parts"] = [{k: p.get(k) for k in ("command", "commit", "device", "elapsed_s")}
                      for p in parts]
+  resumed = set()  # stages a later part finished after an earlier one was cut short
   for part in parts[1:]:
     for label, record in part["stages"].items():
       if merged["stages"].get(label, {}).get("rc") != 0:
+        if label in merged["stages"] and record.get("rc") == 0:
+          resumed.add(label)
         merged["stages"][label] = record
     for name, candidate in part["candidates"].items():
       merged["candidates"].setdefault(name, {}).update(
           {k: v for k, v in candidate.items() if v})
     merged["speed"].update(part.get("speed", {}))
   merged["figures"] = figures(merged)
+  if "default.dump" in resumed:  # its seconds are the resumed part's, its tokens all parts'
+    for key in ("dump_stored_tokens_per_s", "dump_cold_tokens_per_s"):
+      merged["figures"].pop(key, None)
+    merged["dump_resumed"] = True
   merged["targets"] = [
       {"figure": key, "target": f"{op} {target:g}", "value": merged["figures"].get(key),
        "met": _met(merged["figures"].get(key), op, target)} for key, op, target in TARGETS]

@@ -90,3 +90,19 @@ def test_merge_keeps_the_first_finished_record_of_a_stage():
   assert len(merged["parts"]) == 2
   # The second part alone: a dump found complete is no cold dump.
   assert "dump_cold_tokens_per_s" not in gpu_check.figures(second)
+
+
+def test_merge_drops_the_speed_of_a_resumed_dump():
+  """A dump cut short in one part and finished in the next: its tokens are both parts', its
+  seconds the second's, so no tokens/s figure is made of them."""
+  first = _part({"default.dump": {"rc": "timeout", "wall_s": 4.0}}, dump_seconds=2.0)
+  second = _part({"default.dump": {"rc": 0, "wall_s": 3.0}}, dump_seconds=2.0)
+  merged = gpu_check.merge([first, second])
+  assert merged["dump_resumed"] and "dump_cold_tokens_per_s" not in merged["figures"]
+  assert "dump_stored_tokens_per_s" not in merged["figures"]
+
+
+def test_read_train_leaves_out_a_line_cut_by_a_kill(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text(
+      '{"split": "train", "step": 10, "examples_per_sec": 100.0}\n{"split": "train", "st')
+  assert gpu_check.read_train(tmp_path, 8) == {"train_step_ms_median": 80.0, "steps": 10}

@@ -104,7 +104,8 @@ def soak(port: int, questions: list[str], args, pid: int) -> dict:
 
   def close_window():
     """Called under the lock once every `window` requests (and at the end)."""
-    rows = done[-args.window:]
+    closed = windows[-1]["requests"] if windows else 0
+    rows = done[closed:]  # this window's requests only (the last may be shorter)
     good = np.array([ms for kind, _, ms in rows if kind == "good"])
     windows.append({"requests": len(done), "rss_mb": _rss_mb(pid),
                     "p50_ms": float(np.percentile(good, 50)) if len(good) else None,
@@ -141,20 +142,36 @@ def soak(port: int, questions: list[str], args, pid: int) -> dict:
 
 
 def _rss_mb(pid: int) -> float:
-  for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+  """The server's resident memory; NaN once it is gone (a server that died is in the report)."""
+  try:
+    lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+  except OSError:
+    return float("nan")
+  for line in lines:
     if line.startswith("VmRSS:"):
       return int(line.split()[1]) / 1024
   return float("nan")
 
 
 def verdicts(result: dict) -> dict:
+  """The soak's verdicts; memory growth and p99 drift need two windows with good requests
+  (None: not measured, and then not ok)."""
   windows = result["windows"]
-  warm, last = windows[0], windows[-1]
-  growth = last["rss_mb"] / warm["rss_mb"] - 1
-  p99_ratio = last["p99_ms"] / windows[0]["p99_ms"]
+  growth = p99_ratio = None
+  if len(windows) >= 2:
+    warm, last = windows[0], windows[-1]
+    growth = last["rss_mb"] / warm["rss_mb"] - 1
+    if warm["p99_ms"] and last["p99_ms"]:
+      p99_ratio = last["p99_ms"] / warm["p99_ms"]
+  measured = growth is not None and growth == growth and p99_ratio is not None
   return {"unexpected_statuses": sum(result["unexpected"].values()),
           "rss_growth_after_warmup": growth, "p99_last_over_first": p99_ratio,
-          "ok": (not result["unexpected"]) and growth < 0.10 and p99_ratio <= 1.5}
+          "ok": measured and not result["unexpected"] and growth < 0.10 and p99_ratio <= 1.5}
+
+
+def _number(value, scale: float = 1, spec: str = ".2f", unit: str = "") -> str:
+  """A figure of the report, or "not measured"."""
+  return "not measured" if value is None else f"{value * scale:{spec}}{unit}"
 
 
 def render(r: dict, command: str) -> str:
@@ -166,11 +183,13 @@ def render(r: dict, command: str) -> str:
            "| verdict | value | wanted |", "|---|---|---|",
            f"| unexpected statuses | {v['unexpected_statuses']} | 0 |",
            f"| resident memory growth after the first window | "
-           f"{100 * v['rss_growth_after_warmup']:.1f}% | < 10% |",
-           f"| last window's p99 / first window's | {v['p99_last_over_first']:.2f} | <= 1.5 |",
+           f"{_number(v['rss_growth_after_warmup'], 100, '.1f', '%')} | < 10% |",
+           f"| last window's p99 / first window's | {_number(v['p99_last_over_first'])} | "
+           "<= 1.5 |",
            "", "| after request | server RSS MB | good p50 ms | good p99 ms | statuses |",
            "|---|---|---|---|---|"]
-  lines += [f"| {w['requests']} | {w['rss_mb']:.0f} | {w['p50_ms']:.1f} | {w['p99_ms']:.1f} | "
+  lines += [f"| {w['requests']} | {_number(w['rss_mb'], 1, '.0f')} | "
+            f"{_number(w['p50_ms'], 1, '.1f')} | {_number(w['p99_ms'], 1, '.1f')} | "
             + ", ".join(f"{s}: {n}" for s, n in sorted(w["statuses"].items())) + " |"
             for w in r["windows"]]
   if r["unexpected"]:

