@@ -58,7 +58,7 @@ def test_deadline_keeps_what_finished(tmp_path):
   gpu_check.json is still written, with no figure that was not measured."""
   out = tmp_path / "out"
   assert gpu_check.main(["--workdir", str(tmp_path / "w"), "--out", str(out), *TINY,
-                         "--deadline", "3", "--stages", "train", "chain", "step"]) == 0
+                         "--deadline", "3", "--stages", "train", "chain", "step"]) == 1
   result = json.loads((out / "gpu_check.json").read_text())
   assert result["stages"]["default.train"]["rc"] == "timeout"
   assert result["stages"]["step"] == {"rc": "skipped: deadline"}
