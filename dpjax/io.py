@@ -238,7 +238,8 @@ def workdir_lock(path: str | os.PathLike, what: str = "training", command: str |
                       ).split())  # one line, whatever the arguments hold
   with _directory_flock(path.parent):
     pid, host = _lock_holder(path)
-    held_by = f": {_lock_command(path)}" if pid is not None and _lock_command(path) else ""
+    holder = _lock_command(path) if pid is not None else ""
+    held_by = f": {holder}" if holder else ""
     if pid is not None and (host not in (None, me[1]) or (pid and _process_alive(pid))):
       where = "" if host in (None, me[1]) else f" on host {host}"
       raise BusyError(f"{path}: another {what + ' ' if what else ''}run (pid {pid}{where}"

@@ -142,9 +142,7 @@ class Check:
   def save(self):
     self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
     self.report["figures"] = figures(self.report)
-    self.report["targets"] = [
-        {"figure": key, "target": f"{op} {target:g}", "value": self.report["figures"].get(key),
-         "met": _met(self.report["figures"].get(key), op, target)} for key, op, target in TARGETS]
+    self.report["targets"] = targets(self.report["figures"])
     path = pathlib.Path(self.args.json or self.out / "gpu_check.json")
     path.with_suffix(".tmp").write_text(json.dumps(self.report, indent=1))
     path.with_suffix(".tmp").replace(path)
@@ -181,6 +179,12 @@ def _kill(process: subprocess.Popen) -> None:
   except ProcessLookupError:
     pass
   process.wait()
+
+
+def targets(found: dict) -> list[dict]:
+  """Each of TARGETS with the figure found for it and whether it is met (None: not measured)."""
+  return [{"figure": key, "target": f"{op} {target:g}", "value": found.get(key),
+           "met": _met(found.get(key), op, target)} for key, op, target in TARGETS]
 
 
 def _met(value, op: str, target: float):
@@ -379,7 +383,5 @@ def merge(parts: list[dict]) -> dict:
     for key in ("dump_stored_tokens_per_s", "dump_cold_tokens_per_s"):
       merged["figures"].pop(key, None)
     merged["dump_resumed"] = True
-  merged["targets"] = [
-      {"figure": key, "target": f"{op} {target:g}", "value": merged["figures"].get(key),
-       "met": _met(merged["figures"].get(key), op, target)} for key, op, target in TARGETS]
+  merged["targets"] = targets(merged["figures"])
   return merged
