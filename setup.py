@@ -2,7 +2,7 @@
 from setuptools import find_packages, setup
 
 SERVE = ["fastapi>=0.110,<1", "pydantic>=2,<3", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1"]
-BENCH = ["bm25s>=0.2,<0.4", "PyStemmer>=2.2,<4", "matplotlib>=3.8,<4"]
+BENCH = ["matplotlib>=3.8,<4"]
 
 setup(
     name="dpjax",
@@ -27,12 +27,14 @@ setup(
         "ml_collections>=1.0,<2",
         "tqdm>=4.66,<5",
         "threadpoolctl>=3.1,<4",  # BLAS held at one thread while the rescoring threads run
+        # hybrid search's BM25 index, with the English Porter2 stemmer (Pyserini stems so)
+        "bm25s>=0.2,<0.4",
+        "PyStemmer>=2.2,<4",
     ],
     extras_require={
         # `run.py serve`, its OpenAPI models and /metrics
         "serve": SERVE,
-        # the BM25 peer of experiments/benchmarks/passage_retrieval.py (with its English Porter2
-        # stemmer, as Pyserini stems) and the benchmarks' figures
+        # the benchmarks' figures
         "bench": BENCH,
         # the suite runs the service and the benchmarks; openapi-spec-validator and jsonschema
         # check the service's OpenAPI schema and its answers

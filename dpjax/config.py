@@ -497,6 +497,19 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "verify": True,
       "top_k": 5,
       "unit": "phrase",
+      # Hybrid search (dpjax/index/hybrid.py): a phrase scores its dense score + sparse_weight x
+      # its passage's BM25 score, and the spans of the top sparse_passages BM25 passages join
+      # the candidates. `run.py index` builds the BM25 index (<dump>/indexes/bm25) and, without
+      # a sparse_weight, chooses one on sparse_tune_questions random training questions (or
+      # those of sparse_tune_file) and records it there.
+      "sparse": False,
+      "sparse_weight": ml_collections.config_dict.placeholder(float),
+      "sparse_passages": 20,
+      "sparse_tune_questions": 1000,
+      "sparse_tune_file": "",
+      # Overlapping answer spans of one passage are one result: the best, the others its
+      # `merged` evidence (phrase unit).
+      "merge_spans": True,
   })
   config.update(overrides)
   return config

@@ -20,6 +20,7 @@ from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
 from dpjax.errors import ConfigError, DataError
+from dpjax.fusion import build_sparse_index
 from dpjax.index.dump import DumpConfig, dump_phrases, read_manifest
 from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
 from dpjax.index.faiss_index import build_index, index_folder
@@ -77,12 +78,16 @@ def _size(path) -> int | None:
 
 @writes_to
 def run_index(config, workdir: str) -> list[pathlib.Path]:
-  """`run.py index`: the configured faiss indexes (`index.specs`) over the dump."""
+  """`run.py index`: the configured faiss indexes (`index.specs`) over the dump, and with
+  `index.sparse` its BM25 index and hybrid weight (`dpjax.fusion`)."""
   dump = pathlib.Path(workdir) / config.index.dump_name
   check_dump_config(config, pathlib.Path(workdir), read_manifest(dump))
-  return [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
-                      train_size=config.index.train_size, nprobe=config.index.nprobe)
-          for spec in config.index.specs]
+  built = [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
+                       train_size=config.index.train_size, nprobe=config.index.nprobe)
+           for spec in config.index.specs]
+  if config.index.sparse:  # after the faiss indexes: choosing its weight searches one
+    built.append(build_sparse_index(config, pathlib.Path(workdir)))
+  return built
 
 
 def run_search(config, workdir: str, queries: Sequence[str]) -> list:
@@ -122,7 +127,8 @@ def run_eval_open(config, workdir: str) -> dict:
                          progress=True, shared_hits=True,
                          max_answer_length=config.eval.max_answer_length)
   scores = found_scores(index, found, [q.answers for q in questions], passage_k=passage_k,
-                        passage_ks=(1, 5, 20, 100), regex=config.eval.get("regex", False))
+                        passage_ks=(1, 5, 20, 100), regex=config.eval.get("regex", False),
+                        per_question=True)
   seconds = time.perf_counter() - start
   batch64_qps, timed = _batch64_throughput(searcher, texts, config)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
@@ -136,13 +142,25 @@ def run_eval_open(config, workdir: str) -> dict:
             "dump_seconds": index.dump.manifest.get("seconds"),
             "index_build_seconds": index.manifest["build_seconds"],
             "index_spec": index.manifest["resolved_spec"],
-            "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"]}
+            "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"],
+            "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index)}
   phrases = [[index.result(p) for p, _ in units] for units in found[0]]
   # eval.passage_k = 0: no passage search, an empty TREC run (not a stale one of another run)
   ranked = [[(index.dump.passages[p.passage].id, p.score) for p, _ in units]
             for units in (found[1] if passage_k else [[] for _ in questions])]
   _write_eval(config, workdir, report, questions, phrases, ranked)
   return report
+
+
+def _hybrid_record(index) -> dict | None:
+  """What a hybrid search fused (None: dense): its weight, BM25 passages and BM25 index size."""
+  if index.sparse is None:
+    return None
+  manifest = index.sparse.manifest
+  return {"weight": index.sparse_weight, "passages": index.sparse_passages,
+          "weight_tuning": manifest.get("weight_tuning"), "bm25": manifest["settings"],
+          "bm25_index_bytes": manifest["index_bytes"],
+          "bm25_bytes_per_token": manifest["index_bytes"] / index.manifest["num_tokens"]}
 
 
 def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]:
@@ -207,7 +225,10 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
   checkpoint, dump = config.eval.checkpoint, config.index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
-  name = prefix + index_folder(config.index.search_index)  # "IVFauto,SQ4": IVFauto_SQ4's files
+  # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own
+  name = prefix + index_folder(config.index.search_index) + (
+      "_hybrid" if config.index.get("sparse") else "") + (
+      "" if config.index.get("merge_spans", True) else "_unmerged")
   flat_report = workdir / f"open_eval_{prefix}Flat{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{tag}.jsonl"
   if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():

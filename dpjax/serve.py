@@ -157,6 +157,14 @@ class SearchRequest(BaseModel):
                      "sentence, passage or document (the best phrase of each)")
 
 
+class Evidence(BaseModel):
+  """An answer span merged into a better one it overlaps (`index.merge_spans`)."""
+  answer: str
+  score: float
+  start_char: int
+  end_char: int
+
+
 class Result(BaseModel):
   """A retrieved unit, as `DensePhrases.search` returns it."""
   model_config = ConfigDict(json_schema_extra={"examples": [EXAMPLE_RESULT]})
@@ -169,6 +177,8 @@ class Result(BaseModel):
   title: str
   passage: str
   sentence: str | None = Field(None, description="the answer's sentence (unit sentence only)")
+  merged: list[Evidence] | None = Field(None, description="lower-scoring answers overlapping "
+                                        "this one in its passage, merged into it (phrase unit)")
 
 
 class OneAnswer(BaseModel):
@@ -494,7 +504,8 @@ class Batcher:
     for (k, unit), members in groups.items():
       rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
       found = index.search(q_start[rows], q_end[rows], k, unit,
-                           max_answer_length=self.max_answer_length)
+                           max_answer_length=self.max_answer_length,
+                           texts=[questions[r] for r in rows.tolist()])
       at = 0
       for i in members:
         n = len(batch[i].questions)

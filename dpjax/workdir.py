@@ -23,6 +23,7 @@ from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump import Dump, encoder_fingerprint
 from dpjax.io import digest, save_npz_atomic, workdir_lock
+from dpjax.index.sparse import SparseIndex
 from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.models import model_for_data
 
@@ -193,6 +194,10 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
                       nprobe=config.index.nprobe,
                       search_device=config.index.get("search_device", "auto"), verify=verify)
   check_dump_config(config, workdir, index.dump.manifest)
+  index.merge_spans = config.index.get("merge_spans", True)
+  if config.index.get("sparse", False):
+    index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
+                     config.index.sparse_weight, passages=config.index.sparse_passages)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,
                           batch_size=config.index.batch_size)

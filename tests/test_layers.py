@@ -24,11 +24,12 @@ LAYERS = [
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
     {"dpjax.index", "dpjax.index.dump", "dpjax.index.faiss_index", "dpjax.index.device_search",
-     "dpjax.index.search",
+     "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
-     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve", "dpjax.verify"},
+     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve", "dpjax.verify",
+     "dpjax.fusion"},
     # L4: the training loop.
     {"dpjax.train", "dpjax.teacher"},
     # L5: the command line (a table of modes; `run.py` and the `dpjax` command).
@@ -53,6 +54,9 @@ LAZY_IMPORTS = {
     # Declared in setup.py, but an environment without it (a GPU image's own packages) still
     # searches: the rescoring's token scores are then computed in one thread.
     ("dpjax.index.search", "threadpoolctl"),
+    # BM25 for hybrid search only: a dense search does not load it.
+    ("dpjax.index.sparse", "bm25s"),
+    ("dpjax.index.sparse", "Stemmer"),
 }
 
 

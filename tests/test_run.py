@@ -119,7 +119,7 @@ def test_logged_losses_are_the_means_since_the_last_log(tmp_path, straight):
   assert logged[0]["loss"] != every[2]["loss"]
 
 
-def test_open_domain_pipeline_tiny(tmp_path, capsys):
+def test_open_domain_pipeline_tiny(tmp_path, capsys, caplog):
   """train -> dump -> index -> eval -> search on the tiny config, through run.py."""
   workdir = str(tmp_path)
   base = ["--config", "experiments/demo.py:tiny", "--workdir", workdir]
@@ -145,6 +145,38 @@ def test_open_domain_pipeline_tiny(tmp_path, capsys):
   assert not list(tmp_path.glob("open_eval_*,*"))  # its files are the folder's name's
   assert run.main(["search"] + base + ["--query", "Who was the mentor of Ne Chithashoum?"]) == 0
   assert "1. " in capsys.readouterr().out
+  _hybrid_pipeline(tmp_path, base, caplog)
+
+
+def _hybrid_pipeline(tmp_path, base, caplog):
+  """index.sparse through run.py: refused without a BM25 index, which `index` builds and weighs;
+  weight 0 answers as the dense search, file for file; overlapping spans merged or not."""
+  hybrid = base + ["--set", "index.sparse=True"]
+  assert run.main(["eval"] + hybrid) == 2
+  assert "no BM25 index" in caplog.text and "run.py index --set index.sparse=True" in caplog.text
+  tune = ["--set", "index.sparse_tune_questions=40", "--set", "index.specs=[]"]
+  assert run.main(["index"] + hybrid + tune) == 0
+  bm25 = json.loads((tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json").read_text())
+  assert bm25["weight"] in map(float, bm25["weight_tuning"]["scores"])
+  assert 0 < bm25["weight_tuning"]["questions"] <= 40 and "train" in bm25["weight_tuning"]["file"]
+  assert run.main(["eval"] + hybrid) == 0
+  report = json.loads((tmp_path / "open_eval_Flat_hybrid.json").read_text())
+  assert report["hybrid"]["weight"] == bm25["weight"] and report["questions"] == 12
+  assert run.main(["eval"] + hybrid + ["--set", "index.sparse_weight=0.0"]) == 0
+  dense = (tmp_path / "open_predictions_Flat.jsonl").read_text()
+  assert (tmp_path / "open_predictions_Flat_hybrid.jsonl").read_text() == dense
+  assert run.main(["eval"] + base + ["--set", "index.merge_spans=False"]) == 0
+  apart = [json.loads(line)["spans"] for line in
+           (tmp_path / "open_predictions_Flat_unmerged.jsonl").read_text().splitlines()]
+  merged = [json.loads(line)["spans"] for line in dense.splitlines()]
+  assert all(m[0] == a[0] for m, a in zip(merged, apart))  # the best answer is the same
+  assert not any(map(_overlapping, merged))  # (test_hybrid.py: merging on a corpus that has them)
+  assert json.loads((tmp_path / "open_eval_Flat_unmerged.json").read_text())["merge_spans"] is False
+
+
+def _overlapping(spans) -> bool:
+  return any(a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+             for i, a in enumerate(spans) for b in spans[:i])
 
 
 def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch,

@@ -28,7 +28,7 @@ def retrieve(index, q_start: np.ndarray, q_end: np.ndarray, requests: Sequence[t
 
   `shared_hits`: one index search, as wide as the widest request needs, serves all requests
   (`PhraseIndex.search(hits=)`); otherwise each request searches the index itself.
-  `search_kwargs` go to `PhraseIndex.search` (max_answer_length, top_tokens, max_fetch).
+  `search_kwargs` go to `PhraseIndex.search` (max_answer_length, top_tokens, max_fetch, texts).
   """
   hits = None
   if shared_hits:
@@ -59,7 +59,7 @@ def retrieve_texts(index, encode: Callable, texts: Sequence[str],
         vectors = ahead.result()
         if i + 1 < len(parts):
           ahead = pool.submit(encode, parts[i + 1])
-        yield vectors
+        yield (*vectors, list(parts[i]))  # the texts too: hybrid search scores them with BM25
 
   return _retrieve_chunks(index, encoded(), len(texts), requests, progress, **search_kwargs)
 
@@ -70,7 +70,9 @@ def _retrieve_chunks(index, chunks: Iterable, total: int, requests: Sequence[tup
   (questions are independent); `progress`: a bar of the questions searched and questions/s."""
   results: list[list] = [[] for _ in requests]
   bar = Progress("search", total, "questions", logger=log) if progress else None
-  for q_start, q_end in chunks:
+  for q_start, q_end, *texts in chunks:  # (q_start, q_end) or (q_start, q_end, texts)
+    if texts:
+      search_kwargs["texts"] = texts[0]
     for whole, piece in zip(results, retrieve(index, q_start, q_end, requests, **search_kwargs)):
       whole.extend(piece)
     if bar:
@@ -115,7 +117,8 @@ def found_scores(index, results: list[list[list]], answers: Sequence[Sequence[st
   """The scores of `score_requests(phrase_k, passage_k)`'s results (`retrieve`'s).
 
   `per_question=True` adds `hits`: per question, whether its top phrase is an answer ("em@1")
-  and whether a top-20 passage contains one ("top20"), as strings of 0/1 (paired tests).
+  and whether its top passage / a top-20 passage contains one ("top1", "top20"), as strings of
+  0/1 (paired tests).
   `regex`: the answers are regular expressions (CuratedTREC): EM by `metrics.regex_match`, no
   F1, passages by a pattern search. MRR and P@ are at 20, or at `passage_k` when it is less.
   """
@@ -133,7 +136,8 @@ def found_scores(index, results: list[list[list]], answers: Sequence[Sequence[st
                                          mrr_k=min(20, passage_k),
                                          precision_k=min(20, passage_k), regex=regex))
     if per_question:
-      report["hits"]["top20"] = "".join(
-          str(int(any(metrics.has_answer(d, golds, regex) for d in docs[:20])))
-          for docs, golds in zip(ranked, answers))
+      for k in (1, 20):
+        report["hits"][f"top{k}"] = "".join(
+            str(int(any(metrics.has_answer(d, golds, regex) for d in docs[:k])))
+            for docs, golds in zip(ranked, answers))
   return report

@@ -36,7 +36,9 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
 from dpjax.index.evaluate import retrieve_texts
+from dpjax.index import hybrid
 from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, check_index, index_folder
+from dpjax.index.sparse import BUILD_HINT, SparseIndex
 from dpjax.io import read_json
 from dpjax.model_files import DEFAULT_MODEL
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
@@ -49,6 +51,7 @@ UNITS = ("phrase", "sentence", "passage", "document")
 # The eval's rescoring on a Zen 4 core ran fastest at 1,024-2,048, 3% slower at 4,096, 13% at 8,192.
 _CONVERT_ROWS = 2048
 _RESCORE_ELEMENTS = 1 << 22  # bounds the (question, hit, partner) arrays of one rescoring
+_LEXICAL_ELEMENTS = 1 << 25  # bounds the [questions, passages] BM25 scores of a hybrid search
 # The threads that score a rescoring's tokens: at most this many, each given this many rows at
 # least, so that a few questions' rescoring stays in one thread.
 _RESCORE_THREADS = 16
@@ -75,6 +78,8 @@ class Phrase:
   start_char: int
   end_char: int
   text: str
+  # Lower-scoring spans overlapping this one, merged into it (`index.merge_spans`), best first.
+  merged: list = dataclasses.field(default_factory=list)
 
 
 def half_to_float32(half: np.ndarray) -> np.ndarray:
@@ -330,6 +335,8 @@ class PhraseIndex:
 
   def _setup(self) -> None:
     self.num_vectors = int(self.manifest["num_tokens"])
+    self.sparse, self.sparse_weight, self.sparse_passages = None, 0.0, 20
+    self.merge_spans = True
     token_passage = self.dump.token_passage
     num_passages = len(self.dump.passages)
     self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
@@ -499,6 +506,54 @@ class PhraseIndex:
       return _document_key(self.dump.passages[phrase.passage])
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
 
+  def _best_units(self, starts: np.ndarray, ends: np.ndarray, scores: np.ndarray, unit: str,
+                  k: int) -> list[Phrase]:
+    """The best phrase of each of the top-k units among ranked spans; phrases overlapping a
+    better one are merged into it (`merge_spans`, phrase unit)."""
+    if unit == "phrase" and self.merge_spans:
+      leads, others = hybrid.overlap_groups(starts, ends, k)
+      best = []
+      for lead, merged in zip(leads, others):
+        phrase = self.phrase(int(starts[lead]), int(ends[lead]), float(scores[lead]))
+        phrase.merged = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+                         for i in merged]
+        best.append(phrase)
+      return best
+    return [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+            for i in self._first_of_units(starts, ends, unit)[:k]]
+
+  def _lexical_rows(self) -> int | None:
+    """Questions a hybrid search scores with BM25 at once (None: a dense search)."""
+    if self.sparse is None or not self.sparse_weight:
+      return None
+    return max(1, _LEXICAL_ELEMENTS // max(self.sparse.num_passages, 1))
+
+  def _lexical(self, q_start: np.ndarray, texts: Sequence[str] | None):
+    """(BM25 scores [Q, P], top BM25 passages per question) for hybrid search, or None for a
+    dense search."""
+    if self._lexical_rows() is None:
+      return None
+    if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
+      raise ValueError("hybrid search (index.sparse) needs the text of every question searched")
+    bm25 = self.sparse.scores(list(texts))
+    return (bm25, hybrid.top_passages(bm25, self.sparse_passages))
+
+  def use_sparse(self, sparse: SparseIndex | None, weight: float | None = None, *,
+                 passages: int = 20) -> None:
+    """Hybrid search with a BM25 index of this dump (None: dense search only): a phrase scores
+    its dense score + `weight` (default: the one recorded in the BM25 index) x its passage's
+    BM25 score; the spans of the top `passages` BM25 passages join the candidates."""
+    if sparse is not None:
+      if sparse.manifest.get("dump_id") != self.dump.manifest.get("dump_id", ""):
+        raise DumpError(f"{sparse.directory} was built from another dump than "
+                        f"{self.dump.directory}: {BUILD_HINT}")
+      weight = sparse.weight if weight is None else weight
+      if weight is None:
+        raise DumpError(f"{sparse.directory} records no hybrid weight: choose one with `run.py "
+                        "index --set index.sparse=True` (it tunes it) or set index.sparse_weight")
+      _count(passages, "index.sparse_passages")
+    self.sparse, self.sparse_weight, self.sparse_passages = sparse, float(weight or 0), passages
+
   def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
     """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
     if unit == "phrase":  # the spans are distinct already
@@ -540,14 +595,25 @@ class PhraseIndex:
   def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
              *, top_tokens: int | None = None, max_answer_length: int = 10,
              max_fetch: int | None = None, hits: tuple[np.ndarray, np.ndarray] | None = None,
-             ) -> list[list[tuple[Phrase, object]]]:
+             texts: Sequence[str] | None = None) -> list[list[tuple[Phrase, object]]]:
     """Top-k units (each with its best phrase) per question.
 
     `hits`: `self.hits(q_start, q_end, n)` of these questions, shared by several searches (e.g.
     phrases and passages): rounds that need at most n tokens use its first columns instead of
     searching the index again (the same hits, up to ties of an approximate index's scores).
+    `texts`: the questions' texts, which hybrid search (`use_sparse`) needs for BM25.
     """
     k = check_request(k, unit)
+    step = self._lexical_rows()
+    if step and len(q_start) > step:  # the BM25 scores of `step` questions at a time
+      return [found for lo in range(0, len(q_start), step) for found in self.search(
+          q_start[lo:lo + step], q_end[lo:lo + step], k, unit, top_tokens=top_tokens,
+          max_answer_length=max_answer_length, max_fetch=max_fetch,
+          texts=None if texts is None else texts[lo:lo + step],
+          hits=None if hits is None else (hits[0][lo:lo + step], hits[1][lo:lo + step]))]
+    lexical = self._lexical(q_start, texts)
+    if lexical is not None:
+      lexical += (hybrid.lexical_spans(self, q_start, q_end, lexical[1], max_answer_length),)
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)
@@ -567,10 +633,11 @@ class PhraseIndex:
                           None if wide is None else wide_row[pending])
       short = []
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
-        starts, ends, scores = starts[:fetch], ends[:fetch], scores[:fetch]
-        best = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
-                for i in self._first_of_units(starts, ends, unit)[:k]]
-        units[q] = [(p, self.unit_key(p, unit)) for p in best]
+        ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
+        if lexical is not None:
+          ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
+                               self.sparse_weight)
+        units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
         if len(units[q]) < k and fetch < max_fetch:
           short.append(q)
       pending = np.array(short, dtype=np.int64)
@@ -587,6 +654,9 @@ class PhraseIndex:
     if unit == "sentence":
       s, e = self.sentence_of(phrase)
       out["sentence"] = passage.text[s:e].strip()
+    if phrase.merged:
+      out["merged"] = [{"answer": m.text, "score": m.score, "start_char": m.start_char,
+                        "end_char": m.end_char} for m in phrase.merged]
     return out
 
 
@@ -722,8 +792,9 @@ class DensePhrases:
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
              **kwargs) -> list[list[dict]] | list[dict]:
     single = isinstance(questions, str)
-    q_start, q_end = self.encode([questions] if single else questions)
-    found = self.index.search(q_start, q_end, k, unit, **kwargs)
+    texts = [questions] if single else list(questions)
+    q_start, q_end = self.encode(texts)
+    found = self.index.search(q_start, q_end, k, unit, texts=texts, **kwargs)
     results = [[self.index.result(p, unit) for p, _ in units] for units in found]
     return results[0] if single else results
 

@@ -1,0 +1,89 @@
+"""Hybrid search's BM25 index and weight (`run.py index` with `index.sparse`).
+
+The BM25 index of the dump's passages is built beside the faiss indexes (`dpjax.index.sparse`).
+Without `index.sparse_weight`, the weight is chosen on questions the evaluation never reports: a
+seeded sample of `index.sparse_tune_questions` training questions (their passages are in the
+corpus of SQuAD-open; another corpus names its own with `index.sparse_tune_file`). Each weight
+of the grid is scored on them by phrase EM@1 and passage Top-1 (one index search shared by all
+weights), the one with the best mean is recorded in the BM25 index's manifest with every
+weight's scores; ties go to the smaller weight.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from dpjax.data import data_files
+from dpjax.data.questions import read_questions, sample_questions
+from dpjax.errors import ConfigError
+from dpjax.index.dump import Dump
+from dpjax.index.evaluate import found_scores, score_requests
+from dpjax.index.sparse import SparseIndex, build_sparse, record_weight
+from dpjax.workdir import load_searcher
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # the grid a weight is chosen from
+TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are the dev split)
+
+
+def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
+  """Builds the dump's BM25 index (kept if already built from this dump) and, unless
+  `index.sparse_weight` is set, chooses and records its weight."""
+  dump = Dump.load(workdir / config.index.dump_name)
+  folder = build_sparse(dump.directory, dump.passages, dump.manifest)
+  sparse = SparseIndex(dump.directory, dump.manifest)
+  if config.index.sparse_weight is not None:
+    record_weight(dump.directory, config.index.sparse_weight, {"set": "index.sparse_weight"})
+    log.info("hybrid weight %g (index.sparse_weight)", config.index.sparse_weight)
+  elif sparse.weight is None or "scores" not in sparse.manifest.get("weight_tuning", {}):
+    weight, tuning = choose_weight(config, workdir)
+    record_weight(dump.directory, weight, tuning)
+  else:
+    log.info("hybrid weight %g, recorded in %s", sparse.weight, folder)
+  return folder
+
+
+def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
+  """The held-out questions the weight is chosen on, and their file."""
+  path = config.index.get("sparse_tune_file") or ""
+  if not path:
+    files = data_files(config.data, workdir)
+    if "train" not in files:
+      raise ConfigError("index.sparse: no training questions to choose the weight on; set "
+                        "index.sparse_weight or index.sparse_tune_file")
+    path = str(files["train"])
+  questions = sample_questions(read_questions(path), config.index.sparse_tune_questions,
+                               TUNE_SEED)
+  return questions, path
+
+
+def choose_weight(config, workdir: pathlib.Path) -> tuple[float, dict]:
+  """(the weight of `WEIGHTS` with the best mean of EM@1 and passage Top-1 on the held-out
+  questions, a record of how it was chosen)."""
+  questions, path = tune_questions(config, workdir)
+  dense = config.copy_and_resolve_references()
+  dense.index.sparse = False  # the weight is set below, weight by weight
+  searcher, step = load_searcher(dense, workdir)
+  index = searcher.index
+  sparse = SparseIndex(index.dump.directory, index.dump.manifest)
+  texts, answers = [q.question for q in questions], [q.answers for q in questions]
+  q_start, q_end = searcher.encode(texts)
+  requests = score_requests(passage_k=20)
+  width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
+  hits = index.hits(q_start, q_end, width)  # shared: each hit rescored once for all weights
+  scores = {}
+  for weight in WEIGHTS:
+    index.use_sparse(sparse, weight, passages=config.index.sparse_passages)
+    found = [index.search(q_start, q_end, k, unit, hits=hits, texts=texts,
+                          max_answer_length=config.eval.max_answer_length)
+             for k, unit in requests]
+    report = found_scores(index, found, answers, passage_k=20, passage_ks=(1, 5, 20))
+    scores[str(weight)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
+    log.info("hybrid weight %g: %s", weight, scores[str(weight)])
+  best = max(WEIGHTS, key=lambda w: (scores[str(w)]["em@1"] + scores[str(w)]["top1"], -w))
+  log.info("hybrid weight %g chosen on %d questions of %s", best, len(questions), path)
+  return best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
+                "criterion": "mean of EM@1 and passage Top-1", "model_step": step,
+                "index": config.index.search_index, "passages": config.index.sparse_passages,
+                "scores": scores}

@@ -1,0 +1,105 @@
+"""Hybrid search: dense phrase scores fused with their passages' BM25 scores, and the merging of
+overlapping spans into one answer.
+
+A question's candidate phrases are the phrase index's (`PhraseIndex.search`'s dense spans) and
+the spans of the top `passages` BM25 passages, scored exactly as an exhaustive search over each
+such passage's tokens scores them (every token as a start paired with its best end, and as an end
+with its best start). Every candidate gets
+
+    fused = dense score + weight x BM25(question, its passage)
+
+with the raw BM25 score (not normalised: both terms are sums of evidence on scales fixed per
+index and model, so one weight chosen on held-out questions fits them, as Pyserini's dense-sparse
+fusion adds raw scores). A weight of 0 is the dense search itself, without BM25's candidates.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+# Bounds the [questions, anchors, max_answer_length] arrays of one exhaustive rescoring.
+_EXHAUSTIVE_ELEMENTS = 1 << 22
+
+
+def top_passages(lexical: np.ndarray, count: int) -> list[np.ndarray]:
+  """Per question (row of [Q, P] BM25 scores), its top `count` passage rows with a score > 0
+  (a passage sharing no term with the question is no lexical evidence), best first."""
+  count = min(count, lexical.shape[1])
+  if count < 1:
+    return [np.zeros(0, np.int64) for _ in lexical]
+  part = np.argpartition(-lexical, count - 1, axis=1)[:, :count]
+  out = []
+  for row, picks in zip(lexical, part):
+    picks = picks[np.argsort(-row[picks], kind="stable")]
+    out.append(picks[row[picks] > 0].astype(np.int64))
+  return out
+
+
+def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Sequence[np.ndarray],
+                  max_answer_length: int) -> list[tuple[np.ndarray, ...]]:
+  """Per question, (starts, ends, dense scores) of every best span of the tokens of its
+  `passages` (rows), as an exhaustive search over those tokens finds them (`index._rescore`
+  with every token as a start hit and as an end hit); -inf spans left out."""
+  tokens = [np.concatenate([np.arange(index.passage_start[p], index.passage_end[p])
+                            for p in rows]) if len(rows) else np.zeros(0, np.int64)
+            for rows in passages]
+  out: list = [None] * len(tokens)
+  order = np.argsort([len(t) for t in tokens], kind="stable")  # similar widths share a call
+  at = 0
+  while at < len(order):
+    width = max(len(tokens[order[at]]), 1)
+    chunk = max(1, _EXHAUSTIVE_ELEMENTS // (2 * width * max_answer_length))
+    rows = order[at:at + chunk]
+    width = max(max(len(tokens[q]) for q in rows), 1)
+    anchors = np.full((len(rows), width), -1, np.int64)
+    for i, q in enumerate(rows):
+      anchors[i, :len(tokens[q])] = tokens[q]
+    scores, starts, ends = index._rescore(q_start[rows], q_end[rows], anchors, anchors,
+                                          max_answer_length)
+    for i, q in enumerate(rows):
+      keep = np.isfinite(scores[i])
+      out[q] = (starts[i, keep], ends[i, keep], scores[i, keep])
+    at += len(rows)
+  return out
+
+
+def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: np.ndarray,
+         token_passage: np.ndarray, weight: float) -> tuple[np.ndarray, ...]:
+  """One question's distinct candidate spans, (starts, ends, fused scores) best first.
+
+  dense / lexical: (starts, ends, dense scores) of the phrase index's spans and of the BM25
+  passages' spans; bm25: [P] the question's BM25 score of every passage. A span both found is
+  kept once (at its dense place: ties in rank keep the dense search's order first).
+  """
+  starts = np.concatenate([dense[0], lexical[0]]).astype(np.int64)
+  ends = np.concatenate([dense[1], lexical[1]]).astype(np.int64)
+  scores = np.concatenate([dense[2], lexical[2]]).astype(np.float32)
+  keys = starts * len(token_passage) + ends
+  first = np.sort(np.unique(keys, return_index=True)[1])
+  starts, ends, scores = starts[first], ends[first], scores[first]
+  fused = scores + np.float32(weight) * bm25[token_passage[starts]]
+  order = np.argsort(-fused, kind="stable")
+  return starts[order], ends[order], fused[order]
+
+
+def overlap_groups(starts: np.ndarray, ends: np.ndarray, k: int) -> tuple[list[int], list[list]]:
+  """Ranked spans (token ids, best first) grouped by overlap: up to k groups, each led by its
+  best span, with the positions of the lower-ranked spans that overlap the lead (spans of one
+  passage sharing a token: token ids are global, so they share a passage). Returns (leads,
+  others per lead)."""
+  leads: list[int] = []
+  bounds: list[tuple[int, int]] = []
+  others: list[list[int]] = []
+  for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+    for group, (lead_start, lead_end) in enumerate(bounds):
+      if s <= lead_end and lead_start <= e:
+        others[group].append(i)
+        break
+    else:
+      if len(leads) == k:
+        break
+      leads.append(i)
+      bounds.append((s, e))
+      others.append([])
+  return leads, others

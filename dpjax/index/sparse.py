@@ -1,0 +1,141 @@
+"""The BM25 index of a dump's passages, the lexical half of hybrid search.
+
+BM25 as the project's BM25 peer computes it (experiments/benchmarks/passage_retrieval.py):
+bm25s with k1 0.9 and b 0.4 (Pyserini's defaults), English stop words and the Snowball English
+stemmer of PyStemmer, over "title text" of each passage. It is written into
+`<dump>/indexes/bm25/` beside the faiss indexes, through a temporary folder renamed when
+complete, with a manifest that names the dump it was built from (refused against any other),
+each file's size and digest, and the hybrid weight chosen for it (`record_weight`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+from typing import Sequence
+
+import numpy as np
+
+from dpjax.errors import DumpError
+from dpjax.io import (checksum_problems, commit_directory, folder_checksums, read_json, remove,
+                      write_json)
+
+log = logging.getLogger(__name__)
+
+FOLDER = "bm25"
+MANIFEST = "sparse_manifest.json"
+SETTINGS = {"method": "bm25 (bm25s, lucene idf)", "k1": 0.9, "b": 0.4, "stopwords": "en",
+            "stemmer": "snowball english (PyStemmer)", "text": "title text"}
+BUILD_HINT = "build it with `run.py index --set index.sparse=True`"
+
+
+def sparse_folder(dump_dir: str | os.PathLike) -> pathlib.Path:
+  return pathlib.Path(dump_dir) / "indexes" / FOLDER
+
+
+def _bm25s():
+  try:
+    import bm25s
+    import Stemmer
+  except ImportError as e:  # declared in setup.py; an image without them cannot search lexically
+    raise DumpError(f"hybrid search needs bm25s and PyStemmer ({e}): "
+                    "pip install bm25s PyStemmer") from None
+  return bm25s, Stemmer.Stemmer("english")
+
+
+def tokenize(texts: Sequence[str]) -> list[list[str]]:
+  """Stemmed terms of each text, as the index's passages were tokenized."""
+  bm25s, stemmer = _bm25s()
+  return bm25s.tokenize(list(texts), stopwords="en", stemmer=stemmer, return_ids=False,
+                        show_progress=False)
+
+
+def passage_text(passage) -> str:
+  return f"{passage.title} {passage.text}"
+
+
+def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest: dict,
+                 ) -> pathlib.Path:
+  """Builds and writes the BM25 index of a complete dump's passages (in row order); returns its
+  folder. A BM25 index of the same dump already there is kept with its recorded weight."""
+  final = sparse_folder(dump_dir)
+  if (final / MANIFEST).is_file():
+    try:
+      SparseIndex(dump_dir, dump_manifest)
+      log.info("BM25 index %s: already built from this dump", final)
+      return final
+    except DumpError as e:
+      log.warning("%s; building it again", e)
+  bm25s, stemmer = _bm25s()
+  start = time.perf_counter()
+  texts = [passage_text(p) for p in passages]
+  retriever = bm25s.BM25(k1=SETTINGS["k1"], b=SETTINGS["b"])
+  retriever.index(bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False),
+                  show_progress=False)
+  tmp = final.with_name(final.name + ".tmp")
+  remove(tmp)
+  tmp.mkdir(parents=True)
+  try:
+    retriever.save(str(tmp), show_progress=False)
+    files = folder_checksums(tmp)
+    manifest = {"kind": "bm25", "settings": SETTINGS, "num_passages": len(texts),
+                "fingerprint": dump_manifest["fingerprint"],
+                "dump_id": dump_manifest.get("dump_id", ""),
+                "index_bytes": sum(f["bytes"] for f in files.values()),
+                "build_seconds": time.perf_counter() - start, "weight": None, "files": files}
+    write_json(tmp / MANIFEST, manifest)
+    remove(final)
+    commit_directory(tmp, final)
+  except BaseException:
+    remove(tmp)
+    raise
+  log.info("BM25 index %s: %d passages, %.1f s", final, len(texts), manifest["build_seconds"])
+  return final
+
+
+def record_weight(dump_dir: str | os.PathLike, weight: float, tuning: dict) -> None:
+  """Records the hybrid weight (and how it was chosen) in the BM25 index's manifest."""
+  path = sparse_folder(dump_dir) / MANIFEST
+  manifest = read_json(path, DumpError, BUILD_HINT)
+  manifest.update(weight=float(weight), weight_tuning=tuning)
+  write_json(path, manifest)
+
+
+class SparseIndex:
+  """A dump's BM25 index, checked against the dump: `scores(texts)` gives every passage's BM25
+  score for each question."""
+
+  def __init__(self, dump_dir: str | os.PathLike, dump_manifest: dict, *, verify: bool = False):
+    self.directory = sparse_folder(dump_dir)
+    if not (self.directory / MANIFEST).is_file():
+      raise DumpError(f"{self.directory}: no BM25 index for hybrid search (index.sparse); "
+                      f"{BUILD_HINT}")
+    self.manifest = read_json(self.directory / MANIFEST, DumpError, BUILD_HINT)
+    problems = checksum_problems(self.directory, self.manifest.get("files", {}), contents=verify)
+    if problems:
+      raise DumpError(f"{problems[0]}: the BM25 index is damaged; {BUILD_HINT}")
+    if (self.manifest.get("dump_id") != dump_manifest.get("dump_id", "")
+        or self.manifest.get("fingerprint") != dump_manifest["fingerprint"]
+        or self.manifest.get("num_passages") != dump_manifest["num_passages"]):
+      raise DumpError(f"{self.directory} was built from another dump than the one in "
+                      f"{pathlib.Path(dump_dir)} ({self.manifest.get('num_passages')} passages, "
+                      f"dump {self.manifest.get('dump_id')!r}; the dump: "
+                      f"{dump_manifest['num_passages']}, {dump_manifest.get('dump_id', '')!r}): "
+                      f"{BUILD_HINT}")
+    bm25s, _ = _bm25s()
+    self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
+    self.num_passages = int(self.manifest["num_passages"])
+
+  @property
+  def weight(self) -> float | None:
+    """The hybrid weight recorded for this index (None: not chosen yet)."""
+    return self.manifest.get("weight")
+
+  def scores(self, texts: Sequence[str]) -> np.ndarray:
+    """BM25 score of every passage for each text, [Q, passages] float32 (0: no shared term)."""
+    out = np.zeros((len(texts), self.num_passages), np.float32)
+    for row, terms in enumerate(tokenize(texts)):
+      if terms:
+        out[row] = self.retriever.get_scores(terms)
+    return out

@@ -1,0 +1,197 @@
+"""Hybrid search (dense phrase score + weight x BM25) and merged overlapping spans, on the toy
+index of test_search.py whose right answers are known."""
+import json
+import math
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dpjax.errors import DumpError
+from dpjax.index import hybrid, sparse
+from dpjax.index.dump import Dump
+from dpjax.index.faiss_index import build_index
+from dpjax.index.search import PhraseIndex, half_to_float32
+from test_search import ANSWERS, PASSAGES, _toy_dump
+
+# One question per toy answer (ANSWERS' order), sharing words with its passage.
+QUESTIONS = ["Who found Alpha in 1911?", "What does Beta burn near the core?",
+             "When did astronomers name Beta?", "What is the tail of Gamma made of?",
+             "What are the two moons of Alpha called?"]
+LENGTH = 10  # max_answer_length
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("toy")
+  q_start, q_end = _toy_dump(directory)
+  build_index(directory, "Flat")
+  dump = Dump.load(directory)
+  sparse.build_sparse(directory, dump.passages, dump.manifest)
+  return directory, q_start, q_end
+
+
+def _bm25_reference(passages, question, k1=0.9, b=0.4):
+  """Lucene's BM25 (Pyserini's; since Lucene 8 without the (k1 + 1) factor of Robertson's
+  formula), spelled out over the index's terms."""
+  docs = [Counter(terms) for terms in sparse.tokenize([sparse.passage_text(p) for p in passages])]
+  lengths = np.array([sum(d.values()) for d in docs], float)
+  scores = np.zeros(len(docs))
+  for term in sparse.tokenize([question])[0]:
+    df = sum(term in d for d in docs)
+    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+    for row, d in enumerate(docs):
+      tf = d[term]
+      scores[row] += idf * tf / (tf + k1 * (1 - b + b * lengths[row] / lengths.mean()))
+  return scores
+
+
+def test_bm25_scores_are_lucenes(toy):
+  directory = toy[0]
+  dump = Dump.load(directory)
+  index = sparse.SparseIndex(directory, dump.manifest)
+  got = index.scores(QUESTIONS)
+  for row, question in enumerate(QUESTIONS):
+    np.testing.assert_allclose(got[row], _bm25_reference(PASSAGES, question), rtol=1e-5)
+  assert got[0].argmax() == ANSWERS[0][0]  # "found Alpha in 1911": the passage that says so
+  assert not sparse.SparseIndex(directory, dump.manifest).scores(["zzz qqq"]).any()
+
+
+def _exhaustive(vectors, token_passage, q_start, q_end, tokens):
+  """Every token of `tokens` as a start with its best end, and as an end with its best start
+  (nearest on ties), within LENGTH tokens of one passage: {(start, end): score}."""
+  s, e = vectors[tokens] @ q_start, vectors[tokens] @ q_end
+  found = {}
+  for a, i in enumerate(tokens):
+    ends = [b for b in range(a, min(a + LENGTH, len(tokens)))
+            if token_passage[tokens[b]] == token_passage[i]]
+    b = max(ends, key=lambda b: (s[a] + e[b], -b))
+    found.setdefault((int(i), int(tokens[b])), float(s[a] + e[b]))
+    starts = [c for c in range(max(a - LENGTH + 1, 0), a + 1)
+              if token_passage[tokens[c]] == token_passage[i]]
+    c = max(starts, key=lambda c: (s[c] + e[a], c))
+    found.setdefault((int(tokens[c]), int(i)), float(s[c] + e[a]))
+  return found
+
+
+@pytest.mark.parametrize("weight", [0.05, 0.5, 3.0])
+def test_fused_ranking_equals_a_numpy_reference(toy, weight):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  index.merge_spans = False
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  index.use_sparse(bm25, weight, passages=2)
+  found = index.search(q_start, q_end, k=8, unit="phrase", texts=QUESTIONS,
+                       max_answer_length=LENGTH)
+  vectors = half_to_float32(np.asarray(index.dump.vectors))
+  lexical = bm25.scores(QUESTIONS)
+  for q in range(len(QUESTIONS)):
+    fetch = index.fetch_bounds(8)[0]
+    starts, ends, scores = index._spans(q_start[q:q + 1], q_end[q:q + 1], fetch, LENGTH)[0]
+    candidates = {}
+    for s, e, x in zip(starts[:fetch], ends[:fetch], scores[:fetch]):
+      candidates.setdefault((int(s), int(e)), float(x))
+    for p in np.argsort(-lexical[q], kind="stable")[:2]:
+      tokens = np.arange(index.passage_start[p], index.passage_end[p])
+      for span, x in _exhaustive(vectors, index.dump.token_passage, q_start[q], q_end[q],
+                                 tokens).items():
+        candidates.setdefault(span, x)
+    ranked = sorted(((x + weight * lexical[q][index.dump.token_passage[s]], (s, e))
+                     for (s, e), x in candidates.items()), key=lambda t: -t[0])[:8]
+    assert [(p.start_token, p.end_token) for p, _ in found[q]] == [span for _, span in ranked]
+    np.testing.assert_allclose([p.score for p, _ in found[q]], [x for x, _ in ranked],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_weight_zero_is_the_dense_search(toy):
+  directory, q_start, q_end = toy
+  dense, fused = PhraseIndex(directory, "Flat"), PhraseIndex(directory, "Flat")
+  fused.use_sparse(sparse.SparseIndex(directory, fused.dump.manifest), 0.0)
+  for unit in ("phrase", "sentence", "passage", "document"):
+    a = dense.search(q_start, q_end, k=4, unit=unit)
+    b = fused.search(q_start, q_end, k=4, unit=unit, texts=QUESTIONS)
+    assert [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in a] == [
+        [(p.start_token, p.end_token, p.score) for p, _ in u] for u in b]
+
+
+def test_a_passage_only_bm25_finds_is_scored_as_an_exhaustive_search(toy):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  # Question 0's vectors point at passage 1; its text shares words only with passage 5.
+  text = ["Halley returns every 76 years?"]
+  starts = index._spans(q_start[:1], q_end[:1], 2, LENGTH)[0][0]  # the dense candidates
+  assert 5 not in index.dump.token_passage[starts]
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  lexical = bm25.scores(text)[0]
+  index.use_sparse(bm25, 1000.0, passages=1)  # BM25's passage wins whatever its dense score
+  top = index.search(q_start[:1], q_end[:1], k=1, unit="passage", top_tokens=2, texts=text)[0][0][0]
+  alone = PhraseIndex.over_passages(index.dump, [5])
+  exact = alone.search(q_start[:1], q_end[:1], k=1, unit="phrase",
+                       top_tokens=alone.num_vectors)[0][0][0]
+  assert top.passage == 5 and (top.start_token, top.end_token) == (exact.start_token,
+                                                                    exact.end_token)
+  assert top.score == pytest.approx(exact.score + 1000.0 * lexical[5], rel=1e-6)
+
+
+def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
+  directory = toy[0]
+  other = tmp_path / "other"
+  _toy_dump(other)
+  build_index(other, "Flat")
+  manifest = Dump.load(other).manifest
+  with pytest.raises(DumpError, match=r"no BM25 index .*run.py index --set index.sparse=True"):
+    sparse.SparseIndex(other, manifest)
+  # Another dump's BM25 index (its passages differ: another corpus) is refused by name.
+  shutil.copytree(sparse.sparse_folder(directory), sparse.sparse_folder(other))
+  record = json.loads((sparse.sparse_folder(other) / sparse.MANIFEST).read_text())
+  record["dump_id"] = "another"
+  (sparse.sparse_folder(other) / sparse.MANIFEST).write_text(json.dumps(record))
+  with pytest.raises(DumpError, match=r"indexes/bm25 was built from another dump"):
+    sparse.SparseIndex(other, manifest)
+  record["dump_id"] = manifest.get("dump_id", "")
+  (sparse.sparse_folder(other) / sparse.MANIFEST).write_text(json.dumps(record))
+  damaged = sparse.sparse_folder(other) / "vocab.index.json"
+  damaged.write_text(damaged.read_text() + " ")
+  with pytest.raises(DumpError, match=r"vocab.index.json: .*bytes.*BM25 index is damaged"):
+    sparse.SparseIndex(other, manifest)
+  index = PhraseIndex(directory, "Flat")
+  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
+  with pytest.raises(ValueError, match="needs the text of every question"):
+    index.search(toy[1], toy[2], k=2)
+
+
+def test_overlapping_spans_are_one_answer_with_the_others_as_evidence(toy):
+  directory, q_start, q_end = toy
+  merged, apart = PhraseIndex(directory, "Flat"), PhraseIndex(directory, "Flat")
+  apart.merge_spans = False
+  for q in range(len(q_start)):
+    # One round of 60 hits each: both rank the same candidate spans.
+    one = [p for p, _ in merged.search(q_start[q:q + 1], q_end[q:q + 1], k=6, top_tokens=60,
+                                       max_fetch=60)[0]]
+    all_spans = [p for p, _ in apart.search(q_start[q:q + 1], q_end[q:q + 1], k=60,
+                                            top_tokens=60, max_fetch=60)[0]]
+    for a in range(len(one)):  # no two answers overlap
+      for b in range(a):
+        assert one[a].end_token < one[b].start_token or one[b].end_token < one[a].start_token
+    # The answers are the greedy groups of the unmerged ranking: leads in order, evidence kept.
+    leads, others = hybrid.overlap_groups(np.array([p.start_token for p in all_spans]),
+                                          np.array([p.end_token for p in all_spans]), 6)
+    assert [(p.start_token, p.end_token, p.score) for p in one] == [
+        (all_spans[i].start_token, all_spans[i].end_token, all_spans[i].score) for i in leads]
+    for p, rows in zip(one, others):
+      assert [(m.start_token, m.end_token) for m in p.merged] == [
+          (all_spans[i].start_token, all_spans[i].end_token) for i in rows]
+      assert all(m.start_token <= p.end_token and p.start_token <= m.end_token
+                 for m in p.merged)
+  with_evidence = [p for p, _ in merged.search(q_start, q_end, k=3)[0] if p.merged]
+  result = merged.result(with_evidence[0])
+  assert set(result["merged"][0]) == {"answer", "score", "start_char", "end_char"}
+  assert result["merged"][0]["score"] <= result["score"]
+
+
+def test_overlap_groups_by_hand():
+  starts, ends = np.array([5, 6, 20, 4, 30, 21, 40]), np.array([7, 6, 22, 5, 31, 25, 41])
+  assert hybrid.overlap_groups(starts, ends, 3) == ([0, 2, 4], [[1, 3], [5], []])
+  # It stops at the first span of a group past the k-th: later evidence is not looked for.
+  assert hybrid.overlap_groups(starts, ends, 1) == ([0], [[1]])
