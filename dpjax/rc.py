@@ -29,7 +29,7 @@ from dpjax.data.squad import Passage, PassageWindows, Question, RCFeatures, buil
 from dpjax.errors import DataError
 from dpjax.io import write_json
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
-from dpjax.models.reader import CrossEncoderReader, create_reader, logits_fn
+from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
 
@@ -201,6 +201,7 @@ def read_retrieved(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config
   says which retrieved passage won. None for a question with no passage.
 
   `questions_per_call` questions are windowed and read at a time (host memory bounded)."""
+  check_input_length(reader, data_config)
   answers: list[ReadAnswer | None] = []
   for lo in range(0, len(questions), questions_per_call):
     part = slice(lo, lo + questions_per_call)
@@ -214,12 +215,19 @@ def read_retrieved(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config
       start, end, score = window_spans(features.windows, w, logits[..., 0], logits[..., 1],
                                        max_answer_length)
       for f, qi in enumerate(features.question_index[feats].tolist()):
-        if np.isfinite(score[f]) and score[f] > getattr(best.get(qi), "score", -np.inf):
+        if _better(float(score[f]), int(rank[feats[f]]), best.get(qi)):
           best[qi] = _read_answer(features.windows, passages, int(w[f]), int(start[f]),
                                   int(end[f]), float(score[f]), int(passage_rows[w[f]]),
                                   int(rank[feats[f]]))
     answers += [best.get(qi) for qi in range(len(questions[part]))]
   return answers
+
+
+def _better(score: float, rank: int, best: ReadAnswer | None) -> bool:
+  """A span beats the best so far by its score; at an equal score, the better-ranked passage's
+  (batches come longest first, not in rank order)."""
+  return np.isfinite(score) and (best is None or score > best.score
+                                 or (score == best.score and rank < best.rank))
 
 
 def _read_answer(windows: PassageWindows, passages: Sequence[Passage], w: int, start: int,

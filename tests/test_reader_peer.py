@@ -1,5 +1,7 @@
 """The cross-encoder reader over retrieved passages (`rc.read_retrieved`): its answer is the best
 span over every window of a question's passages, as an exhaustive numpy search finds it."""
+import json
+
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -8,9 +10,14 @@ import pytest
 from dpjax.config import load_config
 from dpjax.data.batches import cross_encoder_inputs
 from dpjax.data.squad import Passage, build_windows
+from dpjax.errors import ConfigError
 from dpjax.models.reader import create_reader
 from dpjax.parallel import make_mesh
+from dpjax import rc
 from dpjax.rc import read_retrieved
+
+import run
+from conftest import load_script
 
 # Short windows, a stride that overlaps them unevenly, spans of at most 3 tokens: long passages
 # are cut into several windows and the best span must stay inside one of them.
@@ -116,3 +123,56 @@ def test_questions_read_in_parts_answer_as_all_at_once(reader, tokenizer):
       (a.text, a.passage_row) if a else None for a in whole]
   assert read_retrieved(reader, tokenizer, DATA, ["Anything?"], PASSAGES, [[-1]], mesh=mesh,
                         batch_size=8) == [None]
+
+  long = ml_collections.ConfigDict({**DATA.to_dict(), "max_seq_length": 500,
+                                    "max_query_length": 14})  # 513 tokens, 512 positions
+  with pytest.raises(ConfigError, match="up to 513 tokens.*512 positions"):
+    read_retrieved(reader, tokenizer, long, QUESTIONS, PASSAGES, RETRIEVED, mesh=mesh,
+                   batch_size=8)
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_equal_scores_go_to_the_better_ranked_passage(reader, tokenizer, monkeypatch,
+                                                      backwards):
+  """The same passage under two rows: the span scores the same in both, the first rank wins
+  whatever order the reader's rows come in (here also one by one, last first)."""
+  if backwards:
+    original = rc.reader_logits
+
+    def reader_logits(*args, **kwargs):
+      rows = [(r, l) for part, logits in original(*args, **kwargs)
+              for r, l in zip(part, logits)]
+      for row, logits in rows[::-1]:
+        yield np.array([row]), logits[None]
+    monkeypatch.setattr(rc, "reader_logits", reader_logits)
+  twins = PASSAGES + [PASSAGES[0]]
+  for retrieved in ([[0, 5]], [[5, 0]]):
+    (answer,) = rc.read_retrieved(reader, tokenizer, DATA, QUESTIONS[:1], twins, retrieved,
+                                  mesh=make_mesh(), batch_size=8)
+    assert (answer.rank, answer.passage_row) == (0, retrieved[0][0])
+
+
+@pytest.mark.slow
+def test_reader_peer_benchmark_tiny(tmp_path):
+  """`experiments/benchmarks/reader_peer.py` end to end on the tiny pipeline: a phrase model,
+  its dump and Flat index, and a reader, all in one workdir."""
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  for mode in ("train", "dump", "index", "teacher"):
+    assert run.main([mode] + base) == 0, mode
+  out = tmp_path / "peer.json"
+  script = load_script("experiments/benchmarks/reader_peer.py")
+  assert script.main(base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2",
+                             "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "bm25+reader"]
+  assert results["k"] == 3 and results["questions"] == 12  # demo:tiny, 4 x 3 dev questions
+  for name, row in results["systems"].items():
+    p = row["passages"]
+    assert 0 <= p["top1"] <= p["top3"] <= 100 and 0 <= row["em@1"] <= 100, name
+    assert len(row["hits"]["em@1"]) == 12
+    assert abs(row["em@1"] - 100 * row["hits"]["em@1"].count("1") / 12) < 1e-9
+    qps = row["questions_per_sec"]
+    assert qps["pipeline"] <= min(qps.values())  # the pipeline is retrieval, then reading
+  # Reading does not change what was retrieved: dpjax's passages are the same with and without.
+  assert results["systems"]["dpjax"]["passages"] == results["systems"]["dpjax+reader"]["passages"]
+  assert "| bm25+reader |" in out.with_suffix(".md").read_text()
