@@ -175,4 +175,7 @@ def test_reader_peer_benchmark_tiny(tmp_path):
     assert qps["pipeline"] <= min(qps.values())  # the pipeline is retrieval, then reading
   # Reading does not change what was retrieved: dpjax's passages are the same with and without.
   assert results["systems"]["dpjax"]["passages"] == results["systems"]["dpjax+reader"]["passages"]
+  for name in ("dpjax+reader", "bm25+reader"):
+    row = results["systems"][name]
+    assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
   assert "| bm25+reader |" in out.with_suffix(".md").read_text()
