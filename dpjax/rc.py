@@ -1,30 +1,40 @@
-"""Reading-comprehension prediction and evaluation for the phrase model.
+"""Reading-comprehension prediction and evaluation for the phrase model, and the cross-encoder
+reader over retrieved passages.
 
 A question's answer in a passage window is the span (i, j), i <= j < i + max_answer_length, of
 context tokens with the highest q_start . h_i + q_end . h_j; the start token must be in its
 "max context" window, so a token shared by overlapping windows is scored once. The best span over
 all windows of the question's passage is the prediction; EM/F1 use the official scorer. The
 cross-encoder teacher (`models.reader`) is scored the same way from its start/end logits.
+
+`read_retrieved` is the retriever-reader pipeline's second half: the reader reads each
+question's top-k retrieved passages (BM25's, or dpjax's passage search) and answers with the best
+span over all their windows.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import pathlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from dpjax import metrics
+from dpjax.checkpoint import restore_params
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import cross_batch
-from dpjax.data.squad import Passage, Question, RCFeatures
+from dpjax.data.squad import Passage, PassageWindows, Question, RCFeatures, build_windows
+from dpjax.errors import DataError
 from dpjax.io import write_json
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
-from dpjax.models.reader import CrossEncoderReader, logits_fn
+from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
 
 log = logging.getLogger(__name__)
+READER_CHECKPOINTS = "teacher/checkpoints"  # where `run.py teacher` saves the reader
 
 
 def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.ndarray,
@@ -81,15 +91,24 @@ def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
   return {qi: text for qi, (_, text) in best.items()}
 
 
+def window_spans(windows: PassageWindows, w: np.ndarray, start_scores: np.ndarray,
+                 end_scores: np.ndarray, max_answer_length: int):
+  """The best span of each of windows `w` [F] given its token scores [F, L'] (L' <= L: the
+  columns past L' are padding): it starts at a context token of its max-context window (a token
+  shared by overlapping windows is a start in one of them only) and ends at a context token of
+  the same window. Returns `best_spans`' (start [F], end [F], score [F]), window positions."""
+  width = start_scores.shape[1]
+  return best_spans(start_scores, end_scores,
+                    (windows.context_mask[w] & windows.is_max_context[w])[:, :width],
+                    windows.context_mask[w, :width], max_answer_length)
+
+
 def keep_best(best: dict, features: RCFeatures, passages: list[Passage], feats: np.ndarray,
               start_scores: np.ndarray, end_scores: np.ndarray, max_answer_length: int) -> None:
   """Updates `best` ({question index: (score, answer text)}) with the best span of each feature
   row `feats` given its token scores [F, L'] (L' <= L: the columns past L' are padding)."""
   windows, w = features.windows, features.window_index[feats]
-  width = start_scores.shape[1]
-  start, end, score = best_spans(start_scores, end_scores,
-                                 (windows.context_mask[w] & windows.is_max_context[w])[:, :width],
-                                 windows.context_mask[w, :width], max_answer_length)
+  start, end, score = window_spans(windows, w, start_scores, end_scores, max_answer_length)
   for f, qi in enumerate(features.question_index[feats].tolist()):
     if np.isfinite(score[f]) and score[f] > best.get(qi, (-np.inf, ""))[0]:
       context = passages[windows.passage_index[w[f]]].text
@@ -122,6 +141,114 @@ def predict_rc_reader(reader, features: RCFeatures, passages: list[Passage], *, 
                                     batch_size=batch_size):
     keep_best(best, features, passages, rows, logits[..., 0], logits[..., 1], max_answer_length)
   return {qi: text for qi, (_, text) in best.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadAnswer:
+  """The reader's answer to a question from its retrieved passages (`read_retrieved`)."""
+  text: str
+  score: float  # the reader's start logit + end logit of the span
+  passage_row: int  # the passage it is read from: a row of `passages`
+  rank: int  # that passage's place in the question's retrieved list (0: the retriever's first)
+  char_start: int  # passages[passage_row].text[char_start:char_end] == text
+  char_end: int
+  token_start: int  # the span's first and last context tokens in the passage (not the window)
+  token_end: int
+
+
+def retrieved_features(tokenizer: Tokenizer, data_config, questions: Sequence[str],
+                       passages: Sequence[Passage], retrieved: Sequence[Sequence[int]],
+                       ) -> tuple[RCFeatures, np.ndarray, np.ndarray]:
+  """One feature per (question, window of one of its retrieved passages), windowed as RC's
+  (`data.max_seq_length`, `doc_stride`, `include_title`; questions cut at `max_query_length`).
+
+  Each distinct passage is windowed once; rows below 0 (a retriever's padding) and a row
+  repeated in a question's list (after its first place) are skipped. Returns (features, the
+  row in `passages` of each window's passage [W], the rank of each feature's passage [N])."""
+  rows = np.unique(np.asarray([r for ranked in retrieved for r in ranked if r >= 0], np.int64))
+  windows, _ = build_windows(tokenizer, [passages[r] for r in rows.tolist()],
+                             max_seq_length=data_config.max_seq_length,
+                             doc_stride=data_config.doc_stride,
+                             include_title=data_config.include_title)
+  q_ids, q_mask = tokenizer.encode(list(questions), data_config.max_query_length)
+  windows_of = collections.defaultdict(list)  # local passage index -> its windows
+  for w, local in enumerate(windows.passage_index.tolist()):
+    windows_of[local].append(w)
+  local_of = {row: i for i, row in enumerate(rows.tolist())}
+  pairs = []  # (question, window, rank of the window's passage)
+  for qi, ranked in enumerate(retrieved):
+    ranked = list(ranked)
+    for place, row in enumerate(ranked):
+      if row >= 0 and row not in ranked[:place]:
+        pairs += [(qi, w, place) for w in windows_of[local_of[row]]]
+  question, window, rank = np.asarray(pairs, np.int32).reshape(-1, 3).T
+  zeros = np.zeros(len(pairs), np.int32)  # no gold positions: the answer is unknown
+  features = RCFeatures(windows, q_ids, q_mask, question, window, zeros, zeros)
+  return features, rows[windows.passage_index], rank
+
+
+def read_retrieved(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config,
+                   questions: Sequence[str], passages: Sequence[Passage],
+                   retrieved: Sequence[Sequence[int]], *, mesh, batch_size: int = 32,
+                   max_answer_length: int = 10, questions_per_call: int = 256,
+                   ) -> list[ReadAnswer | None]:
+  """The retriever-reader pipeline's answers: the cross-encoder reader reads every window of
+  each question's retrieved passages (`retrieved[q]`: rows of `passages`, best first) and
+  answers with the best span over all of them, as RC does over one passage's windows
+  (`window_spans`: start logit + end logit, at most `max_answer_length` tokens, within one
+  window). The score is the reader's alone, the retriever's rank or score not added (as
+  DrQA's and DPR's readers over their top-k passages, without a passage selector); `rank`
+  says which retrieved passage won. None for a question with no passage.
+
+  `questions_per_call` questions are windowed and read at a time (host memory bounded)."""
+  check_input_length(reader, data_config)
+  answers: list[ReadAnswer | None] = []
+  for lo in range(0, len(questions), questions_per_call):
+    part = slice(lo, lo + questions_per_call)
+    features, passage_rows, rank = retrieved_features(tokenizer, data_config, questions[part],
+                                                      passages, retrieved[part])
+    best: dict[int, ReadAnswer] = {}
+    read = (reader_logits(reader, features, np.arange(len(features)), mesh=mesh,
+                          batch_size=batch_size) if len(features) else [])
+    for feats, logits in read:
+      w = features.window_index[feats]
+      start, end, score = window_spans(features.windows, w, logits[..., 0], logits[..., 1],
+                                       max_answer_length)
+      for f, qi in enumerate(features.question_index[feats].tolist()):
+        if _better(float(score[f]), int(rank[feats[f]]), best.get(qi)):
+          best[qi] = _read_answer(features.windows, passages, int(w[f]), int(start[f]),
+                                  int(end[f]), float(score[f]), int(passage_rows[w[f]]),
+                                  int(rank[feats[f]]))
+    answers += [best.get(qi) for qi in range(len(questions[part]))]
+  return answers
+
+
+def _better(score: float, rank: int, best: ReadAnswer | None) -> bool:
+  """A span beats the best so far by its score; at an equal score, the better-ranked passage's
+  (batches come longest first, not in rank order)."""
+  return np.isfinite(score) and (best is None or score > best.score
+                                 or (score == best.score and rank < best.rank))
+
+
+def _read_answer(windows: PassageWindows, passages: Sequence[Passage], w: int, start: int,
+                 end: int, score: float, row: int, rank: int) -> ReadAnswer:
+  """The span [start, end] (positions) of window `w` of passage `passages[row]`."""
+  char_start, char_end = int(windows.char_start[w, start]), int(windows.char_end[w, end])
+  first_context = int(np.argmax(windows.context_mask[w]))
+  offset = int(windows.token_offset[w]) - first_context
+  return ReadAnswer(passages[row].text[char_start:char_end], score, row, rank, char_start,
+                    char_end, start + offset, end + offset)
+
+
+def restore_reader(config, workdir: str | pathlib.Path) -> tuple[CrossEncoderReader, int]:
+  """(reader, step): `config.model`'s cross-encoder with the parameters of the latest checkpoint
+  of `run.py teacher` in `workdir` (`teacher/checkpoints`)."""
+  checkpoints = pathlib.Path(workdir) / READER_CHECKPOINTS
+  reader = create_reader(config.model)
+  step = restore_params(checkpoints, reader) if checkpoints.is_dir() else None
+  if step is None:
+    raise DataError(f"{checkpoints}: no reader checkpoint (train one with `run.py teacher`)")
+  return reader, step
 
 
 def evaluate_rc(model, features: RCFeatures, passages: list[Passage], questions: list[Question],

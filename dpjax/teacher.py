@@ -29,7 +29,7 @@ from dpjax.data.teacher_logits import write_teacher_logits
 from dpjax.errors import ConfigError, DataError
 from dpjax import distributed
 from dpjax.io import digest, workdir_lock
-from dpjax.models.reader import create_reader
+from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.rc import reader_logits
@@ -42,11 +42,7 @@ SUBDIR = "teacher"
 
 def _reader(config):
   reader = create_reader(config.model)
-  longest = config.data.max_seq_length + config.data.max_query_length - 1
-  if longest > reader.config.max_position_embeddings:
-    raise ConfigError(f"the teacher reads question + window, up to {longest} tokens "
-                      f"(data.max_seq_length + data.max_query_length - 1); the encoder has "
-                      f"{reader.config.max_position_embeddings} positions")
+  check_input_length(reader, config.data)
   return reader
 
 

@@ -58,6 +58,16 @@ def logits_fn(reader: CrossEncoderReader):
   return lambda *inputs: logits(state, *inputs)
 
 
+def check_input_length(reader: CrossEncoderReader, data_config) -> None:
+  """Refuses windows and questions (`data.max_seq_length`, `max_query_length`) whose
+  `[CLS] question [SEP] window [SEP]` rows can be longer than the reader has positions."""
+  longest = data_config.max_seq_length + data_config.max_query_length - 1
+  if longest > reader.config.max_position_embeddings:
+    raise ConfigError(f"the reader reads question + window, up to {longest} tokens "
+                      f"(data.max_seq_length + data.max_query_length - 1); the encoder has "
+                      f"{reader.config.max_position_embeddings} positions")
+
+
 def create_reader(model_config) -> CrossEncoderReader:
   """The reader a config's `model` section describes: `model.name`'s pretrained BERT (the head
   at random) or, with `model.init = 'random'`, the encoder of `model.random`."""

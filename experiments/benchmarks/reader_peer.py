@@ -1,0 +1,219 @@
+"""The retriever-reader peer (SQuAD-open small): BM25's top-k passages and dpjax's top-k passages,
+each read by the trained cross-encoder reader (`run.py teacher`'s model), beside dpjax's own
+phrase answers, on the same questions and passages.
+
+  python experiments/benchmarks/reader_peer.py --config experiments/squad.py:cpu \\
+      --workdir workdirs/squad-cpu --reader workdirs/reader --k 10 --out results/reader_peer.json
+
+Rows (all over the passages of the workdir's dump; EM@1: SQuAD-normalised exact match of the
+one answer against the gold answers, `dpjax.metrics.open_domain_scores`; passage Top-k: DPR's
+`has_answer`, `dpjax.metrics.passage_scores`):
+  dpjax        dpjax's top phrase (`run.py eval`'s EM@1), from the same index search as its
+               passages;
+  bm25+reader  BM25 (bm25s, k1 0.9, b 0.4, as `passage_retrieval.py`) top-k passages, read;
+  dpjax+reader dpjax's top-k passages (a passage scores as its best phrase), read.
+The reader answers with the best span (start + end logit, at most eval.max_answer_length tokens,
+inside one window) over all windows of the k passages (`dpjax.rc.read_retrieved`): its score
+alone, the retriever's not added. "read passage has answer" is the share of questions whose
+answer comes from a passage holding a gold answer (the reader's re-ranking of the k passages),
+"read from passage 1" the share read from the retriever's first passage.
+Questions/s: retrieval, reading, and the two in sequence, after a warm-up on the first
+--warmup questions (compiles); BM25's index build is reported apart. Per-question EM@1 hits
+are kept for paired tests (`dpjax.metrics.mcnemar_p`); the table gives dpjax+reader against
+dpjax's phrases. Writes the JSON and a Markdown table beside it (`--out` with .md).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def git_commit() -> str:
+  """HEAD's commit, with `-dirty` when tracked files differ from it."""
+  run = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+  commit = run("rev-parse", "HEAD").stdout.strip() or "unknown"
+  return commit + ("-dirty" if run("diff", "--quiet", "HEAD").returncode == 1 else "")
+
+
+def em_hits(predictions: list[str | None], answers) -> str:
+  """Per question, whether its one answer matches a gold one, as a 0/1 string."""
+  from dpjax import metrics
+  return "".join(str(int(p is not None and metrics.max_over_gold(metrics.exact_match, p, g) > 0))
+                 for p, g in zip(predictions, answers))
+
+
+def passage_ks(k: int) -> list[int]:
+  """The passage Top-n reported: 1, 5 and k, none past k."""
+  return sorted({n for n in (1, 5, k) if n <= k})
+
+
+def system_row(passages, retrieved, predictions, answers, k: int, seconds: dict) -> dict:
+  """One row's scores: EM@1 / F1@1 of the answers, the retriever's passage Top-1/5/k."""
+  from dpjax import metrics
+  texts = [[passages[r].text for r in rows if r >= 0] for rows in retrieved]
+  row = {**metrics.open_domain_scores([[p] if p is not None else [] for p in predictions],
+                                      answers, ks=(1,)),
+         "passages": metrics.passage_scores(texts, answers, ks=passage_ks(k), mrr_k=k,
+                                            precision_k=k),
+         "hits": {"em@1": em_hits(predictions, answers)}, "seconds": seconds}
+  total = sum(seconds.values())
+  row["questions_per_sec"] = {name: len(answers) / s for name, s in seconds.items() if s > 0}
+  row["questions_per_sec"]["pipeline"] = len(answers) / total
+  return row
+
+
+def read(reader, tokenizer, reader_config, config, texts, passages, retrieved, mesh, batch):
+  """(answers, `rc.ReadAnswer`s, seconds) of the reader over `retrieved`."""
+  from dpjax.rc import read_retrieved
+  start = time.perf_counter()
+  found = read_retrieved(reader, tokenizer, reader_config.data, texts, passages, retrieved,
+                         mesh=mesh, batch_size=batch,
+                         max_answer_length=config.eval.max_answer_length)
+  seconds = time.perf_counter() - start
+  return [a.text if a else None for a in found], found, seconds
+
+
+def read_passages(passages, found, answers) -> dict:
+  """Where the reader's answers come from: the share of questions (x100) whose answer is read
+  from a passage holding a gold answer, and from the retriever's first passage."""
+  from dpjax import metrics
+  n = max(len(answers), 1)
+  return {"read_passage_has_answer": 100.0 * sum(
+              a is not None and metrics.has_answer(passages[a.passage_row].text, g)
+              for a, g in zip(found, answers)) / n,
+          "read_from_first": 100.0 * sum(a is not None and a.rank == 0 for a in found) / n}
+
+
+def dpjax_search(searcher, texts, k: int, config):
+  """(passage rows [Q][k], top phrases [Q], seconds) of one index search."""
+  start = time.perf_counter()
+  passages, phrases = searcher.search_many(texts, [(k, "passage"), (1, "phrase")],
+                                           max_answer_length=config.eval.max_answer_length)
+  seconds = time.perf_counter() - start
+  return ([[r["passage_row"] for r in found] for found in passages],
+          [found[0]["answer"] if found else None for found in phrases], seconds)
+
+
+def measure(args, config, reader_config, workdir) -> dict:
+  from dpjax.data import Tokenizer
+  from dpjax.data.questions import read_questions
+  from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.rc import restore_reader
+  from dpjax.workdir import data_paths, load_searcher
+  from experiments.benchmarks.passage_retrieval import bm25_retrieve
+
+  questions = read_questions(data_paths(config, workdir)["questions"])
+  questions = questions[:args.limit or config.eval.limit or None]
+  texts, answers = [q.question for q in questions], [q.answers for q in questions]
+  searcher, step = load_searcher(config, workdir, args.index)
+  passages = searcher.index.dump.passages
+  reader, reader_step = restore_reader(reader_config, args.reader)
+  tokenizer = Tokenizer.from_pretrained(reader_config.model.tokenizer)
+  mesh = make_mesh()
+  batch = round_to_devices(config.eval.batch_size, mesh)
+  k = min(args.k, len(passages))
+  warm = texts[:args.warmup]  # compiles: the searcher's and the reader's, not timed
+  read(reader, tokenizer, reader_config, config, warm, passages,
+       dpjax_search(searcher, warm, k, config)[0], mesh, batch)
+
+  rows, phrases, search_s = dpjax_search(searcher, texts, k, config)
+  systems = {"dpjax": system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
+  read_answers, found, read_s = read(reader, tokenizer, reader_config, config, texts, passages,
+                                     rows, mesh, batch)
+  systems["dpjax+reader"] = {**system_row(passages, rows, read_answers, answers, k,
+                                          {"retrieval": search_s, "reading": read_s}),
+                             **read_passages(passages, found, answers)}
+  bm25_rows, info = bm25_retrieve(passages, texts, k)
+  read_answers, found, read_s = read(reader, tokenizer, reader_config, config, texts, passages,
+                                     bm25_rows, mesh, batch)
+  systems["bm25+reader"] = {**system_row(passages, bm25_rows, read_answers, answers, k, {
+      "retrieval": len(texts) / info["questions_per_sec"], "reading": read_s}),
+                            **read_passages(passages, found, answers),
+                            "bm25_index_seconds": info["index_seconds"]}
+  for name, row in systems.items():
+    logging.info("%s: EM@1 %.2f, passage Top-1 %.2f, %.1f questions/s", name, row["em@1"],
+                 row["passages"]["top1"], row["questions_per_sec"]["pipeline"])
+  return {"config": args.config, "questions": len(texts), "passages": len(passages), "k": k,
+          "index": args.index or config.index.search_index, "workdir": str(workdir),
+          "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
+                                         "config": args.reader_config or args.config},
+          "warmup_questions": len(warm), "batch_size": batch,
+          "max_answer_length": config.eval.max_answer_length, "systems": systems}
+
+
+def table(results: dict, command: str) -> str:
+  from dpjax.metrics import mcnemar_p
+  from experiments.report import p_text, with_notes
+  k = results["k"]
+  lines = ["# Retriever-reader peer", "", f"Command: `{command}`", "",
+           f"{results['questions']} questions of `{results['config']}`, {results['passages']} "
+           "passages (the dump's), "
+           f"k = {k} passages read per question by the cross-encoder reader of "
+           f"`{results['reader']['workdir']}` (step {results['reader']['step']}); phrase model "
+           f"of `{results['workdir']}` (step {results['model_step']}), index "
+           f"{results['index']}; commit {results['commit']}; {results['device']}.", "",
+           "| system | EM@1 | F1@1 | " + " | ".join(f"passage Top-{n}" for n in passage_ks(k))
+           + " | read passage has answer | read from passage 1 | retrieval q/s | reading q/s "
+           "| pipeline q/s |", "|---|" + "---|" * (len(passage_ks(k)) + 7)]
+  fmt = lambda value: "-" if value is None else f"{value:.2f}"
+  for name, row in results["systems"].items():
+    qps, p = row["questions_per_sec"], row["passages"]
+    lines.append(f"| {name} | {row['em@1']:.2f} | {row['f1@1']:.2f} | "
+                 + " | ".join(f"{p[f'top{n}']:.2f}" for n in passage_ks(k))
+                 + f" | {fmt(row.get('read_passage_has_answer'))} | "
+                 f"{fmt(row.get('read_from_first'))} | {qps['retrieval']:.1f} | "
+                 + (f"{qps['reading']:.1f}" if "reading" in qps else "-")
+                 + f" | {qps['pipeline']:.1f} |")
+  systems = results["systems"]
+  a_only, b_only, p = mcnemar_p(systems["dpjax+reader"]["hits"]["em@1"],
+                                systems["dpjax"]["hits"]["em@1"])
+  lines += ["", f"EM@1, dpjax+reader against dpjax's phrases: right only with the reader "
+                f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
+  return with_notes(lines, results.get("notes", []))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True, help="the phrase model's config")
+  parser.add_argument("--workdir", required=True, help="a workdir with a dump and its index")
+  parser.add_argument("--reader", required=True,
+                      help="a workdir holding a `run.py teacher` reader (teacher/checkpoints)")
+  parser.add_argument("--reader-config", default=None,
+                      help="the reader's config (its model and windows; default: --config)")
+  parser.add_argument("--k", type=int, default=10, help="passages read per question")
+  parser.add_argument("--limit", type=int, default=0,
+                      help="the first N questions (default: eval.limit, 0: all)")
+  parser.add_argument("--index", default=None, help="default: index.search_index")
+  parser.add_argument("--warmup", type=int, default=64, help="untimed questions first")
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--set", action="append", default=[], help="overrides of --config")
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph under the table")
+  args = parser.parse_args(argv)
+  if args.k < 1:
+    parser.error(f"--k {args.k}: read at least one passage")
+  from experiments.report import elide_notes, save_results
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
+  from dpjax.config import load_config, setup_logging
+  setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
+  import jax
+  config = load_config(args.config, args.set)
+  reader_config = load_config(args.reader_config) if args.reader_config else config
+  results = measure(args, config, reader_config, pathlib.Path(args.workdir))
+  results.update(commit=git_commit(), notes=args.note,
+                 device=f"{jax.device_count()} x {jax.devices()[0].device_kind}")
+  save_results(args.out, results, table, "experiments/benchmarks/reader_peer.py", argv)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

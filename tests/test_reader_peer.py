@@ -1,0 +1,181 @@
+"""The cross-encoder reader over retrieved passages (`rc.read_retrieved`): its answer is the best
+span over every window of a question's passages, as an exhaustive numpy search finds it."""
+import json
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from dpjax.config import load_config
+from dpjax.data.batches import cross_encoder_inputs
+from dpjax.data.squad import Passage, build_windows
+from dpjax.errors import ConfigError
+from dpjax.models.reader import create_reader
+from dpjax.parallel import make_mesh
+from dpjax import rc
+from dpjax.rc import read_retrieved
+
+import run
+from conftest import load_script
+
+# Short windows, a stride that overlaps them unevenly, spans of at most 3 tokens: long passages
+# are cut into several windows and the best span must stay inside one of them.
+DATA = ml_collections.ConfigDict({"max_seq_length": 23, "doc_stride": 7, "max_query_length": 11,
+                                  "include_title": True})
+MAX_ANSWER_LENGTH = 3
+PASSAGES = [
+    Passage("p0", "Rivers", "The Danube flows through ten countries before it reaches the Black "
+            "Sea near the delta of Tulcea, which is a protected wetland of rare birds."),
+    Passage("p1", "Short", "Oslo is the capital of Norway."),
+    Passage("p2", "Volcanoes", "Mount Etna on Sicily is one of the most active volcanoes in the "
+            "world; its eruptions have been recorded since 1500 BC and shaped Catania."),
+    Passage("p3", "", "A passage without a title holds a few words about glaciers, fjords and "
+            "the long winter nights of the far north, where the sun does not rise."),
+    Passage("p4", "Chemistry", "Water boils at one hundred degrees Celsius at sea level."),
+]
+QUESTIONS = ["Where does the Danube end?", "What is the capital of Norway?",
+             "Which volcano is on Sicily?", "What is a fjord?", "When does water boil?"]
+# Best first, as a retriever ranks them: -1 is a retriever's padding, a repeated row counts once.
+RETRIEVED = [[0, 2, 4], [1, 3, -1, 1], [2, 0, 3, 1, 4], [], [3]]
+
+
+@pytest.fixture(scope="module")
+def reader():
+  return create_reader(load_config("experiments/demo.py:tiny").model)
+
+
+def reference(reader, tokenizer, question: str, rows: list[int]):
+  """(score, text, passage row, rank, first token, last token) of the best span over the windows
+  of `rows` by exhaustive search, each window read alone at full width; None if no passage."""
+  q_ids, q_mask = tokenizer.encode([question], DATA.max_query_length)
+  best, seen = None, set()
+  for rank, row in enumerate(rows):
+    if row < 0 or row in seen:
+      continue
+    seen.add(row)
+    windows, _ = build_windows(tokenizer, [PASSAGES[row]], max_seq_length=DATA.max_seq_length,
+                               doc_stride=DATA.doc_stride, include_title=DATA.include_title)
+    for w in range(len(windows)):
+      x = cross_encoder_inputs(windows.input_ids[w:w + 1], windows.attention_mask[w:w + 1],
+                               q_ids, q_mask)
+      logits = np.asarray(reader.window_logits(*(jnp.asarray(x[k]) for k in (
+          "cross_input_ids", "cross_attention_mask", "cross_token_type_ids", "cross_align")))[0])
+      context, first = windows.context_mask[w], int(np.argmax(windows.context_mask[w]))
+      for i in np.flatnonzero(context & windows.is_max_context[w]):
+        for j in range(i, min(i + MAX_ANSWER_LENGTH, len(context))):
+          if not context[j]:
+            continue
+          score = float(logits[i, 0] + logits[j, 1])
+          if best is None or score > best[0]:
+            offset = int(windows.token_offset[w]) - first
+            text = PASSAGES[row].text[windows.char_start[w, i]:windows.char_end[w, j]]
+            best = (score, text, row, rank, i + offset, j + offset)
+  return best
+
+
+def test_the_answer_is_the_best_span_over_all_windows_of_the_retrieved_passages(reader,
+                                                                                tokenizer):
+  answers = read_retrieved(reader, tokenizer, DATA, QUESTIONS, PASSAGES, RETRIEVED,
+                           mesh=make_mesh(), batch_size=8, max_answer_length=MAX_ANSWER_LENGTH)
+  assert len(answers) == len(QUESTIONS)
+  windows_used = 0
+  for question, rows, got in zip(QUESTIONS, RETRIEVED, answers):
+    want = reference(reader, tokenizer, question, rows)
+    if want is None:
+      assert got is None
+      continue
+    assert (got.text, got.passage_row, got.rank, got.token_start, got.token_end) == want[1:]
+    np.testing.assert_allclose(got.score, want[0], rtol=1e-5, atol=1e-5)
+    assert PASSAGES[got.passage_row].text[got.char_start:got.char_end] == got.text
+    windows_used += 1
+  assert windows_used == 4
+
+
+def test_a_span_stays_inside_one_window_and_the_answer_length(reader, tokenizer):
+  """Every answer lies in one window of its passage and covers at most max_answer_length
+  tokens, whatever the reader's logits (several random readers)."""
+  mesh = make_mesh()
+  config = load_config("experiments/demo.py:tiny").model
+  for seed in range(3):
+    config.seed = seed
+    answers = read_retrieved(create_reader(config), tokenizer, DATA, QUESTIONS, PASSAGES,
+                             [[0, 1, 2, 3, 4]] * len(QUESTIONS), mesh=mesh, batch_size=8,
+                             max_answer_length=MAX_ANSWER_LENGTH)
+    for answer in answers:
+      assert 0 <= answer.token_end - answer.token_start < MAX_ANSWER_LENGTH
+      windows, _ = build_windows(tokenizer, [PASSAGES[answer.passage_row]],
+                                 max_seq_length=DATA.max_seq_length, doc_stride=DATA.doc_stride,
+                                 include_title=DATA.include_title)
+      starts = windows.token_offset
+      ends = starts + windows.context_mask.sum(1)  # one past each window's last context token
+      assert ((starts <= answer.token_start) & (answer.token_end < ends)).any()
+      assert answer.rank == answer.passage_row  # the retrieved list is the passages in order
+
+
+def test_questions_read_in_parts_answer_as_all_at_once(reader, tokenizer):
+  mesh = make_mesh()
+  whole = read_retrieved(reader, tokenizer, DATA, QUESTIONS, PASSAGES, RETRIEVED, mesh=mesh,
+                         batch_size=8, max_answer_length=MAX_ANSWER_LENGTH)
+  parts = read_retrieved(reader, tokenizer, DATA, QUESTIONS, PASSAGES, RETRIEVED, mesh=mesh,
+                         batch_size=8, max_answer_length=MAX_ANSWER_LENGTH, questions_per_call=2)
+  assert [(a.text, a.passage_row) if a else None for a in parts] == [
+      (a.text, a.passage_row) if a else None for a in whole]
+  assert read_retrieved(reader, tokenizer, DATA, ["Anything?"], PASSAGES, [[-1]], mesh=mesh,
+                        batch_size=8) == [None]
+
+  long = ml_collections.ConfigDict({**DATA.to_dict(), "max_seq_length": 500,
+                                    "max_query_length": 14})  # 513 tokens, 512 positions
+  with pytest.raises(ConfigError, match="up to 513 tokens.*512 positions"):
+    read_retrieved(reader, tokenizer, long, QUESTIONS, PASSAGES, RETRIEVED, mesh=mesh,
+                   batch_size=8)
+
+
+@pytest.mark.parametrize("backwards", [False, True])
+def test_equal_scores_go_to_the_better_ranked_passage(reader, tokenizer, monkeypatch,
+                                                      backwards):
+  """The same passage under two rows: the span scores the same in both, the first rank wins
+  whatever order the reader's rows come in (here also one by one, last first)."""
+  if backwards:
+    original = rc.reader_logits
+
+    def reader_logits(*args, **kwargs):
+      rows = [(r, l) for part, logits in original(*args, **kwargs)
+              for r, l in zip(part, logits)]
+      for row, logits in rows[::-1]:
+        yield np.array([row]), logits[None]
+    monkeypatch.setattr(rc, "reader_logits", reader_logits)
+  twins = PASSAGES + [PASSAGES[0]]
+  for retrieved in ([[0, 5]], [[5, 0]]):
+    (answer,) = rc.read_retrieved(reader, tokenizer, DATA, QUESTIONS[:1], twins, retrieved,
+                                  mesh=make_mesh(), batch_size=8)
+    assert (answer.rank, answer.passage_row) == (0, retrieved[0][0])
+
+
+@pytest.mark.slow
+def test_reader_peer_benchmark_tiny(tmp_path):
+  """`experiments/benchmarks/reader_peer.py` end to end on the tiny pipeline: a phrase model,
+  its dump and Flat index, and a reader, all in one workdir."""
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  for mode in ("train", "dump", "index", "teacher"):
+    assert run.main([mode] + base) == 0, mode
+  out = tmp_path / "peer.json"
+  script = load_script("experiments/benchmarks/reader_peer.py")
+  assert script.main(base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2",
+                             "--out", str(out)]) == 0
+  results = json.loads(out.read_text())
+  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "bm25+reader"]
+  assert results["k"] == 3 and results["questions"] == 12  # demo:tiny, 4 x 3 dev questions
+  for name, row in results["systems"].items():
+    p = row["passages"]
+    assert 0 <= p["top1"] <= p["top3"] <= 100 and 0 <= row["em@1"] <= 100, name
+    assert len(row["hits"]["em@1"]) == 12
+    assert abs(row["em@1"] - 100 * row["hits"]["em@1"].count("1") / 12) < 1e-9
+    qps = row["questions_per_sec"]
+    assert qps["pipeline"] <= min(qps.values())  # the pipeline is retrieval, then reading
+  # Reading does not change what was retrieved: dpjax's passages are the same with and without.
+  assert results["systems"]["dpjax"]["passages"] == results["systems"]["dpjax+reader"]["passages"]
+  for name in ("dpjax+reader", "bm25+reader"):
+    row = results["systems"][name]
+    assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
+  assert "| bm25+reader |" in out.with_suffix(".md").read_text()
