@@ -179,3 +179,23 @@ def test_reader_peer_benchmark_tiny(tmp_path):
     row = results["systems"][name]
     assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
   assert "| bm25+reader |" in out.with_suffix(".md").read_text()
+  # The hybrid report on the same workdir, with these reader rows: every figure is its eval
+  # file's or recomputed from per-question hits; BM25's row is the hybrid's BM25 index alone.
+  hybrid = load_script("experiments/benchmarks/hybrid.py")
+  report_path = tmp_path / "hybrid.json"
+  assert hybrid.main(base + ["--set", "index.sparse_tune_questions=20", "--reader-json", str(out),
+                             "--out", str(report_path)]) == 0
+  report = json.loads(report_path.read_text())
+  assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid", "bm25",
+                                  "dpjax+reader", "bm25+reader"]
+  evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json"}
+  for name, file in evals.items():
+    written = json.loads((tmp_path / file).read_text())
+    assert {k: report["rows"][name][k] for k in ("em@1", "top1", "top20")} == {
+        k: written[k] for k in ("em@1", "top1", "top20")}
+  bm25 = report["rows"]["bm25"]
+  assert abs(bm25["top1"] - 100 * bm25["hits"]["top1"].count("1") / 12) < 1e-9
+  a, b, p = report["paired"]["hybrid vs bm25"]["top1"]
+  hits = (report["rows"]["hybrid"]["hits"]["top1"], bm25["hits"]["top1"])
+  assert (a, b) == (sum(x > y for x, y in zip(*hits)), sum(x < y for x, y in zip(*hits)))
+  assert report["rows"]["hybrid"]["hybrid"]["weight"] is not None

@@ -1,0 +1,175 @@
+"""Hybrid search against dense search, BM25 and the retriever-reader peers, on the same questions
+(SQuAD-open small: the dev questions over every train + dev paragraph).
+
+  python experiments/benchmarks/hybrid.py --config experiments/squad.py:cpu \\
+      --workdir workdirs/squad-cpu --reader-json results/reader_peer.json --out results/hybrid.json
+
+It runs, through run.py, what is missing (or everything with --rerun): `eval` (dense), `eval
+--set index.merge_spans=False` (overlapping spans apart: the merging's effect on EM@10), `index
+--set index.sparse=True` (the BM25 index and its weight, chosen on training questions) and
+`eval --set index.sparse=True` (hybrid); it scores BM25 alone over the dump's passages itself;
+the reader rows come from `experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test
+pairs hybrid with dense (EM@1, passage Top-1, Top-20) and with BM25 (Top-1, Top-20) on the same
+questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+from experiments.benchmarks.reader_peer import git_commit  # noqa: E402
+RUNS = {  # row: (its eval file, the run.py overrides that make it)
+    "dense": ("open_eval_Flat.json", []),
+    "dense, spans not merged": ("open_eval_Flat_unmerged.json", ["index.merge_spans=False"]),
+    "hybrid": ("open_eval_Flat_hybrid.json", ["index.sparse=True"]),
+}
+SHOWN = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")  # the table's columns
+
+
+def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
+  """Runs `python run.py MODE` (an error stops the report); returns the command."""
+  args = [sys.executable, "run.py", mode, "--config", config, "--workdir", workdir]
+  for value in overrides:
+    args += ["--set", value]
+  logging.info("running %s", shlex.join(args[1:]))
+  subprocess.run(args, cwd=ROOT, check=True)
+  return shlex.join(["python"] + args[1:])
+
+
+def evaluated(args) -> dict:
+  """Every eval row: its report (run unless there and not --rerun) and the command behind it."""
+  rows, workdir = {}, pathlib.Path(args.workdir)
+  for name, (file, overrides) in RUNS.items():
+    sets = overrides + args.set
+    if name == "hybrid" and (args.rerun or not (workdir / file).is_file()):
+      run_py("index", args.config, args.workdir, sets + ["index.specs=[]"])
+    command = shlex.join(["python", "run.py", "eval", "--config", args.config, "--workdir",
+                          args.workdir] + [x for v in sets for x in ("--set", v)])
+    if args.rerun or not (workdir / file).is_file():
+      command = run_py("eval", args.config, args.workdir, sets)
+    rows[name] = {"report": json.loads((workdir / file).read_text()), "command": command}
+  return rows
+
+
+def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 20) -> dict:
+  """BM25 alone over the dump's passages (the hybrid's BM25 index): passage Top-k, MRR@20,
+  questions/s, per-question top-1 / top-20 hits."""
+  from dpjax import metrics
+  from dpjax.index.dump import Dump
+  from dpjax.index.hybrid import top_passages
+  from dpjax.index.sparse import SparseIndex
+  dump = Dump.load(workdir / config.index.dump_name)
+  index = SparseIndex(dump.directory, dump.manifest)
+  start, ranked = time.perf_counter(), []
+  for lo in range(0, len(texts), 256):
+    ranked += top_passages(index.scores(texts[lo:lo + 256]), k)
+  seconds = time.perf_counter() - start
+  docs = [[dump.passages[row].text for row in rows] for rows in ranked]
+  scores = metrics.passage_scores(docs, answers, ks=(1, 5, 20), mrr_k=20, precision_k=20)
+  hits = {f"top{n}": "".join(str(int(any(metrics.has_answer(d, g) for d in ds[:n])))
+                             for ds, g in zip(docs, answers)) for n in (1, 20)}
+  return {**scores, "hits": hits, "questions_per_sec": len(texts) / seconds,
+          "index_bytes_per_token": index.manifest["index_bytes"] / dump.manifest["num_tokens"],
+          "settings": index.manifest["settings"]}
+
+
+def paired(a: dict, b: dict, keys) -> dict:
+  """McNemar's exact test of two rows' per-question hits: {key: (a only, b only, p)}."""
+  from dpjax import metrics
+  return {key: metrics.mcnemar_p(a["hits"][key], b["hits"][key]) for key in keys
+          if key in a.get("hits", {}) and key in b.get("hits", {})}
+
+
+def table(result: dict, command: str) -> str:
+  from experiments.report import p_text
+  lines = [f"# Hybrid search ({result['questions']} questions)", "", f"Command: `{command}`",
+           f"(commit {result['commit']})", "",
+           "| system | " + " | ".join(SHOWN) + " | questions/s | index bytes/token |",
+           "|---" * (len(SHOWN) + 3) + "|"]
+  number = lambda v, digits=2: "-" if v is None else f"{v:.{digits}f}"
+  for name, row in result["rows"].items():
+    lines.append(f"| {name} | " + " | ".join(number(row.get(k)) for k in SHOWN)
+                 + f" | {number(row.get('questions_per_sec'), 1)}"
+                 + f" | {number(row.get('index_bytes_per_token'), 1)} |")
+  lines += ["", "McNemar's exact test: questions right only in the first system / only in the "
+            "second, two-sided p.", ""]
+  for pair, tests in result["paired"].items():
+    lines.append(f"- {pair}: " + "; ".join(f"{k} {a} / {b}, p = {p_text(p)}"
+                                           for k, (a, b, p) in tests.items()))
+  lines += ["", "Each row's command:", ""] + [f"- {name}: `{c}`"
+                                              for name, c in result["commands"].items()]
+  return "\n".join(lines) + "\n"
+
+
+def eval_row(report: dict) -> dict:
+  row = {k: report[k] for k in SHOWN if k in report}
+  row["hits"] = report.get("hits", {})
+  row["questions_per_sec"] = report["questions"] / report["search_seconds"]
+  row["questions_per_sec_batch64"] = report["questions_per_sec_batch64"]
+  row["index_bytes_per_token"] = report["index_bytes_per_token"] + (
+      (report.get("hybrid") or {}).get("bm25_bytes_per_token", 0.0))
+  if report.get("hybrid"):
+    row["hybrid"] = {k: v for k, v in report["hybrid"].items()}
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--set", action="append", default=[], help="overrides for every run")
+  parser.add_argument("--reader-json", help="reader_peer.py's JSON (its reader rows)")
+  parser.add_argument("--rerun", action="store_true", help="rerun the evals that exist")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+  from dpjax.config import load_config
+  from dpjax.data.questions import read_questions
+  from dpjax.workdir import data_paths
+  config = load_config(args.config, args.set)
+  workdir = pathlib.Path(args.workdir)
+  evals = evaluated(args)
+  questions = read_questions(data_paths(config, workdir)["questions"])
+  if config.eval.limit:
+    questions = questions[:config.eval.limit]
+  rows = {name: eval_row(e["report"]) for name, e in evals.items()}
+  rows["bm25"] = bm25_row(config, workdir, [q.answers for q in questions],
+                          [q.question for q in questions])
+  commands = {name: e["command"] for name, e in evals.items()}
+  commands["bm25"] = "this script (BM25 over the dump's passages, the hybrid's BM25 index)"
+  if args.reader_json:  # the reader rows, on the same questions
+    readers = json.loads(pathlib.Path(args.reader_json).read_text())
+    for name, row in readers["systems"].items():
+      if name.endswith("+reader"):
+        rows[name] = {"em@1": row["em@1"], "hits": row["hits"],
+                      "questions_per_sec": row["questions_per_sec"]["pipeline"]}
+    commands["readers"] = f"see {args.reader_json} (commit {readers.get('commit')})"
+  for name, row in rows.items():
+    count = len(row["hits"].get("em@1") or row["hits"].get("top1", ""))
+    if count != len(questions):
+      raise SystemExit(f"{name}: {count} questions, the questions file {len(questions)}: "
+                       "rerun it (--rerun, or reader_peer.py on all of them)")
+  result = {"questions": len(questions), "config": args.config, "workdir": args.workdir,
+            "commit": git_commit(), "rows": rows, "commands": commands,
+            "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
+                                                 ("em@1", "top1", "top20")),
+                       "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20"))}}
+  for name in rows:
+    if name.endswith("+reader"):
+      result["paired"][f"{name} vs hybrid"] = paired(rows[name], rows["hybrid"], ("em@1",))
+  from experiments.report import save_results
+  save_results(args.out, result, table, "experiments/benchmarks/hybrid.py", argv)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
