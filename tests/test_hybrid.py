@@ -195,3 +195,32 @@ def test_overlap_groups_by_hand():
   assert hybrid.overlap_groups(starts, ends, 3) == ([0, 2, 4], [[1, 3], [5], []])
   # It stops at the first span of a group past the k-th: later evidence is not looked for.
   assert hybrid.overlap_groups(starts, ends, 1) == ([0], [[1]])
+
+
+@pytest.mark.parametrize("unit", ["phrase", "passage", "document"])
+def test_hybrid_on_the_devices_answers_as_on_the_host(toy, unit):
+  """The accelerator's exact search (DeviceFlat; here the CPU devices) under the same fusion."""
+  directory, q_start, q_end = toy
+  found = []
+  for device in ("faiss", "jax"):
+    index = PhraseIndex(directory, "Flat", search_device=device)
+    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.7, passages=3)
+    found.append([[(p.start_token, p.end_token) for p, _ in units] for units in index.search(
+        q_start, q_end, k=3, unit=unit, texts=QUESTIONS)])
+  assert found[0] == found[1]
+
+
+def test_passages_rank_as_their_best_fused_phrase(toy):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  index.merge_spans = False
+  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.3, passages=2)
+  phrases = index.search(q_start, q_end, k=40, unit="phrase", texts=QUESTIONS, top_tokens=40,
+                         max_fetch=40)
+  passages = index.search(q_start, q_end, k=3, unit="passage", texts=QUESTIONS, top_tokens=40,
+                          max_fetch=40)
+  for ranked, units in zip(phrases, passages):  # (the 40 phrases may hold fewer passages)
+    order = list(dict.fromkeys(p.passage for p, _ in ranked))[:3]
+    assert order and [p.passage for p, _ in units][:len(order)] == order
+    best = {p.passage: p.score for p, _ in reversed(ranked)}
+    assert [p.score for p, _ in units][:len(order)] == [best[row] for row in order]

@@ -87,6 +87,34 @@ def test_answers_equal_densephrases_search(service):
                for r in one["results"])
 
 
+def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
+  """index.sparse served: each micro-batch's questions carry their texts to the BM25 half."""
+  _, config, workdir, questions, _ = service
+  hybrid = SETTINGS + ["index.sparse=True", "index.sparse_weight=2.0"]
+  assert run.main(["index", "--config", CONFIG, "--workdir", str(workdir), "--set=index.specs=[]",
+                   *(f"--set={s}" for s in hybrid)]) == 0
+  config = load_config(CONFIG, hybrid)
+  dense, _ = load_searcher(load_config(CONFIG, SETTINGS), workdir)
+  searcher, _ = load_searcher(config, workdir)
+  app, batcher = make_service(config, workdir)
+  server, thread, port = start_server(app)
+  try:
+    for unit, k in (("phrase", 3), ("passage", 5)):
+      direct = searcher.search(questions[:6], k=k, unit=unit,
+                               max_answer_length=config.eval.max_answer_length)
+      status, answer = request(port, "POST", "/search",
+                               json.dumps({"questions": questions[:6], "k": k, "unit": unit}))
+      assert status == 200
+      for served, expected in zip(answer["results"], direct):
+        same(served, expected)
+      assert direct != dense.search(questions[:6], k=k, unit=unit,
+                                    max_answer_length=config.eval.max_answer_length)
+  finally:
+    server.should_exit = True
+    thread.join(10)
+    batcher.stop(10)
+
+
 @pytest.mark.parametrize("method,body,content_type,status,reason", [
     ("POST", "{}", "application/json", 400, "exactly one of question"),
     ("POST", '{"question": "  "}', "application/json", 400, "is empty"),
