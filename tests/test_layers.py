@@ -221,3 +221,65 @@ def test_architecture_layout_table_matches_the_tree():
   files = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
   assert not files - named, f"modules missing from docs/architecture.md: {sorted(files - named)}"
   assert not named - files, f"docs/architecture.md names no such modules: {sorted(named - files)}"
+
+
+# experiments/: the configs load nothing but `dpjax.config` (a config is read by every mode and
+# every test); every script may import the package and `experiments/report.py`, and the files of
+# its own folder, never a file of another folder (a benchmark does not run a study's code).
+EXPERIMENTS = REPO / "experiments"
+CONFIGS = {"experiments/demo.py", "experiments/squad.py"}
+
+
+def experiment_import_problems(sources: dict[str, str]) -> list[str]:
+  """What breaks the rules above in {path relative to the repository: text} of experiments/."""
+  folders = {}
+  for path in sources:
+    folders.setdefault(str(pathlib.PurePath(path).parent), set()).add(pathlib.PurePath(path).stem)
+  scripts = set().union(*folders.values())
+  problems = []
+  for path, text in sorted(sources.items()):
+    pure = pathlib.PurePath(path)
+    module = ".".join(pure.with_suffix("").parts)
+    own = folders[str(pure.parent)]
+    for name, _ in imports_of(text, module):
+      root = name.partition(".")[0]
+      if path in CONFIGS:
+        bad = (root == "dpjax" and name != "dpjax.config" and not name.startswith("dpjax.config.")
+               or root == "experiments" or root in scripts)
+      elif root == "experiments":
+        bad = not (name == "experiments.report" or name.startswith("experiments.report."))
+      else:
+        bad = root in scripts - own
+      if bad:
+        problems.append(f"{path} imports {name}")
+  return problems
+
+
+def _experiment_sources() -> dict[str, str]:
+  return {str(p.relative_to(REPO)): p.read_text() for p in EXPERIMENTS.rglob("*.py")}
+
+
+def test_experiments_import_the_package_and_report_only():
+  assert not experiment_import_problems(_experiment_sources())
+  assert {"experiments/studies/dump_windows.py", "experiments/benchmarks/speed.py",
+          "experiments/gpu_check.py"} <= set(_experiment_sources())
+
+
+@pytest.mark.parametrize("path,line", [
+    ("experiments/demo.py", "from dpjax import train"),
+    ("experiments/squad.py", "from experiments.report import save_results"),
+    ("experiments/benchmarks/speed.py", "import dump_windows"),
+    ("experiments/studies/dump_windows.py", "from experiments.benchmarks import speed"),
+    ("experiments/studies/dump_windows.py", "from ..benchmarks import speed"),
+    ("experiments/report.py", "def f():\n  from .studies import hostile_sweep"),
+])
+def test_experiment_import_problems_are_caught(path, line):
+  sources = _experiment_sources()
+  sources[path] += f"\n{line}\n"
+  assert [p for p in experiment_import_problems(sources) if p.startswith(f"{path} imports ")]
+
+
+def test_the_package_imports_no_experiment():
+  found = [f"{module} imports {name}" for module, (text, is_package) in _sources().items()
+           for name, _ in imports_of(text, module, is_package) if name.startswith("experiments")]
+  assert not found, "\n".join(found)
