@@ -32,8 +32,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from experiments.report import save_results, with_notes  # noqa: E402
+from experiments.report import command_line, save_results, with_notes  # noqa: E402
 
+SCRIPT = "experiments/studies/behaviour_check.py"
 MODES = ("train", "dump", "index", "eval")
 # Keys of a figure that measure time or speed: they differ from run to run by nature.
 TIMING_ENDS = ("_s", "_ms", "_sec", "_per_s", "_per_sec", "_seconds")
@@ -201,7 +202,9 @@ def main(argv=None) -> int:
     else:
       print(f"kept: {scratch}")
   results["notes"] = args.note
-  save_results(args.out, results, render, "experiments/studies/behaviour_check.py", argv)
+  results["command"] = command_line(SCRIPT, sys.argv[1:] if argv is None else argv)
+  results["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+  save_results(args.out, results, render, SCRIPT, argv)
   print(f"behaviour check: {results['verdict']}")
   return 0 if results["verdict"] == "identical" else 1
 
