@@ -1,6 +1,7 @@
 """What passage Top-k became when `metrics.has_answer` took DPR's definition (2026-11-27).
 
-  python experiments/studies/has_answer_change.py --config experiments/squad.py:cpu-base --workdir W \\
+  python experiments/studies/has_answer_change.py --config experiments/squad.py:cpu-base \\
+      --workdir W \\
       --set "index.corpus=['../shared/data/squad/dev-v1.1.json']" \\
       --set index.dump_name="'dump_windows_192_mc32'" --out results/has_answer.json
 

@@ -14,8 +14,8 @@ The words of a message alone never make a case clean. Each case is classified:
   silent     a wrong result or data loss without an error (some statement fails);
   hang       the time limit was reached.
 
-  python experiments/studies/hostile_sweep.py --out results/reliability.json   # + results/reliability.md
-  python experiments/studies/hostile_sweep.py --out /tmp/r.json --only shard   # the cases naming "shard"
+  python experiments/studies/hostile_sweep.py --out results/reliability.json  # + reliability.md
+  python experiments/studies/hostile_sweep.py --out /tmp/r.json --only shard  # cases naming "shard"
 """
 from __future__ import annotations
 
@@ -879,8 +879,8 @@ def render(results: dict, command: str) -> str:
            "index's vectors, a search's answers, no checkpoint or temporary left). "
            f"**{counts['clean']} clean**, {counts['traceback']} tracebacks, {counts['silent']} "
            f"silent wrong results or data loss, {counts['hang']} hangs.", "",
-           "Each case's statements are in `experiments/studies/hostile_sweep.py`; the defects the sweeps "
-           "found each have a test (below).", "",
+           "Each case's statements are in `experiments/studies/hostile_sweep.py`; the defects "
+           "the sweeps found each have a test (below).", "",
            "| # | area | case | exit | verdict | checked | message (final line) |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu-base: the same configs, steps
 # and seed as on the CPU), run on a lent GPU machine, where a run takes minutes instead of ~75:
-#   1. the factor runs of experiments/studies/recipe_runs.sh, two at a time (each process may take 45% of
-#      the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
+#   1. the factor runs of experiments/studies/recipe_runs.sh, two at a time (each process may take
+#      45% of the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
 #   2. the baseline's full SQuAD-open small dump and Flat index, and its subcorpora C0 / H32 for a
 #      random 2,000 dev questions (`run.py subcorpus`);
 #   3. H32 and full-corpus EM@1 of the baseline and the two runs with the best RC EM
@@ -58,7 +58,8 @@ EOF
 models=(--model "base=$R/base")
 for name in $best; do models+=(--model "$name=$R/$name" --compare "$name:base"); done
 echo "=== $(date -Is) H32 / full-corpus EM@1: base $best"
-$PY experiments/studies/validation_experiment.py --config "$CONFIG" $SET --subcorpora "$R/base/subcorpora" \
+$PY experiments/studies/validation_experiment.py --config "$CONFIG" $SET \
+    --subcorpora "$R/base/subcorpora" \
     "${models[@]}" --out "$R/validation_recipe.json" || exit $?
 copy
 echo "=== $(date -Is) done: $COPY"

@@ -10,10 +10,10 @@
 # Usage, on the GPU machine after ../shared/gpu/README.md's setup (its exports in the shell):
 #   PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
 #     bash experiments/studies/recipe_gpu_full.sh /root/w/full /root/w/copy [NAME ...]
-# NAME: runs of experiments/studies/recipe_runs.sh (default: base fp32 nodrop grouped5 grouped5-e4; `base`
-# is the shipped default (bfloat16 compute since it matched float32 at the CPU budget), `fp32` the
-# same in float32, its check at full scale; `nodrop` the same without dropout, which cost 5 RC EM
-# at the CPU budget).
+# NAME: runs of experiments/studies/recipe_runs.sh (default: base fp32 nodrop grouped5
+# grouped5-e4; `base` is the shipped default (bfloat16 compute since it matched float32 at the CPU
+# budget), `fp32` the same in float32, its check at full scale; `nodrop` the same without dropout,
+# which cost 5 RC EM at the CPU budget).
 # Expected cost on an H100: ~3 min a 2-epoch candidate alone (two at a time: ~13 min for the five),
 # the chain ~5-10 min (the Flat eval of 10,570 questions searched on the GPU: DeviceFlat).
 set -uo pipefail

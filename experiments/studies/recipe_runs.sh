@@ -8,7 +8,7 @@
 #   arguments, e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
 #   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
 #   `bash experiments/studies/recipe_runs.sh --settings NAME` prints NAME's --set arguments only.
-# Then: python experiments/studies/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
+# Then: python experiments/studies/recipe_study.py ... (its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}

@@ -16,8 +16,8 @@ with McNemar's exact test (the questions only one of the two gets right), the tr
 A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline; `-` for a
 figure not measured, e.g. `base=workdirs/recipe/base:-:24.0::...`). With
 `--validation V.json` (experiments/studies/validation_experiment.py's output, e.g. from
-experiments/studies/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from the model
-whose workdir has the same last folder name (runs made elsewhere and copied here match).
+experiments/studies/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from
+the model whose workdir has the same last folder name (runs made elsewhere and copied here match).
 Each run's per-question EM hits are kept in the JSON: with `--previous results/recipe.json`, a
 run whose workdir is gone (a wiped machine) is taken from that report, and paired with the others
 where its hits were recorded (reports before they were have no p-value for it).

@@ -2,9 +2,9 @@
 
   python experiments/studies/report_qsft_filter.py --workdir workdirs/squad-cpu-unified
 
-Reads `<workdir>/qsft_results_*.json` (`run.py qsft`, e.g. `bash experiments/studies/squad_qsft.sh`) and
-`<workdir>/filter_results.json` (`run.py filter`); writes whichever of the two reports it has data
-for, with the JSON beside each Markdown file.
+Reads `<workdir>/qsft_results_*.json` (`run.py qsft`, e.g. `bash
+experiments/studies/squad_qsft.sh`) and `<workdir>/filter_results.json` (`run.py filter`); writes
+whichever of the two reports it has data for, with the JSON beside each Markdown file.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
                   # (results of runs before they recorded top_k used the default)
                   "top_k": runs[0].get("top_k", qsft_config().top_k), "level": runs[0]["level"],
                   "qsft_command": QSFT_COMMANDS.format(w=workdir), "runs": runs,
-                  "notes": args.note}, qsft_report, "experiments/studies/report_qsft_filter.py", argv)
+                  "notes": args.note}, qsft_report, "experiments/studies/report_qsft_filter.py",
+                 argv)
     wrote += 1
   if (workdir / "filter_results.json").is_file():
     results = {"workdir": str(workdir),
