@@ -23,7 +23,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 
 
 def load_script(relative: str):
-  """An experiment script (not a package module), e.g. `experiments/report_qsft_filter.py`."""
+  """An experiment script (not a package module), e.g. `experiments/studies/report_qsft_filter.py`."""
   import importlib.util
   path = REPO / relative
   spec = importlib.util.spec_from_file_location(path.stem, path)

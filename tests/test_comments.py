@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FILES = sorted([*ROOT.glob("dpjax/**/*.py"), *ROOT.glob("experiments/*.py"),
-                *ROOT.glob("experiments/benchmarks/*.py")])
+                *ROOT.glob("experiments/studies/*.py"), *ROOT.glob("experiments/benchmarks/*.py")])
 
 # A number (not part of a word such as bm25s) followed by a unit of time or throughput, a
 # p-value, or a speed-up ratio.

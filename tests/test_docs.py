@@ -180,7 +180,7 @@ def test_docs_run_commands_are_checked():
     "python run.py train --config experiments/squad.py:gpu --workdir W",
     "python run.py train --config experiments/demo.py --workdir W --set train.nope=1",
     "python run.py train --config experiments/demo.py --workdir W --frobnicate",
-    "python experiments/dump_windows.py --no-such-flag 3",
+    "python experiments/studies/dump_windows.py --no-such-flag 3",
     "python experiments/no_such_script.py",
     "bash experiments/no_such.sh",
     "make no-such-target",

@@ -1,4 +1,4 @@
-"""The dump-windows study (experiments/dump_windows.py) end to end on the tiny pipeline."""
+"""The dump-windows study (experiments/studies/dump_windows.py) end to end on the tiny pipeline."""
 import json
 
 import pytest
@@ -7,7 +7,7 @@ from conftest import REPO, load_script
 
 import run
 
-study = load_script("experiments/dump_windows.py")
+study = load_script("experiments/studies/dump_windows.py")
 
 # Windows of 40 tokens every 8: the tiny corpus's passages take several each.
 METRICS = ("em@1", "em@10", "top1", "top20")

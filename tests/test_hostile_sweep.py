@@ -3,7 +3,7 @@ import pytest
 
 from conftest import load_script
 
-sweep = load_script("experiments/hostile_sweep.py")
+sweep = load_script("experiments/studies/hostile_sweep.py")
 PREFIX = "2026-11-27 14:54:03,117 ERROR root: "
 
 

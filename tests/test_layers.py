@@ -5,6 +5,7 @@ Read from the source with `ast` (nothing is imported), so a violation fails here
 import ast
 import pathlib
 
+import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "dpjax"
@@ -65,22 +66,34 @@ def _module_name(path: pathlib.Path) -> str:
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path):
-  """(imported module, at module level?) for every import statement of a file."""
-  tree = ast.parse(path.read_text())
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+  """The absolute module a `from ... import` statement of `module` reads from: `from .. import
+  train` in dpjax/data/squad.py reads `dpjax`, `from ..index import dump` `dpjax.index`."""
+  if not node.level:
+    return node.module
+  package = module if is_package else module.rpartition(".")[0]
+  parts = package.split(".") if package else []
+  if node.level > len(parts):
+    raise ValueError(f"{module}: relative import beyond the top-level package (level {node.level})")
+  base = parts[:len(parts) - node.level + 1]
+  return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(source: str, module: str, is_package: bool = False):
+  """(imported name, at module level?) for every import statement of `source`, the text of
+  `module` (a package's `__init__` when `is_package`); relative imports made absolute.
+
+  `from X import y` yields `X.y` (a submodule or a symbol of X: the caller decides)."""
+  tree = ast.parse(source)
   # Module level: the statements of the file's body, and those of a `try` there (an optional
   # dependency guarded at import time is still imported with the module).
   top = {id(node) for node in tree.body}
   top |= {id(inner) for node in tree.body if isinstance(node, ast.Try) for inner in node.body}
-  package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(
-      ".")[0]
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       names = [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:  # relative import
-        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base])
+      base = _absolute(node, module, is_package)
       names = [f"{base}.{alias.name}" for alias in node.names]
     else:
       continue
@@ -88,11 +101,18 @@ def _imports(path: pathlib.Path):
       yield name, id(node) in top
 
 
-def _graph():
-  modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _sources() -> dict[str, tuple[str, bool]]:
+  """Every module of the package: its text and whether it is a package's `__init__`."""
+  return {_module_name(p): (p.read_text(), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
+
+
+def _graph(sources=None):
+  """(modules, module -> the package modules it imports, its function-level imports) of the
+  package, or of `sources` ({module: (text, is_package)}) in its place."""
+  modules = sources if sources is not None else _sources()
   graph, lazy = {m: set() for m in modules}, set()
-  for module, path in modules.items():
-    for name, at_top in _imports(path):
+  for module, (text, is_package) in modules.items():
+    for name, at_top in imports_of(text, module, is_package):
       if name == "dpjax.__version__":  # a constant of the package, loaded before any submodule
         continue
       if not at_top and name.partition(".")[0] != "dpjax" or name == "__future__":
@@ -139,15 +159,44 @@ def test_no_import_cycle():
   assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
 
 
+def _upward(graph) -> list[str]:
+  """Each import of a module from a higher layer, as `a (Ln) imports b (Lm)`."""
+  layer = {m: n for n, members in enumerate(LAYERS) for m in members}
+  return [f"{m} (L{layer[m]}) imports {t} (L{layer[t]})" for m in sorted(graph)
+          for t in sorted(graph[m]) if layer[t] > layer[m]]
+
+
 def test_every_module_has_a_layer_and_imports_none_above_it():
   modules, graph, _ = _graph()
   layer = {m: n for n, members in enumerate(LAYERS) for m in members}
   assert set(modules) == set(layer), (
       f"modules without a layer: {sorted(set(modules) - set(layer))}; "
       f"layers naming no module: {sorted(set(layer) - set(modules))}")
-  upward = [f"{m} (L{layer[m]}) imports {t} (L{layer[t]})" for m in sorted(graph)
-            for t in sorted(graph[m]) if layer[t] > layer[m]]
+  upward = _upward(graph)
   assert not upward, "\n".join(upward)
+
+
+def test_relative_imports_resolve_to_absolute_modules():
+  assert list(imports_of("from .. import train", "dpjax.data.squad")) == [("dpjax.train", True)]
+  assert list(imports_of("from . import squad", "dpjax.data", is_package=True)) == [
+      ("dpjax.data.squad", True)]
+  assert list(imports_of("from . import io", "dpjax.config")) == [("dpjax.io", True)]
+  assert list(imports_of("def f():\n  from ..index import dump", "dpjax.data.corpus")) == [
+      ("dpjax.index.dump", False)]
+  with pytest.raises(ValueError, match="beyond the top-level package"):
+    list(imports_of("from ... import x", "dpjax.data.squad"))
+
+
+@pytest.mark.parametrize("probe", ["from .. import train", "from ..train import run",
+                                   "from .. import qsft as fine_tuning", "from ..index import dump",
+                                   "def f():\n  from .. import train"])
+def test_a_relative_import_above_the_layer_is_caught(probe):
+  """The checker on the package with one line added to dpjax/data/squad.py (L1)."""
+  sources = _sources()
+  text, is_package = sources["dpjax.data.squad"]
+  _, graph, _ = _graph({**sources, "dpjax.data.squad": (f"{text}\n{probe}\n", is_package)})
+  caught = [line for line in _upward(graph) if line.startswith("dpjax.data.squad (L1) imports ")]
+  assert caught, f"{probe!r} in dpjax/data/squad.py was not caught"
 
 
 def test_function_level_imports_only_where_listed():
@@ -176,3 +225,65 @@ def test_architecture_layout_table_matches_the_tree():
   files = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
   assert not files - named, f"modules missing from docs/architecture.md: {sorted(files - named)}"
   assert not named - files, f"docs/architecture.md names no such modules: {sorted(named - files)}"
+
+
+# experiments/: the configs load nothing but `dpjax.config` (a config is read by every mode and
+# every test); every script may import the package and `experiments/report.py`, and the files of
+# its own folder, never a file of another folder (a benchmark does not run a study's code).
+EXPERIMENTS = REPO / "experiments"
+CONFIGS = {"experiments/demo.py", "experiments/squad.py"}
+
+
+def experiment_import_problems(sources: dict[str, str]) -> list[str]:
+  """What breaks the rules above in {path relative to the repository: text} of experiments/."""
+  folders = {}
+  for path in sources:
+    folders.setdefault(str(pathlib.PurePath(path).parent), set()).add(pathlib.PurePath(path).stem)
+  scripts = set().union(*folders.values())
+  problems = []
+  for path, text in sorted(sources.items()):
+    pure = pathlib.PurePath(path)
+    module = ".".join(pure.with_suffix("").parts)
+    own = folders[str(pure.parent)]
+    for name, _ in imports_of(text, module):
+      root = name.partition(".")[0]
+      if path in CONFIGS:
+        bad = (root == "dpjax" and name != "dpjax.config" and not name.startswith("dpjax.config.")
+               or root == "experiments" or root in scripts)
+      elif root == "experiments":
+        bad = not (name == "experiments.report" or name.startswith("experiments.report."))
+      else:
+        bad = root in scripts - own
+      if bad:
+        problems.append(f"{path} imports {name}")
+  return problems
+
+
+def _experiment_sources() -> dict[str, str]:
+  return {str(p.relative_to(REPO)): p.read_text() for p in EXPERIMENTS.rglob("*.py")}
+
+
+def test_experiments_import_the_package_and_report_only():
+  assert not experiment_import_problems(_experiment_sources())
+  assert {"experiments/studies/dump_windows.py", "experiments/benchmarks/speed.py",
+          "experiments/gpu_check.py"} <= set(_experiment_sources())
+
+
+@pytest.mark.parametrize("path,line", [
+    ("experiments/demo.py", "from dpjax import train"),
+    ("experiments/squad.py", "from experiments.report import save_results"),
+    ("experiments/benchmarks/speed.py", "import dump_windows"),
+    ("experiments/studies/dump_windows.py", "from experiments.benchmarks import speed"),
+    ("experiments/studies/dump_windows.py", "from ..benchmarks import speed"),
+    ("experiments/report.py", "def f():\n  from .studies import hostile_sweep"),
+])
+def test_experiment_import_problems_are_caught(path, line):
+  sources = _experiment_sources()
+  sources[path] += f"\n{line}\n"
+  assert [p for p in experiment_import_problems(sources) if p.startswith(f"{path} imports ")]
+
+
+def test_the_package_imports_no_experiment():
+  found = [f"{module} imports {name}" for module, (text, is_package) in _sources().items()
+           for name, _ in imports_of(text, module, is_package) if name.startswith("experiments")]
+  assert not found, "\n".join(found)

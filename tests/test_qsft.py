@@ -98,7 +98,7 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
   quantized = json.loads((tmp_path / "qsft_results_IVFauto_SQ8_quantized.json").read_text())
   assert quantized["quantized"] and len(quantized["epochs"]) == 1
   # The report of results/qsft.md, from this workdir: one row per run.
-  report = load_script("experiments/report_qsft_filter.py")
+  report = load_script("experiments/studies/report_qsft_filter.py")
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
   text = (tmp_path / "results" / "qsft.md").read_text()
   assert "| Flat | stored (exact) |" in text and "| IVFauto_SQ8 | quantizer reconstruction" in text

@@ -297,9 +297,9 @@ def _logits_are_the_teachers(workdir, manifest):
 
 
 def test_recipe_study_report(tmp_path):
-  """experiments/recipe_study.py over two tiny runs and a teacher: scores, paired test, keys."""
+  """experiments/studies/recipe_study.py over two tiny runs and a teacher: scores, paired test, keys."""
   from conftest import load_script
-  study = load_script("experiments/recipe_study.py")
+  study = load_script("experiments/studies/recipe_study.py")
   assert study.mcnemar_p("1100", "1100") == (0, 0, 1.0)
   assert study.mcnemar_p("1111111111", "0000000000")[2] == pytest.approx(2 / 2 ** 10)
   assert study.p_text(study.mcnemar_p("1" * 3000, "0" * 3000)[2]) == "< 1e-300"  # underflows
@@ -340,7 +340,7 @@ def test_recipe_study_pairs_or_says_unpaired():
   an earlier report's paired test otherwise, and falls back to the (marked) unpaired
   two-proportion test only when neither exists."""
   from conftest import load_script
-  study = load_script("experiments/recipe_study.py")
+  study = load_script("experiments/studies/recipe_study.py")
   # 50% vs 40% of 1,000 questions: z = 4.495, two-sided p = 6.96e-6.
   assert study.two_proportion_p(50.0, 40.0, 1000) == pytest.approx(6.96e-6, rel=1e-2)
   assert study.two_proportion_p(40.0, 40.0, 1000) == pytest.approx(1.0)

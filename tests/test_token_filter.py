@@ -58,7 +58,7 @@ def test_filter_training_sweep_and_filtered_index(tmp_path, capsys, caplog):
   with pytest.raises(DumpError, match="another filter head"):
     PhraseIndex(dump_dir, name)
   # The report of results/filter.md, from this workdir.
-  report = load_script("experiments/report_qsft_filter.py")
+  report = load_script("experiments/studies/report_qsft_filter.py")
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
   text = (tmp_path / "results" / "filter.md").read_text()
   assert f"{result['dev_auc_pr']:.4f}" in text and (tmp_path / "results" / "filter.png").is_file()

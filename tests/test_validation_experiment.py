@@ -8,7 +8,7 @@ from conftest import REPO, load_script
 
 import run
 
-experiment = load_script("experiments/validation_experiment.py")
+experiment = load_script("experiments/studies/validation_experiment.py")
 
 
 def test_kendall_tau():

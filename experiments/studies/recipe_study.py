@@ -7,7 +7,7 @@ with McNemar's exact test (the questions only one of the two gets right), the tr
 (from metrics.jsonl), and, where given, H32 / full-corpus EM@1. Writes results/recipe.json
 (keys `cpu_baseline`, `cpu_best`, `teacher`, `runs`) and results/recipe.md.
 
-  python experiments/recipe_study.py --config experiments/squad.py:cpu \\
+  python experiments/studies/recipe_study.py --config experiments/squad.py:cpu \\
       --run "baseline=workdirs/recipe/base::python run.py train --config ..." \\
       --run "lr 2e-4=workdirs/recipe/lr2e-4::python run.py train ... --set ...=2e-4" \\
       --teacher "teacher=workdirs/recipe/teacher/teacher::python run.py teacher ..." \\
@@ -15,9 +15,9 @@ with McNemar's exact test (the questions only one of the two gets right), the tr
 
 A run is `name=workdir[:h32_em1[:full_em1]]::command` (the first is the baseline; `-` for a
 figure not measured, e.g. `base=workdirs/recipe/base:-:24.0::...`). With
-`--validation V.json` (experiments/validation_experiment.py's output, e.g. from
-experiments/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from the model
-whose workdir has the same last folder name (runs made elsewhere and copied here match).
+`--validation V.json` (experiments/studies/validation_experiment.py's output, e.g. from
+experiments/studies/recipe_gpu.sh), a run's H32 / full EM@1 not given in its spec are taken from
+the model whose workdir has the same last folder name (runs made elsewhere and copied here match).
 Each run's per-question EM hits are kept in the JSON: with `--previous results/recipe.json`, a
 run whose workdir is gone (a wiped machine) is taken from that report, and paired with the others
 where its hits were recorded (reports before they were have no p-value for it).
@@ -30,7 +30,7 @@ import math
 import pathlib
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from experiments.report import (elide_notes, mcnemar_p, p_text, save_results,  # noqa: E402
                                 with_notes)
@@ -188,7 +188,7 @@ def main(argv=None):
              "teacher": summary(runs[-1]) if args.teacher else None,
              "runs": runs,
              "notes": args.note}
-  save_results(args.out, results, render, "experiments/recipe_study.py",
+  save_results(args.out, results, render, "experiments/studies/recipe_study.py",
                elide_notes(sys.argv[1:] if argv is None else argv))
   return results
 

@@ -1,6 +1,7 @@
 """What passage Top-k became when `metrics.has_answer` took DPR's definition (2026-11-27).
 
-  python experiments/has_answer_change.py --config experiments/squad.py:cpu-base --workdir W \\
+  python experiments/studies/has_answer_change.py --config experiments/squad.py:cpu-base \\
+      --workdir W \\
       --set "index.corpus=['../shared/data/squad/dev-v1.1.json']" \\
       --set index.dump_name="'dump_windows_192_mc32'" --out results/has_answer.json
 
@@ -21,7 +22,7 @@ import argparse
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 KS = (1, 5, 20, 100)
 EXAMPLES = 8
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
   results = study(args)
   results["notes"] = args.note
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
-  save_results(args.out, results, markdown, "experiments/has_answer_change.py", argv)
+  save_results(args.out, results, markdown, "experiments/studies/has_answer_change.py", argv)
   return 0
 
 

@@ -8,7 +8,7 @@ is measured too. Then, for each subcorpus, Kendall's tau between its ranking of 
 the full corpus's ranking.
 
   python run.py subcorpus --config experiments/squad.py:cpu --workdir workdirs/squad-cpu-unified
-  python experiments/validation_experiment.py --config experiments/squad.py:cpu \\
+  python experiments/studies/validation_experiment.py --config experiments/squad.py:cpu \\
       --subcorpora workdirs/squad-cpu-unified/subcorpora \\
       --model original-900=workdirs/squad-cpu-original@900 \\
       --model unified-900=workdirs/squad-cpu-unified@900 ... \\
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from experiments.report import mcnemar_p, p_text  # noqa: E402
 
 METRICS = ("em@1", "em@10", "top1", "top20")
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
              "references": references, "notes": args.note}
   from experiments.report import elide_notes, save_results
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
-  save_results(args.out, results, markdown, "experiments/validation_experiment.py", argv)
+  save_results(args.out, results, markdown, "experiments/studies/validation_experiment.py", argv)
   return 0
 
 

@@ -3,14 +3,14 @@
 # run against the baseline, same seed, each into workdirs/recipe/<name>, one after the other (a run
 # alone on both cores takes ~65 min + evaluation; two side by side on one core each are ~1.6x
 # slower per run). Each run resumes from its last checkpoint; finished runs are skipped.
-# Usage: bash experiments/recipe_runs.sh [NAME ...]   (default: all, in this order)
+# Usage: bash experiments/studies/recipe_runs.sh [NAME ...]   (default: all, in this order)
 #   OUT (workdirs/recipe), PY, CONFIG (experiments/squad.py:cpu-base) and SET (more --set
 #   arguments, e.g. SET="--set data.dir=/root/gpu/data/squad") from the environment.
 #   Run it from a worktree at a fixed commit: git worktree add /work/wt-study HEAD
-#   `bash experiments/recipe_runs.sh --settings NAME` prints NAME's --set arguments only.
-# Then: python experiments/recipe_study.py ... (see its docstring) -> results/recipe.{md,json}.
+#   `bash experiments/studies/recipe_runs.sh --settings NAME` prints NAME's --set arguments only.
+# Then: python experiments/studies/recipe_study.py ... (its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-workdirs/recipe}
 CONFIG=${CONFIG:-experiments/squad.py:cpu-base}

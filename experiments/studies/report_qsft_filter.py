@@ -1,10 +1,10 @@
 """results/qsft.md and results/filter.md (+ filter.png) from a workdir's QSFT and filter results.
 
-  python experiments/report_qsft_filter.py --workdir workdirs/squad-cpu-unified
+  python experiments/studies/report_qsft_filter.py --workdir workdirs/squad-cpu-unified
 
-Reads `<workdir>/qsft_results_*.json` (`run.py qsft`, e.g. `bash experiments/squad_qsft.sh`) and
-`<workdir>/filter_results.json` (`run.py filter`); writes whichever of the two reports it has data
-for, with the JSON beside each Markdown file.
+Reads `<workdir>/qsft_results_*.json` (`run.py qsft`, e.g. `bash
+experiments/studies/squad_qsft.sh`) and `<workdir>/filter_results.json` (`run.py filter`); writes
+whichever of the two reports it has data for, with the JSON beside each Markdown file.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import argparse
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-QSFT_COMMANDS = ("bash experiments/squad_qsft.sh {w}   # = run.py qsft --config "
+QSFT_COMMANDS = ("bash experiments/studies/squad_qsft.sh {w}   # = run.py qsft --config "
                  "experiments/squad.py:cpu --workdir {w} --set qsft.index=Flat; then "
                  "qsft.index=IVFauto_SQ4 without and with qsft.quantized=True")
 FILTER_COMMAND = "python run.py filter --config experiments/squad.py:cpu --workdir {w}"
@@ -136,14 +136,15 @@ def main(argv=None) -> int:
                   # (results of runs before they recorded top_k used the default)
                   "top_k": runs[0].get("top_k", qsft_config().top_k), "level": runs[0]["level"],
                   "qsft_command": QSFT_COMMANDS.format(w=workdir), "runs": runs,
-                  "notes": args.note}, qsft_report, "experiments/report_qsft_filter.py", argv)
+                  "notes": args.note}, qsft_report, "experiments/studies/report_qsft_filter.py",
+                 argv)
     wrote += 1
   if (workdir / "filter_results.json").is_file():
     results = {"workdir": str(workdir),
                "filter": load_json(workdir / "filter_results.json"),
                "filter_command": FILTER_COMMAND.format(w=workdir), "notes": args.filter_note}
     out = save_results(out_dir / "filter.json", results, filter_report,
-                       "experiments/report_qsft_filter.py", argv)
+                       "experiments/studies/report_qsft_filter.py", argv)
     filter_figure(results, out.with_suffix(".png"))
     wrote += 1
   if not wrote:

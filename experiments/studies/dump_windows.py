@@ -2,7 +2,7 @@
 `index.dump_min_context`): the tokens a dump encodes against what its stored vectors and the
 retrieval over them become.
 
-  python experiments/dump_windows.py --config experiments/squad.py:cpu-base --workdir W \\
+  python experiments/studies/dump_windows.py --config experiments/squad.py:cpu-base --workdir W \\
       --corpus ../shared/data/squad/dev-v1.1.json --max-seq-length 192 256 384 \\
       --min-context 0 32 --out results/dump_windows.json
 
@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from experiments.report import mcnemar_p, p_text, with_notes  # noqa: E402
 
 METRICS = ("em@1", "em@10", "top1", "top20")
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
   from experiments.report import elide_notes, save_results
   results = study(args)
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
-  save_results(args.out, results, markdown, "experiments/dump_windows.py", argv)
+  save_results(args.out, results, markdown, "experiments/studies/dump_windows.py", argv)
   return 0
 
 

@@ -9,15 +9,15 @@
 # every stage resumes what a previous run finished.
 # Usage, on the GPU machine after ../shared/gpu/README.md's setup (its exports in the shell):
 #   PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
-#     bash experiments/recipe_gpu_full.sh /root/w/full /root/w/copy [NAME ...]
-# NAME: runs of experiments/recipe_runs.sh (default: base fp32 nodrop grouped5 grouped5-e4; `base`
-# is the shipped default (bfloat16 compute since it matched float32 at the CPU budget), `fp32` the
-# same in float32, its check at full scale; `nodrop` the same without dropout, which cost 5 RC EM
-# at the CPU budget).
+#     bash experiments/studies/recipe_gpu_full.sh /root/w/full /root/w/copy [NAME ...]
+# NAME: runs of experiments/studies/recipe_runs.sh (default: base fp32 nodrop grouped5
+# grouped5-e4; `base` is the shipped default (bfloat16 compute since it matched float32 at the CPU
+# budget), `fp32` the same in float32, its check at full scale; `nodrop` the same without dropout,
+# which cost 5 RC EM at the CPU budget).
 # Expected cost on an H100: ~3 min a 2-epoch candidate alone (two at a time: ~13 min for the five),
 # the chain ~5-10 min (the Flat eval of 10,570 questions searched on the GPU: DeviceFlat).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${DISTILL:-0}" = 1 ]; then  # the chain would resume a candidate trained without a teacher
   echo "recipe_gpu_full.sh: DISTILL=1 is for experiments/squad_gpu_chain.sh on a new workdir;" \
        "the candidates here train without a teacher" >&2
@@ -42,7 +42,7 @@ copy() {
 }
 
 echo "=== $(date -Is) candidates: ${NAMES[*]} ($(git rev-parse --short HEAD 2>/dev/null))"
-printf '%s\n' "${NAMES[@]}" | xargs -P 2 -I{} bash experiments/recipe_runs.sh {}
+printf '%s\n' "${NAMES[@]}" | xargs -P 2 -I{} bash experiments/studies/recipe_runs.sh {}
 copy
 best=$($PY - "$R" "${NAMES[@]}" <<'EOF'
 import json, pathlib, sys
@@ -55,7 +55,7 @@ EOF
 [ -n "$best" ] || { echo "no candidate finished"; exit 1; }
 echo "=== $(date -Is) chain for the best RC EM: $best"
 # shellcheck disable=SC2086  # the run's --set arguments, word-split on purpose
-settings=$(bash experiments/recipe_runs.sh --settings "$best")
+settings=$(bash experiments/studies/recipe_runs.sh --settings "$best")
 bash experiments/squad_gpu_chain.sh "$R/$best" $settings $SET || exit $?
 copy
 echo "=== $(date -Is) done: $COPY ($best: results.json, open_eval_Flat.json)"

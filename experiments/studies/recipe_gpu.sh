@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Issue 21's recipe study at the CPU budget (experiments/squad.py:cpu-base: the same configs, steps
 # and seed as on the CPU), run on a lent GPU machine, where a run takes minutes instead of ~75:
-#   1. the factor runs of experiments/recipe_runs.sh, two at a time (each process may take 45% of
-#      the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
+#   1. the factor runs of experiments/studies/recipe_runs.sh, two at a time (each process may take
+#      45% of the GPU's memory: XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 from ../shared/gpu's setup);
 #   2. the baseline's full SQuAD-open small dump and Flat index, and its subcorpora C0 / H32 for a
 #      random 2,000 dev questions (`run.py subcorpus`);
 #   3. H32 and full-corpus EM@1 of the baseline and the two runs with the best RC EM
-#      (experiments/validation_experiment.py -> R/validation_recipe.{json,md}).
+#      (experiments/studies/validation_experiment.py -> R/validation_recipe.{json,md}).
 # The small results (results.json, rc_predictions.json, metrics.jsonl of every run and teacher,
 # the validation report) are copied to COPY after every stage; every stage resumes.
 # Usage, on the GPU machine after ../shared/gpu/README.md's setup (its exports in the shell):
 #   PY=python3 SET="--set data.dir=/root/gpu/data/squad" \
-#     bash experiments/recipe_gpu.sh /root/w/recipe /root/w/copy [NAME ...]
-# then, here, with COPY brought back: python experiments/recipe_study.py ... --validation
+#     bash experiments/studies/recipe_gpu.sh /root/w/recipe /root/w/copy [NAME ...]
+# then, here, with COPY brought back: python experiments/studies/recipe_study.py ... --validation
 #   COPY/validation_recipe.json (its docstring) -> results/recipe.{md,json}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 R=${1:?usage: recipe_gpu.sh RUNS_DIR COPY_DIR [NAME ...]}
 COPY=${2:?usage: recipe_gpu.sh RUNS_DIR COPY_DIR [NAME ...]}
 shift 2
@@ -38,7 +38,7 @@ copy() {
 }
 
 echo "=== $(date -Is) runs: ${NAMES[*]} ($(git rev-parse --short HEAD 2>/dev/null))"
-printf '%s\n' "${NAMES[@]}" | xargs -P 2 -I{} bash experiments/recipe_runs.sh {}
+printf '%s\n' "${NAMES[@]}" | xargs -P 2 -I{} bash experiments/studies/recipe_runs.sh {}
 copy
 [ -f "$R/base/results.json" ] || { echo "the baseline did not finish"; exit 1; }
 
@@ -58,7 +58,8 @@ EOF
 models=(--model "base=$R/base")
 for name in $best; do models+=(--model "$name=$R/$name" --compare "$name:base"); done
 echo "=== $(date -Is) H32 / full-corpus EM@1: base $best"
-$PY experiments/validation_experiment.py --config "$CONFIG" $SET --subcorpora "$R/base/subcorpora" \
+$PY experiments/studies/validation_experiment.py --config "$CONFIG" $SET \
+    --subcorpora "$R/base/subcorpora" \
     "${models[@]}" --out "$R/validation_recipe.json" || exit $?
 copy
 echo "=== $(date -Is) done: $COPY"

@@ -9,12 +9,12 @@
 #  4. every model's full dump (made once, resumable), its accuracy on each subcorpus and on the full
 #     corpus, and Kendall tau -> results/validation.{json,md}; the notebook draws the figure.
 # Every step resumes or is skipped when its output exists, so the script can be rerun after a kill.
-# Usage: nohup bash experiments/squad_validation.sh > logs/squad_validation.log 2>&1 &
+# Usage: nohup bash experiments/studies/squad_validation.sh > logs/squad_validation.log 2>&1 &
 # (extra arguments go to validation_experiment.py, e.g. --note "...")
-# (after experiments/squad_cpu.sh-style 900-step runs of both recipes and experiments/squad_open.sh
-#  for the unified one; see results/squad_rc.md for their commands)
+# (after 900-step runs of both recipes and the unified one's dump and index; results/squad_rc.md
+#  and results/squad_open.md give their commands)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 U=${U:-workdirs/squad-cpu-unified}
 O=${O:-workdirs/squad-cpu-original}
@@ -30,7 +30,7 @@ OLD="--set train.num_steps=900 --set train.dropout=True --set train.checkpoint_e
     $OLD --set train.keep_checkpoints=5 --set train.hard_negatives.file=$U/hard_negatives.jsonl
 [ -f $U/subcorpora/H32.meta.json ] || $PY run.py subcorpus $CPU --workdir $U \
     --set validation.sample_questions=2000
-$PY experiments/validation_experiment.py $CPU --subcorpora $U/subcorpora \
+$PY experiments/studies/validation_experiment.py $CPU --subcorpora $U/subcorpora \
     --model original-800=$O@800 --model original-900=$O@900 \
     --model unified-800=$U@800 --model unified-900=$U@900 \
     --model unified+hn-400=$H@400 --model unified+hn-900=$H@900 \

@@ -14,8 +14,8 @@ The words of a message alone never make a case clean. Each case is classified:
   silent     a wrong result or data loss without an error (some statement fails);
   hang       the time limit was reached.
 
-  python experiments/hostile_sweep.py --out results/reliability.json   # + results/reliability.md
-  python experiments/hostile_sweep.py --out /tmp/r.json --only shard   # the cases naming "shard"
+  python experiments/studies/hostile_sweep.py --out results/reliability.json  # + reliability.md
+  python experiments/studies/hostile_sweep.py --out /tmp/r.json --only shard  # cases naming "shard"
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 TINY = ["--config", "experiments/demo.py:tiny"]
 SQUAD_TINY = ["--config", "experiments/squad.py:tiny"]
@@ -879,8 +879,8 @@ def render(results: dict, command: str) -> str:
            "index's vectors, a search's answers, no checkpoint or temporary left). "
            f"**{counts['clean']} clean**, {counts['traceback']} tracebacks, {counts['silent']} "
            f"silent wrong results or data loss, {counts['hang']} hangs.", "",
-           "Each case's statements are in `experiments/hostile_sweep.py`; the defects the sweeps "
-           "found each have a test (below).", "",
+           "Each case's statements are in `experiments/studies/hostile_sweep.py`; the defects "
+           "the sweeps found each have a test (below).", "",
            "| # | area | case | exit | verdict | checked | message (final line) |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -923,7 +923,7 @@ def main(argv=None) -> int:
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
   results = {"cases": sweep.rows, "seconds": time.perf_counter() - start, "commit": commit}
-  save_results(args.out, results, render, "experiments/hostile_sweep.py", argv)
+  save_results(args.out, results, render, "experiments/studies/hostile_sweep.py", argv)
   if not args.keep:
     shutil.rmtree(scratch, ignore_errors=True)
   bad = [r for r in sweep.rows if r["verdict"] != "clean"]
