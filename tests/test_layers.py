@@ -250,8 +250,11 @@ def experiment_import_problems(sources: dict[str, str]) -> list[str]:
       if path in CONFIGS:
         bad = (root == "dpjax" and name != "dpjax.config" and not name.startswith("dpjax.config.")
                or root == "experiments" or root in scripts)
-      elif root == "experiments":
-        bad = not (name == "experiments.report" or name.startswith("experiments.report."))
+      elif root == "experiments":  # the report helpers, or a script of its own folder
+        package = ".".join(pure.parent.parts) + "."
+        bad = not (name == "experiments.report" or name.startswith("experiments.report.")
+                   or name.startswith(package)
+                   and name[len(package):].partition(".")[0] in own)
       else:
         bad = root in scripts - own
       if bad:
