@@ -131,7 +131,7 @@ def measure(args, config, reader_config, workdir) -> dict:
   systems["dpjax+reader"] = {**system_row(passages, rows, read_answers, answers, k,
                                           {"retrieval": search_s, "reading": read_s}),
                              **read_passages(passages, found, answers)}
-  bm25_rows, info = bm25_retrieve(passages, texts, k)
+  bm25_rows, _, info = bm25_retrieve(passages, texts, k)
   read_answers, found, read_s = read(reader, tokenizer, reader_config, config, texts, passages,
                                      bm25_rows, mesh, batch)
   systems["bm25+reader"] = {**system_row(passages, bm25_rows, read_answers, answers, k, {
