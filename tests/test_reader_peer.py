@@ -227,11 +227,25 @@ def test_reader_peer_benchmark_tiny(tmp_path):
     assert run.main([mode] + base) == 0, mode
   out = tmp_path / "peer.json"
   script = load_script("experiments/benchmarks/reader_peer.py")
-  assert script.main(base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2",
-                             "--out", str(out)]) == 0
+  peer = base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2", "--tune-questions",
+                 "10"]
+  assert script.main(peer + ["--out", str(out)]) == 0
   results = json.loads(out.read_text())
-  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "bm25+reader"]
+  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "dpjax+reader (mixed)",
+                                       "bm25+reader", "bm25+reader (mixed)"]
   assert results["k"] == 3 and results["questions"] == 12  # demo:tiny, 4 x 3 dev questions
+  # mu is chosen on 10 of the 6 x 3 training questions, by EM@1 (ties to the smaller mu)
+  assert results["tuning"]["questions"] == 10 and results["tuning"]["file"].endswith("train.json")
+  for name in ("dpjax", "bm25"):
+    alone, mixed = (results["systems"][f"{name}+reader{s}"] for s in ("", " (mixed)"))
+    mixing = mixed["mixing"]
+    assert [float(mu) for mu in mixing["em@1"]] == list(script.MU_GRID)
+    assert mixing["mu"] in script.MU_GRID
+    assert mixing["em@1"][str(mixing["mu"])] == max(mixing["em@1"].values())
+    assert all(value < max(mixing["em@1"].values()) for mu, value in mixing["em@1"].items()
+               if float(mu) < mixing["mu"])
+    assert mixed["passages"] == alone["passages"]  # the same passages, the same reading
+    assert mixed["questions_per_sec"] == alone["questions_per_sec"]
   for name, row in results["systems"].items():
     p = row["passages"]
     assert 0 <= p["top1"] <= p["top3"] <= 100 and 0 <= row["em@1"] <= 100, name
@@ -244,7 +258,17 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   for name in ("dpjax+reader", "bm25+reader"):
     row = results["systems"][name]
     assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
-  assert "| bm25+reader |" in out.with_suffix(".md").read_text()
+  markdown = out.with_suffix(".md").read_text()
+  assert "| bm25+reader |" in markdown and "| dpjax+reader (mixed) |" in markdown
+  # With mu = 1 the only choice, a mixed row answers as the reader alone, question by question.
+  script.MU_GRID = (1.0,)
+  assert script.main(peer + ["--out", str(tmp_path / "mu1.json")]) == 0
+  mu1 = json.loads((tmp_path / "mu1.json").read_text())["systems"]
+  for name in ("dpjax", "bm25"):
+    alone, mixed = (mu1[f"{name}+reader{s}"] for s in ("", " (mixed)"))
+    assert mixed["mixing"]["mu"] == 1.0
+    assert {k: mixed[k] for k in ("em@1", "f1@1", "hits", "read_from_first")} == {
+        k: alone[k] for k in ("em@1", "f1@1", "hits", "read_from_first")}
   # The hybrid report on the same workdir, with these reader rows: every figure is its eval
   # file's or recomputed from per-question hits; BM25's row is the hybrid's BM25 index alone.
   hybrid = load_script("experiments/benchmarks/hybrid.py")
@@ -253,7 +277,11 @@ def test_reader_peer_benchmark_tiny(tmp_path):
                              "--out", str(report_path)]) == 0
   report = json.loads(report_path.read_text())
   assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid", "bm25",
-                                  "dpjax+reader", "bm25+reader"]
+                                  "dpjax+reader", "dpjax+reader (mixed)", "bm25+reader",
+                                  "bm25+reader (mixed)"]
+  assert report["rows"]["bm25+reader (mixed)"]["hits"] == results["systems"][
+      "bm25+reader (mixed)"]["hits"]
+  assert "em@1" in report["paired"]["dpjax+reader (mixed) vs hybrid"]
   evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json"}
   for name, file in evals.items():
     written = json.loads((tmp_path / file).read_text())
