@@ -9,7 +9,8 @@ cross-encoder teacher (`models.reader`) is scored the same way from its start/en
 
 `read_retrieved` is the retriever-reader pipeline's second half: the reader reads each
 question's top-k retrieved passages (BM25's, or dpjax's passage search) and answers with the best
-span over all their windows.
+span over all their windows; `mixed_answers` weighs each passage's best span with the retriever's
+score of the passage instead (BERTserini).
 """
 from __future__ import annotations
 
@@ -197,17 +198,37 @@ def read_retrieved(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config
   answers with the best span over all of them, as RC does over one passage's windows
   (`window_spans`: start logit + end logit, at most `max_answer_length` tokens, within one
   window). The score is the reader's alone, the retriever's rank or score not added (as
-  DrQA's and DPR's readers over their top-k passages, without a passage selector); `rank`
-  says which retrieved passage won. None for a question with no passage.
+  DrQA's and DPR's readers over their top-k passages, without a passage selector; `mixed_answers`
+  adds it); `rank` says which retrieved passage won. None for a question with no passage.
 
   `questions_per_call` questions are windowed and read at a time (host memory bounded)."""
+  return reader_answers(read_retrieved_passages(
+      reader, tokenizer, data_config, questions, passages, retrieved, mesh=mesh,
+      batch_size=batch_size, max_answer_length=max_answer_length,
+      questions_per_call=questions_per_call))
+
+
+def reader_answers(per_passage: Sequence[Sequence[ReadAnswer | None]]) -> list[ReadAnswer | None]:
+  """`read_retrieved`'s answers from its reading kept by passage (`read_retrieved_passages`):
+  the best span by the reader's score alone, at an equal score the better-ranked passage's."""
+  return mixed_answers(per_passage, [[0.0] * len(spans) for spans in per_passage], mu=1.0)
+
+
+def read_retrieved_passages(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config,
+                            questions: Sequence[str], passages: Sequence[Passage],
+                            retrieved: Sequence[Sequence[int]], *, mesh, batch_size: int = 32,
+                            max_answer_length: int = 10, questions_per_call: int = 256,
+                            ) -> list[list[ReadAnswer | None]]:
+  """The reader's best span in each retrieved passage (`read_retrieved`'s reading, kept apart by
+  passage): per question, a list indexed by rank (`len(retrieved[q])`), None at a rank with no
+  span (a retriever's padding, a passage repeated after its first place)."""
   check_input_length(reader, data_config)
-  answers: list[ReadAnswer | None] = []
+  answers: list[list[ReadAnswer | None]] = []
   for lo in range(0, len(questions), questions_per_call):
     part = slice(lo, lo + questions_per_call)
     features, passage_rows, rank = retrieved_features(tokenizer, data_config, questions[part],
                                                       passages, retrieved[part])
-    best: dict[int, ReadAnswer] = {}
+    best: dict[tuple[int, int], ReadAnswer] = {}  # (question, rank) -> its best span
     read = (reader_logits(reader, features, np.arange(len(features)), mesh=mesh,
                           batch_size=batch_size) if len(features) else [])
     for feats, logits in read:
@@ -215,19 +236,48 @@ def read_retrieved(reader: CrossEncoderReader, tokenizer: Tokenizer, data_config
       start, end, score = window_spans(features.windows, w, logits[..., 0], logits[..., 1],
                                        max_answer_length)
       for f, qi in enumerate(features.question_index[feats].tolist()):
-        if _better(float(score[f]), int(rank[feats[f]]), best.get(qi)):
-          best[qi] = _read_answer(features.windows, passages, int(w[f]), int(start[f]),
-                                  int(end[f]), float(score[f]), int(passage_rows[w[f]]),
-                                  int(rank[feats[f]]))
-    answers += [best.get(qi) for qi in range(len(questions[part]))]
+        key = (qi, int(rank[feats[f]]))
+        # Windows of one passage come in any order: at an equal score the first read stays.
+        if np.isfinite(score[f]) and (key not in best or score[f] > best[key].score):
+          best[key] = _read_answer(features.windows, passages, int(w[f]), int(start[f]),
+                                   int(end[f]), float(score[f]), int(passage_rows[w[f]]), key[1])
+    answers += [[best.get((qi, r)) for r in range(len(ranked))]
+                for qi, ranked in enumerate(retrieved[part])]
   return answers
 
 
-def _better(score: float, rank: int, best: ReadAnswer | None) -> bool:
-  """A span beats the best so far by its score; at an equal score, the better-ranked passage's
-  (batches come longest first, not in rank order)."""
-  return np.isfinite(score) and (best is None or score > best.score
-                                 or (score == best.score and rank < best.rank))
+def mixed_answers(per_passage: Sequence[Sequence[ReadAnswer | None]],
+                  retriever_scores: Sequence[Sequence[float]], mu: float,
+                  ) -> list[ReadAnswer | None]:
+  """BERTserini's answer (Yang et al. 2019): per question, the best span of the passage with the
+  highest (1 - mu) * retriever score + mu * reader score (start + end logit); at an equal
+  mixed score, the better-ranked passage's. mu = 1 is the reader alone (`read_retrieved`).
+
+  Args:
+    per_passage: [Q][k_q] the best span of each retrieved passage, by rank
+      (`read_retrieved_passages`), None where there is none.
+    retriever_scores: [Q][k_q] the retriever's score of each, finite where a span is.
+    mu: the reader's weight, in [0, 1].
+
+  Returns:
+    [Q] the chosen span, None for a question without any.
+  """
+  if not 0.0 <= mu <= 1.0:
+    raise ValueError(f"mu {mu}: the reader's weight is in [0, 1]")
+  width = max([1] + [len(spans) for spans in per_passage])  # argmax needs a column
+  reader = np.full((len(per_passage), width), -np.inf)
+  retriever = np.zeros((len(per_passage), width))
+  for q, (spans, scores) in enumerate(zip(per_passage, retriever_scores, strict=True)):
+    if len(spans) != len(scores):
+      raise ValueError(f"question {q}: {len(spans)} passages read, {len(scores)} scores")
+    reader[q, :len(spans)] = [-np.inf if a is None else a.score for a in spans]
+    retriever[q, :len(spans)] = scores
+  read = np.isfinite(reader)
+  if not np.isfinite(retriever[read]).all():
+    raise ValueError("a passage with a span has a retriever score that is not finite")
+  mixed = np.where(read, (1.0 - mu) * retriever + mu * np.where(read, reader, 0.0), -np.inf)
+  best = np.argmax(mixed, axis=1)  # the first of equal maxima: the better rank
+  return [per_passage[q][best[q]] if read[q].any() else None for q in range(len(per_passage))]
 
 
 def _read_answer(windows: PassageWindows, passages: Sequence[Passage], w: int, start: int,

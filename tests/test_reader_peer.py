@@ -152,6 +152,72 @@ def test_equal_scores_go_to_the_better_ranked_passage(reader, tokenizer, monkeyp
     assert (answer.rank, answer.passage_row) == (0, retrieved[0][0])
 
 
+def test_each_passage_span_is_its_best_and_the_reader_alone_is_mu_1(reader, tokenizer):
+  """`read_retrieved_passages` gives each retrieved passage's own best span (the exhaustive
+  search over that passage alone); mixed with any retriever scores at mu = 1 it answers as
+  `read_retrieved`, at mu = 0 with strictly decreasing scores as the first passage read."""
+  mesh = make_mesh()
+  per_passage = rc.read_retrieved_passages(reader, tokenizer, DATA, QUESTIONS, PASSAGES,
+                                           RETRIEVED, mesh=mesh, batch_size=8,
+                                           max_answer_length=MAX_ANSWER_LENGTH)
+  assert [len(spans) for spans in per_passage] == [len(rows) for rows in RETRIEVED]
+  for question, rows, spans in zip(QUESTIONS, RETRIEVED, per_passage):
+    for rank, (row, got) in enumerate(zip(rows, spans)):
+      if row < 0 or row in rows[:rank]:
+        assert got is None
+        continue
+      want = reference(reader, tokenizer, question, [row])
+      assert (got.text, got.passage_row, got.rank, got.token_start, got.token_end) == (
+          want[1], want[2], rank, want[4], want[5])
+      np.testing.assert_allclose(got.score, want[0], rtol=1e-5, atol=1e-5)
+  alone = read_retrieved(reader, tokenizer, DATA, QUESTIONS, PASSAGES, RETRIEVED, mesh=mesh,
+                         batch_size=8, max_answer_length=MAX_ANSWER_LENGTH)
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    scores = [(100 * rng.normal(size=len(rows))).tolist() for rows in RETRIEVED]
+    assert rc.mixed_answers(per_passage, scores, 1.0) == alone
+    decreasing = [np.cumsum(-0.01 - rng.random(len(rows))).tolist() for rows in RETRIEVED]
+    assert rc.mixed_answers(per_passage, decreasing, 0.0) == [
+        next((a for a in spans if a is not None), None) for spans in per_passage]
+  assert sum(a is not None and a.rank > 0 for a in alone) > 0  # mu = 0 and 1 do differ here
+
+
+def span(rank: int, score: float) -> rc.ReadAnswer:
+  return rc.ReadAnswer(f"span of rank {rank}", score, rank, rank, 0, 1, 0, 0)
+
+
+def mixed_reference(per_passage, retriever_scores, mu):
+  """A loop over the passages, best first: a later one wins only with a higher mixed score."""
+  answers = []
+  for spans, scores in zip(per_passage, retriever_scores):
+    best = None
+    for answer, retrieved in zip(spans, scores):
+      if answer is not None:
+        mixed = (1 - mu) * retrieved + mu * answer.score
+        if best is None or mixed > best[0]:
+          best = (mixed, answer)
+    answers.append(best[1] if best else None)
+  return answers
+
+
+def test_mixed_answers_match_a_loop_over_the_passages():
+  """Random passages read or not, small integer scores (so equal mixed scores happen, and go to
+  the better rank), a question without passages, mu at the ends and between."""
+  rng = np.random.default_rng(7)
+  for _ in range(40):
+    per_passage = [[None if rng.random() < 0.3 else span(r, float(rng.integers(-3, 4)))
+                    for r in range(rng.integers(0, 7))] for _ in range(13)]
+    scores = [rng.integers(0, 5, len(spans)).astype(float).tolist() for spans in per_passage]
+    for mu in (0.0, 0.25, 0.5, 1.0, float(rng.random())):
+      assert rc.mixed_answers(per_passage, scores, mu) == mixed_reference(per_passage, scores,
+                                                                          mu), mu
+  assert rc.mixed_answers([[], [None]], [[], [1.0]], 0.5) == [None, None]
+  with pytest.raises(ValueError, match="not finite"):
+    rc.mixed_answers([[span(0, 1.0)]], [[-np.inf]], 1.0)
+  with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    rc.mixed_answers([[span(0, 1.0)]], [[1.0]], 1.5)
+
+
 @pytest.mark.slow
 def test_reader_peer_benchmark_tiny(tmp_path):
   """`experiments/benchmarks/reader_peer.py` end to end on the tiny pipeline: a phrase model,
@@ -161,11 +227,25 @@ def test_reader_peer_benchmark_tiny(tmp_path):
     assert run.main([mode] + base) == 0, mode
   out = tmp_path / "peer.json"
   script = load_script("experiments/benchmarks/reader_peer.py")
-  assert script.main(base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2",
-                             "--out", str(out)]) == 0
+  peer = base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2", "--tune-questions",
+                 "10"]
+  assert script.main(peer + ["--out", str(out)]) == 0
   results = json.loads(out.read_text())
-  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "bm25+reader"]
+  assert list(results["systems"]) == ["dpjax", "dpjax+reader", "dpjax+reader (mixed)",
+                                       "bm25+reader", "bm25+reader (mixed)"]
   assert results["k"] == 3 and results["questions"] == 12  # demo:tiny, 4 x 3 dev questions
+  # mu is chosen on 10 of the 6 x 3 training questions, by EM@1 (ties to the smaller mu)
+  assert results["tuning"]["questions"] == 10 and results["tuning"]["file"].endswith("train.json")
+  for name in ("dpjax", "bm25"):
+    alone, mixed = (results["systems"][f"{name}+reader{s}"] for s in ("", " (mixed)"))
+    mixing = mixed["mixing"]
+    assert [float(mu) for mu in mixing["em@1"]] == list(script.MU_GRID)
+    assert mixing["mu"] in script.MU_GRID
+    assert mixing["em@1"][str(mixing["mu"])] == max(mixing["em@1"].values())
+    assert all(value < max(mixing["em@1"].values()) for mu, value in mixing["em@1"].items()
+               if float(mu) < mixing["mu"])
+    assert mixed["passages"] == alone["passages"]  # the same passages, the same reading
+    assert mixed["questions_per_sec"] == alone["questions_per_sec"]
   for name, row in results["systems"].items():
     p = row["passages"]
     assert 0 <= p["top1"] <= p["top3"] <= 100 and 0 <= row["em@1"] <= 100, name
@@ -178,7 +258,17 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   for name in ("dpjax+reader", "bm25+reader"):
     row = results["systems"][name]
     assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
-  assert "| bm25+reader |" in out.with_suffix(".md").read_text()
+  markdown = out.with_suffix(".md").read_text()
+  assert "| bm25+reader |" in markdown and "| dpjax+reader (mixed) |" in markdown
+  # With mu = 1 the only choice, a mixed row answers as the reader alone, question by question.
+  script.MU_GRID = (1.0,)
+  assert script.main(peer + ["--out", str(tmp_path / "mu1.json")]) == 0
+  mu1 = json.loads((tmp_path / "mu1.json").read_text())["systems"]
+  for name in ("dpjax", "bm25"):
+    alone, mixed = (mu1[f"{name}+reader{s}"] for s in ("", " (mixed)"))
+    assert mixed["mixing"]["mu"] == 1.0
+    assert {k: mixed[k] for k in ("em@1", "f1@1", "hits", "read_from_first")} == {
+        k: alone[k] for k in ("em@1", "f1@1", "hits", "read_from_first")}
   # The hybrid report on the same workdir, with these reader rows: every figure is its eval
   # file's or recomputed from per-question hits; BM25's row is the hybrid's BM25 index alone.
   hybrid = load_script("experiments/benchmarks/hybrid.py")
@@ -187,7 +277,11 @@ def test_reader_peer_benchmark_tiny(tmp_path):
                              "--out", str(report_path)]) == 0
   report = json.loads(report_path.read_text())
   assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid", "bm25",
-                                  "dpjax+reader", "bm25+reader"]
+                                  "dpjax+reader", "dpjax+reader (mixed)", "bm25+reader",
+                                  "bm25+reader (mixed)"]
+  assert report["rows"]["bm25+reader (mixed)"]["hits"] == results["systems"][
+      "bm25+reader (mixed)"]["hits"]
+  assert "em@1" in report["paired"]["dpjax+reader (mixed) vs hybrid"]
   evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json"}
   for name, file in evals.items():
     written = json.loads((tmp_path / file).read_text())

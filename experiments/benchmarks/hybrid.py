@@ -8,9 +8,10 @@ It runs, through run.py, what is missing (or everything with --rerun): `eval` (d
 --set index.merge_spans=False` (overlapping spans apart: the merging's effect on EM@10), `index
 --set index.sparse=True` (the BM25 index and its weight, chosen on training questions) and
 `eval --set index.sparse=True` (hybrid); it scores BM25 alone over the dump's passages itself;
-the reader rows come from `experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test
-pairs hybrid with dense (EM@1, passage Top-1, Top-20) and with BM25 (Top-1, Top-20) on the same
-questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
+the reader rows (the reader alone, and mixed with its retriever's scores) come from
+`experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test pairs hybrid with dense
+(EM@1, passage Top-1, Top-20), with BM25 (Top-1, Top-20) and with each reader row (EM@1) on the
+same questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ RUNS = {  # row: (its eval file, the run.py overrides that make it)
     "hybrid": ("open_eval_Flat_hybrid.json", ["index.sparse=True"]),
 }
 SHOWN = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")  # the table's columns
+
+
+def is_reader(name: str) -> bool:
+  """reader_peer.py's reader rows: `NAME+reader` and `NAME+reader (mixed)`."""
+  return name.endswith(("+reader", "+reader (mixed)"))
 
 
 def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
   if args.reader_json:  # the reader rows, on the same questions
     readers = json.loads(pathlib.Path(args.reader_json).read_text())
     for name, row in readers["systems"].items():
-      if name.endswith("+reader"):
+      if is_reader(name):
         rows[name] = {"em@1": row["em@1"], "hits": row["hits"],
                       "questions_per_sec": row["questions_per_sec"]["pipeline"]}
     commands["readers"] = f"see {args.reader_json} (commit {readers.get('commit')})"
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
                                                  ("em@1", "top1", "top20")),
                        "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20"))}}
   for name in rows:
-    if name.endswith("+reader"):
+    if is_reader(name):
       result["paired"][f"{name} vs hybrid"] = paired(rows[name], rows["hybrid"], ("em@1",))
   from experiments.report import save_results
   save_results(args.out, result, table, "experiments/benchmarks/hybrid.py", argv)

@@ -36,7 +36,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 KS = (1, 5, 20, 100)
 
 
-def bm25_retrieve(passages, questions, k: int) -> tuple[list[list[int]], dict]:
+def bm25_retrieve(passages, questions, k: int,
+                  ) -> tuple[list[list[int]], list[list[float]], dict]:
+  """(the top-k passage rows [Q][k], their BM25 scores [Q][k], how it ran) of BM25 over the
+  passages (title and text)."""
   import bm25s
   try:
     import Stemmer
@@ -50,12 +53,12 @@ def bm25_retrieve(passages, questions, k: int) -> tuple[list[list[int]], dict]:
                   show_progress=False)
   built = time.perf_counter() - start
   start = time.perf_counter()
-  rows, _ = retriever.retrieve(bm25s.tokenize(questions, stopwords="en", stemmer=stemmer,
-                                              show_progress=False), k=k, show_progress=False)
+  rows, scores = retriever.retrieve(bm25s.tokenize(questions, stopwords="en", stemmer=stemmer,
+                                                   show_progress=False), k=k, show_progress=False)
   seconds = time.perf_counter() - start
-  return rows.tolist(), {"index_seconds": built, "questions_per_sec": len(questions) / seconds,
-                         "stemmer": "snowball english (PyStemmer)" if stemmer else "none",
-                         "k1": 0.9, "b": 0.4}
+  return rows.tolist(), scores.tolist(), {
+      "index_seconds": built, "questions_per_sec": len(questions) / seconds,
+      "stemmer": "snowball english (PyStemmer)" if stemmer else "none", "k1": 0.9, "b": 0.4}
 
 
 def mean_pooled(model, tokenizer, texts, max_len: int, batch_size: int, mesh) -> np.ndarray:
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
           "workdir": str(workdir)}
       logging.info("dpjax-%s: %s", name, systems[f"dpjax-{name}"]["scores"])
   if "bm25" in args.systems:
-    rows, info = bm25_retrieve(passages, texts, k)
+    rows, _, info = bm25_retrieve(passages, texts, k)
     systems["bm25"] = {"scores": score(rows), **info}
     logging.info("bm25: %s", systems["bm25"]["scores"])
   if "dense-minilm" in args.systems:

@@ -11,16 +11,24 @@ one answer against the gold answers, `dpjax.metrics.open_domain_scores`; passage
   dpjax        dpjax's top phrase (`run.py eval`'s EM@1), from the same index search as its
                passages;
   bm25+reader  BM25 (bm25s, k1 0.9, b 0.4, as `passage_retrieval.py`) top-k passages, read;
-  dpjax+reader dpjax's top-k passages (a passage scores as its best phrase), read.
+  dpjax+reader dpjax's top-k passages (a passage scores as its best phrase), read;
+  ... (mixed)  the same reading, answered as BERTserini (Yang et al. 2019) does.
 The reader answers with the best span (start + end logit, at most eval.max_answer_length tokens,
 inside one window) over all windows of the k passages (`dpjax.rc.read_retrieved`): its score
-alone, the retriever's not added. "read passage has answer" is the share of questions whose
-answer comes from a passage holding a gold answer (the reader's re-ranking of the k passages),
-"read from passage 1" the share read from the retriever's first passage.
+alone, the retriever's not added. Its scores are not comparable across passages (it was trained
+on windows holding the answer), so the mixed rows take each passage's best span and answer with
+the one of the highest (1 - mu) x retriever score of its passage + mu x reader score
+(`dpjax.rc.mixed_answers`). mu is chosen for each retriever by EM@1 from `MU_GRID` on
+--tune-questions random training questions (seeded; never the reported ones: the dev split),
+each mu's EM@1 recorded in the row's `mixing` (the reader and the phrase model were trained on
+these questions: a caveat, as for `dpjax.fusion`'s hybrid weight). "read passage has answer" is
+the share of questions whose answer comes from a passage holding a gold answer (the re-ranking
+of the k passages), "read from passage 1" the share read from the retriever's first passage.
 Questions/s: retrieval, reading, and the two in sequence, after a warm-up on the first
---warmup questions (compiles); BM25's index build is reported apart. Per-question EM@1 hits
-are kept for paired tests (`dpjax.metrics.mcnemar_p`); the table gives dpjax+reader against
-dpjax's phrases. Writes the JSON and a Markdown table beside it (`--out` with .md).
+--warmup questions (compiles); a mixed row's are its reader row's (one reading); BM25's index
+build is reported apart. Per-question EM@1 hits are kept for paired tests
+(`dpjax.metrics.mcnemar_p`); the table gives dpjax+reader against dpjax's phrases and each mixed
+row against its reader alone. Writes the JSON and a Markdown table beside it (`--out` with .md).
 """
 from __future__ import annotations
 
@@ -31,9 +39,17 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The mixed rows' mu: only the ratio mu / (1 - mu) of the reader's weight to the retriever's
+# moves the argmax, and the retrievers' scores (BM25's; dpjax's phrase scores) and the reader's
+# logits have scales of their own, so the ratio doubles from 1/64 to 64 (an even grid in mu would
+# hold only 1/9 to 9); the retriever alone (0) and the reader alone (1) are in it.
+MU_GRID = (0.0, *(round(2.0 ** j / (1 + 2.0 ** j), 4) for j in range(-6, 7)), 1.0)
+TUNE_SEED = 17  # the training questions mu is chosen on (as `dpjax.fusion`'s hybrid weight)
 
 
 def git_commit() -> str:
@@ -71,14 +87,14 @@ def system_row(passages, retrieved, predictions, answers, k: int, seconds: dict)
 
 
 def read(reader, tokenizer, reader_config, config, texts, passages, retrieved, mesh, batch):
-  """(answers, `rc.ReadAnswer`s, seconds) of the reader over `retrieved`."""
-  from dpjax.rc import read_retrieved
+  """(the reader's best span in each retrieved passage [Q][k] (`rc.read_retrieved_passages`),
+  seconds)."""
+  from dpjax.rc import read_retrieved_passages
   start = time.perf_counter()
-  found = read_retrieved(reader, tokenizer, reader_config.data, texts, passages, retrieved,
-                         mesh=mesh, batch_size=batch,
-                         max_answer_length=config.eval.max_answer_length)
-  seconds = time.perf_counter() - start
-  return [a.text if a else None for a in found], found, seconds
+  per_passage = read_retrieved_passages(reader, tokenizer, reader_config.data, texts, passages,
+                                        retrieved, mesh=mesh, batch_size=batch,
+                                        max_answer_length=config.eval.max_answer_length)
+  return per_passage, time.perf_counter() - start
 
 
 def read_passages(passages, found, answers) -> dict:
@@ -92,14 +108,69 @@ def read_passages(passages, found, answers) -> dict:
           "read_from_first": 100.0 * sum(a is not None and a.rank == 0 for a in found) / n}
 
 
+def em_at_1(found, answers) -> float:
+  """EM@1 (x100) of `rc.ReadAnswer`s (None: no answer)."""
+  hits = em_hits([a.text if a else None for a in found], answers)
+  return 100.0 * hits.count("1") / max(len(answers), 1)
+
+
+def median_spread(per_passage, retriever_scores) -> dict:
+  """The median over questions of the range (max - min) of the retriever's and of the reader's
+  scores over the passages read: the two scales mu weighs against each other."""
+  spreads = {"retriever": [], "reader": []}
+  for spans, scores in zip(per_passage, retriever_scores):
+    read = [(r, a.score) for a, r in zip(spans, scores) if a is not None]
+    if len(read) > 1:
+      for name, values in zip(spreads, zip(*read)):
+        spreads[name].append(max(values) - min(values))
+  return {name: float(np.median(v)) if v else None for name, v in spreads.items()}
+
+
+def choose_mu(per_passage, retriever_scores, answers) -> dict:
+  """The mu of `MU_GRID` with the best EM@1 of `rc.mixed_answers` on held-out questions (ties
+  to the smaller mu), with every mu's EM@1 and the scores' spreads."""
+  from dpjax.rc import mixed_answers
+  scores = {mu: em_at_1(mixed_answers(per_passage, retriever_scores, mu), answers)
+            for mu in MU_GRID}
+  best = max(MU_GRID, key=lambda mu: (scores[mu], -mu))
+  return {"mu": best, "em@1": {str(mu): em for mu, em in scores.items()},
+          "median_spread": median_spread(per_passage, retriever_scores)}
+
+
+def reader_rows(name, passages, rows, retriever_scores, per_passage, answers, k: int,
+                seconds: dict, mixing: dict) -> dict:
+  """The `NAME+reader` row (the reader's score alone) and the `NAME+reader (mixed)` row (the
+  retriever's and the reader's, mixed with the chosen mu): one reading, so one timing."""
+  from dpjax.rc import mixed_answers, reader_answers
+
+  def row(found):
+    return {**system_row(passages, rows, [a.text if a else None for a in found], answers, k,
+                         seconds), **read_passages(passages, found, answers)}
+  return {f"{name}+reader": row(reader_answers(per_passage)),
+          f"{name}+reader (mixed)": {**row(mixed_answers(per_passage, retriever_scores,
+                                                         mixing["mu"])), "mixing": mixing}}
+
+
 def dpjax_search(searcher, texts, k: int, config):
-  """(passage rows [Q][k], top phrases [Q], seconds) of one index search."""
+  """(passage rows [Q][k], their scores [Q][k] (each its best phrase's), top phrases [Q],
+  seconds) of one index search."""
   start = time.perf_counter()
   passages, phrases = searcher.search_many(texts, [(k, "passage"), (1, "phrase")],
                                            max_answer_length=config.eval.max_answer_length)
   seconds = time.perf_counter() - start
   return ([[r["passage_row"] for r in found] for found in passages],
+          [[r["score"] for r in found] for found in passages],
           [found[0]["answer"] if found else None for found in phrases], seconds)
+
+
+def tuning_questions(config, workdir, limit: int) -> tuple[list, dict]:
+  """`limit` random training questions (seeded; 0: all), on which mu is chosen, and a record."""
+  from dpjax.data import data_files
+  from dpjax.data.questions import read_questions, sample_questions
+  path = data_files(config.data, workdir)["train"]
+  questions = sample_questions(read_questions(path), limit, TUNE_SEED)
+  return questions, {"file": str(path), "questions": len(questions), "seed": TUNE_SEED,
+                     "grid": list(MU_GRID), "criterion": "EM@1, ties to the smaller mu"}
 
 
 def measure(args, config, reader_config, workdir) -> dict:
@@ -113,6 +184,8 @@ def measure(args, config, reader_config, workdir) -> dict:
   questions = read_questions(data_paths(config, workdir)["questions"])
   questions = questions[:args.limit or config.eval.limit or None]
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
+  tune, tuning = tuning_questions(config, workdir, args.tune_questions)
+  tune_texts, tune_answers = [q.question for q in tune], [q.answers for q in tune]
   searcher, step = load_searcher(config, workdir, args.index)
   passages = searcher.index.dump.passages
   reader, reader_step = restore_reader(reader_config, args.reader)
@@ -120,32 +193,36 @@ def measure(args, config, reader_config, workdir) -> dict:
   mesh = make_mesh()
   batch = round_to_devices(config.eval.batch_size, mesh)
   k = min(args.k, len(passages))
+  read_rows = lambda texts, rows: read(reader, tokenizer, reader_config, config, texts,
+                                       passages, rows, mesh, batch)
   warm = texts[:args.warmup]  # compiles: the searcher's and the reader's, not timed
-  read(reader, tokenizer, reader_config, config, warm, passages,
-       dpjax_search(searcher, warm, k, config)[0], mesh, batch)
+  read_rows(warm, dpjax_search(searcher, warm, k, config)[0])
 
-  rows, phrases, search_s = dpjax_search(searcher, texts, k, config)
+  rows, scores, phrases, search_s = dpjax_search(searcher, texts, k, config)
   systems = {"dpjax": system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
-  read_answers, found, read_s = read(reader, tokenizer, reader_config, config, texts, passages,
-                                     rows, mesh, batch)
-  systems["dpjax+reader"] = {**system_row(passages, rows, read_answers, answers, k,
-                                          {"retrieval": search_s, "reading": read_s}),
-                             **read_passages(passages, found, answers)}
-  bm25_rows, info = bm25_retrieve(passages, texts, k)
-  read_answers, found, read_s = read(reader, tokenizer, reader_config, config, texts, passages,
-                                     bm25_rows, mesh, batch)
-  systems["bm25+reader"] = {**system_row(passages, bm25_rows, read_answers, answers, k, {
-      "retrieval": len(texts) / info["questions_per_sec"], "reading": read_s}),
-                            **read_passages(passages, found, answers),
-                            "bm25_index_seconds": info["index_seconds"]}
+  per_passage, read_s = read_rows(texts, rows)
+  tune_rows, tune_scores = dpjax_search(searcher, tune_texts, k, config)[:2]
+  systems.update(reader_rows("dpjax", passages, rows, scores, per_passage, answers, k,
+                             {"retrieval": search_s, "reading": read_s},
+                             choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores,
+                                       tune_answers)))
+  bm25_rows, bm25_scores, info = bm25_retrieve(passages, texts, k)
+  per_passage, read_s = read_rows(texts, bm25_rows)
+  tune_rows, tune_scores, _ = bm25_retrieve(passages, tune_texts, k)
+  bm25 = reader_rows("bm25", passages, bm25_rows, bm25_scores, per_passage, answers, k,
+                     {"retrieval": len(texts) / info["questions_per_sec"], "reading": read_s},
+                     choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores, tune_answers))
+  systems.update({name: {**row, "bm25_index_seconds": info["index_seconds"]}
+                  for name, row in bm25.items()})
   for name, row in systems.items():
-    logging.info("%s: EM@1 %.2f, passage Top-1 %.2f, %.1f questions/s", name, row["em@1"],
-                 row["passages"]["top1"], row["questions_per_sec"]["pipeline"])
+    logging.info("%s: EM@1 %.2f, passage Top-1 %.2f, %.1f questions/s%s", name, row["em@1"],
+                 row["passages"]["top1"], row["questions_per_sec"]["pipeline"],
+                 f", mu {row['mixing']['mu']:g}" if "mixing" in row else "")
   return {"config": args.config, "questions": len(texts), "passages": len(passages), "k": k,
           "index": args.index or config.index.search_index, "workdir": str(workdir),
           "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
                                          "config": args.reader_config or args.config},
-          "warmup_questions": len(warm), "batch_size": batch,
+          "warmup_questions": len(warm), "batch_size": batch, "tuning": tuning,
           "max_answer_length": config.eval.max_answer_length, "systems": systems}
 
 
@@ -177,6 +254,17 @@ def table(results: dict, command: str) -> str:
                                 systems["dpjax"]["hits"]["em@1"])
   lines += ["", f"EM@1, dpjax+reader against dpjax's phrases: right only with the reader "
                 f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
+  tuning = results["tuning"]
+  for name, row in systems.items():
+    if "mixing" in row:
+      alone = name.removesuffix(" (mixed)")
+      a_only, b_only, p = mcnemar_p(row["hits"]["em@1"], systems[alone]["hits"]["em@1"])
+      mu, em = row["mixing"]["mu"], row["mixing"]["em@1"]  # every mu's EM@1 is in the JSON
+      there = lambda at: fmt(em.get(str(at)))
+      lines += ["", f"{name}: mu {mu:g}, chosen on {tuning['questions']} training questions "
+                    f"(EM@1 there {there(mu)}; retriever alone, mu 0: {there(0.0)}; reader "
+                    f"alone, mu 1: {there(1.0)}). EM@1 against {alone}: right only mixed "
+                    f"{a_only}, only alone {b_only}, McNemar p {p_text(p)}."]
   return with_notes(lines, results.get("notes", []))
 
 
@@ -194,6 +282,8 @@ def main(argv=None) -> int:
                       help="the first N questions (default: eval.limit, 0: all)")
   parser.add_argument("--index", default=None, help="default: index.search_index")
   parser.add_argument("--warmup", type=int, default=64, help="untimed questions first")
+  parser.add_argument("--tune-questions", type=int, default=500,
+                      help="random training questions mu is chosen on (0: all of them)")
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[], help="overrides of --config")
   parser.add_argument("--note", action="append", default=[],
