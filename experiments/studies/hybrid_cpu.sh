@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 59's measurements on a CPU: the `:cpu` phrase model and the `:cpu-base` reader, then every
+# row of results/hybrid.md (dense, merged or not, hybrid, BM25, the readers) on all 10,570 SQuAD dev
+# questions over SQuAD-open small. Each step resumes or is skipped when its output exists, so a
+# killed run continues where it stopped; pin it to a core: `taskset -c 1 bash ...`.
+# Usage: nohup taskset -c 1 bash experiments/studies/hybrid_cpu.sh [PHRASE_WORKDIR] [READER_WORKDIR] \
+#            > logs/hybrid_cpu.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+W=${1:-workdirs/squad-cpu}
+R=${2:-workdirs/reader}
+C="--config experiments/squad.py:cpu --workdir $W"
+$PY run.py train $C --set train.progress_bar=False
+$PY run.py dump $C
+[ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
+# The reader: trained for :cpu-base's 1,500 steps (then `teacher` also writes its distillation
+# logits, which these rows do not read: skipped once the last checkpoint is there).
+[ -d "$R/teacher/checkpoints/1500" ] || $PY run.py teacher --config experiments/squad.py:cpu-base \
+    --workdir "$R" --set train.progress_bar=False
+$PY experiments/benchmarks/reader_peer.py $C --reader "$R" --reader-config experiments/squad.py:cpu-base \
+    --k 10 --out results/reader_peer.json
+$PY experiments/benchmarks/hybrid.py $C --reader-json results/reader_peer.json --out results/hybrid.json
