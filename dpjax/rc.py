@@ -9,7 +9,6 @@ cross-encoder teacher (`models.reader`) is scored the same way from its start/en
 from __future__ import annotations
 
 import logging
-import pathlib
 from typing import Iterator
 
 import numpy as np
@@ -19,6 +18,7 @@ from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.io import write_json
+from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
@@ -143,7 +143,7 @@ def run_eval_rc(config, workdir: str) -> dict:
 
   Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
@@ -157,6 +157,6 @@ def run_eval_rc(config, workdir: str) -> dict:
                                     max_answer_length=config.eval.max_answer_length)
   log.info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path, scores["exact_match"],
            scores["f1"], scores["count"])
-  write_json(workdir / "rc_eval.json", {**scores, "step": step})
-  write_json(workdir / "rc_predictions.json", predictions)
+  write_json(workdir.report("rc_eval.json"), {**scores, "step": step})
+  write_json(workdir.report("rc_predictions.json"), predictions)
   return scores
