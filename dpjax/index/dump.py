@@ -13,8 +13,6 @@ own shards (see `dump_phrases`). A complete dump is loaded by `dpjax.index.dump_
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -32,10 +30,9 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 # Importable from here too: the benchmarks, which also measure trees from before `dump_reader`.
 from dpjax.index.dump_reader import Dump  # noqa: F401
-from dpjax.index.encode import encode_shard, timed_result
+from dpjax.index.encode import encode_pipelined, first_shards_ahead
 from dpjax.index.manifest import (DumpConfig, encoder_fingerprint, existing_manifest,
                                   read_manifest, write_manifest)
-from dpjax.index.shard_stream import ShardStream
 from dpjax.index.shards import SHARD_INFO, check_shard_passages, shard_name
 from dpjax.index.windows import WindowMaker
 from dpjax.io import Progress, digest_texts, read_json, remove
@@ -102,14 +99,14 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     todo = _shards_to_encode(out_dir, chunks, counts)
     full_shard = bool(head) and len(head[0]) == config.shard_passages
     if full_shard and maker.workers:  # more shards may follow: tokenized while it compiles
-      todo = _first_shards_ahead(maker, todo, made)
+      todo = first_shards_ahead(maker, todo, made)
     # while shard 0's first windows are made; a corpus of one shard at most compiles as it goes
     ahead, ahead_compile = _widths_ahead(encode, config, mesh, full_shard=full_shard)
     timings: dict[str, float] = {}  # map_batches': dispatching, waiting for the encoder, fetching
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
-    _encode_pipelined(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker,
-                      made, pipeline, model.config.hidden_size)
+    encode_pipelined(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker,
+                     made, pipeline, model.config.hidden_size)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -131,17 +128,6 @@ def _new_manifest(model, tokenizer: Tokenizer, config: DumpConfig, model_info: d
           "tokenizer": tokenizer.fingerprint, "filter_head": filter_head,
           "width_multiple": config.width_multiple, "corpus": corpus_info or {},
           "dim": model.config.hidden_size, "shards": []}
-
-
-def _first_shards_ahead(maker: WindowMaker, todo: Iterator, made: dict) -> Iterator:
-  """Starts the workers and hands them the first `workers` shards after shard 0 (and shard 0
-  unless `made` has it) now, so that they are tokenized while the encoder compiles; returns
-  the shards to encode, these first. (Handed over as the encoder took them, the first shards
-  after shard 0 were begun after the compiles, and the encoder then waited for them.)"""
-  maker.start()
-  first = list(itertools.islice(todo, maker.workers + 1))
-  made.update({number: maker.submit(chunk) for number, chunk in first if number not in made})
-  return itertools.chain(first, todo)
 
 
 def _widths_ahead(encode, config: DumpConfig, mesh, full_shard: bool) -> tuple[dict, float]:
@@ -218,55 +204,12 @@ def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dic
     if not distributed.process_share(number):
       continue
     if (out_dir / shard_name(number) / SHARD_INFO).is_file():
-      check_shard_passages(out_dir, read_json(out_dir / shard_name(number) / SHARD_INFO, DumpError,
-                                      "delete that shard's directory to encode it again"),
-                   chunk)
+      info = read_json(out_dir / shard_name(number) / SHARD_INFO, DumpError,
+                       "delete that shard's directory to encode it again")
+      check_shard_passages(out_dir, info, chunk)
       counts["resumed"] += 1
       continue
     yield number, chunk
-
-
-def _encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
-                      progress: Progress, timings: dict, maker: WindowMaker, made: dict,
-                      pipeline: list, dim: int) -> None:
-  """Encodes and writes shards with the host work off the encoder's path: the next shards are
-  tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
-  worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
-  windows. `pipeline` receives the seconds this thread waits for windows and writes."""
-
-  ahead: collections.deque = collections.deque()
-
-  def top_up():
-    while len(ahead) < max(maker.workers, 1) and (job := next(todo, None)) is not None:
-      ahead.append((*job, made.pop(job[0], None) or maker.submit(job[1])))
-
-  with concurrent.futures.ThreadPoolExecutor(1) as write:
-    writing: list[concurrent.futures.Future] = []
-    current: list[ShardStream] = []  # the shard being encoded
-    failed: list[BaseException] = []  # the first failed write, whichever shard asks next
-
-    def stream() -> ShardStream:
-      current.append(ShardStream(out_dir, shard_name(number), dim, write, failed))
-      return current[-1]
-
-    top_up()
-    try:
-      while ahead:
-        number, chunk, windows = ahead.popleft()
-        if not isinstance(windows, list):  # blocks (shard 0) are waited for one by one
-          windows = timed_result(windows, pipeline)
-        top_up()
-        for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
-          done.result()
-        arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
-                              windows=windows, timings=timings, stream=stream,
-                              pipeline=pipeline)
-        writing.append(current.pop().finish(len(arrays["token_passage"])))
-      for w in writing:
-        timed_result(w, pipeline)
-    finally:
-      for unfinished in current:  # an error while encoding it: its files closed
-        unfinished.close()
 
 
 def _check_corpus(out_dir: pathlib.Path, shards: list[dict], chunks: Iterable[list]) -> None:

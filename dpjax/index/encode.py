@@ -1,19 +1,24 @@
 """A shard's passages encoded by the jitted phrase encoder: its kept tokens' vectors and filter
-logits, in passage order (`encode_shard`)."""
+logits, in passage order (`encode_shard`); a dump's shards encoded one after another with the
+host work (tokenizing, writing) off the encoder's path (`encode_pipelined`)."""
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
+import pathlib
 import time
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import numpy as np
 
 from dpjax.data.squad import Passage
 from dpjax.data.tokenization import Tokenizer
 from dpjax.index.manifest import DumpConfig
-from dpjax.index.windows import kept_runs, kept_slices, shard_windows
+from dpjax.index.shard_stream import ShardStream
+from dpjax.index.shards import shard_name
+from dpjax.index.windows import WindowMaker, kept_runs, kept_slices, shard_windows
 from dpjax.io import Progress
 from dpjax.models.encoders import phrase_batches, phrase_calls
 
@@ -166,3 +171,57 @@ def _place(runs: dict, rows: np.ndarray, width: int, *pairs) -> int:
       shard[destination:destination + length] = batch_output[b, column:column + length]
     count += length
   return count
+
+
+def first_shards_ahead(maker: WindowMaker, todo: Iterator, made: dict) -> Iterator:
+  """Starts the workers and hands them the first `workers` shards after shard 0 (and shard 0
+  unless `made` has it) now, so that they are tokenized while the encoder compiles; returns
+  the shards to encode, these first. (Handed over as the encoder took them, the first shards
+  after shard 0 were begun after the compiles, and the encoder then waited for them.)"""
+  maker.start()
+  first = list(itertools.islice(todo, maker.workers + 1))
+  made.update({number: maker.submit(chunk) for number, chunk in first if number not in made})
+  return itertools.chain(first, todo)
+
+
+def encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
+                     progress: Progress, timings: dict, maker: WindowMaker, made: dict,
+                     pipeline: list, dim: int) -> None:
+  """Encodes and writes shards with the host work off the encoder's path: the next shards are
+  tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
+  worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
+  windows. `pipeline` receives the seconds this thread waits for windows and writes."""
+
+  ahead: collections.deque = collections.deque()
+
+  def top_up():
+    while len(ahead) < max(maker.workers, 1) and (job := next(todo, None)) is not None:
+      ahead.append((*job, made.pop(job[0], None) or maker.submit(job[1])))
+
+  with concurrent.futures.ThreadPoolExecutor(1) as write:
+    writing: list[concurrent.futures.Future] = []
+    current: list[ShardStream] = []  # the shard being encoded
+    failed: list[BaseException] = []  # the first failed write, whichever shard asks next
+
+    def stream() -> ShardStream:
+      current.append(ShardStream(out_dir, shard_name(number), dim, write, failed))
+      return current[-1]
+
+    top_up()
+    try:
+      while ahead:
+        number, chunk, windows = ahead.popleft()
+        if not isinstance(windows, list):  # blocks (shard 0) are waited for one by one
+          windows = timed_result(windows, pipeline)
+        top_up()
+        for done in [w for w in writing if w.done()]:  # a failed write stops the dump now
+          done.result()
+        arrays = encode_shard(tokenizer, chunk, config, mesh, encode, progress,
+                              windows=windows, timings=timings, stream=stream,
+                              pipeline=pipeline)
+        writing.append(current.pop().finish(len(arrays["token_passage"])))
+      for w in writing:
+        timed_result(w, pipeline)
+    finally:
+      for unfinished in current:  # an error while encoding it: its files closed
+        unfinished.close()

@@ -104,7 +104,7 @@ class ShardStream:
   def _tables(self, arrays: dict[str, np.ndarray], passages: list[Passage],
               windows: dict | None) -> None:
     self.entry = write_shard_files(self.tmp, self.final.name, arrays, passages,
-                                    len(arrays["token_passage"]), windows)
+                                   len(arrays["token_passage"]), windows)
 
   def _finish(self, total: int) -> dict:
     if self.entry is None:

@@ -62,7 +62,7 @@ def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray
 
 
 def write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
-                       passages: list[Passage], tokens: int, windows: dict | None = None) -> dict:
+                      passages: list[Passage], tokens: int, windows: dict | None = None) -> dict:
   """Writes `arrays`, the passages and the shard's info into `tmp`; returns the info.
   `windows`: the count of the windows encoded and of their real tokens (`encode_shard`)."""
   entry = {"name": name, "passages": len(passages), "tokens": int(tokens),

@@ -141,7 +141,7 @@ def kept_runs(keep: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def kept_slices(runs: dict, rows: np.ndarray,
-                 width: int) -> Iterator[tuple[int, int, int, int]]:
+                width: int) -> Iterator[tuple[int, int, int, int]]:
   """(b, column, length, destination): each kept run of a batch's windows (`rows`, outputs
   `width` wide) as columns [column, column + length) of batch row b, stored from shard row
   `destination`."""
