@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dpjax.errors import DataError
-from dpjax.io import checksum_problems, folder_checksums, read_json, write_json
+from dpjax.io import checksum_problems, folder_checksums, read_json, refuse_damage, write_json
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "dpjax_checksums.json"  # in a step's folder: its other files' sizes and digests
@@ -115,8 +115,7 @@ def check_checkpoint(step_dir: pathlib.Path, *, contents: bool = False) -> None:
   """Refuses a checkpoint step whose files are missing, of other sizes or (`contents`) of other
   bytes than when saved: a DataError naming the first such file."""
   problems = checkpoint_problems(step_dir, contents=contents)
-  if problems:
-    raise DataError(f"{problems[0]}: the checkpoint is damaged; {checkpoint_rerun(step_dir)}")
+  refuse_damage(problems, DataError, "checkpoint", checkpoint_rerun(step_dir))
   if problems is None:
     log.info("%s: a checkpoint saved before digests were recorded: unverified", step_dir)
 

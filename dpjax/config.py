@@ -12,6 +12,7 @@ import ml_collections
 
 from dpjax.errors import ConfigError, DataError
 from dpjax.io import read_json, write_json
+from dpjax.layout import Workdir
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -33,6 +34,7 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     config = module.get_config(arg or None)
   except ValueError as e:  # e.g. an unknown config arg
     raise ConfigError(f"{spec}: {e}") from None
+  with_defaults(config)
   model = config.get("model")
   follows = model is not None and "tokenizer" in model and model.tokenizer == model.name
   for override in overrides:
@@ -66,16 +68,17 @@ def check_workdir(workdir: str) -> None:
 
 
 def run_in_workdir(mode, spec: str | None, overrides: Sequence[str], workdir: str, **kwargs):
-  """Runs `mode(config, workdir, **kwargs)` with `workdir_config`'s config. The run that makes
+  """Runs `mode(config, workdir, **kwargs)` with `workdir_config`'s config, the workdir given to
+  the mode as a `Workdir` (its layout), built here once for every mode. The run that makes
   the workdir (absent or empty before, holding something after) saves that config there
   (SAVED_CONFIG) when it ends, also when it stops early: what it made, it made with this config.
   The API key is not saved."""
   check_workdir(workdir)
   config = workdir_config(spec, overrides, workdir)
-  path = pathlib.Path(workdir)
+  path = Workdir(workdir)
   new = not path.is_dir() or not any(path.iterdir())
   try:
-    return mode(config, workdir, **kwargs)
+    return mode(config, path, **kwargs)
   finally:
     if new and path.is_dir() and any(path.iterdir()) and not (path / SAVED_CONFIG).exists():
       saved = ml_collections.ConfigDict(config.to_dict())
@@ -102,7 +105,7 @@ def workdir_config(spec: str | None, overrides: Sequence[str],
     raise ConfigError(f"give --config experiments/<name>.py: {workdir} has no saved config "
                       f"({SAVED_CONFIG}, written by the run that makes a workdir)")
   if spec is None:
-    config = ml_collections.ConfigDict(saved["resolved"])
+    config = with_defaults(ml_collections.ConfigDict(saved["resolved"]))
     for override in overrides:
       _override(config, override)
     check_config(config)
@@ -373,6 +376,9 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
       # dump / index / search / eval refuse a workdir without checkpoints (a mistyped --workdir
       # would otherwise use the untrained weights) unless this is set.
       "allow_untrained": False,
+      # `run.py eval`'s throughput: consecutive batches of 64 of the first N questions (at
+      # least 64), encoding included, as a service sees them.
+      "throughput_questions": 1280,
   })
   config.update(overrides)
   return config
@@ -474,7 +480,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "dump_max_seq_length": 0,
       # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
       # is slower than an accelerator encodes and holds the GIL the encoder's feeder needs: use
-      # several on an accelerator (each takes seconds to start; dpjax.index.dump.WindowMaker;
+      # several on an accelerator (each takes seconds to start; dpjax.index.windows.WindowMaker;
       # results/code_measurements.md).
       "dump_workers": 0,
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
@@ -512,4 +518,29 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "merge_spans": True,
   })
   config.update(overrides)
+  return config
+
+
+# Each section's defaults, declared once: its function above. A config that lacks a field of a
+# section it has (one saved in a workdir by an older dpjax, or an experiment's section built
+# without the function) gets the default when it is loaded (`with_defaults`), so that no reader
+# repeats a default (`config.x.get(key, default)`).
+SECTIONS = {"train": train_config, "validation": validation_config, "eval": eval_config,
+            "serve": serve_config, "qsft": qsft_config, "filter": filter_config,
+            "mine": mine_config, "index": index_config}
+
+
+def with_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with the fields its sections lack set to their defaults (`SECTIONS`); returned."""
+  def fill(node: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+    for key in defaults:
+      if key not in node:
+        node[key] = defaults.get_ref(key) if defaults[key] is None else defaults[key]
+      elif isinstance(node[key], ml_collections.ConfigDict) and isinstance(
+          defaults[key], ml_collections.ConfigDict):
+        fill(node[key], defaults[key])
+
+  for name, make in SECTIONS.items():
+    if isinstance(config.get(name), ml_collections.ConfigDict):
+      fill(config[name], make())
   return config

@@ -10,6 +10,7 @@ import logging
 import pathlib
 
 from dpjax.errors import ConfigError
+from dpjax.layout import Workdir
 from dpjax.models.densephrases import EXPORT_INFO, export_dense_phrases
 from dpjax.models.pretrained import resolve_model_dir
 from dpjax.workdir import apply_filter_head, restore_model, writes_to
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 @writes_to
-def run_export(config, workdir: str, out: str) -> pathlib.Path:
+def run_export(config, workdir: Workdir, out: str) -> pathlib.Path:
   """Exports the workdir's model (the checkpoint `eval.checkpoint` names) to `out`."""
   if not out:
     raise ConfigError("export needs --out DIR (the folder to write)")
@@ -27,7 +28,6 @@ def run_export(config, workdir: str, out: str) -> pathlib.Path:
     raise ConfigError(f"export --out {out}: exists and is not an earlier export (no "
                       f"{EXPORT_INFO}), and the export would replace all of it; choose a new "
                       "folder")
-  workdir = pathlib.Path(workdir)
   model, step = restore_model(config, workdir)
   apply_filter_head(model, workdir)
   path = export_dense_phrases(model, out, tokenizer_dir=resolve_model_dir(config.model.tokenizer),

@@ -16,9 +16,10 @@ import pathlib
 from dpjax.data import data_files
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import ConfigError
-from dpjax.index.dump import Dump
+from dpjax.index.dump_reader import Dump
 from dpjax.index.evaluate import found_scores, score_requests
 from dpjax.index.sparse import SparseIndex, build_sparse, record_weight
+from dpjax.layout import Workdir
 from dpjax.workdir import load_searcher
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are
 def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   """Builds the dump's BM25 index (kept if already built from this dump) and, unless
   `index.sparse_weight` is set, chooses and records its weight."""
-  dump = Dump.load(workdir / config.index.dump_name)
+  dump = Dump.load(Workdir(workdir).dump(config))
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
   if config.index.sparse_weight is not None:
@@ -46,7 +47,7 @@ def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
 
 def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
   """The held-out questions the weight is chosen on, and their file."""
-  path = config.index.get("sparse_tune_file") or ""
+  path = config.index.sparse_tune_file
   if not path:
     files = data_files(config.data, workdir)
     if "train" not in files:

@@ -221,6 +221,14 @@ def checksum_problems(folder: str | os.PathLike, recorded: dict[str, dict], *,
   return problems
 
 
+def refuse_damage(problems: list[str] | None, error: type[Exception], what: str,
+                  rerun: str) -> None:
+  """Raises `error` naming the first of `problems` (`checksum_problems`), if any: "<file>: <what
+  is wrong>: the <what> is damaged; <rerun>" (checkpoints, dump shards and indexes alike)."""
+  if problems:
+    raise error(f"{problems[0]}: the {what} is damaged; {rerun}")
+
+
 @contextlib.contextmanager
 def workdir_lock(path: str | os.PathLike, what: str = "training", command: str | None = None):
   """Holds the lock file `path` (e.g. `<workdir>/train.lock`) for one run: a second run of the

@@ -202,7 +202,7 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   h = model.encode_phrases(batch["input_ids"], batch["attention_mask"], rngs=rngs)  # [B, L, D]
   q_start, q_end = model.encode_questions(batch["question_input_ids"],
                                           batch["question_attention_mask"], rngs=rngs)
-  scale = loss_config.get("score_scale", 1.0)
+  scale = loss_config.score_scale
   if scale != 1.0:  # every phrase score x scale: a softmax temperature (rankings unchanged)
     q_start, q_end = q_start * scale, q_end * scale
   mask, start, end = batch["context_mask"], batch["start_positions"], batch["end_positions"]
@@ -214,7 +214,7 @@ def compute_loss(model, batch: dict, queue: dict, step, loss_config, rngs=None):
   # The candidate tokens: the context, and [CLS] (the target of a window without the answer)
   # when such windows are trained (not of a grouped batch's empty filler windows, passage -1).
   candidates = (mask.at[:, 0].set(batch["passage_ids"] >= 0)
-                if loss_config.get("windows_without_answer", False) else mask)
+                if loss_config.windows_without_answer else mask)
   encoded = {"h": h, "q_start": q_start, "q_end": q_end, "windows": windows, "mask": candidates,
              "start_logits": jnp.einsum("bld,bd->bl", h_questions, q_start),
              "end_logits": jnp.einsum("bld,bd->bl", h_questions, q_end)}

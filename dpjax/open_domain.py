@@ -21,40 +21,31 @@ from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
 from dpjax.errors import ConfigError, DataError
 from dpjax.fusion import build_sparse_index
-from dpjax.index.dump import DumpConfig, dump_phrases, read_manifest
+from dpjax.index.dump import dump_phrases
 from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
 from dpjax.index.faiss_index import build_index, index_folder
+from dpjax.index.manifest import dump_config
 from dpjax.io import write_json, write_lines_atomic
-from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import (apply_filter_head, check_dump_config, data_paths, dump_windows,
-                           load_searcher, restore_model, writes_to)
+from dpjax.layout import Workdir
+from dpjax.parallel import make_mesh
+from dpjax.workdir import (apply_filter_head, checked_dump, data_paths, load_searcher,
+                           restore_model, writes_to)
 
 log = logging.getLogger(__name__)
 
 
-def dump_settings(config, mesh) -> DumpConfig:
-  """The dump settings of a config (`run.py dump`; a dump made with other ones is refused)."""
-  return DumpConfig(**dump_windows(config),
-                    batch_size=round_to_devices(config.index.batch_size, mesh),
-                    shard_passages=config.index.shard_passages,
-                    width_multiple=config.index.get("dump_width_multiple", 0),
-                    compute_dtype=config.index.get("dump_dtype") or config.model.dtype)
-
-
 @writes_to
-def run_dump(config, workdir: str) -> dict:
+def run_dump(config, workdir: Workdir) -> dict:
   """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
-  workdir = pathlib.Path(workdir)
   paths = data_paths(config, workdir)
   model, step = restore_model(config, workdir)
   head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
-  dump_config = dump_settings(config, mesh)
   summary = SkipSummary()
   try:
     manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
-                            read_corpus(paths["corpus"], summary), paths["dump"], dump_config,
-                            mesh=mesh, workers=config.index.get("dump_workers", 0),
+                            read_corpus(paths["corpus"], summary), paths["dump"],
+                            dump_config(config, mesh), mesh=mesh, workers=config.index.dump_workers,
                             model_info={"workdir": str(workdir), "step": step,
                                         "name": config.model.name,
                                         "tokenizer": str(config.model.tokenizer)},
@@ -77,16 +68,16 @@ def _size(path) -> int | None:
 
 
 @writes_to
-def run_index(config, workdir: str) -> list[pathlib.Path]:
+def run_index(config, workdir: Workdir) -> list[pathlib.Path]:
   """`run.py index`: the configured faiss indexes (`index.specs`) over the dump, and with
   `index.sparse` its BM25 index and hybrid weight (`dpjax.fusion`)."""
-  dump = pathlib.Path(workdir) / config.index.dump_name
-  check_dump_config(config, pathlib.Path(workdir), read_manifest(dump))
+  dump = workdir.dump(config)
+  checked_dump(config, workdir)
   built = [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
                        train_size=config.index.train_size, nprobe=config.index.nprobe)
            for spec in config.index.specs]
   if config.index.sparse:  # after the faiss indexes: choosing its weight searches one
-    built.append(build_sparse_index(config, pathlib.Path(workdir)))
+    built.append(build_sparse_index(config, workdir))
   return built
 
 
@@ -94,7 +85,7 @@ def run_search(config, workdir: str, queries: Sequence[str]) -> list:
   """`run.py search`: answers questions and prints the top units."""
   if not queries or not all(q.strip() for q in queries):
     raise ConfigError("search needs one or more non-empty --query \"question\"")
-  searcher, _ = load_searcher(config, pathlib.Path(workdir))
+  searcher, _ = load_searcher(config, workdir)
   results = searcher.search(list(queries), k=config.index.top_k, unit=config.index.unit,
                             max_answer_length=config.eval.max_answer_length)
   for query, found in zip(queries, results):
@@ -109,26 +100,25 @@ def run_eval_open(config, workdir: str) -> dict:
   """`run.py eval`: the evaluation questions answered over the workdir's index; EM@k / F1@k of
   the top-10 phrases and passage Top-k / MRR / P@k (from one index search), written with the
   predictions to workdir/open_eval_<index>[_<checkpoint>].json."""
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
-  searcher, step = load_searcher(config, workdir, verify=config.index.get("verify", True))
+  searcher, step = load_searcher(config, workdir, verify=config.index.verify)
   index, texts = searcher.index, [q.question for q in questions]
   empty = searcher.empty_questions(texts)
   if empty:  # before any work (the encoder refuses them)
     raise DataError(f"{data_paths(config, workdir)['questions']}: {len(empty)} questions hold no "
                     f"token, e.g. {questions[empty[0]].id} ({texts[empty[0]][:40]!r}): only "
                     "characters the tokenizer drops (control or format characters)")
-  passage_k = config.eval.get("passage_k", 100)
+  passage_k = config.eval.passage_k
   start = time.perf_counter()
   # Encoding and searching pipelined: the next 256 questions encoded while these are searched.
   found = retrieve_texts(index, searcher.encode, texts, score_requests(passage_k=passage_k),
                          progress=True, shared_hits=True,
                          max_answer_length=config.eval.max_answer_length)
   scores = found_scores(index, found, [q.answers for q in questions], passage_k=passage_k,
-                        passage_ks=(1, 5, 20, 100), regex=config.eval.get("regex", False),
-                        per_question=True)
+                        passage_ks=(1, 5, 20, 100), regex=config.eval.regex, per_question=True)
   seconds = time.perf_counter() - start
   batch64_qps, timed = _batch64_throughput(searcher, texts, config)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
@@ -165,7 +155,7 @@ def _hybrid_record(index) -> dict | None:
 
 def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]:
   """Throughput as a service sees it: consecutive batches of 64 questions, encoding included."""
-  timed = texts[:max(64, config.eval.get("throughput_questions", 1280))]
+  timed = texts[:max(64, config.eval.throughput_questions)]
   start = time.perf_counter()
   for lo in range(0, len(timed), 64):
     searcher.search(timed[lo:lo + 64], k=10, unit="phrase",
@@ -227,8 +217,8 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
   prefix = "" if dump == "dump" else f"{dump}_"
   # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own
   name = prefix + index_folder(config.index.search_index) + (
-      "_hybrid" if config.index.get("sparse") else "") + (
-      "" if config.index.get("merge_spans", True) else "_unmerged")
+      "_hybrid" if config.index.sparse else "") + (
+      "" if config.index.merge_spans else "_unmerged")
   flat_report = workdir / f"open_eval_{prefix}Flat{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{tag}.jsonl"
   if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():

@@ -33,11 +33,12 @@ from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.search import PhraseIndex
 from dpjax import io, metrics
 from dpjax.io import remove, write_json
+from dpjax.layout import Workdir
 from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import QSFT_METRIC, check_dump_of, data_paths, restore_model, writes_to
+from dpjax.workdir import QSFT_METRIC, checked_dump, data_paths, restore_model, writes_to
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) ->
                                     batch_size=batch_size, mesh=mesh)
   return retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
                           max_answer_length=config.eval.max_answer_length, top_tokens=10,
-                          passage_k=0, regex=config.eval.get("regex", False), per_question=True)
+                          passage_k=0, regex=config.eval.regex, per_question=True)
 
 
 def workdir_lock(path: pathlib.Path):
@@ -117,14 +118,13 @@ def workdir_lock(path: pathlib.Path):
 
 
 @writes_to
-def run_qsft(config, workdir: str) -> dict:
+def run_qsft(config, workdir: Workdir) -> dict:
   """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
   per workdir at a time: `<workdir>/qsft.lock`)."""
-  workdir = pathlib.Path(workdir)
   if jax.process_index() != 0:
     return _run_qsft(config, workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  with workdir_lock(workdir / "qsft.lock"):
+  with workdir_lock(workdir.run_lock("qsft")):
     return _run_qsft(config, workdir)
 
 
@@ -163,13 +163,13 @@ def epoch_schedule(peak: float, warmup_fraction: float, epochs: int, epoch: int,
   return schedule
 
 
-def _setup(config, workdir: pathlib.Path) -> Setup:
+def _setup(config, workdir: Workdir) -> Setup:
   qc = config.qsft
   paths = data_paths(config, workdir)
   model, trained_step = restore_model(config, workdir)
+  checked_dump(config, workdir, model)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe,
-                      search_device=config.index.get("search_device", "auto"))
-  check_dump_of(config, workdir, model, index.dump.manifest)
+                      search_device=config.index.search_device)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train_file = qc.questions or str(data_files(config.data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)
@@ -261,14 +261,14 @@ def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
   return losses, len(usable)
 
 
-def _run_qsft(config, workdir: pathlib.Path) -> dict:
+def _run_qsft(config, workdir: Workdir) -> dict:
   qc = config.qsft
   run = _setup(config, workdir)
   eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
-  writer = MetricsWriter(workdir / "qsft_metrics.jsonl", -1)  # a QSFT run starts afresh
+  writer = MetricsWriter(workdir.report("qsft_metrics.jsonl"), -1)  # a QSFT run starts afresh
   if jax.process_index() == 0:
-    remove(workdir / "checkpoints_qsft")
-  checkpointer = Checkpointer(workdir / "checkpoints_qsft", keep=1, best_metric=QSFT_METRIC)
+    remove(workdir.checkpoints("qsft"))
+  checkpointer = Checkpointer(workdir.checkpoints("qsft"), keep=1, best_metric=QSFT_METRIC)
   dev_scores = lambda: _dev_scores(run.index, run.trainer.model(), run.tokenizer, run.dev,
                                    config, run.mesh, eval_batch)
   before = dev_scores()
@@ -303,7 +303,7 @@ def _run_qsft(config, workdir: pathlib.Path) -> dict:
   return _report(config, workdir, run, before, history, best)
 
 
-def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: list,
+def _report(config, workdir: Workdir, run: Setup, before: dict, history: list,
             best) -> dict:
   qc = config.qsft
   result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
@@ -325,7 +325,7 @@ def _report(config, workdir: pathlib.Path, run: Setup, before: dict, history: li
                 " / ".join(f"{h['em@1']:.2f}" for h in history), best)
   if jax.process_index() == 0:
     name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"
-    write_json(workdir / name, result)
+    write_json(workdir.report(name), result)
   paired = result.get("best_epoch_vs_before")
   print(f"QSFT ({qc.index}): dev EM@1 {before['em@1']:.2f} -> "
         + " -> ".join(f"{h['em@1']:.2f}" for h in history)

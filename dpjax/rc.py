@@ -29,6 +29,7 @@ from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, PassageWindows, Question, RCFeatures, build_windows
 from dpjax.errors import DataError
 from dpjax.io import write_json
+from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
@@ -320,7 +321,7 @@ def run_eval_rc(config, workdir: str) -> dict:
 
   Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
@@ -334,6 +335,6 @@ def run_eval_rc(config, workdir: str) -> dict:
                                     max_answer_length=config.eval.max_answer_length)
   log.info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path, scores["exact_match"],
            scores["f1"], scores["count"])
-  write_json(workdir / "rc_eval.json", {**scores, "step": step})
-  write_json(workdir / "rc_predictions.json", predictions)
+  write_json(workdir.report("rc_eval.json"), {**scores, "step": step})
+  write_json(workdir.report("rc_predictions.json"), predictions)
   return scores

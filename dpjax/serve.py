@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import os
-import pathlib
 import queue
 import re
 import signal
@@ -783,8 +782,8 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   key (`api_key`) its data routes need it."""
   sc = config.serve
   key = api_key(sc)
-  searcher, step = load_searcher(config, pathlib.Path(workdir), sc.index or None,
-                                 verify=config.index.get("verify", True))
+  searcher, step = load_searcher(config, workdir, sc.index or None,
+                                 verify=config.index.verify)
   start = time.perf_counter()  # every shape of its calls: no compile while serving
   shapes = searcher.compile(sc.max_batch)
   log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,

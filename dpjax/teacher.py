@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pathlib
 
 import numpy as np
 from flax import nnx
@@ -29,6 +28,7 @@ from dpjax.data.teacher_logits import write_teacher_logits
 from dpjax.errors import ConfigError, DataError
 from dpjax import distributed
 from dpjax.io import digest, workdir_lock
+from dpjax.layout import TEACHER as TEACHER_DIR, Workdir
 from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
@@ -37,7 +37,6 @@ from dpjax.train import PHRASE, Spec, features_fingerprint, train_and_evaluate
 from dpjax.workdir import writes_to
 
 log = logging.getLogger(__name__)
-SUBDIR = "teacher"
 
 
 def _reader(config):
@@ -46,32 +45,31 @@ def _reader(config):
   return reader
 
 
-TEACHER = Spec("teacher", SUBDIR, _reader, lambda config, model: TEACHER_OBJECTIVE,
+TEACHER = Spec("teacher", TEACHER_DIR, _reader, lambda config, model: TEACHER_OBJECTIVE,
                lambda config, train, workdir, data: TeacherBatches(
                    train.features, config.train.batch_size, config.train.seed))
 
 
 @writes_to
-def run_teacher(config, workdir: str) -> dict:
+def run_teacher(config, workdir: Workdir) -> dict:
   """`run.py teacher`: trains (or resumes) the teacher, then writes (or resumes) its logits."""
-  workdir = pathlib.Path(workdir)
   if config.train.teacher_logits:
     raise ConfigError("train.teacher_logits is set: the teacher is trained without one "
                       "(leave it empty for `run.py teacher`)")
-  (workdir / SUBDIR).mkdir(parents=True, exist_ok=True)
+  workdir.teacher.mkdir(parents=True, exist_ok=True)
   # Training takes teacher/train.lock itself; this one also covers the logits (two runs would
   # write the same shards' temporary folders).
-  with (workdir_lock(workdir / SUBDIR / "teacher.lock", "teacher") if distributed.is_main()
+  with (workdir_lock(workdir.teacher.run_lock("teacher"), "teacher") if distributed.is_main()
         else contextlib.nullcontext()):
     record = train_and_evaluate(config, workdir, TEACHER)
     manifest = write_logits(config, workdir)
   log.info("teacher: dev RC EM %.2f F1 %.2f; logits of %d examples in %s",
            record.get("rc_exact_match", float("nan")), record.get("rc_f1", float("nan")),
-           manifest["rows"], workdir / SUBDIR / "logits")
+           manifest["rows"], workdir.teacher / "logits")
   return {**record, "logits_rows": manifest["rows"]}
 
 
-def write_logits(config, workdir: pathlib.Path) -> dict:
+def write_logits(config, workdir: Workdir) -> dict:
   """The teacher's logits over the examples of every step of the phrase model's run."""
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   train = load_rc_split(data_files(config.data, workdir)["train"], tokenizer, config.data)
@@ -80,9 +78,9 @@ def write_logits(config, workdir: pathlib.Path) -> dict:
   total = config.train.num_steps or config.train.epochs * batches.steps_per_epoch
   rows = np.unique(np.concatenate([batches.rows(step) for step in range(total)]))
   reader = _reader(config)
-  step = restore_params(workdir / SUBDIR / "checkpoints", reader)
+  step = restore_params(workdir.teacher.checkpoints(), reader)
   if step is None:
-    raise DataError(f"{workdir / SUBDIR / 'checkpoints'}: no teacher checkpoint")
+    raise DataError(f"{workdir.teacher.checkpoints()}: no teacher checkpoint")
   mesh = make_mesh()
   batch_size = round_to_devices(config.eval.batch_size, mesh)
 
@@ -101,5 +99,5 @@ def write_logits(config, workdir: pathlib.Path) -> dict:
   params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]
   fingerprint = {"teacher": digest(*params), "step": step, "data": data,
                  "length": config.data.max_seq_length}
-  return write_teacher_logits(workdir / SUBDIR / "logits", fingerprint, rows, compute,
+  return write_teacher_logits(workdir.teacher / "logits", fingerprint, rows, compute,
                               main=distributed.is_main(), barrier=distributed.barrier)

@@ -29,14 +29,17 @@ from dpjax import losses, metrics
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import DataError
-from dpjax.index.dump import Dump, read_manifest, record_rewrite, write_manifest
+from dpjax.index.dump_reader import Dump
+from dpjax.index.manifest import read_manifest, write_manifest
+from dpjax.index.shards import record_rewrite
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import index_folder
 from dpjax.index.search import PhraseIndex
 from dpjax.io import save_npy_atomic, write_json
+from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, encode_questions, phrase_batches
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.workdir import (check_dump_of, data_paths, filter_head_digest, restore_model,
+from dpjax.workdir import (checked_dump, data_paths, filter_head_digest, restore_model,
                            save_filter_head, writes_to)
 
 log = logging.getLogger(__name__)
@@ -118,8 +121,9 @@ def train_head(train, dev, kernel, bias, *, epochs: int, learning_rate: float, b
   return best[1], best[2], history
 
 
-def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
-  """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file)."""
+def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias, head: dict | None = None) -> None:
+  """Recomputes every shard's filter_logits.npy from its stored vectors (atomic per file);
+  `head`: the head's `filter_head_digest` (None: computed here)."""
   manifest = read_manifest(dump_dir, rewriting_filter=True)
   manifest.pop("filter_rewrite_incomplete", None)
   # Marked first: a rewrite killed half-way leaves shards of two heads, which read_manifest
@@ -132,19 +136,18 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias) -> None:
                              for lo in range(0, len(vectors), 65536)]).astype(np.float16)
     save_npy_atomic(path / "filter_logits.npy", logits)
     record_rewrite(path, shard, "filter_logits.npy")
-  manifest["filter_head"] = filter_head_digest(kernel, bias)
+  manifest["filter_head"] = head or filter_head_digest(kernel, bias)
   write_manifest(dump_dir, manifest)
 
 
 @writes_to
-def run_filter(config, workdir: str) -> dict:
+def run_filter(config, workdir: Workdir) -> dict:
   """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
-  workdir = pathlib.Path(workdir)
   fc = config.filter
   model, step = restore_model(config, workdir)
   paths = data_paths(config, workdir)
   # (its logits are rewritten with the head trained here, after the training)
-  check_dump_of(config, workdir, model, read_manifest(paths["dump"]))
+  checked_dump(config, workdir, model)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   mesh = make_mesh()
   batch = round_to_devices(config.eval.batch_size, mesh)
@@ -160,8 +163,7 @@ def run_filter(config, workdir: str) -> dict:
       np.asarray(head["bias"][...]), epochs=fc.epochs, learning_rate=fc.learning_rate,
       batch_size=fc.batch_size, seed=fc.seed)
   best_auc = max(h["dev_auc_pr"] for h in history)
-  save_filter_head(workdir, kernel, bias)
-  rewrite_dump_logits(paths["dump"], kernel, bias)
+  rewrite_dump_logits(paths["dump"], kernel, bias, save_filter_head(workdir, kernel, bias))
   questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)
   q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
                                     max_query_length=config.data.max_query_length,
@@ -179,7 +181,7 @@ def run_filter(config, workdir: str) -> dict:
             # AUC-PR of a random scorer: the rate of positives (answer starts/ends) among tokens.
             "positive_rate": rates, "sweep_questions": len(questions),
             "sweep": sweep, "max_em_drop": fc.max_em_drop, "chosen": chosen}
-  write_json(workdir / "filter_results.json", result)
+  write_json(workdir.report("filter_results.json"), result)
   threshold = chosen["threshold"]
   use = ("no threshold keeps EM@1 within filter.max_em_drop: keep the unfiltered index"
          if threshold is None else

@@ -26,15 +26,16 @@ from dpjax.checkpoint import Checkpointer, abstract_like
 from dpjax.errors import ConfigError, DataError, Preempted
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import GroupedBatches, TrainBatches
+from dpjax.data.hard_negatives import HardNegatives, read_hard_negatives
 from dpjax.data.teacher_logits import TeacherLogits
 from dpjax.io import write_json
-from dpjax.mining import HardNegatives, read_hard_negatives
 from dpjax.models import model_for_data
 from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.rc import evaluate_rc
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
+from dpjax.layout import Workdir
 from dpjax.trainer import (Hook, MetricsWriter, Preemption, Trainer, build_trainer,
                            check_finite, every, run_steps)
 from dpjax.validation import Validator
@@ -69,7 +70,7 @@ def resume_conflicts(stored: dict, config: dict) -> list[str]:
 class Run:
   """One training run: its data, trainer, checkpoints and progress."""
   config: Any
-  workdir: pathlib.Path
+  workdir: Workdir  # the run's own: the workdir, or the teacher's inside it
   trainer: Trainer
   batches: TrainBatches
   dev: Any  # the dev RCSplit
@@ -115,8 +116,8 @@ def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
            "parameters frozen", spec.name, total, batches.steps_per_epoch, tc.batch_size,
            mesh.size, jax.process_count(), trainer.frozen, trainer.total)
   del model
-  out = workdir / spec.subdir
-  checkpointer = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints)
+  out = Workdir(workdir, spec.subdir)
+  checkpointer = Checkpointer(out.checkpoints(), keep=tc.keep_checkpoints)
   inputs = _inputs(config, batches)
   meta = _restore(trainer, checkpointer, config, out, data, inputs)
   first = int(trainer.state.step)
@@ -125,7 +126,7 @@ def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
   return Run(config, out, trainer, batches, dev, mesh, total, first, checkpointer,
-             MetricsWriter(out / "metrics.jsonl", first), to_device, data, inputs,
+             MetricsWriter(out.metrics, first), to_device, data, inputs,
              window=_restored_window(meta))
 
 
@@ -224,7 +225,7 @@ def _inputs(config, batches) -> dict:
   return inputs
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir,
+def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir: Workdir,
              data: str, inputs: dict) -> dict:
   """Resumes from the latest checkpoint, refusing one trained with other settings, data or
   inputs (`_inputs`); returns its meta ({} for a fresh run)."""
@@ -236,19 +237,19 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir,
     conflicts = resume_conflicts(json.loads(meta["config"]), json.loads(config.to_json()))
     if conflicts:
       raise ConfigError(
-          f"{workdir / 'checkpoints'} holds a run trained with other settings; resuming it "
+          f"{workdir.checkpoints()} holds a run trained with other settings; resuming it "
           f"with these would silently mix two runs ({'; '.join(conflicts)}). Train into a "
           "new --workdir, or resume with the checkpoint's settings.")
   if meta.get("data", data) != data:  # (checkpoints before fingerprints: not checked)
     raise ConfigError(
-        f"{workdir / 'checkpoints'} holds a run trained on other data than the configured data "
+        f"{workdir.checkpoints()} holds a run trained on other data than the configured data "
         f"(data.dir {config.data.get('dir', '-')!r}) gives now: the training features differ; "
         "train into a new --workdir.")
   changed = sorted(k for k in set(meta.get("inputs", inputs)) | set(inputs)
                    if meta.get("inputs", inputs).get(k) != inputs.get(k))
   if changed:  # (checkpoints before inputs were recorded: not checked)
     raise ConfigError(
-        f"{workdir / 'checkpoints'} holds a run trained with other {' and '.join(changed)} than "
+        f"{workdir.checkpoints()} holds a run trained with other {' and '.join(changed)} than "
         "the configured files hold now (rewritten since); resuming would mix the two: train "
         "into a new --workdir.")
   return meta
@@ -265,7 +266,7 @@ def evaluate(run: Run, step: int) -> dict:
             "rc_f1": scores["f1"], "count": scores["count"]}
   run.writer.write(record)
   if jax.process_index() == 0:
-    write_json(run.workdir / "rc_predictions.json", predictions)
+    write_json(run.workdir.report("rc_predictions.json"), predictions)
   log.info("step %d: dev RC EM %.2f F1 %.2f (%d questions)", step, scores["exact_match"],
            scores["f1"], scores["count"])
   run.record = record
@@ -276,7 +277,7 @@ def _finished(run: Run) -> dict:
   """A finished run's results.json when it was evaluated at the last step, so running the
   command again does not repeat the evaluation (single process: with several, every process
   must take the same branch of a collective evaluation, and only process 0 writes the file)."""
-  path = run.workdir / "results.json"
+  path = run.workdir.results
   if jax.process_count() > 1 or not path.is_file():
     return {}
   try:
@@ -398,17 +399,17 @@ def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
                                          "valid": jnp.zeros_like(state.queue["valid"])})
 
 
-def train_and_evaluate(config, workdir: str, spec: Spec = PHRASE) -> dict:
+def train_and_evaluate(config, workdir: str | pathlib.Path, spec: Spec = PHRASE) -> dict:
   """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`
   (one training run per workdir at a time: `<workdir>/train.lock`)."""
   vc = config.get("validation") if spec is PHRASE else None
   if vc and vc.corpus:
     Validator.check(vc)
-  workdir = pathlib.Path(workdir)
-  (workdir / spec.subdir).mkdir(parents=True, exist_ok=True)
+  workdir, run_dir = Workdir(workdir), Workdir(workdir, spec.subdir)
+  run_dir.mkdir(parents=True, exist_ok=True)
   if jax.process_index() != 0:
     return _train(config, workdir, spec, vc)
-  with workdir_lock(workdir / spec.subdir / "train.lock", "training"):
+  with workdir_lock(run_dir.run_lock("train"), "training"):
     return _train(config, workdir, spec, vc)
 
 
@@ -445,5 +446,5 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
     record = {**record, **validator.best()}
     validator.close()
   if record and main:
-    write_json(run.workdir / "results.json", record)
+    write_json(run.workdir.results, record)
   return record

@@ -23,14 +23,18 @@ from typing import Sequence
 import numpy as np
 
 from dpjax.checkpoint import Checkpointer
-from dpjax.config import ConfigError
+from dpjax.errors import ConfigError
 from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions, sample_questions
-from dpjax.data.squad import DataError, Passage, SkipSummary, read_squad, write_squad_subset
-from dpjax.index.dump import MANIFEST, Dump, DumpConfig, encode_shard, encoder_fingerprint
+from dpjax.data.squad import Passage, SkipSummary, read_squad, write_squad_subset
+from dpjax.errors import DataError
+from dpjax.index.dump_reader import Dump
+from dpjax.index.encode import encode_shard
 from dpjax.index.evaluate import METRICS, retrieval_scores
+from dpjax.index.manifest import MANIFEST, encoder_fingerprint, training_windows_config
 from dpjax.index.search import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
+from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, encode_questions
 from dpjax.trainer import MetricsWriter
 from dpjax.workdir import data_paths, load_searcher, writes_to
@@ -125,11 +129,8 @@ def evaluate_subcorpus(model, tokenizer, passages: Sequence[Passage],
                        max_answer_length: int = 10) -> dict:
   """Encodes `passages` with the model's current parameters (in memory), indexes them exactly
   and answers `questions` ([{question, answers}]); returns EM@1/EM@10 and passage Top-k."""
-  config = DumpConfig(max_seq_length=data_config.max_seq_length,
-                      doc_stride=data_config.doc_stride,
-                      include_title=data_config.include_title, batch_size=batch_size)
-  arrays = encode_shard(tokenizer, list(passages), config, mesh,
-                        bound(model, "phrases_and_filter"))
+  arrays = encode_shard(tokenizer, list(passages), training_windows_config(data_config, batch_size),
+                        mesh, bound(model, "phrases_and_filter"))
   dump = Dump(directory=None, passages=list(passages),
               manifest={"fingerprint": encoder_fingerprint(model), "complete": True,
                         "num_passages": len(passages), "num_tokens": len(arrays["vectors"])},
@@ -153,14 +154,13 @@ def read_subcorpus(path: str | os.PathLike) -> list[Passage]:
 
 
 @writes_to
-def run_subcorpus(config, workdir: str) -> dict:
+def run_subcorpus(config, workdir: Workdir) -> dict:
   """Writes the validation subcorpora `validation.kinds` (C0, R<r>, H<k>, full) of the corpus to
   workdir/subcorpora/<kind>.jsonl with their metadata; H_k uses the model and the full index."""
   kinds = list(config.validation.kinds)
   hard_ks = [int(v) for n, v in map(parse_kind, kinds) if n == "H"]
-  workdir = pathlib.Path(workdir)
   paths = data_paths(config, workdir)
-  out = workdir / "subcorpora"
+  out = workdir.subcorpora
   questions_file = paths["questions"]
   if config.validation.sample_questions:
     # A seeded random sample of the dev questions (the first N come from a few articles only).
@@ -225,7 +225,7 @@ class Validator:
     self.questions = read_questions(questions)[:vc.limit or None]
     self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
     self.batch_size, self.writer = batch_size, writer
-    self.checkpointer = Checkpointer(workdir / "checkpoints_best", keep=1,
+    self.checkpointer = Checkpointer(Workdir(workdir).checkpoints("best"), keep=1,
                                      best_metric=self.metric)
     # The validations before a resume (metrics.jsonl holds them up to the restored step).
     self.history: dict[int, dict] = {

@@ -15,10 +15,12 @@ from typing import Callable, Iterator
 
 from dpjax.checkpoint import checkpoint_problems, checkpoint_rerun
 from dpjax.errors import DataError, DumpError
-from dpjax.index.dump import MANIFEST as DUMP_MANIFEST, SHARD_INFO, shard_problems, shard_rerun
-from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, index_problems
+from dpjax.index.faiss_index import index_problems
+from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
+from dpjax.index.shards import SHARD_INFO, shard_problems, shard_rerun
 from dpjax.io import read_json
-from dpjax.workdir import FILTER_HEAD, read_filter_head
+from dpjax.layout import Workdir
+from dpjax.workdir import read_filter_head
 
 log = logging.getLogger(__name__)
 # An artifact's check: (its problems, or None when no digests were recorded; what remakes it).
@@ -29,7 +31,7 @@ def run_verify(config, workdir: str) -> dict:
   """`run.py verify`: checks every artifact of `workdir`; returns the paths verified, unverified
   and damaged ({path: problems}); any damaged one is a DataError naming them (exit 2)."""
   del config  # what is checked is what the workdir holds, whatever the config names
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   if not workdir.is_dir():
     raise DataError(f"{workdir}: no such workdir (check --workdir)")
   report = {"verified": [], "unverified": [], "damaged": {}}
@@ -55,11 +57,11 @@ def run_verify(config, workdir: str) -> dict:
   return report
 
 
-def _artifacts(workdir: pathlib.Path) -> Iterator[tuple[pathlib.Path, Check]]:
+def _artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
   """(path, check) of every artifact under `workdir`, found by what its folder holds; the
   temporary folders of unfinished writes (`*.tmp`, never read) are skipped."""
-  if (workdir / FILTER_HEAD).is_file():
-    yield workdir / FILTER_HEAD, functools.partial(_filter_head, workdir / FILTER_HEAD)
+  if workdir.filter_head.is_file():
+    yield workdir.filter_head, functools.partial(_filter_head, workdir.filter_head)
   for folder, dirs, files in os.walk(workdir):
     dirs[:] = sorted(d for d in dirs if not d.endswith(".tmp"))
     here = pathlib.Path(folder)

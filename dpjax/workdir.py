@@ -1,9 +1,7 @@
 """A workdir's services for every program: where its data, corpus and dump are, and its trained
 model loaded for inference (parameters only), with the token filter head and a searcher.
 
-Layout of a workdir: `checkpoints/` (train), `checkpoints_best/` (validation), `checkpoints_qsft/`
-(query-side fine-tuning), `<index.dump_name>/` (the dump and its `indexes/`), `filter_head.npz`
-(`run.py filter`), reports (`results.json`, `open_eval_*.json`, ...).
+The workdir's layout is `dpjax.layout.Workdir`'s.
 """
 from __future__ import annotations
 
@@ -21,30 +19,30 @@ from dpjax.config import load_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
-from dpjax.index.dump import Dump, encoder_fingerprint
-from dpjax.io import digest, save_npz_atomic, workdir_lock
+from dpjax.index.dump_reader import Dump
+from dpjax.index.manifest import check_dump, dump_windows, encoder_fingerprint, read_manifest
 from dpjax.index.sparse import SparseIndex
 from dpjax.index.search import DensePhrases, PhraseIndex
+from dpjax.io import digest, save_npz_atomic, workdir_lock
+from dpjax.layout import CHECKPOINTS, FILTER_HEAD, Workdir
 from dpjax.models import model_for_data
 
 log = logging.getLogger(__name__)
-CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "checkpoints_qsft"}
 QSFT_METRIC = "em@1"  # what `checkpoints_qsft` keeps the best of
-FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
-WORKDIR_LOCK = "workdir.lock"  # held by the `run.py` mode writing into the workdir (`writes_to`)
 
 
 def writes_to(mode):
   """A `run.py` mode `mode(config, workdir, ...)` that writes into its workdir, run under the
-  workdir's lock (`WORKDIR_LOCK`, held by process 0 of a job): one writer at a time, a second
+  workdir's lock (`Workdir.lock`, held by process 0 of a job): one writer at a time, a second
   one refused at once naming the first one's pid and command (two dumps in one workdir removed
   each other's shards); the lock of a run that is gone is taken over with a warning."""
   @functools.wraps(mode)
   def run(config, workdir, *args, **kwargs):
+    workdir = Workdir(workdir)
     if not distributed.is_main():
       return mode(config, workdir, *args, **kwargs)
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    with workdir_lock(pathlib.Path(workdir) / WORKDIR_LOCK, ""):
+    workdir.mkdir(parents=True, exist_ok=True)
+    with workdir_lock(workdir.lock, ""):
       return mode(config, workdir, *args, **kwargs)
   return run
 
@@ -57,51 +55,21 @@ def data_paths(config, workdir: pathlib.Path) -> dict:
       str(files["train"]), str(files["dev"])]
   questions = config.index.questions or str(files["dev"])
   return {"corpus": corpus, "questions": questions,
-          "dump": pathlib.Path(workdir) / config.index.dump_name}
+          "dump": Workdir(workdir).dump(config)}
 
 
-def dump_windows(config) -> dict:
-  """The dump settings that decide which windows (so which vectors) a dump holds, as the
-  config gives them and a dump's manifest records them."""
-  return {"max_seq_length": (config.index.get("dump_max_seq_length", 0)
-                             or config.data.max_seq_length),
-          "doc_stride": config.data.doc_stride, "include_title": config.data.include_title,
-          "min_context": config.index.get("dump_min_context", 0)}
-
-
-def check_dump_config(config, workdir: pathlib.Path, manifest: dict) -> None:
-  """Refuses a dump that is not of the configured corpus (its files' names and sizes, as the
-  manifest records them) or windows (`dump_windows`): `run.py dump` refuses to add to such a
-  dump, and index, eval, search, mine and serve would otherwise use it without a word."""
-  where = pathlib.Path(workdir) / config.index.dump_name
-  recorded = manifest.get("corpus", {}).get("files")
-  if recorded:
-    files = [pathlib.Path(f) for f in data_paths(config, workdir)["corpus"]]
-    now = [(f.name, f.stat().st_size if f.is_file() else None) for f in files]
-    then = [(pathlib.Path(f["path"]).name, f.get("bytes")) for f in recorded]
-    if now != then:
-      raise DataError(f"{where} is a dump of another corpus ({', '.join(n for n, _ in then)}; "
-                      f"index.corpus gives {', '.join(n for n, _ in now)}, or their sizes "
-                      "differ): dump the corpus into a new index.dump_name, or set index.corpus "
-                      "back")
-  settings = {"min_context": 0, **manifest.get("settings", {})}
-  differ = [f"{k} {settings.get(k)!r} (the config's {v!r})"
-            for k, v in dump_windows(config).items() if settings.get(k, v) != v]
-  if differ:
-    raise DataError(f"{where} is a dump of other windows: {', '.join(differ)}; dump into a new "
-                    "index.dump_name, or set data.* / index.dump_* back")
-
-
-def check_dump_of(config, workdir: pathlib.Path, model, manifest: dict) -> None:
-  """Refuses a dump that `model` (the workdir's checkpoint) did not make, or that is not of the
-  configured corpus and windows (`check_dump_config`): for what reads the dump's vectors with
-  the model's question encoders or filter head (QSFT, the token filter)."""
-  if manifest.get("fingerprint") != encoder_fingerprint(model):
-    raise DataError(f"{pathlib.Path(workdir) / config.index.dump_name} was dumped by another "
-                    "model than this workdir's checkpoint (phrase encoder fingerprints differ): "
-                    "dump the corpus again with this model (`run.py dump` into a new "
-                    "index.dump_name)")
-  check_dump_config(config, workdir, manifest)
+def checked_dump(config, workdir: pathlib.Path, model=None) -> dict:
+  """The manifest of the workdir's complete dump (`index.dump_name`), refused (`check_dump`)
+  unless it is of the configured corpus and windows and, given `model` (for what reads the
+  dump's vectors with the model's question encoders or filter head: QSFT, the token filter),
+  made by its phrase encoder. Read and checked before any shard is: index, eval, search, mine,
+  serve, QSFT and the token filter would otherwise use another dump without a word."""
+  dump = Workdir(workdir).dump(config)
+  manifest = read_manifest(dump)
+  check_dump(manifest, dump, windows=dump_windows(config),
+             corpus=lambda: data_paths(config, workdir)["corpus"],
+             fingerprint=None if model is None else encoder_fingerprint(model))
+  return manifest
 
 
 def filter_head_digest(kernel, bias) -> dict:
@@ -110,16 +78,23 @@ def filter_head_digest(kernel, bias) -> dict:
                                              np.asarray(bias, np.float32))}
 
 
-def save_filter_head(workdir: pathlib.Path, kernel, bias) -> None:
-  """Writes `run.py filter`'s head with its digest (`filter_head_digest`), which
+def save_filter_head(workdir: pathlib.Path, kernel, bias) -> dict:
+  """Writes `run.py filter`'s head with its digest (`filter_head_digest`, returned), which
   `read_filter_head` checks."""
-  save_npz_atomic(pathlib.Path(workdir) / FILTER_HEAD, kernel=kernel, bias=bias,
-                  sha=np.array(filter_head_digest(kernel, bias)["sha"]))
+  record = filter_head_digest(kernel, bias)
+  save_npz_atomic(Workdir(workdir).filter_head, kernel=kernel, bias=bias,
+                  sha=np.array(record["sha"]))
+  return record
 
 
 def read_filter_head(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
   """(kernel, bias) of a saved filter head; a damaged file, or one whose arrays differ from the
   digest written with them, is a DataError naming it (one saved without a digest: unchecked)."""
+  return _read_filter_head(path)[:2]
+
+
+def _read_filter_head(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray, dict]:
+  """`read_filter_head`'s (kernel, bias) and their `filter_head_digest` (hashed once)."""
   redo = "run `run.py filter` again (or delete it to use the jointly trained filter head)"
   try:
     with np.load(path) as saved:
@@ -127,9 +102,10 @@ def read_filter_head(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
       sha = str(saved["sha"]) if "sha" in saved.files else None
   except Exception as e:  # a damaged file (zip, pickle or key errors)
     raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}); {redo}") from None
-  if sha is not None and filter_head_digest(kernel, bias)["sha"] != sha:
+  record = filter_head_digest(kernel, bias)
+  if sha is not None and record["sha"] != sha:
     raise DataError(f"{path}: its arrays differ from the digest written with them; {redo}")
-  return kernel, bias
+  return kernel, bias, record
 
 
 def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
@@ -139,16 +115,16 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
   checkpoint `step`). A workdir without checkpoints is refused (a DataError) unless
   `allow_untrained` (default: `eval.allow_untrained`): then the untrained model, step None.
   `verify`: the checkpoint's files are checked against their digests (`restore_params`)."""
-  which = config.eval.get("checkpoint", "latest")
+  which = config.eval.checkpoint
   if which not in CHECKPOINTS:
     raise ConfigError(f"eval.checkpoint must be one of {sorted(CHECKPOINTS)}, not {which!r}")
-  checkpoints = pathlib.Path(workdir) / CHECKPOINTS[which]
+  checkpoints = Workdir(workdir).checkpoints(which)
   if which != "latest" and not checkpoints.is_dir():
     raise DataError(f"{checkpoints}: no {which} checkpoint (train with validation.every_steps, "
                     "or run `run.py qsft`)")
   if not checkpoints.is_dir():
     if allow_untrained is None:
-      allow_untrained = config.eval.get("allow_untrained", False)
+      allow_untrained = config.eval.allow_untrained
     weights = config.model.name if config.model.init == "pretrained" else "random"
     if not allow_untrained:
       raise DataError(f"{workdir} has no checkpoints: train into it first (or check --workdir); "
@@ -168,10 +144,10 @@ def restore_model(config, workdir: pathlib.Path, step: int | None = None, *,
 def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   """Puts the head `run.py filter` trained (workdir/filter_head.npz) into the model, if any;
   returns its `filter_head_digest` (None: the model's own, jointly trained head)."""
-  path = pathlib.Path(workdir) / FILTER_HEAD
+  path = Workdir(workdir).filter_head
   if not path.is_file():
     return None
-  kernel, bias = read_filter_head(path)
+  kernel, bias, record = _read_filter_head(path)
   head = nnx.state(model.filter_head, nnx.Param)
   if kernel.shape != head["kernel"][...].shape or bias.shape != head["bias"][...].shape:
     raise DataError(f"{path}: a filter head of another model (kernel {kernel.shape}, the "
@@ -180,7 +156,7 @@ def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   head["bias"].set_value(bias)
   nnx.update(model.filter_head, head)
   log.info("token filter head from %s", path)
-  return filter_head_digest(kernel, bias)
+  return record
 
 
 def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, *,
@@ -188,14 +164,14 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
   """(DensePhrases over the workdir's index `index_name` (default index.search_index), the
   model's checkpoint step). `verify`: the checkpoint's, dump's and index's files are checked
   against the digests recorded when they were written (serve and eval: `index.verify`)."""
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   model, step = restore_model(config, workdir, verify=verify)
-  index = PhraseIndex(workdir / config.index.dump_name, index_name or config.index.search_index,
+  checked_dump(config, workdir)
+  index = PhraseIndex(workdir.dump(config), index_name or config.index.search_index,
                       nprobe=config.index.nprobe,
-                      search_device=config.index.get("search_device", "auto"), verify=verify)
-  check_dump_config(config, workdir, index.dump.manifest)
-  index.merge_spans = config.index.get("merge_spans", True)
-  if config.index.get("sparse", False):
+                      search_device=config.index.search_device, verify=verify)
+  index.merge_spans = config.index.merge_spans
+  if config.index.sparse:
     index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
                      config.index.sparse_weight, passages=config.index.sparse_passages)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
@@ -208,6 +184,6 @@ def open_workdir(config_spec: str, workdir: str | pathlib.Path, overrides: Seque
   """What analysis code starts from: `(config, workdir, dump, questions)` of a workdir that has
   a complete dump (notebooks, `experiments/benchmarks/*`)."""
   config = load_config(config_spec, overrides)
-  workdir = pathlib.Path(workdir)
+  workdir = Workdir(workdir)
   paths = data_paths(config, workdir)
   return config, workdir, Dump.load(paths["dump"]), read_questions(paths["questions"])

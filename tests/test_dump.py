@@ -13,12 +13,19 @@ from flax import nnx
 
 from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
-from dpjax.data.squad import DataError, Passage, SkipSummary, build_windows
+from dpjax.data.squad import Passage, SkipSummary, build_windows
+from dpjax.errors import DataError, DumpError
 from dpjax.index import dump as dump_module
-from dpjax.index.dump import (Dump, DumpConfig, DumpError, dump_phrases, encode_shard, kept_runs,
-                              shard_windows)
+from dpjax.index import encode as encode_module
+from dpjax.index import shard_stream as shard_stream_module
+from dpjax.index import windows as windows_module
+from dpjax.index.dump import dump_phrases
+from dpjax.index.dump_reader import Dump
+from dpjax.index.encode import encode_shard
+from dpjax.index.manifest import DumpConfig
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
+from dpjax.index.windows import WindowMaker, kept_runs, shard_windows
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.models.densephrases import compute_dtype
 from dpjax.models.encoders import bound
@@ -101,14 +108,14 @@ def test_window_maker_starts_every_worker_from_its_own_thread(tokenizer):
   submitted afterwards start none. Their windows are the thread's."""
   passages = _passages(5)
   before = len(multiprocessing.active_children())
-  with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
+  with WindowMaker(tokenizer, CONFIG, workers=2) as maker:
     maker.start()
     maker.handing.submit(lambda: None).result(timeout=60)  # after `start`'s submits
     assert len(multiprocessing.active_children()) == before + 2
     assert all(ready.result(timeout=60) > 0 for ready in maker.ready)
     got = maker.submit(passages).result(timeout=60)
     assert len(multiprocessing.active_children()) == before + 2
-  want = dump_module.shard_windows(tokenizer, passages, CONFIG)
+  want = shard_windows(tokenizer, passages, CONFIG)
   np.testing.assert_array_equal(got.input_ids, want.input_ids)
   np.testing.assert_array_equal(got.is_max_context, want.is_max_context)
 
@@ -123,8 +130,8 @@ def test_window_maker_reports_workers_that_cannot_start(tokenizer, monkeypatch):
     def shutdown(self, **kwargs):
       pass
 
-  monkeypatch.setattr(dump_module.WindowMaker, "_pool", lambda self, started: Refusing())
-  with dump_module.WindowMaker(tokenizer, CONFIG, workers=2) as maker:
+  monkeypatch.setattr(WindowMaker, "_pool", lambda self, started: Refusing())
+  with WindowMaker(tokenizer, CONFIG, workers=2) as maker:
     maker.start()
     with pytest.raises(DumpError, match=r"2 tokenizing processes did not start or died "
                                         r"\(BlockingIOError.*index.dump_workers=0"):
@@ -154,8 +161,8 @@ def test_shard_tables_are_written_before_the_last_blocks_vectors(model, tokenize
   the .npy headers and renames it (the end of a dump waits for no shard-sized write)."""
   passages = _passages(40)
   config = dataclasses.replace(CONFIG, shard_passages=40, min_context=3)
-  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 4)  # blocks of 4, 8, 16 and 12 passages
-  maker = dump_module.WindowMaker(tokenizer, config)
+  monkeypatch.setattr(windows_module, "FIRST_BLOCK", 4)  # blocks of 4, 8, 16 and 12 passages
+  maker = WindowMaker(tokenizer, config)
   with maker:
     blocks = [(count, future.result()) for count, future in maker.submit_blocks(passages)]
   events = []
@@ -191,10 +198,10 @@ def test_shard_0_encoded_in_blocks_equals_the_whole_shard(model, tokenizer, tmp_
   exactly."""
   passages = _passages(11)
   config = dataclasses.replace(CONFIG, shard_passages=11, min_context=3)
-  monkeypatch.setattr(dump_module, "FIRST_BLOCK", 1)
+  monkeypatch.setattr(windows_module, "FIRST_BLOCK", 1)
   made = []
-  submit_blocks = dump_module.WindowMaker.submit_blocks
-  monkeypatch.setattr(dump_module.WindowMaker, "submit_blocks",
+  submit_blocks = WindowMaker.submit_blocks
+  monkeypatch.setattr(WindowMaker, "submit_blocks",
                       lambda self, ps: made.append(submit_blocks(self, ps)) or made[-1])
   manifest = dump_phrases(model, tokenizer, passages, tmp_path, config, mesh=make_mesh())
   assert [count for count, _ in made[0]] == [1, 2, 4, 4] and manifest["num_passages"] == 11
@@ -223,7 +230,7 @@ def test_failed_write_mid_shard_leaves_nothing_and_the_rerun_resumes(model, toke
   no unfinished shard left, the shards before it kept; the rerun finishes the same dump."""
   passages = _passages()
   dump_phrases(model, tokenizer, passages, tmp_path / "clean", CONFIG, mesh=make_mesh())
-  calls, pwrite = [], dump_module.os.pwrite
+  calls, pwrite = [], shard_stream_module.os.pwrite
 
   def full_in_the_second_shard(fd, data, offset):  # only shard 1's files (Linux: /proc)
     if "shard_00001.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
@@ -231,13 +238,13 @@ def test_failed_write_mid_shard_leaves_nothing_and_the_rerun_resumes(model, toke
       raise OSError(errno.ENOSPC, "No space left on device")
     return pwrite(fd, data, offset)
 
-  monkeypatch.setattr(dump_module.os, "pwrite", full_in_the_second_shard)
+  monkeypatch.setattr(shard_stream_module.os, "pwrite", full_in_the_second_shard)
   with pytest.raises(DumpError, match=r"shard_00001: could not write the shard: No space left "
                                       r"on device \(errno 28\)"):
     dump_phrases(model, tokenizer, passages, tmp_path / "broken", CONFIG, mesh=make_mesh())
   assert calls and not list((tmp_path / "broken").glob("*.tmp"))
   assert not (tmp_path / "broken" / "shard_00001").exists()
-  monkeypatch.setattr(dump_module.os, "pwrite", pwrite)
+  monkeypatch.setattr(shard_stream_module.os, "pwrite", pwrite)
   manifest = dump_phrases(model, tokenizer, passages, tmp_path / "broken", CONFIG,
                           mesh=make_mesh())
   assert manifest["complete"]
@@ -368,7 +375,7 @@ def test_a_blocks_windows_held_back_are_those_that_fill_no_call_of_one_width():
   rng = np.random.default_rng(0)
   keep = mask.astype(bool) & (rng.random(mask.shape) < 0.7)
   runs = kept_runs(keep)
-  windows = dump_module._Windows(ids, mask, {k: runs[k].tolist() for k in runs}, keep.sum(1))
+  windows = encode_module._Windows(ids, mask, {k: runs[k].tolist() for k in runs}, keep.sum(1))
   now, held = windows.split(3, 4)
   assert now.attention_mask.sum(1).tolist() == [8, 7, 6, 4, 3, 2]
   assert held.attention_mask.sum(1).tolist() == [5]

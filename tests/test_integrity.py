@@ -16,10 +16,12 @@ import pytest
 
 from conftest import REPO
 from dpjax.errors import DataError, DumpError
-from dpjax.index import dump as dump_module
-from dpjax.index.dump import DumpConfig, dump_phrases
+from dpjax.index import shards as shards_module
+from dpjax.index.dump import dump_phrases
+from dpjax.index.manifest import DumpConfig
 from dpjax.parallel import make_mesh
-from dpjax.workdir import FILTER_HEAD, read_filter_head, save_filter_head
+from dpjax.layout import FILTER_HEAD
+from dpjax.workdir import read_filter_head, save_filter_head
 
 import run
 
@@ -140,7 +142,7 @@ def test_a_write_error_names_its_cause_not_a_guess(tmp_path, monkeypatch, tokeni
   def gone(path, *args, **kwargs):
     raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
 
-  monkeypatch.setattr(dump_module.np, "save", gone)
+  monkeypatch.setattr(shards_module.np, "save", gone)
   with pytest.raises(DumpError, match=r"shard_00000: could not write the shard: No such file "
                                       r"or directory \(errno 2\)") as error:
     dump_phrases(model, tokenizer, [Passage("p", "T", "a few words of text")], tmp_path,

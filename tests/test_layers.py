@@ -14,17 +14,20 @@ PACKAGE = REPO / "dpjax"
 LAYERS = [
     # L0: no dpjax imports but each other's.
     {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
-     "dpjax.distributed", "dpjax.model_files"},
+     "dpjax.distributed", "dpjax.model_files", "dpjax.layout"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
      "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
-     "dpjax.data.teacher_logits", "dpjax.models", "dpjax.models.reader",
+     "dpjax.data.teacher_logits", "dpjax.data.hard_negatives", "dpjax.models",
+     "dpjax.models.reader",
      "dpjax.models.bert", "dpjax.models.dropout", "dpjax.models.flash_attention",
      "dpjax.models.pretrained",
      "dpjax.models.densephrases",
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
-    {"dpjax.index", "dpjax.index.dump", "dpjax.index.faiss_index", "dpjax.index.device_search",
+    {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.windows",
+     "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump",
+     "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.

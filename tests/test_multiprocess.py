@@ -101,7 +101,7 @@ def test_two_processes_train_dump_and_merged_index(tmp_path):
   # Dump: each process encodes its own shards; the result equals a one-process dump.
   _run("dump", multi, processes=2, devices=2)
   _run("dump", single, processes=1, devices=4)
-  from dpjax.index.dump import Dump
+  from dpjax.index.dump_reader import Dump
   two, one = Dump.load(multi / "dump"), Dump.load(single / "dump")
   assert two.manifest["processes"] == 2 and len(two.manifest["shards"]) >= 4
   assert [s["tokens"] for s in two.manifest["shards"]] == [

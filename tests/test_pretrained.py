@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import FIXTURES
 from dpjax.models import pretrained
-from dpjax.models.pretrained import CheckpointError
+from dpjax.errors import CheckpointError
 
 REFERENCE = FIXTURES / "minilm_reference.npz"  # made by tests/fixtures/make_bert_reference.py
 TOLERANCE = 1e-4

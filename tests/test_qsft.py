@@ -123,7 +123,7 @@ def test_one_qsft_run_per_workdir(tmp_path):
 
   import pytest
 
-  from dpjax.data import DataError
+  from dpjax.errors import DataError
   from dpjax.qsft import workdir_lock
   lock = tmp_path / "qsft.lock"
   lock.write_text(str(os.getppid()))  # a live process holds it

@@ -23,8 +23,10 @@ from dpjax.data.squad import Passage, SkipSummary, read_squad
 from dpjax.data.synthetic import write_synthetic
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import ConfigError, DumpError
-from dpjax.index import dump as dump_module
-from dpjax.index.dump import DumpConfig, dump_phrases
+from dpjax.index import shards as shards_module
+from dpjax.index.dump import dump_phrases
+from dpjax.index.manifest import DumpConfig
+from dpjax.index.shard_stream import ShardStream
 from dpjax.index.faiss_index import build_index
 from dpjax.index.search import PhraseIndex
 from dpjax.io import workdir_lock
@@ -148,7 +150,7 @@ def test_index_of_another_dump_is_refused(model, tokenizer, tmp_path):
 def test_dump_write_error_names_the_shard_and_cause(model, tokenizer, tmp_path, monkeypatch):
   def full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
-  monkeypatch.setattr(dump_module.np, "save", full)
+  monkeypatch.setattr(shards_module.np, "save", full)
   with pytest.raises(DumpError, match=r"shard_00000: could not write the shard: No space left "
                                       r"on device \(errno 28\)"):
     dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())
@@ -161,11 +163,11 @@ def test_a_later_shards_writes_report_the_dumps_first_failed_write(tmp_path, mon
   leaves its temporary directory."""
   def full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
-  monkeypatch.setattr(dump_module.np, "save", full)
+  monkeypatch.setattr(shards_module.np, "save", full)
   tables = {"token_passage": np.zeros(2, np.int32)}
   failed = []
   with concurrent.futures.ThreadPoolExecutor(1) as writer:
-    first, second = (dump_module.ShardStream(tmp_path, name, 4, writer, failed)
+    first, second = (ShardStream(tmp_path, name, 4, writer, failed)
                      for name in ("shard_00000", "shard_00001"))
     for stream in (first, second):
       stream.tables(tables, _passages(2))

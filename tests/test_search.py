@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 
 from dpjax.data.squad import Passage
-from dpjax.index.dump import Dump, DumpError, write_manifest, write_shard
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, DumpError
 from dpjax.index import faiss_index
+from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import build_index, resolve_spec
+from dpjax.index.manifest import write_manifest
 from dpjax.index.search import UNITS, PhraseIndex, half_to_float32, sentence_bounds
+from dpjax.index.shards import write_shard
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.

@@ -11,7 +11,7 @@ from dpjax import open_domain
 from dpjax.config import load_config
 from dpjax.data.squad import Passage
 from dpjax.index import evaluate
-from dpjax.index.dump import Dump
+from dpjax.index.dump_reader import Dump
 from dpjax.index.search import UNITS, PhraseIndex
 from test_search import ANSWERS, _toy_dump
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dpjax.data import squad
-from dpjax.data.squad import DataError, build_features, build_windows, read_squad
+from dpjax.data.squad import build_features, build_windows, read_squad
+from dpjax.errors import DataError
 
 
 def _write(tmp_path, content, name="data.json"):

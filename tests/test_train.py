@@ -151,7 +151,7 @@ def test_optimizer_settings(tiny):
   """Weight decay spares biases and LayerNorm scales (the reference's no_decay); a freeze
   pattern that matches nothing, a warm-up as long as the run and values no run can use are
   refused; grad_clip 0 clips nothing."""
-  from dpjax.config import ConfigError
+  from dpjax.errors import ConfigError
   config, _ = tiny
   model = create_model(config.model)
   params = nnx.state(model, nnx.Param)

@@ -11,8 +11,10 @@ from dpjax.checkpoint import Checkpointer
 from dpjax.trainer import MetricsWriter
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
-from dpjax.data.squad import DataError, Passage, Question, build_windows, read_squad
-from dpjax.mining import HardNegatives, filter_negatives
+from dpjax.data.squad import Passage, Question, build_windows, read_squad
+from dpjax.errors import DataError
+from dpjax.data.hard_negatives import HardNegatives
+from dpjax.mining import filter_negatives
 from dpjax.train import random_with_answer
 from dpjax.validation import Validator
 

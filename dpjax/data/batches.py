@@ -19,7 +19,7 @@ class TrainBatches:
   features: RCFeatures
   batch_size: int
   seed: int
-  hard_negatives: Any = None  # a `mining.HardNegatives`: adds h mined passages per example
+  hard_negatives: Any = None  # a `hard_negatives.HardNegatives`: adds h mined passages per example
   teacher: Any = None  # a `TeacherLogits`: adds the teacher's start/end logits per example
   question_multiple: int = 0  # > 0: questions cut per step (`trim_questions`)
   # Also the features whose window lacks the answer (their gold positions are 0: [CLS]).

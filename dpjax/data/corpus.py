@@ -30,8 +30,9 @@ import pathlib
 import sys
 from typing import Iterable, Iterator
 
-from dpjax.data.squad import (JSON_ERRORS, DataError, Passage, SkipSummary, json_problem,
-                              load_json, title_text, valid_unicode)
+from dpjax.data.squad import (JSON_ERRORS, Passage, SkipSummary, json_problem, load_json,
+                              title_text, valid_unicode)
+from dpjax.errors import DataError
 from dpjax.io import write_jsonl
 
 

@@ -9,8 +9,9 @@ import pathlib
 import numpy as np
 
 from dpjax.data.corpus import is_jsonl
-from dpjax.data.squad import (JSON_ERRORS, DataError, Question, json_problem, load_json,
-                              read_squad, valid_unicode)
+from dpjax.data.squad import (JSON_ERRORS, Question, json_problem, load_json, read_squad,
+                              valid_unicode)
+from dpjax.errors import DataError
 
 log = logging.getLogger(__name__)
 

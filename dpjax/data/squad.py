@@ -367,7 +367,7 @@ def build_windows(tokenizer: Tokenizer, passages: Sequence[Passage], *, max_seq_
 
 
 
-# Worker processes that make windows ahead of the dump's encoder (`dpjax.index.dump.WindowMaker`)
+# Worker processes that make windows ahead of the dump's encoder (`dpjax.index.windows.WindowMaker`)
 # run these: a spawned process imports only this module's dependencies, no JAX.
 _WORKER: dict = {}
 

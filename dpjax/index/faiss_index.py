@@ -22,13 +22,13 @@ import jax
 import numpy as np
 
 from dpjax import distributed
-from dpjax.errors import ConfigError
-from dpjax.index.dump import (DumpError, read_manifest, shard_problems, shard_rerun,
-                              shard_token_offsets)
-from dpjax.io import checksum_problems, commit_directory, folder_checksums, remove, write_json
+from dpjax.errors import ConfigError, DumpError
+from dpjax.index.manifest import INDEX_MANIFEST as MANIFEST, read_manifest
+from dpjax.index.shards import shard_problems, shard_rerun, shard_token_offsets
+from dpjax.io import (checksum_problems, commit_directory, folder_checksums, refuse_damage, remove,
+                      write_json)
 
 log = logging.getLogger(__name__)
-MANIFEST = "index_manifest.json"
 
 
 def tune_exact_search() -> None:
@@ -83,9 +83,8 @@ def _use_gpu() -> bool:
 def _shard_arrays(dump_dir: pathlib.Path, shard: dict, key: str) -> np.ndarray:
   """A shard's array `key`, memory mapped, its size checked against the one recorded."""
   path = dump_dir / shard["name"] / f"{key}.npy"
-  problems = shard_problems(path.parent, shard, contents=False, names=[path.name])
-  if problems:
-    raise DumpError(f"{problems[0]}: the dump is damaged; {shard_rerun(path.parent)}")
+  refuse_damage(shard_problems(path.parent, shard, contents=False, names=[path.name]), DumpError,
+                "dump", shard_rerun(path.parent))
   try:
     return np.load(path, mmap_mode="r")
   except (OSError, ValueError) as e:
@@ -258,9 +257,8 @@ def index_problems(directory: pathlib.Path, manifest: dict, *, contents: bool) -
 def check_index(directory: pathlib.Path, manifest: dict, *, contents: bool = False) -> None:
   """Refuses an index whose files are missing, of other sizes or (`contents`) of other bytes
   than when written (a DumpError naming the first); one without digests is used, unverified."""
-  problems = index_problems(directory, manifest, contents=contents)
-  if problems:
-    raise DumpError(f"{problems[0]}: the index is damaged; build it again with `run.py index`")
+  refuse_damage(index_problems(directory, manifest, contents=contents), DumpError, "index",
+                "build it again with `run.py index`")
   if "files" not in manifest:
     log.warning("%s: an index built before digests were recorded: unverified", directory)
 

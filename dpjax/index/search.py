@@ -33,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.data.tokenization import Tokenizer
+from dpjax.errors import DumpError
 from dpjax.index.device_search import DeviceFlat, use_device_search
-from dpjax.index.dump import Dump, DumpError, encoder_fingerprint
+from dpjax.index.dump_reader import Dump
 from dpjax.index.evaluate import retrieve_texts
 from dpjax.index import hybrid
-from dpjax.index.faiss_index import MANIFEST as INDEX_MANIFEST, check_index, index_folder
+from dpjax.index.faiss_index import check_index, index_folder
+from dpjax.index.manifest import INDEX_MANIFEST, check_index_of_dump, encoder_fingerprint
 from dpjax.index.sparse import BUILD_HINT, SparseIndex
 from dpjax.io import read_json
 from dpjax.model_files import DEFAULT_MODEL
@@ -249,23 +251,10 @@ class PhraseIndex:
     self.manifest = read_json(directory / INDEX_MANIFEST, DumpError,
                               "build the index again with `run.py index`")
     check_index(directory, self.manifest, contents=verify)
-    if (self.manifest["fingerprint"] != self.dump.manifest["fingerprint"]
-        or self.manifest.get("dump_tokens") != self.dump.manifest["num_tokens"]
-        or self.manifest.get("dump_id", "") != self.dump.manifest.get("dump_id", "")):
-      raise DumpError(f"{directory} was built from another dump than the one in "
-                      f"{self.dump.directory} (or an older dump of it): rebuild it with "
-                      "`run.py index`")
+    check_index_of_dump(directory, self.manifest, self.dump.directory, self.dump.manifest)
     if nprobe is not None and nprobe < 1:
       raise ValueError(f"nprobe must be >= 1, got {nprobe}")
-    if self.manifest.get("labels") != "token_id":
-      raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
-                      "rebuild it with `run.py index`")
     threshold = self.manifest.get("filter_threshold")
-    if threshold is not None and (self.manifest.get("filter_head")
-                                  != self.dump.manifest.get("filter_head")):
-      raise DumpError(f"{directory} kept its tokens by the filter logits of another filter head "
-                      "than the dump's now (`run.py filter` rewrote them): rebuild it with "
-                      "`run.py index`")
     self.kept_mask = (None if threshold is None else
                       self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
     self.index = self._device_index(search_device)

@@ -83,7 +83,8 @@ def main(argv=None) -> int:
   from dpjax.data.corpus import read_corpus
   from dpjax.data.questions import read_questions
   from dpjax.data.squad import build_windows
-  from dpjax.index.dump import DumpConfig, encode_shard
+  from dpjax.index.encode import encode_shard
+  from dpjax.index.manifest import training_windows_config
   from dpjax.models import encoders as encoders_module
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.workdir import data_paths, restore_model
@@ -107,9 +108,7 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   sample = [corpus[i] for i in np.sort(rng.choice(len(corpus), min(args.passages, len(corpus)),
                                                   replace=False))]
-  dump_config = DumpConfig(max_seq_length=config.data.max_seq_length,
-                           doc_stride=config.data.doc_stride,
-                           include_title=config.data.include_title, batch_size=batch_size)
+  dump_config = training_windows_config(config.data, batch_size)
   encode_phrases = lambda i, m: encoders.phrases_and_filter(state, i, m)
   question_encoders = encoders_module.QuestionEncoders(
       lambda i, m: encoders.questions(state, i, m),

@@ -49,9 +49,9 @@ def window_tokens(config, tokenizer, passages, mesh, manifest: dict) -> dict:
   (a dump made before it counted them) cut again as `run.py dump` cuts them."""
   if manifest.get("encoded_tokens") is not None:
     return {"windows": manifest["num_windows"], "tokens_encoded": manifest["encoded_tokens"]}
-  from dpjax.index.dump import shard_windows
-  from dpjax.open_domain import dump_settings
-  windows = shard_windows(tokenizer, passages, dump_settings(config, mesh))
+  from dpjax.index.manifest import dump_config
+  from dpjax.index.windows import shard_windows
+  windows = shard_windows(tokenizer, passages, dump_config(config, mesh))
   return {"windows": len(windows.input_ids), "tokens_encoded": int(windows.attention_mask.sum())}
 
 
@@ -81,7 +81,7 @@ def load(args, *sets: str):
 def measure(args, length: int, min_context: int, passages, questions, vectors, tokenizer,
             mesh) -> dict:
   """One pair: dump (or reuse), Flat index, the questions answered; its figures and hits."""
-  from dpjax.index.dump import Dump
+  from dpjax.index.dump_reader import Dump
   from dpjax.index.evaluate import retrieval_scores
   from dpjax.index.faiss_index import build_index
   from dpjax.index.search import PhraseIndex
@@ -112,7 +112,7 @@ def study(args) -> dict:
   from dpjax.data.corpus import read_corpus
   from dpjax.data.questions import read_questions
   from dpjax.models.encoders import encode_questions
-  from dpjax.open_domain import dump_settings
+  from dpjax.index.manifest import dump_config
   from dpjax.parallel import make_mesh
   from dpjax.workdir import data_paths, restore_model
   config = load(args)
@@ -126,7 +126,7 @@ def study(args) -> dict:
                              max_query_length=config.data.max_query_length,
                              batch_size=config.eval.batch_size, mesh=mesh)
   del model
-  settings = dump_settings(config, mesh)  # the config's own windows
+  settings = dump_config(config, mesh)  # the config's own windows
   shipped = {"max_seq_length": settings.max_seq_length, "min_context": settings.min_context}
   lengths = args.max_seq_length or [shipped["max_seq_length"]]
   runs, first = [], None

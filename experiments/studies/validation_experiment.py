@@ -131,7 +131,7 @@ def model_dump_dir(workdir: pathlib.Path, step: int, dtype: str = "float32") -> 
   """The model's existing full dump (`<workdir>/dump`) when it was made at `step` in `dtype`,
   else `<workdir>/dump_step<step>[_<dtype>]` (made or resumed here). `dump_phrases` refuses a
   dump of other parameters or settings either way."""
-  from dpjax.index.dump import read_manifest
+  from dpjax.index.manifest import read_manifest
   default = workdir / "dump"
   if (default / "manifest.json").is_file():
     manifest = read_manifest(default)
@@ -145,7 +145,8 @@ def dump_fingerprint(workdir: pathlib.Path, step: int, dtype: str = "float32") -
   """The encoder fingerprint of the model's dump (in `dtype`, or else in float32: the parameters'
   fingerprint is the same); None when the dump is gone (deleted after its figures were cached):
   that model then cannot be recognised as the H_k builder."""
-  from dpjax.index.dump import DumpError, read_manifest
+  from dpjax.errors import DumpError
+  from dpjax.index.manifest import read_manifest
   for kind in dict.fromkeys([dtype, "float32"]):
     try:
       return read_manifest(model_dump_dir(workdir, step, kind))["fingerprint"]
@@ -160,8 +161,9 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   with more models evaluates only the new ones)."""
   from dpjax.io import write_json
   from dpjax.data.squad import load_json
-  from dpjax.index.dump import Dump, dump_phrases, params_fingerprint
-  from dpjax.open_domain import dump_settings
+  from dpjax.index.dump import dump_phrases
+  from dpjax.index.dump_reader import Dump
+  from dpjax.index.manifest import dump_config, params_fingerprint
   from dpjax.workdir import restore_model
   from dpjax.parallel import make_mesh
   from dpjax.rc import evaluate_rc
@@ -180,8 +182,8 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   start = time.perf_counter()
   dump_dir = model_dump_dir(workdir, step, dump_dtype(config))
   local = make_mesh(local=True)
-  dump_phrases(model, tokenizer, corpus, dump_dir, dump_settings(config, local), mesh=local,
-               workers=config.index.get("dump_workers", 0),
+  dump_phrases(model, tokenizer, corpus, dump_dir, dump_config(config, local), mesh=local,
+               workers=config.index.dump_workers,
                model_info={"workdir": str(workdir), "step": step})
   dump = Dump.load(dump_dir)
   if [p.id for p in dump.passages] != [p.id for p in corpus]:  # subcorpus rows index the corpus

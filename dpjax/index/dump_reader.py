@@ -1,0 +1,54 @@
+"""A complete dump loaded into memory (`Dump`), its manifest and shards checked first."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from dpjax.data.squad import Passage
+from dpjax.errors import DumpError
+from dpjax.index.manifest import read_manifest
+from dpjax.index.shards import check_shards
+
+
+@dataclasses.dataclass
+class Dump:
+  """A complete dump loaded into memory (vectors kept float16)."""
+
+  directory: pathlib.Path
+  manifest: dict
+  vectors: np.ndarray  # [T, D] float16
+  filter_logits: np.ndarray  # [T, 2] float16
+  token_passage: np.ndarray  # [T] int32, global passage row
+  char_spans: np.ndarray  # [T, 2] int32
+  passages: list[Passage]
+
+  @classmethod
+  def load(cls, directory: str | os.PathLike, *, verify: bool = False) -> "Dump":
+    """The dump in `directory`; its shards' file sizes checked against those recorded, and with
+    `verify` their contents (`check_shards`)."""
+    directory = pathlib.Path(directory)
+    manifest = read_manifest(directory)
+    check_shards(directory, manifest, contents=verify)
+    arrays = {k: [] for k in ("vectors", "filter_logits", "token_passage", "char_spans")}
+    passages, offset = [], 0
+    for shard in manifest["shards"]:
+      path = directory / shard["name"]
+      try:
+        for key in arrays:
+          value = np.load(path / f"{key}.npy")
+          arrays[key].append(value + offset if key == "token_passage" else value)
+        with (path / "passages.jsonl").open(encoding="utf-8") as f:
+          passages.extend(Passage(**json.loads(line)) for line in f)
+      except (OSError, ValueError, TypeError) as e:
+        raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); "
+                        "delete the dump and run it again") from None
+      offset = len(passages)
+    joined = {k: np.concatenate(v) for k, v in arrays.items()}
+    if len(joined["vectors"]) != manifest["num_tokens"] or len(passages) != manifest[
+        "num_passages"]:
+      raise DumpError(f"{directory}: shard contents do not match the manifest counts")
+    return cls(directory, manifest, passages=passages, **joined)
