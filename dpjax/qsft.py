@@ -30,7 +30,7 @@ from dpjax.data import Tokenizer, data_files
 from dpjax.errors import ConfigError, DataError
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.evaluate import retrieval_scores
-from dpjax.index.search import PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
 from dpjax import io, metrics
 from dpjax.io import remove, write_json
 from dpjax.layout import Workdir

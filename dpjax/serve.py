@@ -61,7 +61,7 @@ except ImportError as e:  # missing, or a version without what is imported (pyda
   raise ConfigError(f"the service cannot import {e.name or 'its dependencies'} ({e}): "
                     "pip install 'dpjax[serve]'") from None
 from dpjax.index.device_search import DeviceFlat
-from dpjax.index.search import UNITS
+from dpjax.index.units import UNITS
 from dpjax.workdir import load_searcher
 
 log = logging.getLogger("dpjax.serve")

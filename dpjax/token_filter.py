@@ -34,7 +34,7 @@ from dpjax.index.manifest import read_manifest, write_manifest
 from dpjax.index.shards import record_rewrite
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.faiss_index import index_folder
-from dpjax.index.search import PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import save_npy_atomic, write_json
 from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, encode_questions, phrase_batches

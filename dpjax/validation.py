@@ -32,7 +32,7 @@ from dpjax.index.dump_reader import Dump
 from dpjax.index.encode import encode_shard
 from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.manifest import MANIFEST, encoder_fingerprint, training_windows_config
-from dpjax.index.search import PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
 from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, encode_questions

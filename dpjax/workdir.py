@@ -21,8 +21,9 @@ from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump_reader import Dump
 from dpjax.index.manifest import check_dump, dump_windows, encoder_fingerprint, read_manifest
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.search import DensePhrases
 from dpjax.index.sparse import SparseIndex
-from dpjax.index.search import DensePhrases, PhraseIndex
 from dpjax.io import digest, save_npz_atomic, workdir_lock
 from dpjax.layout import CHECKPOINTS, FILTER_HEAD, Workdir
 from dpjax.models import model_for_data

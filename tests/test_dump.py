@@ -24,7 +24,8 @@ from dpjax.index.dump_reader import Dump
 from dpjax.index.encode import encode_shard
 from dpjax.index.manifest import DumpConfig
 from dpjax.index.faiss_index import build_index
-from dpjax.index.search import DensePhrases as SearchAPI, PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.search import DensePhrases as SearchAPI
 from dpjax.index.windows import WindowMaker, kept_runs, shard_windows
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.models.densephrases import compute_dtype

@@ -12,7 +12,8 @@ from dpjax.errors import DumpError
 from dpjax.index import hybrid, sparse
 from dpjax.index.dump import Dump
 from dpjax.index.faiss_index import build_index
-from dpjax.index.search import PhraseIndex, half_to_float32
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.scoring import half_to_float32
 from test_search import ANSWERS, PASSAGES, _toy_dump
 
 # One question per toy answer (ANSWERS' order), sharing words with its passage.

@@ -28,6 +28,7 @@ LAYERS = [
     {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.windows",
      "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump",
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
+     "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.hits", "dpjax.index.phrase_index",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
@@ -57,7 +58,7 @@ LAZY_IMPORTS = {
     ("dpjax.models.pretrained", "torch"),
     # Declared in setup.py, but an environment without it (a GPU image's own packages) still
     # searches: the rescoring's token scores are then computed in one thread.
-    ("dpjax.index.search", "threadpoolctl"),
+    ("dpjax.index.scoring", "threadpoolctl"),
     # BM25 for hybrid search only: a dense search does not load it.
     ("dpjax.index.sparse", "bm25s"),
     ("dpjax.index.sparse", "Stemmer"),

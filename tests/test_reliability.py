@@ -28,7 +28,7 @@ from dpjax.index.dump import dump_phrases
 from dpjax.index.manifest import DumpConfig
 from dpjax.index.shard_stream import ShardStream
 from dpjax.index.faiss_index import build_index
-from dpjax.index.search import PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import workdir_lock
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.parallel import make_mesh

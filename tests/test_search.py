@@ -10,8 +10,10 @@ from dpjax.index import faiss_index
 from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import build_index, resolve_spec
 from dpjax.index.manifest import write_manifest
-from dpjax.index.search import UNITS, PhraseIndex, half_to_float32, sentence_bounds
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.scoring import half_to_float32
 from dpjax.index.shards import write_shard
+from dpjax.index.units import UNITS, sentence_bounds
 
 DIM = 16
 # Three documents, two passages each; every passage has two sentences.
@@ -158,7 +160,7 @@ def test_rescoring_in_chunks_gives_the_same_results(toy, index_name, monkeypatch
   directory, q_start, q_end = toy
   index = PhraseIndex(directory, index_name)
   whole = index.search(q_start, q_end, k=4, unit="passage")
-  monkeypatch.setattr("dpjax.index.search._RESCORE_ELEMENTS", 1)  # one question per chunk
+  monkeypatch.setattr("dpjax.index.scoring.RESCORE_ELEMENTS", 1)  # one question per chunk
   chunked = index.search(q_start, q_end, k=4, unit="passage")
   assert [[(p.start_token, p.end_token) for p, _ in u] for u in whole] == \
       [[(p.start_token, p.end_token) for p, _ in u] for u in chunked]
@@ -250,25 +252,25 @@ def test_float16_scores_equal_float32_rows(monkeypatch):
   """Token scores from float16 rows, gathered and converted a chunk of questions at a time (a
   question larger than a chunk alone; one-row and empty questions), are the per-question
   products of the same rows in float32, bit for bit."""
-  from dpjax.index import search
+  from dpjax.index import scoring
   rng = np.random.default_rng(0)
   half = rng.standard_normal((50, 16)).astype(np.float16)
   bounds = np.concatenate([[0], np.cumsum([3, 1, 0, 9, 20, 1, 2, 5])])
   token = rng.integers(0, 50, bounds[-1])
   queries = rng.standard_normal((8, 16, 2)).astype(np.float32)
   want = np.full((bounds[-1], 2), np.nan, np.float32)
-  search._score_questions(half.astype(np.float32), token, queries, bounds, want, 0, 8)
+  scoring._score_questions(half.astype(np.float32), token, queries, bounds, want, 0, 8)
   widths = []
-  convert = search.half_to_float32
-  monkeypatch.setattr(search, "half_to_float32", lambda h: widths.append(len(h)) or convert(h))
-  monkeypatch.setattr(search, "_CONVERT_ROWS", 8)
+  convert = scoring.half_to_float32
+  monkeypatch.setattr(scoring, "half_to_float32", lambda h: widths.append(len(h)) or convert(h))
+  monkeypatch.setattr(scoring, "CONVERT_ROWS", 8)
   got = np.full_like(want, np.nan)
-  search._score_questions(half, token, queries, bounds, got, 0, 8)
+  scoring._score_questions(half, token, queries, bounds, got, 0, 8)
   assert np.array_equal(got, want) and not np.isnan(want).any()
   # one shape: questions 0-2 (4 rows), 3 (9: 8 + 1), 4 (20: 8 + 8 + 4), 5-6 (3), 7 (5)
   assert widths == [8] * 8
   part = np.full_like(want, np.nan)
-  search._score_questions(half, token, queries, bounds, part, 2, 6)
+  scoring._score_questions(half, token, queries, bounds, part, 2, 6)
   assert np.array_equal(part[bounds[2]:bounds[6]], want[bounds[2]:bounds[6]])
   assert np.isnan(part[:bounds[2]]).all() and np.isnan(part[bounds[6]:]).all()
 
@@ -281,7 +283,7 @@ def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
   scores them."""
   import threading
   import faiss
-  from dpjax.index import search
+  from dpjax.index import scoring
   directory, q_start, q_end = toy
   index = PhraseIndex(directory, index_name)
   rng = np.random.default_rng(5)
@@ -289,21 +291,21 @@ def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
   tokens = rng.integers(0, len(index.dump.vectors), (24, 30, 4))
 
   def run(threads):
-    monkeypatch.setattr(search, "_RESCORE_THREADS", threads)
+    monkeypatch.setattr(scoring, "_RESCORE_THREADS", threads)
     groups.clear()
     scores = index._token_scores(tokens, *queries)
     parts = sorted(groups)
     return scores, parts, index.search(*queries, k=3, unit="phrase")
 
   groups, idents = [], set()
-  score_questions = search._score_questions
+  score_questions = scoring._score_questions
 
   def spy(*args):
     groups.append(args[-2:])
     idents.add(threading.get_ident())
     return score_questions(*args)
-  monkeypatch.setattr(search, "_score_questions", spy)
-  monkeypatch.setattr(search, "_RESCORE_ROWS_PER_THREAD", 1)
+  monkeypatch.setattr(scoring, "_score_questions", spy)
+  monkeypatch.setattr(scoring, "_RESCORE_ROWS_PER_THREAD", 1)
   omp = faiss.omp_get_max_threads()
   faiss.omp_set_num_threads(4)
   try:
@@ -318,20 +320,20 @@ def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
   assert one_parts == [(0, 24)] and len(parts) == 4 and idents - {threading.get_ident()}
   assert parts[0][0] == 0 and parts[-1][1] == 24 and all(
       a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous groups, every question once
-  monkeypatch.setattr(search, "_BLAS", False)  # threadpoolctl missing
-  assert search._scoring_threads(10 ** 6) == 1
+  monkeypatch.setattr(scoring, "_BLAS", False)  # threadpoolctl missing
+  assert scoring._scoring_threads(10 ** 6) == 1
 
 
 def test_blas_held_at_one_thread_until_the_last_search_leaves():
   """Searches in several threads (here two, one inside the other's span) hold BLAS at one
   thread until the last leaves, which restores BLAS's own count."""
-  from dpjax.index import search
-  controller = search._blas_controller()
+  from dpjax.index import scoring
+  controller = scoring._blas_controller()
   if controller is None:
     pytest.skip("threadpoolctl is not installed")
   blas = lambda: {d["num_threads"] for d in controller.info() if d["user_api"] == "blas"}
   with controller.limit(limits=2, user_api="blas"):
-    first, second = search._one_blas_thread(), search._one_blas_thread()
+    first, second = scoring._one_blas_thread(), scoring._one_blas_thread()
     first.__enter__()
     second.__enter__()
     assert blas() == {1}

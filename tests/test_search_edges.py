@@ -12,7 +12,8 @@ from dpjax.config import load_config
 from dpjax.data.squad import Passage
 from dpjax.index import evaluate
 from dpjax.index.dump_reader import Dump
-from dpjax.index.search import UNITS, PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.units import UNITS
 from test_search import ANSWERS, _toy_dump
 
 

@@ -10,7 +10,7 @@ from conftest import load_script
 from dpjax.index.dump_reader import Dump
 from dpjax.index.manifest import read_manifest, write_manifest
 from dpjax.errors import DumpError
-from dpjax.index.search import PhraseIndex
+from dpjax.index.phrase_index import PhraseIndex
 from dpjax.token_filter import rewrite_dump_logits, train_head
 
 import run

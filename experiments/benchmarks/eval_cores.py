@@ -37,7 +37,8 @@ def child(args) -> dict:
   sys.path.insert(0, str(REPO / "experiments/benchmarks"))
   import speed
   from dpjax.index.evaluate import retrieve, retrieve_texts
-  from dpjax.index.search import DensePhrases, PhraseIndex
+  from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.index.search import DensePhrases
   config, model, tokenizer = speed._model(args)
   _, questions = speed.squad_dev(args.passages, args.questions)
   texts = [q["question"] for q in questions]

@@ -169,7 +169,8 @@ def main(argv=None) -> int:
   from dpjax.data import Tokenizer
   from dpjax.workdir import open_workdir, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.index.search import DensePhrases, PhraseIndex
+  from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.index.search import DensePhrases
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   passages = dump.passages

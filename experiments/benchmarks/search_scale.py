@@ -192,7 +192,8 @@ def main(argv=None) -> int:
   from experiments.report import save_results
   from dpjax.data import Tokenizer
   from dpjax.workdir import open_workdir, restore_model
-  from dpjax.index.search import DensePhrases, PhraseIndex
+  from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.index.search import DensePhrases
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   model, step = restore_model(config, workdir)

@@ -226,7 +226,8 @@ def role_eval(args) -> dict:
   passages from one shared search (a tree with `retrieve_texts`: the next batch encoded while
   one is searched); q/s, compiles, and what was found (for the comparison)."""
   from dpjax.index import evaluate
-  from dpjax.index.search import DensePhrases, PhraseIndex
+  from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.index.search import DensePhrases
   config, model, tokenizer = _model(args)
   questions = json.loads(pathlib.Path(args.questions_file).read_text())
   index = PhraseIndex(args.out_dir, args.index)

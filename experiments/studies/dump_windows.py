@@ -84,7 +84,7 @@ def measure(args, length: int, min_context: int, passages, questions, vectors, t
   from dpjax.index.dump_reader import Dump
   from dpjax.index.evaluate import retrieval_scores
   from dpjax.index.faiss_index import build_index
-  from dpjax.index.search import PhraseIndex
+  from dpjax.index.phrase_index import PhraseIndex
   from dpjax.open_domain import run_dump
   from dpjax.workdir import data_paths
   config = load(args, f"index.dump_min_context={min_context}",

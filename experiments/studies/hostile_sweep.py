@@ -758,7 +758,8 @@ def _no_checkpoint_after_divergence(w: pathlib.Path) -> bool:
 
 def api_cases(s: Sweep) -> None:
   base = str(s.base)
-  index = f"from dpjax.index.search import PhraseIndex\nindex = PhraseIndex('{base}/dump', 'Flat')"
+  index = (f"from dpjax.index.phrase_index import PhraseIndex\n"
+           f"index = PhraseIndex('{base}/dump', 'Flat')")
   searcher = ("from dpjax.config import load_config\nfrom dpjax.workdir import load_searcher\n"
               f"searcher, _ = load_searcher(load_config('experiments/demo.py:tiny'), '{base}')")
   query = "\nimport numpy as np\nq = np.ones((1, 30), 'float32')\n"

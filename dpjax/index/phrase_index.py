@@ -1,0 +1,412 @@
+"""A complete dump with one of its faiss indexes (`PhraseIndex`): the index searched, its hits
+rescored exactly from the stored token vectors, and the best phrase of each retrieved unit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import faiss
+import numpy as np
+
+from dpjax.errors import DumpError
+from dpjax.index import hybrid, scoring
+from dpjax.index.device_search import DeviceFlat, use_device_search
+from dpjax.index.dump_reader import Dump
+from dpjax.index.faiss_index import check_index, index_folder
+from dpjax.index.hits import Hits, ranked_spans
+from dpjax.index.manifest import INDEX_MANIFEST, check_index_of_dump
+from dpjax.index.sparse import BUILD_HINT, SparseIndex
+from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
+from dpjax.io import read_json
+
+_LEXICAL_ELEMENTS = 1 << 25  # bounds the [questions, passages] BM25 scores of a hybrid search
+
+
+class PhraseIndex:
+  """A complete dump with one of its faiss indexes."""
+
+  def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
+               nprobe: int | None = None, search_device: str = "auto", *, verify: bool = False):
+    """The dump's index `index_name`; the sizes of its and the dump's files are checked against
+    those recorded when written, and with `verify` their contents (`index.verify`)."""
+    self.dump = dump if isinstance(dump, Dump) else Dump.load(dump, verify=verify)
+    if not (self.dump.directory / "indexes" / index_name).is_dir():
+      index_name = index_folder(index_name)  # a factory string ("IVFauto,SQ4") names its folder
+    directory = self.dump.directory / "indexes" / index_name
+    if not (directory / INDEX_MANIFEST).is_file():
+      available = sorted(p.name for p in (self.dump.directory / "indexes").glob("*")
+                         if (p / INDEX_MANIFEST).is_file())
+      raise DumpError(f"{directory}: no index named {index_name!r} (available: {available}); "
+                      "build it with `run.py index`")
+    self.manifest = read_json(directory / INDEX_MANIFEST, DumpError,
+                              "build the index again with `run.py index`")
+    check_index(directory, self.manifest, contents=verify)
+    check_index_of_dump(directory, self.manifest, self.dump.directory, self.dump.manifest)
+    if nprobe is not None and nprobe < 1:
+      raise ValueError(f"nprobe must be >= 1, got {nprobe}")
+    threshold = self.manifest.get("filter_threshold")
+    self.kept_mask = (None if threshold is None else
+                      self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
+    self.index = self._device_index(search_device)
+    if self.index is None:
+      try:
+        self.index = faiss.read_index(str(directory / "index.faiss"))
+      except RuntimeError as e:  # a damaged or truncated file (faiss's C++ error)
+        raise DumpError(f"{directory / 'index.faiss'}: unreadable ({str(e).splitlines()[0]}); "
+                        "build the index again with `run.py index`") from None
+      if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
+        faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
+                                                   nprobe or self.manifest["nprobe"])
+    self._setup()
+
+  def _device_index(self, search_device: str) -> DeviceFlat | None:
+    """The exact index searched on the accelerator (`use_device_search`): its vectors are the
+    dump's, those the filter keeps; None for an approximate index or the host's faiss."""
+    tokens = self.manifest["num_tokens"]
+    if self.manifest["resolved_spec"] != "Flat" or not tokens or not use_device_search(
+        search_device, 2 * tokens * self.dump.vectors.shape[1]):
+      return None
+    if self.kept_mask is None:
+      return DeviceFlat(self.dump.vectors)
+    kept = np.flatnonzero(self.kept_mask)
+    if len(kept) != tokens:  # the filter logits changed after the index was built: its own set
+      return None
+    return DeviceFlat(self.dump.vectors[kept], kept)
+
+  @classmethod
+  def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None, *,
+                    search_device: str = "auto") -> "PhraseIndex":
+    """An exact (Flat, in memory) index over the tokens of some passages of a dump (default all).
+
+    Phrase vectors do not depend on the other passages of a corpus, so the index of any
+    subcorpus is a subset of the full dump's tokens: validation subcorpora need no new dump.
+    """
+    rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
+    return cls.over_tokens(dump, np.flatnonzero(np.isin(dump.token_passage, rows)),
+                           num_passages=len(rows), search_device=search_device)
+
+  @classmethod
+  def over_tokens(cls, dump: Dump, tokens: np.ndarray, *, num_passages: int | None = None,
+                  search_device: str = "auto") -> "PhraseIndex":
+    """An exact (Flat, in memory) index over some tokens of a dump (e.g. those a filter keeps);
+    phrases start and end only at these tokens. `search_device` as `index.search_device`."""
+    self = cls.__new__(cls)
+    self.dump = dump
+    tokens = np.asarray(tokens, np.int64)
+    if len(tokens) and use_device_search(search_device, 2 * len(tokens) * dump.vectors.shape[1]):
+      self.index = DeviceFlat(dump.vectors[tokens], tokens)
+    else:
+      self.index = faiss.index_factory(dump.vectors.shape[1], "IDMap,Flat",
+                                       faiss.METRIC_INNER_PRODUCT)
+      for lo in range(0, len(tokens), 1 << 18):
+        part = tokens[lo:lo + (1 << 18)]
+        self.index.add_with_ids(dump.vectors[part].astype(np.float32), part)
+    if num_passages is None:
+      num_passages = len(np.unique(dump.token_passage[tokens]))
+    self.kept_mask = np.zeros(len(dump.vectors), bool)
+    self.kept_mask[tokens] = True
+    self.manifest = {"spec": "Flat", "resolved_spec": "Flat", "labels": "token_id",
+                     "num_tokens": int(len(tokens)), "num_passages": int(num_passages),
+                     "fingerprint": dump.manifest["fingerprint"], "build_seconds": 0.0,
+                     "index_bytes": int(len(tokens)) * (4 * dump.vectors.shape[1] + 8)}
+    self._setup()
+    return self
+
+  def _setup(self) -> None:
+    self.num_vectors = int(self.manifest["num_tokens"])
+    self.sparse, self.sparse_weight, self.sparse_passages = None, 0.0, 20
+    self.merge_spans = True
+    token_passage = self.dump.token_passage
+    num_passages = len(self.dump.passages)
+    self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
+    self.passage_end = np.searchsorted(token_passage, np.arange(num_passages), "right")
+    self._sentences: dict[int, np.ndarray] = {}
+    vectors = self.dump.vectors
+    if self.num_vectors and vectors.dtype != np.float32 and self._exact_vectors() is None:
+      # the rescoring converts the dump's rows (`scoring.token_scores`): compiled now, not searching
+      scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]), vectors.dtype))
+
+  @property
+  def fingerprint(self) -> str:
+    return self.dump.manifest["fingerprint"]
+
+  def _hits(self, q_start: np.ndarray, q_end: np.ndarray, k: int) -> "Hits":
+    """Top-k start and end token ids, [Q, k] each (-1 where fewer than k were found), from one
+    faiss search of [q_start; q_end] (one pass over the vectors serves both)."""
+    queries = np.ascontiguousarray(np.concatenate([q_start, q_end]), np.float32)
+    if k < 1:  # an index without tokens (faiss refuses k = 0)
+      labels = np.full((len(queries), 0), -1, np.int64)
+    else:
+      _, labels = self.index.search(queries, k)
+    return Hits(labels[:len(q_start)], labels[len(q_start):], q_start, q_end, self)
+
+  def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
+                     top_tokens: int | None = None, max_answer_length: int = 10,
+                     hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[Phrase]]:
+    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D]).
+
+    `hits`: the (start, end) token ids of an earlier, wider search of the same questions
+    ([Q, >= top_tokens] each); their first `top_tokens` columns are this search's hits.
+    """
+    k = count(k, "k (the number of phrases)")
+    top_tokens = min(max(top_tokens or k, k), self.num_vectors)
+    spans = self._spans(q_start, q_end, top_tokens, max_answer_length, hits)
+    return [[self.phrase(int(s), int(e), float(x)) for s, e, x in zip(*(a[:k] for a in found))]
+            for found in spans]
+
+  def _spans(self, q_start, q_end, top_tokens: int, max_answer_length: int, hits=None,
+             rows: np.ndarray | None = None):
+    """Per question, (starts, ends, scores) of its distinct spans, best first, from its top
+    `top_tokens` start and end hits: searched, or the first columns of `hits` (of these
+    questions, or with `rows` of the questions at those rows of `hits`)."""
+    count(max_answer_length, "max_answer_length (in tokens)")
+    if hits is None:
+      # Rescoring holds a few [queries, 2 top_tokens, max_answer_length] arrays: bound them.
+      chunk = max(1, scoring.RESCORE_ELEMENTS // max(2 * top_tokens * max_answer_length, 1))
+      results = []
+      for lo in range(0, len(q_start), chunk):
+        part = slice(lo, lo + chunk)
+        starts, ends = self._hits(q_start[part], q_end[part], top_tokens)
+        results += ranked_spans(*self._rescore(q_start[part], q_end[part], starts, ends,
+                                               max_answer_length), len(self.dump.vectors))
+      return results
+    if rows is None:
+      rows = np.arange(len(q_start))
+    if not self._asked(hits, q_start, q_end, rows):
+      hits, rows = Hits(hits[0][rows], hits[1][rows], q_start, q_end, self), np.arange(len(rows))
+    return hits.rescored(max_answer_length).spans(rows, top_tokens)
+
+  def _asked(self, hits, q_start, q_end, rows: np.ndarray) -> bool:
+    """Whether `hits` are this index's search of these questions (at its `rows`): `Hits` whose
+    rescored spans these questions may share."""
+    return (isinstance(hits, Hits) and hits.index is self
+            and np.array_equal(hits.queries[0][rows], q_start)
+            and np.array_equal(hits.queries[1][rows], q_end))
+
+  def _token_scores(self, tokens: np.ndarray, q_start: np.ndarray, q_end: np.ndarray):
+    """(start scores, end scores) of token ids [Q, ...] under their question's vectors
+    (`scoring.token_scores`), from the faiss index's own storage where it holds every token."""
+    exact = self._exact_vectors()
+    return scoring.token_scores(exact if exact is not None else self.dump.vectors, tokens,
+                                q_start, q_end)
+
+  def _exact_vectors(self) -> np.ndarray | None:
+    """The float32 [N, D] vectors of every dump token, row = token id, when the faiss index
+    stores them so (an unfiltered Flat): a view of its storage, no copy. Else None."""
+    if not hasattr(self, "_exact"):
+      self._exact = None
+      flat = faiss.downcast_index(self.index.index) if isinstance(
+          self.index, faiss.IndexIDMap) else None
+      n, dim = self.dump.vectors.shape
+      if isinstance(flat, faiss.IndexFlat) and flat.ntotal == n and np.array_equal(
+          faiss.vector_to_array(self.index.id_map), np.arange(n)):
+        self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
+    return self._exact
+
+  def _rescore(self, q_start, q_end, starts, ends, max_answer_length: int):
+    """Every start hit paired with its best end within `max_answer_length` tokens of its passage,
+    every end hit with its best start: (scores, span starts, span ends) [Q, Ks + Ke] of the
+    hits (starts, then ends), -inf where a hit is -1 or has no partner. A hit's best span
+    depends on its question and itself only."""
+    offsets = np.arange(max_answer_length)
+    anchors = np.concatenate([starts, ends], 1)  # [Q, 2K]
+    valid = anchors >= 0
+    anchor = np.maximum(anchors, 0)
+    forward = np.arange(anchors.shape[1]) < starts.shape[1]  # start anchors look forward
+    partners = anchor[..., None] + np.where(forward[:, None], offsets, -offsets)  # [Q, 2K, L]
+    passage = self.dump.token_passage[anchor]
+    ok = ((partners >= self.passage_start[passage][..., None])
+          & (partners < self.passage_end[passage][..., None]) & valid[..., None])
+    partners = np.clip(partners, 0, len(self.dump.vectors) - 1)
+    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
+      ok &= self.kept_mask[partners]
+    span_start = np.where(forward[:, None], anchor[..., None], partners)
+    span_end = np.where(forward[:, None], partners, anchor[..., None])
+    # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.
+    score_s, score_e = self._token_scores(partners, q_start, q_end)  # [Q, 2K, L] each
+    total = np.where(forward[:, None], score_s[..., :1] + score_e, score_s + score_e[..., :1])
+    total = np.where(ok, total, -np.inf)
+    best = total.argmax(-1)[..., None]  # an anchor's best partner (the nearest on ties)
+    scores = np.take_along_axis(total, best, -1)[..., 0]
+    all_start = np.take_along_axis(span_start, best, -1)[..., 0]
+    all_end = np.take_along_axis(span_end, best, -1)[..., 0]
+    return scores, all_start, all_end
+
+  def phrase(self, start: int, end: int, score: float) -> Phrase:
+    passage = int(self.dump.token_passage[start])
+    s, e = int(self.dump.char_spans[start, 0]), int(self.dump.char_spans[end, 1])
+    return Phrase(score, start, end, passage, s, e, self.dump.passages[passage].text[s:e])
+
+  def sentence_of(self, phrase: Phrase) -> tuple[int, int]:
+    """(start, end) characters of the sentence holding the phrase's first character."""
+    if phrase.passage not in self._sentences:
+      text = self.dump.passages[phrase.passage].text
+      self._sentences[phrase.passage] = np.array(sentence_bounds(text))
+    bounds = self._sentences[phrase.passage]
+    i = int(np.searchsorted(bounds, phrase.start_char, "right")) - 1
+    return int(bounds[i]), int(bounds[i + 1])
+
+  def unit_key(self, phrase: Phrase, unit: str):
+    if unit == "phrase":
+      return (phrase.start_token, phrase.end_token)
+    if unit == "sentence":
+      return (phrase.passage, self.sentence_of(phrase))
+    if unit == "passage":
+      return phrase.passage
+    if unit == "document":
+      return document_key(self.dump.passages[phrase.passage])
+    raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
+
+  def _best_units(self, starts: np.ndarray, ends: np.ndarray, scores: np.ndarray, unit: str,
+                  k: int) -> list[Phrase]:
+    """The best phrase of each of the top-k units among ranked spans; phrases overlapping a
+    better one are merged into it (`merge_spans`, phrase unit)."""
+    if unit == "phrase" and self.merge_spans:
+      leads, others = hybrid.overlap_groups(starts, ends, k)
+      best = []
+      for lead, merged in zip(leads, others):
+        phrase = self.phrase(int(starts[lead]), int(ends[lead]), float(scores[lead]))
+        phrase.merged = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+                         for i in merged]
+        best.append(phrase)
+      return best
+    return [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+            for i in self._first_of_units(starts, ends, unit)[:k]]
+
+  def _lexical_rows(self) -> int | None:
+    """Questions a hybrid search scores with BM25 at once (None: a dense search)."""
+    if self.sparse is None or not self.sparse_weight:
+      return None
+    return max(1, _LEXICAL_ELEMENTS // max(self.sparse.num_passages, 1))
+
+  def _lexical(self, q_start: np.ndarray, texts: Sequence[str] | None):
+    """(BM25 scores [Q, P], top BM25 passages per question) for hybrid search, or None for a
+    dense search."""
+    if self._lexical_rows() is None:
+      return None
+    if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
+      raise ValueError("hybrid search (index.sparse) needs the text of every question searched")
+    bm25 = self.sparse.scores(list(texts))
+    return (bm25, hybrid.top_passages(bm25, self.sparse_passages))
+
+  def use_sparse(self, sparse: SparseIndex | None, weight: float | None = None, *,
+                 passages: int = 20) -> None:
+    """Hybrid search with a BM25 index of this dump (None: dense search only): a phrase scores
+    its dense score + `weight` (default: the one recorded in the BM25 index) x its passage's
+    BM25 score; the spans of the top `passages` BM25 passages join the candidates."""
+    if sparse is not None:
+      if sparse.manifest.get("dump_id") != self.dump.manifest.get("dump_id", ""):
+        raise DumpError(f"{sparse.directory} was built from another dump than "
+                        f"{self.dump.directory}: {BUILD_HINT}")
+      weight = sparse.weight if weight is None else weight
+      if weight is None:
+        raise DumpError(f"{sparse.directory} records no hybrid weight: choose one with `run.py "
+                        "index --set index.sparse=True` (it tunes it) or set index.sparse_weight")
+      count(passages, "index.sparse_passages")
+    self.sparse, self.sparse_weight, self.sparse_passages = sparse, float(weight or 0), passages
+
+  def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
+    """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
+    if unit == "phrase":  # the spans are distinct already
+      return np.arange(len(starts))
+    if unit == "sentence":
+      codes = {}
+      keys = [codes.setdefault(self.unit_key(self.phrase(int(s), int(e), 0.0), unit), len(codes))
+              for s, e in zip(starts, ends)]
+    elif unit == "passage":
+      keys = self.dump.token_passage[starts]
+    else:
+      keys = self._documents()[self.dump.token_passage[starts]]
+    return np.sort(np.unique(np.asarray(keys, np.int64), return_index=True)[1])
+
+  def _documents(self) -> np.ndarray:
+    """A document number of every passage row (`document_key`)."""
+    if not hasattr(self, "_document_of"):
+      names: dict = {}
+      self._document_of = np.array([names.setdefault(document_key(p), len(names))
+                                    for p in self.dump.passages], np.int64)
+    return self._document_of
+
+  def fetch_bounds(self, k: int, *, top_tokens: int | None = None,
+                   max_fetch: int | None = None) -> tuple[int, int]:
+    """(first, most) phrases a unit search asks for: it starts at `first` and grows to at most
+    `most` (20 k by default) while a question has fewer than k distinct units."""
+    first = max(top_tokens or 2 * k, k)
+    # A question whose best phrases crowd into few units would otherwise grow the fetch (and
+    # the exact rescoring) without bound; it then gets fewer than k units. Every token a hit
+    # (a search of as many tokens as the index has) gives up to two phrases per token: a cap at
+    # the token count would cut a small index's phrases, and its last units, in half.
+    return first, min(max(max_fetch or 20 * k, first), 2 * self.num_vectors)
+
+  def hits(self, q_start: np.ndarray, q_end: np.ndarray, n: int) -> "Hits":
+    """Top-n start and end token ids ([Q, n] each) of one index search, for `search(hits=)`:
+    the searches given them rescore each hit once between them."""
+    return self._hits(q_start, q_end, min(n, self.num_vectors))
+
+  def search(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, unit: str = "phrase",
+             *, top_tokens: int | None = None, max_answer_length: int = 10,
+             max_fetch: int | None = None, hits: tuple[np.ndarray, np.ndarray] | None = None,
+             texts: Sequence[str] | None = None) -> list[list[tuple[Phrase, object]]]:
+    """Top-k units (each with its best phrase) per question.
+
+    `hits`: `self.hits(q_start, q_end, n)` of these questions, shared by several searches (e.g.
+    phrases and passages): rounds that need at most n tokens use its first columns instead of
+    searching the index again (the same hits, up to ties of an approximate index's scores).
+    `texts`: the questions' texts, which hybrid search (`use_sparse`) needs for BM25.
+    """
+    k = check_request(k, unit)
+    step = self._lexical_rows()
+    if step and len(q_start) > step:  # the BM25 scores of `step` questions at a time
+      return [found for lo in range(0, len(q_start), step) for found in self.search(
+          q_start[lo:lo + step], q_end[lo:lo + step], k, unit, top_tokens=top_tokens,
+          max_answer_length=max_answer_length, max_fetch=max_fetch,
+          texts=None if texts is None else texts[lo:lo + step],
+          hits=None if hits is None else (hits[0][lo:lo + step], hits[1][lo:lo + step]))]
+    lexical = self._lexical(q_start, texts)
+    if lexical is not None:
+      lexical += (hybrid.lexical_spans(self, q_start, q_end, lexical[1], max_answer_length),)
+    first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
+    fetch = first
+    units: list = [None] * len(q_start)
+    pending = np.arange(len(q_start))
+    if hits is not None and not self._asked(hits, q_start, q_end, pending):
+      hits = Hits(hits[0], hits[1], q_start, q_end, self)  # its rounds share their rescoring
+    wide, wide_row = (None, None) if hits is None else (hits, np.arange(len(q_start)))
+    while len(pending):
+      needed = min(fetch, self.num_vectors)
+      if (wide is None and fetch > first) or (wide is not None and wide[0].shape[1] < needed):
+        # One index search at max_fetch serves every later round: the top-f hits of a search
+        # are the first f of a wider one, so only the rescoring grows round by round.
+        wide = self.hits(q_start[pending], q_end[pending], max_fetch)
+        wide_row = np.full(len(q_start), -1)
+        wide_row[pending] = np.arange(len(pending))
+      spans = self._spans(q_start[pending], q_end[pending], needed, max_answer_length, wide,
+                          None if wide is None else wide_row[pending])
+      short = []
+      for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
+        ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
+        if lexical is not None:
+          ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
+                               self.sparse_weight)
+        units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
+        if len(units[q]) < k and fetch < max_fetch:
+          short.append(q)
+      pending = np.array(short, dtype=np.int64)
+      fetch = min(fetch * 4, max_fetch)
+    return units
+
+  def result(self, phrase: Phrase, unit: str = "phrase") -> dict:
+    """A JSON-friendly description of a retrieved phrase (and its unit)."""
+    passage = self.dump.passages[phrase.passage]
+    out = {"answer": phrase.text, "score": phrase.score, "start_char": phrase.start_char,
+           "end_char": phrase.end_char, "passage_id": passage.id,
+           "passage_row": phrase.passage, "title": passage.title,
+           "passage": passage.text}
+    if unit == "sentence":
+      s, e = self.sentence_of(phrase)
+      out["sentence"] = passage.text[s:e].strip()
+    if phrase.merged:
+      out["merged"] = [{"answer": m.text, "score": m.score, "start_char": m.start_char,
+                        "end_char": m.end_char} for m in phrase.merged]
+    return out
