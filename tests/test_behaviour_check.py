@@ -32,3 +32,11 @@ def test_losses_of_the_first_steps_as_written(tmp_path):
   assert read["metrics.jsonl: other figures of steps 1-2"](tmp_path) == [
       {"step": 1, "split": "train"}, {"step": 2, "split": "train"}]
   assert check._read(read["results.json (dev RC figures)"], tmp_path) == "missing: results.json"
+
+
+def test_figures_only_the_new_commit_writes_are_listed_not_ignored():
+  same = check.compare({"em@1": 50.0}, {"em@1": 50.0, "hits": "01"})
+  assert same["verdict"] == "identical" and same["added_by_new"] == ["hits"]
+  changed = check.compare({"em@1": 50.0}, {"em@1": 51.0, "hits": "01"})
+  assert changed["verdict"] == "different" and changed["first_difference"]["key"] == "em@1"
+  assert check.compare({"em@1": 50.0, "gone": 1}, {"em@1": 50.0})["verdict"] == "different"

@@ -16,8 +16,11 @@ other (`--sequential`). Compared, each as its file wrote it:
 - results.json and rc_predictions.json: the dev RC figures and every dev question's answer;
 - open_eval_Flat.json: the open-domain figures (timings dropped);
 - open_predictions_Flat.jsonl: every question's ranked answers, scores and passages.
-Writes `--out` (JSON: the commits, the command, each comparison's verdict and first difference)
-and its Markdown twin; exits 1 if anything differs.
+A JSON figure file is identical when every figure of the old commit's is the new's; figures only
+the new writes are listed beside the verdict. `--set-new` holds a setting the new commit added at
+the old behaviour (the old commit would refuse it). Writes `--out` (JSON: the commits, the
+command, each comparison's verdict and first difference) and its Markdown twin; exits 1 if
+anything differs.
 """
 from __future__ import annotations
 
@@ -85,6 +88,9 @@ def compare(old, new) -> dict:
             "first_difference": {"index": index, "old": old[index] if index < len(old) else None,
                                  "new": new[index] if index < len(new) else None}}
   if isinstance(old, dict) and isinstance(new, dict):
+    added = sorted(set(new) - set(old))
+    if added and {k: new[k] for k in old} == old:  # the old figures, and new ones beside them
+      return {"verdict": "identical", "compared": len(old), "added_by_new": added}
     key = next(k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
     return {"verdict": "different", "compared": len(set(old) | set(new)),
             "first_difference": {"key": key, "old": old.get(key), "new": new.get(key)}}
@@ -126,6 +132,7 @@ def check(args, scratch: pathlib.Path) -> dict:
   commits = {side: git("rev-parse", ref) for side, ref in (("old", args.old), ("new", args.new))}
   settings = ["--set", "train.log_every=1", "--set", "train.progress_bar=False"]
   settings += [word for s in args.set for word in ("--set", s)]
+  new_only = [word for s in args.set_new for word in ("--set", s)]
   trees, runs, start = {}, {}, time.time()
   for i, (side, commit) in enumerate(commits.items()):
     trees[side] = scratch / f"tree_{side}"
@@ -135,11 +142,13 @@ def check(args, scratch: pathlib.Path) -> dict:
     if not imported.startswith(str(trees[side])):
       raise RuntimeError(f"{side}: this interpreter imports dpjax from {imported!r}")
     core = None if args.cores is None else args.cores[i % len(args.cores)]
-    runs[side] = run_chain(trees[side], scratch / f"workdir_{side}", args.config, settings, core)
+    runs[side] = run_chain(trees[side], scratch / f"workdir_{side}", args.config,
+                           settings + (new_only if side == "new" else []), core)
     if args.sequential:
       runs[side].wait()
   status = {side: run.wait() for side, run in runs.items()}
-  results = {"commits": commits, "config": args.config, "settings": settings, "modes": list(MODES),
+  results = {"commits": commits, "config": args.config, "settings": settings,
+             "new_only_settings": new_only, "modes": list(MODES),
              "compare_steps": args.compare_steps, "wall_s": round(time.time() - start),
              "exit_status": status, "comparisons": {}}
   if any(status.values()):
@@ -166,8 +175,12 @@ def render(results: dict, command: str) -> str:
            f"{results['wall_s']} s wall for the pair.", "",
            f"Verdict: **{results['verdict']}**.", "", "| compared | values | verdict |",
            "|---|---|---|"]
+  if results.get("new_only_settings"):
+    lines[2] += (f" The new commit also ran with `{' '.join(results['new_only_settings'])}` "
+                 "(settings it added, held at the old behaviour).")
   for name, c in results["comparisons"].items():
-    lines.append(f"| {name} | {c['compared']} | {c['verdict']} |")
+    added = f" (the new adds {', '.join(c['added_by_new'])})" if c.get("added_by_new") else ""
+    lines.append(f"| {name} | {c['compared']} | {c['verdict']}{added} |")
   for name, c in results["comparisons"].items():
     if "first_difference" in c:
       lines += ["", f"First difference in {name}: `{json.dumps(c['first_difference'])[:400]}`"]
@@ -180,6 +193,9 @@ def main(argv=None) -> int:
   parser.add_argument("--new", default="HEAD", help="the commit after (default: HEAD)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="a config override for both chains, e.g. train.num_steps=100")
+  parser.add_argument("--set-new", action="append", default=[], metavar="KEY=VALUE",
+                      help="an override for the new commit only: a setting it added, held at "
+                           "the old behaviour (e.g. index.merge_spans=False)")
   parser.add_argument("--config", default="experiments/demo.py",
                       help="the config both chains run (default: the demo's)")
   parser.add_argument("--compare-steps", type=int, default=100,
