@@ -287,9 +287,9 @@ def test_bfloat16_dump_of_a_float32_model(model, tokenizer, tmp_path):
   assert 0 < diff.max() < 0.1 and diff.mean() < 0.02 * np.abs(x.vectors).mean()
   with pytest.raises(DumpError, match="compute_dtype .float32. .now .bfloat16.."):
     dump_phrases(model, tokenizer, passages, tmp_path / "fp32", bf16, mesh=make_mesh())
-  # A dump from before the setting existed was made in float32: resumed as such.
+  # A dump from before the setting existed (format 1) was made in float32: resumed as such.
   manifest = json.loads((tmp_path / "fp32" / "manifest.json").read_text())
-  del manifest["settings"]["compute_dtype"]
+  del manifest["settings"]["compute_dtype"], manifest["format"]
   (tmp_path / "fp32" / "manifest.json").write_text(json.dumps(manifest))
   assert dump_phrases(model, tokenizer, passages, tmp_path / "fp32", CONFIG,
                       mesh=make_mesh())["complete"]

@@ -9,7 +9,7 @@ import pytest
 
 from dpjax.config import eval_config, index_config, with_defaults, workdir_config
 from dpjax.errors import DataError, DumpError
-from dpjax.index.manifest import (LEGACY_SETTINGS, MANIFEST, check_dump, check_index_of_dump,
+from dpjax.index.manifest import (FORMAT, LEGACY_SETTINGS, MANIFEST, check_dump, check_index_of_dump,
                                   existing_manifest, read_manifest, write_manifest)
 from dpjax.layout import Workdir
 
@@ -23,7 +23,7 @@ def _old_dump(directory: pathlib.Path) -> dict:
   manifest = {"complete": True, "fingerprint": "f", "num_tokens": 5, "num_passages": 1,
               "settings": {k: v for k, v in WINDOWS.items() if k != "min_context"},
               "shards": [{"name": "shard_00000", "passages": 1, "tokens": 5}]}
-  write_manifest(directory, manifest)
+  (directory / MANIFEST).write_text(json.dumps(manifest))  # format 1: no "format"
   return manifest
 
 
@@ -31,11 +31,20 @@ def test_an_older_manifest_is_normalised_once_on_reading(tmp_path):
   _old_dump(tmp_path / "dump")
   settings = read_manifest(tmp_path / "dump")["settings"]
   assert {k: settings[k] for k in LEGACY_SETTINGS} == LEGACY_SETTINGS
+  # Written again, it is of the current format, every setting recorded; one of that format is
+  # taken as written (a setting missing from it is refused by the checks, not filled in).
+  write_manifest(tmp_path / "dump", read_manifest(tmp_path / "dump"))
+  written = json.loads((tmp_path / "dump" / MANIFEST).read_text())
+  assert written["format"] == FORMAT and written["settings"] == settings
+  del written["settings"]["compute_dtype"]
+  (tmp_path / "dump" / MANIFEST).write_text(json.dumps(written))
+  assert "compute_dtype" not in read_manifest(tmp_path / "dump")["settings"]
+  _old_dump(tmp_path / "again")
   new = {"fingerprint": "f", "settings": {**WINDOWS, "compute_dtype": "float32"},
          "tokenizer": "t", "filter_head": None}
-  assert existing_manifest(tmp_path / "dump", new)["complete"]  # the same settings, resumable
+  assert existing_manifest(tmp_path / "again", new)["complete"]  # the same settings, resumable
   with pytest.raises(DumpError, match=r"other settings: compute_dtype 'float32' \(now "):
-    existing_manifest(tmp_path / "dump", {**new, "settings": {**new["settings"],
+    existing_manifest(tmp_path / "again", {**new, "settings": {**new["settings"],
                                                               "compute_dtype": "bfloat16"}})
 
 

@@ -23,9 +23,11 @@ from dpjax.parallel import round_to_devices
 
 MANIFEST = "manifest.json"
 INDEX_MANIFEST = "index_manifest.json"
-# The settings a dump's manifest may lack, by what they were before they were recorded: doc_stride
-# windows (no min_context), a float32 encoder. Filled in once, when a manifest is read
-# (`load_manifest`), so that no check keeps defaults of its own.
+# The manifests' format, written with every dump manifest: 2 records every setting. A manifest
+# without one is of format 1, whose missing settings are what they were before they were
+# recorded: doc_stride windows (no min_context), a float32 encoder. They are filled in once, when
+# a manifest is read (`load_manifest`), so that no check keeps defaults of its own.
+FORMAT = 2
 LEGACY_SETTINGS = {"min_context": 0, "compute_dtype": "float32"}
 
 
@@ -92,17 +94,18 @@ def training_windows_config(data_config, batch_size: int) -> DumpConfig:
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
-  write_json(directory / MANIFEST, manifest)
+  write_json(directory / MANIFEST, {**manifest, "format": FORMAT})
 
 
 def load_manifest(directory: pathlib.Path) -> dict | None:
-  """The manifest in `directory`, complete or not (None: none there), with its older fields
-  normalised (`LEGACY_SETTINGS`)."""
+  """The manifest in `directory`, complete or not (None: none there); one of format 1 with its
+  missing settings filled in (`LEGACY_SETTINGS`)."""
   if not (directory / MANIFEST).exists():
     return None
   manifest = read_json(directory / MANIFEST, DumpError,
                        "delete the dump's directory and dump again")
-  if isinstance(manifest, dict) and isinstance(manifest.get("settings"), dict):
+  if (isinstance(manifest, dict) and isinstance(manifest.get("settings"), dict)
+      and manifest.get("format", 1) < FORMAT):
     manifest["settings"] = {**LEGACY_SETTINGS, **manifest["settings"]}
   return manifest
 
