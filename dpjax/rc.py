@@ -36,7 +36,6 @@ from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.workdir import restore_model
 
 log = logging.getLogger(__name__)
-READER_CHECKPOINTS = "teacher/checkpoints"  # where `run.py teacher` saves the reader
 
 
 def best_spans(start_scores: np.ndarray, end_scores: np.ndarray, start_ok: np.ndarray,
@@ -294,7 +293,7 @@ def _read_answer(windows: PassageWindows, passages: Sequence[Passage], w: int, s
 def restore_reader(config, workdir: str | pathlib.Path) -> tuple[CrossEncoderReader, int]:
   """(reader, step): `config.model`'s cross-encoder with the parameters of the latest checkpoint
   of `run.py teacher` in `workdir` (`teacher/checkpoints`)."""
-  checkpoints = pathlib.Path(workdir) / READER_CHECKPOINTS
+  checkpoints = Workdir(workdir).teacher.checkpoints()
   reader = create_reader(config.model)
   step = restore_params(checkpoints, reader) if checkpoints.is_dir() else None
   if step is None:

@@ -18,7 +18,8 @@ from dpjax.errors import DataError, DumpError
 from dpjax.index.faiss_index import index_problems
 from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
 from dpjax.index.shards import SHARD_INFO, shard_problems, shard_rerun
-from dpjax.io import read_json
+from dpjax.index.sparse import BUILD_HINT, MANIFEST as SPARSE_MANIFEST
+from dpjax.io import checksum_problems, read_json
 from dpjax.layout import Workdir
 from dpjax.workdir import read_filter_head
 
@@ -73,6 +74,8 @@ def _artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
       yield from _dump_shards(here)
     elif INDEX_MANIFEST in files:
       yield here, functools.partial(_index, here)
+    elif SPARSE_MANIFEST in files:
+      yield here, functools.partial(_sparse, here)
 
 
 def _checkpoint(step_dir: pathlib.Path) -> tuple:
@@ -85,6 +88,11 @@ def _index(directory: pathlib.Path) -> tuple:
   problems = (index_problems(directory, manifest, contents=True) if "files" in manifest
               else None)
   return problems, "build the index again with `run.py index`"
+
+
+def _sparse(directory: pathlib.Path) -> tuple:
+  manifest = read_json(directory / SPARSE_MANIFEST, DumpError, BUILD_HINT)
+  return checksum_problems(directory, manifest.get("files", {}), contents=True), BUILD_HINT
 
 
 def _filter_head(path: pathlib.Path) -> tuple:

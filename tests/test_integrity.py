@@ -184,6 +184,25 @@ def test_verify_finds_a_zeroed_block_and_eval_refuses_it(trained, tmp_path, capl
   assert f"{path}: {path.stat().st_size} bytes, {path.stat().st_size - 1} when" in caplog.text
 
 
+def test_verify_and_hybrid_eval_refuse_a_damaged_bm25_index(trained, tmp_path, caplog):
+  workdir, base = _copy(trained, tmp_path)
+  hybrid = base + ["--set", "index.sparse=True", "--set", "index.sparse_weight=1.0"]
+  assert run.main(["index"] + hybrid + ["--set", "index.specs=[]"]) == 0
+  assert run.main(["verify"] + base) == 0
+  path = workdir / "dump" / "indexes" / "bm25" / "data.csc.index.npy"
+  _zero_block(path)
+  caplog.clear()
+  assert run.main(["verify"] + base) == 2
+  damaged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert any(m.startswith(f"{path}: its bytes differ") and "index.sparse=True" in m
+             for m in damaged), damaged
+  caplog.clear()
+  assert run.main(["eval"] + hybrid) == 2
+  errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert len(errors) == 1 and errors[0].startswith(f"{path}: its bytes differ"), errors
+  assert run.main(["eval"] + base) == 0  # the dense search does not read it
+
+
 @pytest.mark.slow
 def test_serve_refuses_a_zeroed_shard_or_index(trained, tmp_path):
   """`run.py serve` checks the contents at start as eval does: exit 2, one line naming the file
