@@ -1,6 +1,8 @@
 """experiments/studies/behaviour_check.py's comparisons (the chains themselves are not run)."""
 import json
 
+import pytest
+
 from conftest import load_script
 
 check = load_script("experiments/studies/behaviour_check.py")
@@ -40,3 +42,15 @@ def test_figures_only_the_new_commit_writes_are_listed_not_ignored():
   changed = check.compare({"em@1": 50.0}, {"em@1": 51.0, "hits": "01"})
   assert changed["verdict"] == "different" and changed["first_difference"]["key"] == "em@1"
   assert check.compare({"em@1": 50.0, "gone": 1}, {"em@1": 50.0})["verdict"] == "different"
+
+
+def test_a_file_the_new_commit_renames_is_read_under_its_new_name(tmp_path):
+  for side, name in (("old", "open_eval_Flat.json"), ("new", "open_eval_Flat_unmerged.json")):
+    (tmp_path / f"workdir_{side}").mkdir()
+    (tmp_path / f"workdir_{side}" / name).write_text(json.dumps({"em@1": 50.0, "search_s": 1}))
+  read = check.readers(3, {"open_eval_Flat.json": "open_eval_Flat_unmerged.json"})[
+      "open_eval_Flat.json (open-domain figures)"]
+  assert read(tmp_path / "workdir_old") == read(tmp_path / "workdir_new") == {"em@1": 50.0}
+  unrenamed = check.readers(3)["open_eval_Flat.json (open-domain figures)"]
+  with pytest.raises(FileNotFoundError):
+    unrenamed(tmp_path / "workdir_new")

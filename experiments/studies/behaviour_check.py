@@ -18,7 +18,8 @@ other (`--sequential`). Compared, each as its file wrote it:
 - open_predictions_Flat.jsonl: every question's ranked answers, scores and passages.
 A JSON figure file is identical when every figure of the old commit's is the new's; figures only
 the new writes are listed beside the verdict. `--set-new` holds a setting the new commit added at
-the old behaviour (the old commit would refuse it). Writes `--out` (JSON: the commits, the
+the old behaviour (the old commit would refuse it), and `--rename-new` names the files it then
+writes under other names. Writes `--out` (JSON: the commits, the
 command, each comparison's verdict and first difference) and its Markdown twin; exits 1 if
 anything differs.
 """
@@ -97,8 +98,9 @@ def compare(old, new) -> dict:
   return {"verdict": "different", "compared": 1, "first_difference": {"old": old, "new": new}}
 
 
-def readers(last_step: int) -> dict:
-  """What is compared: a name -> a function of a workdir returning the values to compare."""
+def readers(last_step: int, renamed: dict | None = None) -> dict:
+  """What is compared: a name -> a function of a workdir (and of its side) returning the values
+  to compare; `renamed` maps a file name to the name the new commit writes it under."""
   def losses(w):
     return [[line["step"], line["loss"]] for line in _train_lines(w, last_step)]
 
@@ -106,12 +108,15 @@ def readers(last_step: int) -> dict:
     return [_no_timings({k: v for k, v in line.items() if k != "loss"})
             for line in _train_lines(w, last_step)]
 
+  def path(w, name):
+    return w / (renamed or {}).get(name, name) if w.name.endswith("_new") else w / name
+
   def jsonl(name):
     return lambda w: [_no_timings(json.loads(line))
-                      for line in (w / name).read_text().splitlines() if line.strip()]
+                      for line in path(w, name).read_text().splitlines() if line.strip()]
 
   def json_file(name):
-    return lambda w: _no_timings(json.loads((w / name).read_text()))
+    return lambda w: _no_timings(json.loads(path(w, name).read_text()))
 
   return {f"metrics.jsonl: loss of steps 1-{last_step}": losses,
           f"metrics.jsonl: other figures of steps 1-{last_step}": other_train,
@@ -155,7 +160,8 @@ def check(args, scratch: pathlib.Path) -> dict:
     logs = {side: (scratch / f"workdir_{side}.log").read_text()[-2000:] for side in status}
     results.update(verdict="failed", logs=logs)
     return results
-  for name, read in readers(args.compare_steps).items():
+  renamed = dict(pair.split("=", 1) for pair in args.rename_new)
+  for name, read in readers(args.compare_steps, renamed).items():
     old, new = (_read(read, scratch / f"workdir_{side}") for side in ("old", "new"))
     results["comparisons"][name] = compare(old, new)
   losses = next(iter(results["comparisons"].values()))
@@ -196,6 +202,9 @@ def main(argv=None) -> int:
   parser.add_argument("--set-new", action="append", default=[], metavar="KEY=VALUE",
                       help="an override for the new commit only: a setting it added, held at "
                            "the old behaviour (e.g. index.merge_spans=False)")
+  parser.add_argument("--rename-new", action="append", default=[], metavar="OLD=NEW",
+                      help="a compared file the new commit writes under another name (e.g. "
+                           "open_eval_Flat.json=open_eval_Flat_unmerged.json)")
   parser.add_argument("--config", default="experiments/demo.py",
                       help="the config both chains run (default: the demo's)")
   parser.add_argument("--compare-steps", type=int, default=100,
