@@ -4,10 +4,10 @@
   python experiments/benchmarks/hybrid.py --config experiments/squad.py:cpu \\
       --workdir workdirs/squad-cpu --reader-json results/reader_peer.json --out results/hybrid.json
 
-It runs, through run.py, what is missing (or everything with --rerun): `eval` (dense), `eval
---set index.merge_spans=False` (overlapping spans apart: the merging's effect on EM@10), `index
---set index.sparse=True` (the BM25 index and its weight, chosen on training questions) and
-`eval --set index.sparse=True` (hybrid); it scores BM25 alone over the dump's passages itself;
+It runs, through run.py, what is missing or has no per-question hits (everything with
+--rerun): `eval` (dense), `eval --set index.merge_spans=False` (overlapping spans apart: the
+merging's effect on EM@10), `index --set index.sparse=True` (the BM25 index and its weight,
+chosen on training questions) and `eval --set index.sparse=True` (hybrid); it scores BM25 alone over the dump's passages itself;
 the reader rows (the reader alone, and mixed with its retriever's scores) come from
 `experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test pairs hybrid with dense
 (EM@1, passage Top-1, Top-20), with BM25 (Top-1, Top-20) and with each reader row (EM@1) on the
@@ -51,16 +51,26 @@ def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
   return shlex.join(["python"] + args[1:])
 
 
-def evaluated(args) -> dict:
-  """Every eval row: its report (run unless there and not --rerun) and the command behind it."""
+def reusable(path: pathlib.Path, questions: int) -> bool:
+  """Whether an eval report can stand as its row: there, with per-question hits of all the
+  questions (reports written before eval recorded them are run again)."""
+  if not path.is_file():
+    return False
+  hits = json.loads(path.read_text()).get("hits", {})
+  return all(len(hits.get(key, "")) == questions for key in ("em@1", "top1", "top20"))
+
+
+def evaluated(args, questions: int) -> dict:
+  """Every eval row: its report (run unless `reusable` and not --rerun) and its command."""
   rows, workdir = {}, pathlib.Path(args.workdir)
   for name, (file, overrides) in RUNS.items():
     sets = overrides + args.set
-    if name == "hybrid" and (args.rerun or not (workdir / file).is_file()):
+    run = args.rerun or not reusable(workdir / file, questions)
+    if name == "hybrid" and run:
       run_py("index", args.config, args.workdir, sets + ["index.specs=[]"])
     command = shlex.join(["python", "run.py", "eval", "--config", args.config, "--workdir",
                           args.workdir] + [x for v in sets for x in ("--set", v)])
-    if args.rerun or not (workdir / file).is_file():
+    if run:
       command = run_py("eval", args.config, args.workdir, sets)
     rows[name] = {"report": json.loads((workdir / file).read_text()), "command": command}
   return rows
@@ -143,10 +153,10 @@ def main(argv=None) -> int:
   from dpjax.workdir import data_paths
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
-  evals = evaluated(args)
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
+  evals = evaluated(args, len(questions))
   rows = {name: eval_row(e["report"]) for name, e in evals.items()}
   rows["bm25"] = bm25_row(config, workdir, [q.answers for q in questions],
                           [q.question for q in questions])
