@@ -7,8 +7,9 @@
 It runs, through run.py, what is missing or has no per-question hits (everything with
 --rerun): `eval` (dense), `eval --set index.merge_spans=False` (overlapping spans apart: the
 merging's effect on EM@10), `index --set index.sparse=True` (the BM25 index and its weight,
-chosen on training questions) and `eval --set index.sparse=True` (hybrid); it scores BM25 alone over the dump's passages itself;
-the reader rows (the reader alone, and mixed with its retriever's scores) come from
+chosen on training questions) and `eval --set index.sparse=True` (hybrid); it scores BM25
+alone over the dump's passages itself; the reader rows (the reader alone, and mixed with its
+retriever's scores) come from
 `experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test pairs hybrid with dense
 (EM@1, passage Top-1, Top-20), with BM25 (Top-1, Top-20) and with each reader row (EM@1) on the
 same questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
