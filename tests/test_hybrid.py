@@ -225,3 +225,15 @@ def test_passages_rank_as_their_best_fused_phrase(toy):
     assert order and [p.passage for p, _ in units][:len(order)] == order
     best = {p.passage: p.score for p, _ in reversed(ranked)}
     assert [p.score for p, _ in units][:len(order)] == [best[row] for row in order]
+
+
+def test_a_filtered_index_fuses_only_the_tokens_it_keeps(toy):
+  directory, q_start, q_end = toy
+  dump = Dump.load(directory)
+  kept = np.arange(0, len(dump.vectors), 2)  # every other token
+  index = PhraseIndex.over_tokens(dump, kept)
+  index.merge_spans = False
+  index.use_sparse(sparse.SparseIndex(directory, dump.manifest), 5.0, passages=3)
+  found = index.search(q_start, q_end, k=30, unit="phrase", texts=QUESTIONS)
+  spans = [(p.start_token, p.end_token) for units in found for p, _ in units]
+  assert spans and all(s % 2 == 0 and e % 2 == 0 for s, e in spans)

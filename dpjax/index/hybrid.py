@@ -40,10 +40,12 @@ def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Seque
                   max_answer_length: int) -> list[tuple[np.ndarray, ...]]:
   """Per question, (starts, ends, dense scores) of every best span of the tokens of its
   `passages` (rows), as an exhaustive search over those tokens finds them (`index._rescore`
-  with every token as a start hit and as an end hit); -inf spans left out."""
+  with every token the index keeps as a start hit and as an end hit); -inf spans left out."""
   tokens = [np.concatenate([np.arange(index.passage_start[p], index.passage_end[p])
                             for p in rows]) if len(rows) else np.zeros(0, np.int64)
             for rows in passages]
+  if index.kept_mask is not None:  # a filtered index: phrases start and end at kept tokens only
+    tokens = [t[index.kept_mask[t]] for t in tokens]
   out: list = [None] * len(tokens)
   order = np.argsort([len(t) for t in tokens], kind="stable")  # similar widths share a call
   at = 0
