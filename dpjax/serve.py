@@ -230,6 +230,9 @@ class ServiceInfo(BaseModel):
   max_question_chars: int
   max_body_bytes: int = Field(description="the largest POST body")
   max_batch: int = Field(description="questions per micro-batch")
+  hybrid: dict | None = Field(None, description="hybrid search's BM25 weight and passages "
+                              "(index.sparse; null: the dense search)")
+  merge_spans: bool = Field(True, description="overlapping answers of one passage merged")
   version: str = Field(description="dpjax's version")
 
 
@@ -802,7 +805,9 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
           "passages": int(index.dump.manifest["num_passages"]), "units": list(UNITS),
           "max_k": sc.max_k, "max_questions": sc.max_questions,
           "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
-          "max_batch": sc.max_batch, "version": __version__}
+          "max_batch": sc.max_batch, "merge_spans": index.merge_spans, "version": __version__,
+          "hybrid": None if index.sparse is None else {"weight": index.sparse_weight,
+                                                       "passages": index.sparse_passages}}
   return create_app(batcher.start(), Limits.from_config(sc), info, key), batcher
 
 

@@ -99,6 +99,7 @@ def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
   app, batcher = make_service(config, workdir)
   server, thread, port = start_server(app)
   try:
+    assert request(port, "GET", "/info")[1]["hybrid"] == {"weight": 2.0, "passages": 20}
     for unit, k in (("phrase", 3), ("passage", 5)):
       direct = searcher.search(questions[:6], k=k, unit=unit,
                                max_answer_length=config.eval.max_answer_length)
@@ -557,7 +558,8 @@ def test_info_names_the_model_index_limits_and_version(service):
   assert info == {**info, "model": config.model.name, "model_step": None, "index": "Flat",
                   "workdir": str(workdir), "units": ["phrase", "sentence", "passage", "document"],
                   "max_k": 100, "max_questions": 64, "max_question_chars": 1000,
-                  "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__}
+                  "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__,
+                  "hybrid": None, "merge_spans": True}
   assert info["vectors"] > 0 and info["passages"] > 0
   status, health = request(port, "GET", "/health")
   assert health == {"status": "ok", "auth": False, "index": "Flat", "vectors": info["vectors"],
