@@ -6,7 +6,8 @@ seeded sample of `index.sparse_tune_questions` training questions (their passage
 corpus of SQuAD-open; another corpus names its own with `index.sparse_tune_file`). Each weight
 of the grid is scored on them by phrase EM@1 and passage Top-1 (one index search shared by all
 weights), the one with the best mean is recorded in the BM25 index's manifest with every
-weight's scores; ties go to the smaller weight.
+weight's scores; ties go to the smaller weight. A later `run.py index` keeps it unless the
+settings it was chosen for (`_tuned_for`) changed.
 """
 from __future__ import annotations
 
@@ -37,12 +38,20 @@ def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   if config.index.sparse_weight is not None:
     record_weight(dump.directory, config.index.sparse_weight, {"set": "index.sparse_weight"})
     log.info("hybrid weight %g (index.sparse_weight)", config.index.sparse_weight)
-  elif sparse.weight is None or "scores" not in sparse.manifest.get("weight_tuning", {}):
+  elif sparse.weight is None or _tuned_for(config) != {
+      k: sparse.manifest.get("weight_tuning", {}).get(k) for k in _tuned_for(config)}:
     weight, tuning = choose_weight(config, workdir)
     record_weight(dump.directory, weight, tuning)
   else:
     log.info("hybrid weight %g, recorded in %s", sparse.weight, folder)
   return folder
+
+
+def _tuned_for(config) -> dict:
+  """The settings a chosen weight holds for: another of them chooses it again."""
+  return {"passages": config.index.sparse_passages, "index": config.index.search_index,
+          "limit": config.index.sparse_tune_questions,
+          "tune_file": config.index.sparse_tune_file, "regex": config.eval.regex}
 
 
 def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
@@ -79,12 +88,12 @@ def choose_weight(config, workdir: pathlib.Path) -> tuple[float, dict]:
     found = [index.search(q_start, q_end, k, unit, hits=hits, texts=texts,
                           max_answer_length=config.eval.max_answer_length)
              for k, unit in requests]
-    report = found_scores(index, found, answers, passage_k=20, passage_ks=(1, 5, 20))
+    report = found_scores(index, found, answers, passage_k=20, passage_ks=(1, 5, 20),
+                          regex=config.eval.regex)
     scores[str(weight)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
     log.info("hybrid weight %g: %s", weight, scores[str(weight)])
   best = max(WEIGHTS, key=lambda w: (scores[str(w)]["em@1"] + scores[str(w)]["top1"], -w))
   log.info("hybrid weight %g chosen on %d questions of %s", best, len(questions), path)
   return best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
                 "criterion": "mean of EM@1 and passage Top-1", "model_step": step,
-                "index": config.index.search_index, "passages": config.index.sparse_passages,
-                "scores": scores}
+                **_tuned_for(config), "scores": scores}

@@ -215,15 +215,17 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
   checkpoint, dump = config.eval.checkpoint, config.index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
-  # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own
-  name = prefix + index_folder(config.index.search_index) + (
-      "_hybrid" if config.index.sparse else "") + (
+  # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own (and an
+  # approximate index's top-1 is compared with Flat's searched the same way)
+  search = ("_hybrid" if config.index.sparse else "") + (
       "" if config.index.merge_spans else "_unmerged")
-  flat_report = workdir / f"open_eval_{prefix}Flat{tag}.json"
-  exact = workdir / f"open_predictions_{prefix}Flat{tag}.jsonl"
+  name = prefix + index_folder(config.index.search_index) + search
+  flat_report = workdir / f"open_eval_{prefix}Flat{search}{tag}.json"
+  exact = workdir / f"open_predictions_{prefix}Flat{search}{tag}.jsonl"
   if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():
-    flat_model = {k: load_json(flat_report).get(k) for k in ("model_step", "fingerprint")}
-    if flat_model == {k: report[k] for k in ("model_step", "fingerprint")}:
+    same_model = ("model_step", "fingerprint", "hybrid")
+    flat_model = {k: load_json(flat_report).get(k) for k in same_model}
+    if flat_model == {k: report.get(k) for k in same_model}:
       flat = {r["id"]: r["spans"][:1] for r in map(json.loads, exact.open())}
       same = [flat[q.id] == _spans(r)[:1] for q, r in zip(questions, phrases)
               if q.id in flat]

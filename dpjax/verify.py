@@ -92,7 +92,9 @@ def _index(directory: pathlib.Path) -> tuple:
 
 def _sparse(directory: pathlib.Path) -> tuple:
   manifest = read_json(directory / SPARSE_MANIFEST, DumpError, BUILD_HINT)
-  return checksum_problems(directory, manifest.get("files", {}), contents=True), BUILD_HINT
+  problems = (checksum_problems(directory, manifest["files"], contents=True)
+              if "files" in manifest else None)  # (None: no digests to verify against)
+  return problems, BUILD_HINT
 
 
 def _filter_head(path: pathlib.Path) -> tuple:

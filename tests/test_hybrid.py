@@ -237,3 +237,76 @@ def test_a_filtered_index_fuses_only_the_tokens_it_keeps(toy):
   found = index.search(q_start, q_end, k=30, unit="phrase", texts=QUESTIONS)
   spans = [(p.start_token, p.end_token) for units in found for p, _ in units]
   assert spans and all(s % 2 == 0 and e % 2 == 0 for s, e in spans)
+
+
+def test_exhaustive_rescoring_stays_within_its_bound(toy, monkeypatch):
+  """Calls are sized by their widest row: a question without BM25 passages (no shared term) in
+  the batch does not make one call of every question at the widest width."""
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  texts = QUESTIONS[:4] + ["Xyzzy plugh?"]
+  passages = hybrid.top_passages(bm25.scores(texts), 3)
+  assert not len(passages[-1]) and all(len(p) for p in passages[:-1])
+  shapes, rescore = [], index._rescore
+  monkeypatch.setattr(index, "_rescore", lambda qs, qe, s, e, n: shapes.append(s.shape) or
+                      rescore(qs, qe, s, e, n))
+  bound = 2 * 60 * LENGTH * 2  # two rows of 60 anchors
+  monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", bound)
+  chunked = hybrid.lexical_spans(index, q_start, q_end, passages, LENGTH)
+  assert all(rows == 1 or 2 * rows * width * LENGTH <= bound for rows, width in shapes)
+  assert len(shapes) > 1
+  monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", 1 << 22)
+  whole = hybrid.lexical_spans(index, q_start, q_end, passages, LENGTH)
+  assert all(all(np.array_equal(a, b) for a, b in zip(x, y)) for x, y in zip(chunked, whole))
+
+
+def test_ties_at_the_cut_go_to_the_lower_row():
+  scores = np.array([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0]])
+  assert hybrid.top_passages(scores, 3)[0].tolist() == [1, 2, 3]
+  assert hybrid.top_passages(scores, 6)[0].tolist() == [1, 2, 3, 4, 0]  # no shared term: out
+
+
+def test_bm25_of_the_questions_computed_once_for_their_requests(toy, monkeypatch):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  calls = []
+  monkeypatch.setattr(bm25, "scores", lambda texts, real=bm25.scores: calls.append(1) or
+                      real(texts))
+  index.use_sparse(bm25, 1.0)
+  first = index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
+  index.search(q_start, q_end, k=5, unit="passage", texts=QUESTIONS)
+  index.use_sparse(bm25, 2.0)
+  index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
+  assert len(calls) == 1
+  other = list(QUESTIONS[::-1])
+  index.search(q_start, q_end, k=3, unit="phrase", texts=other)  # other texts: computed again
+  assert len(calls) == 2
+  index.use_sparse(bm25, 1.0)
+  again = index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
+  assert [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in again] == [
+      [(p.start_token, p.end_token, p.score) for p, _ in u] for u in first]
+
+
+def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
+  with pytest.raises(ValueError, match="max_answer_length .* must be >= 1"):
+    index.search(q_start, q_end, k=2, texts=QUESTIONS, max_answer_length=0)
+  # Another dump's BM25 index, both without a dump id (made from Python): refused by its size.
+  small = tmp_path / "small"
+  shutil.copytree(directory, small)
+  dump = Dump.load(small)
+  shutil.rmtree(sparse.sparse_folder(small))
+  sparse.build_sparse(small, dump.passages[:3], {**dump.manifest, "num_passages": 3})
+  foreign = sparse.SparseIndex(small, {**dump.manifest, "num_passages": 3})
+  with pytest.raises(DumpError, match="built from another dump"):
+    index.use_sparse(foreign, 1.0)
+  # Damage that keeps a file's size: unreadable, one line naming the folder and the rebuild.
+  vocab = sparse.sparse_folder(small) / "vocab.index.json"
+  vocab.write_bytes(b"\0" * 8 + vocab.read_bytes()[8:])
+  with pytest.raises(DumpError, match=r"indexes/bm25: the BM25 index is unreadable .*"
+                                      r"run.py index --set index.sparse=True"):
+    sparse.SparseIndex(small, {**dump.manifest, "num_passages": 3})

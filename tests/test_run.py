@@ -159,6 +159,14 @@ def _hybrid_pipeline(tmp_path, base, caplog):
   bm25 = json.loads((tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json").read_text())
   assert bm25["weight"] in map(float, bm25["weight_tuning"]["scores"])
   assert 0 < bm25["weight_tuning"]["questions"] <= 40 and "train" in bm25["weight_tuning"]["file"]
+  manifest = tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json"
+  assert run.main(["index"] + hybrid + tune) == 0  # the same settings: kept, not chosen again
+  assert json.loads(manifest.read_text()) == bm25
+  assert run.main(["index"] + hybrid + tune + ["--set", "index.sparse_passages=5"]) == 0
+  assert json.loads(manifest.read_text())["weight_tuning"]["passages"] == 5
+  assert run.main(["index"] + hybrid + tune) == 0
+  bm25 = json.loads(manifest.read_text())
+  assert bm25["weight_tuning"]["passages"] == 20
   assert run.main(["eval"] + hybrid) == 0
   report = json.loads((tmp_path / "open_eval_Flat_hybrid.json").read_text())
   assert report["hybrid"]["weight"] == bm25["weight"] and report["questions"] == 12

@@ -31,7 +31,10 @@ def top_passages(lexical: np.ndarray, count: int) -> list[np.ndarray]:
   part = np.argpartition(-lexical, count - 1, axis=1)[:, :count]
   out = []
   for row, picks in zip(lexical, part):
-    picks = picks[np.argsort(-row[picks], kind="stable")]
+    # Every passage tied with the last one picked competes, so ties go to the lower row (a
+    # canonical order, not the partition's).
+    picks = np.flatnonzero(row >= row[picks].min())
+    picks = picks[np.lexsort((picks, -row[picks]))][:count]
     out.append(picks[row[picks] > 0].astype(np.int64))
   return out
 
@@ -47,13 +50,13 @@ def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Seque
   if index.kept_mask is not None:  # a filtered index: phrases start and end at kept tokens only
     tokens = [t[index.kept_mask[t]] for t in tokens]
   out: list = [None] * len(tokens)
-  order = np.argsort([len(t) for t in tokens], kind="stable")  # similar widths share a call
+  # Widest first: a call's rows are sized by its first, widest row; similar widths share a call.
+  order = np.argsort([-len(t) for t in tokens], kind="stable")
   at = 0
   while at < len(order):
     width = max(len(tokens[order[at]]), 1)
     chunk = max(1, _EXHAUSTIVE_ELEMENTS // (2 * width * max_answer_length))
     rows = order[at:at + chunk]
-    width = max(max(len(tokens[q]) for q in rows), 1)
     anchors = np.full((len(rows), width), -1, np.int64)
     for i, q in enumerate(rows):
       anchors[i, :len(tokens[q])] = tokens[q]

@@ -116,6 +116,7 @@ class PhraseIndex:
   def _setup(self) -> None:
     self.num_vectors = int(self.manifest["num_tokens"])
     self.sparse, self.sparse_weight, self.sparse_passages = None, 0.0, 20
+    self._lexical_cache = None
     self.merge_spans = True
     token_passage = self.dump.token_passage
     num_passages = len(self.dump.passages)
@@ -280,15 +281,25 @@ class PhraseIndex:
       return None
     return max(1, _LEXICAL_ELEMENTS // max(self.sparse.num_passages, 1))
 
-  def _lexical(self, q_start: np.ndarray, texts: Sequence[str] | None):
-    """(BM25 scores [Q, P], top BM25 passages per question) for hybrid search, or None for a
-    dense search."""
+  def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
+               max_answer_length: int):
+    """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`) for
+    hybrid search, or None for a dense search. They depend on neither k, unit nor the weight:
+    the last questions' are kept for the next search of them."""
     if self._lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
       raise ValueError("hybrid search (index.sparse) needs the text of every question searched")
+    key = (tuple(texts), self.sparse, self.sparse_passages, max_answer_length)
+    cached = self._lexical_cache
+    if cached and cached[0] == key and all(np.array_equal(a, b) for a, b in
+                                           zip(cached[1], (q_start, q_end))):
+      return cached[2]  # the same questions' next request (or weight): computed once
     bm25 = self.sparse.scores(list(texts))
-    return (bm25, hybrid.top_passages(bm25, self.sparse_passages))
+    top = hybrid.top_passages(bm25, self.sparse_passages)
+    found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length))
+    self._lexical_cache = (key, (np.array(q_start), np.array(q_end)), found)
+    return found
 
   def use_sparse(self, sparse: SparseIndex | None, weight: float | None = None, *,
                  passages: int = 20) -> None:
@@ -296,7 +307,9 @@ class PhraseIndex:
     its dense score + `weight` (default: the one recorded in the BM25 index) x its passage's
     BM25 score; the spans of the top `passages` BM25 passages join the candidates."""
     if sparse is not None:
-      if sparse.manifest.get("dump_id") != self.dump.manifest.get("dump_id", ""):
+      if (sparse.manifest.get("dump_id") != self.dump.manifest.get("dump_id", "")
+          or sparse.manifest.get("fingerprint") != self.dump.manifest.get("fingerprint")
+          or sparse.num_passages != len(self.dump.passages)):
         raise DumpError(f"{sparse.directory} was built from another dump than "
                         f"{self.dump.directory}: {BUILD_HINT}")
       weight = sparse.weight if weight is None else weight
@@ -356,6 +369,7 @@ class PhraseIndex:
     `texts`: the questions' texts, which hybrid search (`use_sparse`) needs for BM25.
     """
     k = check_request(k, unit)
+    count(max_answer_length, "max_answer_length (in tokens)")
     step = self._lexical_rows()
     if step and len(q_start) > step:  # the BM25 scores of `step` questions at a time
       return [found for lo in range(0, len(q_start), step) for found in self.search(
@@ -363,9 +377,7 @@ class PhraseIndex:
           max_answer_length=max_answer_length, max_fetch=max_fetch,
           texts=None if texts is None else texts[lo:lo + step],
           hits=None if hits is None else (hits[0][lo:lo + step], hits[1][lo:lo + step]))]
-    lexical = self._lexical(q_start, texts)
-    if lexical is not None:
-      lexical += (hybrid.lexical_spans(self, q_start, q_end, lexical[1], max_answer_length),)
+    lexical = self._lexical(q_start, q_end, texts, max_answer_length)
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)

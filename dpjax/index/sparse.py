@@ -124,7 +124,12 @@ class SparseIndex:
                       f"{dump_manifest['num_passages']}, {dump_manifest.get('dump_id', '')!r}): "
                       f"{BUILD_HINT}")
     bm25s, _ = _bm25s()
-    self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
+    try:
+      self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
+    except (OSError, ValueError, KeyError, EOFError) as e:  # damaged, its sizes unchanged
+      reason = (str(e).splitlines() or [""])[0][:200]
+      raise DumpError(f"{self.directory}: the BM25 index is unreadable ({type(e).__name__}: "
+                      f"{reason}); {BUILD_HINT}") from None
     self.num_passages = int(self.manifest["num_passages"])
 
   @property

@@ -52,21 +52,31 @@ def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
   return shlex.join(["python"] + args[1:])
 
 
-def reusable(path: pathlib.Path, questions: int) -> bool:
-  """Whether an eval report can stand as its row: there, with per-question hits of all the
-  questions (reports written before eval recorded them are run again)."""
+def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path) -> bool:
+  """Whether an eval report can stand as its row: there, of the dump's model, with per-question
+  hits of all the questions (reports written before eval recorded them are run again), and a
+  hybrid one with the weight the BM25 index records now."""
+  from dpjax.index.manifest import read_manifest
+  from dpjax.index.sparse import MANIFEST, sparse_folder
   if not path.is_file():
     return False
-  hits = json.loads(path.read_text()).get("hits", {})
-  return all(len(hits.get(key, "")) == questions for key in ("em@1", "top1", "top20"))
+  report = json.loads(path.read_text())
+  hits = report.get("hits", {})
+  if (report.get("fingerprint") != read_manifest(dump)["fingerprint"]
+      or not all(len(hits.get(key, "")) == questions for key in ("em@1", "top1", "top20"))):
+    return False
+  bm25 = sparse_folder(dump) / MANIFEST
+  return not report.get("hybrid") or (bm25.is_file() and report["hybrid"]["weight"]
+                                      == json.loads(bm25.read_text()).get("weight"))
 
 
-def evaluated(args, questions: int) -> dict:
+def evaluated(args, config, questions: int) -> dict:
   """Every eval row: its report (run unless `reusable` and not --rerun) and its command."""
   rows, workdir = {}, pathlib.Path(args.workdir)
+  dump = workdir / config.index.dump_name
   for name, (file, overrides) in RUNS.items():
     sets = overrides + args.set
-    run = args.rerun or not reusable(workdir / file, questions)
+    run = args.rerun or not reusable(workdir / file, questions, dump)
     if name == "hybrid" and run:
       run_py("index", args.config, args.workdir, sets + ["index.specs=[]"])
     command = shlex.join(["python", "run.py", "eval", "--config", args.config, "--workdir",
@@ -157,7 +167,7 @@ def main(argv=None) -> int:
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
-  evals = evaluated(args, len(questions))
+  evals = evaluated(args, config, len(questions))
   rows = {name: eval_row(e["report"]) for name, e in evals.items()}
   rows["bm25"] = bm25_row(config, workdir, [q.answers for q in questions],
                           [q.question for q in questions])
