@@ -110,6 +110,14 @@ def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
         same(served, expected)
       assert direct != dense.search(questions[:6], k=k, unit=unit,
                                     max_answer_length=config.eval.max_answer_length)
+    # One micro-batch of jobs with other (k, unit): each group's questions keep their texts.
+    jobs = [_job(questions[:2], 3, "phrase"), _job(questions[2:5], 4, "passage"),
+            _job(questions[5:7], 3, "phrase")]
+    for job, served in zip(jobs, batcher.search(jobs)):
+      expected = searcher.search(job.questions, k=job.k, unit=job.unit,
+                                 max_answer_length=config.eval.max_answer_length)
+      for a, b in zip(served, expected):
+        same(a, b)
   finally:
     server.should_exit = True
     thread.join(10)

@@ -145,7 +145,8 @@ class PhraseIndex:
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
                      top_tokens: int | None = None, max_answer_length: int = 10,
                      hits: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[Phrase]]:
-    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D]).
+    """Top-k phrases for each question vector pair (q_start, q_end: [Q, D]): the dense phrase
+    search alone, every distinct span (no hybrid fusion, no merging: QSFT's candidates).
 
     `hits`: the (start, end) token ids of an earlier, wider search of the same questions
     ([Q, >= top_tokens] each); their first `top_tokens` columns are this search's hits.
