@@ -11,6 +11,7 @@ settings it was chosen for (`_tuned_for`) changed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 
@@ -19,7 +20,8 @@ from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import ConfigError
 from dpjax.index.dump_reader import Dump
 from dpjax.index.evaluate import found_scores, score_requests
-from dpjax.index.sparse import SparseIndex, build_sparse, record_weight
+from dpjax.index.sparse import (MANIFEST, SparseIndex, build_sparse, record_weight,
+                                sparse_folder)
 from dpjax.layout import Workdir
 from dpjax.workdir import load_searcher
 
@@ -31,20 +33,44 @@ TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are
 
 def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   """Builds the dump's BM25 index (kept if already built from this dump) and, unless
-  `index.sparse_weight` is set, chooses and records its weight."""
-  dump = Dump.load(Workdir(workdir).dump(config))
+  `index.sparse_weight` is set, chooses and records its weight. The dump is loaded once: by the
+  searcher the weight is chosen with when it must be, else alone."""
+  workdir = Workdir(workdir)
+  searcher = step = None
+  if config.index.sparse_weight is None and not _weight_kept(config, workdir):
+    searcher, step = _dense_searcher(config, workdir)
+  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(config))
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
   if config.index.sparse_weight is not None:
     record_weight(dump.directory, config.index.sparse_weight, {"set": "index.sparse_weight"})
     log.info("hybrid weight %g (index.sparse_weight)", config.index.sparse_weight)
-  elif sparse.weight is None or _tuned_for(config) != {
-      k: sparse.manifest.get("weight_tuning", {}).get(k) for k in _tuned_for(config)}:
-    weight, tuning = choose_weight(config, workdir)
-    record_weight(dump.directory, weight, tuning)
+  elif searcher or not _weight_kept(config, workdir):  # (a rebuilt index has no weight)
+    if searcher is None:
+      searcher, step = _dense_searcher(config, workdir)
+    record_weight(dump.directory, *choose_weight(config, workdir, searcher, step, sparse))
   else:
     log.info("hybrid weight %g, recorded in %s", sparse.weight, folder)
   return folder
+
+
+def _weight_kept(config, workdir: Workdir) -> bool:
+  """Whether the BM25 index records a weight chosen for these settings (`_tuned_for`)."""
+  path = sparse_folder(workdir.dump(config)) / MANIFEST
+  try:
+    manifest = json.loads(path.read_text())
+  except (OSError, ValueError):  # none, or unreadable: built (again) below
+    return False
+  tuning = manifest.get("weight_tuning") or {}
+  wanted = _tuned_for(config)
+  return manifest.get("weight") is not None and wanted == {k: tuning.get(k) for k in wanted}
+
+
+def _dense_searcher(config, workdir: Workdir):
+  """(the workdir's searcher without hybrid search, its step): weights are set one by one."""
+  dense = config.copy_and_resolve_references()
+  dense.index.sparse = False
+  return load_searcher(dense, workdir)
 
 
 def _tuned_for(config) -> dict:
@@ -68,15 +94,13 @@ def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
   return questions, path
 
 
-def choose_weight(config, workdir: pathlib.Path) -> tuple[float, dict]:
+def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseIndex,
+                  ) -> tuple[float, dict]:
   """(the weight of `WEIGHTS` with the best mean of EM@1 and passage Top-1 on the held-out
-  questions, a record of how it was chosen)."""
+  questions, a record of how it was chosen), searched by `searcher` (dense: `_dense_searcher`)
+  with the BM25 index `sparse`."""
   questions, path = tune_questions(config, workdir)
-  dense = config.copy_and_resolve_references()
-  dense.index.sparse = False  # the weight is set below, weight by weight
-  searcher, step = load_searcher(dense, workdir)
   index = searcher.index
-  sparse = SparseIndex(index.dump.directory, index.dump.manifest)
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
   q_start, q_end = searcher.encode(texts)
   requests = score_requests(passage_k=20)

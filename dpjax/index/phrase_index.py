@@ -16,7 +16,7 @@ from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import check_index, index_folder
 from dpjax.index.hits import Hits, ranked_spans
 from dpjax.index.manifest import INDEX_MANIFEST, check_index_of_dump
-from dpjax.index.sparse import BUILD_HINT, SparseIndex
+from dpjax.index.sparse import SparseIndex
 from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
 from dpjax.io import read_json
 
@@ -308,11 +308,7 @@ class PhraseIndex:
     its dense score + `weight` (default: the one recorded in the BM25 index) x its passage's
     BM25 score; the spans of the top `passages` BM25 passages join the candidates."""
     if sparse is not None:
-      if (sparse.manifest.get("dump_id") != self.dump.manifest.get("dump_id", "")
-          or sparse.manifest.get("fingerprint") != self.dump.manifest.get("fingerprint")
-          or sparse.num_passages != len(self.dump.passages)):
-        raise DumpError(f"{sparse.directory} was built from another dump than "
-                        f"{self.dump.directory}: {BUILD_HINT}")
+      sparse.check_of(self.dump.directory, self.dump.manifest)
       weight = sparse.weight if weight is None else weight
       if weight is None:
         raise DumpError(f"{sparse.directory} records no hybrid weight: choose one with `run.py "

@@ -115,14 +115,7 @@ class SparseIndex:
     problems = checksum_problems(self.directory, self.manifest.get("files", {}), contents=verify)
     if problems:
       raise DumpError(f"{problems[0]}: the BM25 index is damaged; {BUILD_HINT}")
-    if (self.manifest.get("dump_id") != dump_manifest.get("dump_id", "")
-        or self.manifest.get("fingerprint") != dump_manifest["fingerprint"]
-        or self.manifest.get("num_passages") != dump_manifest["num_passages"]):
-      raise DumpError(f"{self.directory} was built from another dump than the one in "
-                      f"{pathlib.Path(dump_dir)} ({self.manifest.get('num_passages')} passages, "
-                      f"dump {self.manifest.get('dump_id')!r}; the dump: "
-                      f"{dump_manifest['num_passages']}, {dump_manifest.get('dump_id', '')!r}): "
-                      f"{BUILD_HINT}")
+    self.check_of(dump_dir, dump_manifest)
     bm25s, _ = _bm25s()
     try:
       self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
@@ -131,6 +124,17 @@ class SparseIndex:
       raise DumpError(f"{self.directory}: the BM25 index is unreadable ({type(e).__name__}: "
                       f"{reason}); {BUILD_HINT}") from None
     self.num_passages = int(self.manifest["num_passages"])
+
+  def check_of(self, dump_dir: str | os.PathLike, dump_manifest: dict) -> None:
+    """Refuses this BM25 index for a dump it was not built from (its id, model, passages)."""
+    if (self.manifest.get("dump_id") != dump_manifest.get("dump_id", "")
+        or self.manifest.get("fingerprint") != dump_manifest.get("fingerprint")
+        or self.manifest.get("num_passages") != dump_manifest.get("num_passages")):
+      raise DumpError(f"{self.directory} was built from another dump than the one in "
+                      f"{pathlib.Path(dump_dir)} ({self.manifest.get('num_passages')} passages, "
+                      f"dump {self.manifest.get('dump_id')!r}; the dump: "
+                      f"{dump_manifest.get('num_passages')}, "
+                      f"{dump_manifest.get('dump_id', '')!r}): {BUILD_HINT}")
 
   @property
   def weight(self) -> float | None:
