@@ -260,6 +260,23 @@ def test_reader_peer_benchmark_tiny(tmp_path):
     assert 0 <= row["read_from_first"] <= 100 and 0 <= row["read_passage_has_answer"] <= 100
   markdown = out.with_suffix(".md").read_text()
   assert "| bm25+reader |" in markdown and "| dpjax+reader (mixed) |" in markdown
+  # BM25's rows first (from the corpus, no dump read), then dpjax's kept beside them: the same
+  # answers as one run of both; a file of other settings is refused, not merged.
+  split = tmp_path / "split.json"
+  assert script.main(peer + ["--systems", "bm25", "--out", str(split)]) == 0
+  assert json.loads(split.read_text())["model_step"] is None
+  assert script.main(peer + ["--systems", "dpjax", "--out", str(split)]) == 0
+  both = json.loads(split.read_text())
+  assert set(both["systems"]) == set(results["systems"])
+  assert [run["systems"] for run in both["runs"]] == [
+      ["bm25+reader", "bm25+reader (mixed)"], ["dpjax", "dpjax+reader", "dpjax+reader (mixed)"]]
+  assert both["passages_sha256"] == results["passages_sha256"] and both["model_step"]
+  for name, row in results["systems"].items():
+    assert {k: both["systems"][name][k] for k in ("hits", "passages", "mixing")
+            if k in row} == {k: row[k] for k in ("hits", "passages", "mixing") if k in row}, name
+  with pytest.raises(SystemExit, match="other k"):
+    script.main(peer[:-6] + ["--k", "2", "--warmup", "2", "--tune-questions", "10", "--systems",
+                             "bm25", "--out", str(split)])
   # With mu = 1 the only choice, a mixed row answers as the reader alone, question by question.
   script.MU_GRID = (1.0,)
   assert script.main(peer + ["--out", str(tmp_path / "mu1.json")]) == 0

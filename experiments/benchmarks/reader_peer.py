@@ -29,10 +29,14 @@ Questions/s: retrieval, reading, and the two in sequence, after a warm-up on the
 build is reported apart. Per-question EM@1 hits are kept for paired tests
 (`dpjax.metrics.mcnemar_p`); the table gives dpjax+reader against dpjax's phrases and each mixed
 row against its reader alone. Writes the JSON and a Markdown table beside it (`--out` with .md).
+`--systems bm25` measures BM25's rows alone, from the corpus (no dump needed: it can run while
+the phrase model trains or dumps); a later `--systems dpjax` with the same --out keeps them,
+once it has checked that they read the same questions, passages (a digest) and reader.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import pathlib
 import subprocess
@@ -173,31 +177,41 @@ def tuning_questions(config, workdir, limit: int) -> tuple[list, dict]:
                      "grid": list(MU_GRID), "criterion": "EM@1, ties to the smaller mu"}
 
 
-def measure(args, config, reader_config, workdir) -> dict:
-  from dpjax.data import Tokenizer
-  from dpjax.data.questions import read_questions
-  from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.rc import restore_reader
-  from dpjax.workdir import data_paths, load_searcher
+def corpus_passages(config, workdir) -> list:
+  """The passages of the workdir's corpus, as `run.py dump` reads them (the dump's, in its order):
+  BM25's rows need no phrase model."""
+  from dpjax.data.corpus import read_corpus
+  from dpjax.workdir import data_paths
+  return list(read_corpus(data_paths(config, workdir)["corpus"]))
+
+
+def passages_digest(passages) -> str:
+  """A SHA-256 of the passages' ids, titles and texts: rows kept from an earlier run must have
+  read the same passages."""
+  import hashlib
+  digest = hashlib.sha256()
+  for p in passages:
+    digest.update(json.dumps([p.id, p.title, p.text]).encode())
+  return digest.hexdigest()
+
+
+def bm25_systems(read_rows, passages, texts, answers, tune_texts, tune_answers, k: int) -> dict:
+  """The BM25 reader rows (`reader_rows`), BM25's index build time in each."""
   from experiments.benchmarks.passage_retrieval import bm25_retrieve
+  bm25_rows, bm25_scores, info = bm25_retrieve(passages, texts, k)
+  per_passage, read_s = read_rows(texts, bm25_rows)
+  tune_rows, tune_scores, _ = bm25_retrieve(passages, tune_texts, k)
+  bm25 = reader_rows("bm25", passages, bm25_rows, bm25_scores, per_passage, answers, k,
+                     {"retrieval": len(texts) / info["questions_per_sec"], "reading": read_s},
+                     choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores, tune_answers))
+  return {name: {**row, "bm25_index_seconds": info["index_seconds"]}
+          for name, row in bm25.items()}
 
-  questions = read_questions(data_paths(config, workdir)["questions"])
-  questions = questions[:args.limit or config.eval.limit or None]
-  texts, answers = [q.question for q in questions], [q.answers for q in questions]
-  tune, tuning = tuning_questions(config, workdir, args.tune_questions)
-  tune_texts, tune_answers = [q.question for q in tune], [q.answers for q in tune]
-  searcher, step = load_searcher(config, workdir, args.index)
+
+def dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts, tune_answers,
+                  k: int) -> dict:
+  """dpjax's phrase row and its reader rows (`reader_rows`)."""
   passages = searcher.index.dump.passages
-  reader, reader_step = restore_reader(reader_config, args.reader)
-  tokenizer = Tokenizer.from_pretrained(reader_config.model.tokenizer)
-  mesh = make_mesh()
-  batch = round_to_devices(config.eval.batch_size, mesh)
-  k = min(args.k, len(passages))
-  read_rows = lambda texts, rows: read(reader, tokenizer, reader_config, config, texts,
-                                       passages, rows, mesh, batch)
-  warm = texts[:args.warmup]  # compiles: the searcher's and the reader's, not timed
-  read_rows(warm, dpjax_search(searcher, warm, k, config)[0])
-
   rows, scores, phrases, search_s = dpjax_search(searcher, texts, k, config)
   systems = {"dpjax": system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
   per_passage, read_s = read_rows(texts, rows)
@@ -206,24 +220,75 @@ def measure(args, config, reader_config, workdir) -> dict:
                              {"retrieval": search_s, "reading": read_s},
                              choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores,
                                        tune_answers)))
-  bm25_rows, bm25_scores, info = bm25_retrieve(passages, texts, k)
-  per_passage, read_s = read_rows(texts, bm25_rows)
-  tune_rows, tune_scores, _ = bm25_retrieve(passages, tune_texts, k)
-  bm25 = reader_rows("bm25", passages, bm25_rows, bm25_scores, per_passage, answers, k,
-                     {"retrieval": len(texts) / info["questions_per_sec"], "reading": read_s},
-                     choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores, tune_answers))
-  systems.update({name: {**row, "bm25_index_seconds": info["index_seconds"]}
-                  for name, row in bm25.items()})
+  return systems
+
+
+def measure(args, config, reader_config, workdir) -> dict:
+  from dpjax.data import Tokenizer
+  from dpjax.data.questions import read_questions
+  from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.rc import restore_reader
+  from dpjax.workdir import data_paths, load_searcher
+
+  questions = read_questions(data_paths(config, workdir)["questions"])
+  questions = questions[:args.limit or config.eval.limit or None]
+  texts, answers = [q.question for q in questions], [q.answers for q in questions]
+  tune, tuning = tuning_questions(config, workdir, args.tune_questions)
+  tune_texts, tune_answers = [q.question for q in tune], [q.answers for q in tune]
+  searcher, step = load_searcher(config, workdir, args.index) if "dpjax" in args.systems else (
+      None, None)
+  passages = searcher.index.dump.passages if searcher else corpus_passages(config, workdir)
+  reader, reader_step = restore_reader(reader_config, args.reader)
+  tokenizer = Tokenizer.from_pretrained(reader_config.model.tokenizer)
+  mesh = make_mesh()
+  batch = round_to_devices(config.eval.batch_size, mesh)
+  k = min(args.k, len(passages))
+  read_rows = lambda texts, rows: read(reader, tokenizer, reader_config, config, texts,
+                                       passages, rows, mesh, batch)
+  warm = texts[:args.warmup]  # compiles: the searcher's and the reader's, not timed
+  read_rows(warm, dpjax_search(searcher, warm, k, config)[0] if searcher else
+            [list(range(k))] * len(warm))
+  systems = {}
+  if searcher:
+    systems.update(dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts,
+                                 tune_answers, k))
+  if "bm25" in args.systems:
+    systems.update(bm25_systems(read_rows, passages, texts, answers, tune_texts, tune_answers, k))
   for name, row in systems.items():
     logging.info("%s: EM@1 %.2f, passage Top-1 %.2f, %.1f questions/s%s", name, row["em@1"],
                  row["passages"]["top1"], row["questions_per_sec"]["pipeline"],
                  f", mu {row['mixing']['mu']:g}" if "mixing" in row else "")
   return {"config": args.config, "questions": len(texts), "passages": len(passages), "k": k,
+          "passages_sha256": passages_digest(passages),
           "index": args.index or config.index.search_index, "workdir": str(workdir),
           "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
                                          "config": args.reader_config or args.config},
           "warmup_questions": len(warm), "batch_size": batch, "tuning": tuning,
           "max_answer_length": config.eval.max_answer_length, "systems": systems}
+
+
+SAME = ("config", "questions", "passages", "k", "passages_sha256", "reader", "tuning",
+        "max_answer_length")  # what rows kept from an earlier run must share with this one's
+
+
+def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
+  """`results` with the rows of the systems this run did not measure kept from the JSON at
+  `out` (an earlier run of the other --systems), which must have read the same questions,
+  passages and reader; each run (its systems, commit, device) is listed under `runs`."""
+  run = {"systems": sorted(results["systems"]), "commit": results["commit"],
+         "device": results["device"]}
+  if not out.is_file():
+    return {**results, "runs": [run]}
+  old = json.loads(out.read_text())
+  differ = [key for key in SAME if old.get(key) != results.get(key)]
+  if differ:
+    raise SystemExit(f"{out}: made with other {', '.join(differ)}; its rows cannot be kept "
+                     f"(remove it, or run every system)")
+  kept = {name: row for name, row in old["systems"].items() if name not in results["systems"]}
+  if results["model_step"] is None:
+    results["model_step"] = old.get("model_step")
+  runs = [r for r in old.get("runs", []) if set(r["systems"]) - set(results["systems"])]
+  return {**results, "systems": {**kept, **results["systems"]}, "runs": runs + [run]}
 
 
 def table(results: dict, command: str) -> str:
@@ -250,10 +315,15 @@ def table(results: dict, command: str) -> str:
                  + (f"{qps['reading']:.1f}" if "reading" in qps else "-")
                  + f" | {qps['pipeline']:.1f} |")
   systems = results["systems"]
-  a_only, b_only, p = mcnemar_p(systems["dpjax+reader"]["hits"]["em@1"],
-                                systems["dpjax"]["hits"]["em@1"])
-  lines += ["", f"EM@1, dpjax+reader against dpjax's phrases: right only with the reader "
-                f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
+  if "dpjax" in systems:
+    a_only, b_only, p = mcnemar_p(systems["dpjax+reader"]["hits"]["em@1"],
+                                  systems["dpjax"]["hits"]["em@1"])
+    lines += ["", f"EM@1, dpjax+reader against dpjax's phrases: right only with the reader "
+                  f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
+  if len(results.get("runs", [])) > 1:
+    lines += ["", "Measured in " + str(len(results["runs"])) + " runs: " + "; ".join(
+        f"{', '.join(r['systems'])} at {r['commit']} on {r['device']}" for r in results["runs"])
+        + "."]
   tuning = results["tuning"]
   for name, row in systems.items():
     if "mixing" in row:
@@ -284,11 +354,17 @@ def main(argv=None) -> int:
   parser.add_argument("--warmup", type=int, default=64, help="untimed questions first")
   parser.add_argument("--tune-questions", type=int, default=500,
                       help="random training questions mu is chosen on (0: all of them)")
+  parser.add_argument("--systems", default="dpjax,bm25",
+                      help="the retrievers measured (dpjax, bm25 or both); a run of one keeps the "
+                      "other's rows from --out (BM25's need no dump: they can run first)")
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[], help="overrides of --config")
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph under the table")
   args = parser.parse_args(argv)
+  args.systems = set(args.systems.split(","))
+  if not args.systems or args.systems - {"dpjax", "bm25"}:
+    parser.error(f"--systems {','.join(sorted(args.systems))}: dpjax, bm25 or dpjax,bm25")
   if args.k < 1:
     parser.error(f"--k {args.k}: read at least one passage")
   from experiments.report import elide_notes, save_results
@@ -301,6 +377,7 @@ def main(argv=None) -> int:
   results = measure(args, config, reader_config, pathlib.Path(args.workdir))
   results.update(commit=git_commit(), notes=args.note,
                  device=f"{jax.device_count()} x {jax.devices()[0].device_kind}")
+  results = with_kept_rows(results, pathlib.Path(args.out))
   save_results(args.out, results, table, "experiments/benchmarks/reader_peer.py", argv)
   return 0
 

@@ -11,13 +11,16 @@ PY=${PY:-.venv/bin/python}
 W=${1:-workdirs/squad-cpu}
 R=${2:-workdirs/reader}
 C="--config experiments/squad.py:cpu --workdir $W"
-$PY run.py train $C --set train.progress_bar=False
-$PY run.py dump $C
-[ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
+PEER="experiments/benchmarks/reader_peer.py $C --reader $R --reader-config experiments/squad.py:cpu-base"
+PEER="$PEER --k 10 --out results/reader_peer.json"
 # The reader: trained for :cpu-base's 1,500 steps (then `teacher` also writes its distillation
 # logits, which these rows do not read: skipped once the last checkpoint is there).
 [ -d "$R/teacher/checkpoints/1500" ] || $PY run.py teacher --config experiments/squad.py:cpu-base \
     --workdir "$R" --set train.progress_bar=False
-$PY experiments/benchmarks/reader_peer.py $C --reader "$R" --reader-config experiments/squad.py:cpu-base \
-    --k 10 --out results/reader_peer.json
+# BM25's reader rows need no phrase model (on a second core they can run beside the next steps).
+grep -q '"bm25+reader"' results/reader_peer.json 2>/dev/null || $PY $PEER --systems bm25
+$PY run.py train $C --set train.progress_bar=False
+$PY run.py dump $C
+[ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
+$PY $PEER --systems dpjax
 $PY experiments/benchmarks/hybrid.py $C --reader-json results/reader_peer.json --out results/hybrid.json
