@@ -262,21 +262,29 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   assert "| bm25+reader |" in markdown and "| dpjax+reader (mixed) |" in markdown
   # BM25's rows first (from the corpus, no dump read), then dpjax's kept beside them: the same
   # answers as one run of both; a file of other settings is refused, not merged.
+  # On a random sample of 7 questions (--sample), each question answered as in the full run.
   split = tmp_path / "split.json"
-  assert script.main(peer + ["--systems", "bm25", "--out", str(split)]) == 0
+  assert script.main(peer + ["--sample", "7", "--systems", "bm25", "--out", str(split)]) == 0
   assert json.loads(split.read_text())["model_step"] is None
-  assert script.main(peer + ["--systems", "dpjax", "--out", str(split)]) == 0
+  assert script.main(peer + ["--sample", "7", "--systems", "dpjax", "--out", str(split)]) == 0
   both = json.loads(split.read_text())
+  rows = both["question_rows"]
+  assert len(rows) == 7 == both["questions"] and rows == sorted(set(rows)) and rows[-1] < 12
   assert set(both["systems"]) == set(results["systems"])
   assert [run["systems"] for run in both["runs"]] == [
       ["bm25+reader", "bm25+reader (mixed)"], ["dpjax", "dpjax+reader", "dpjax+reader (mixed)"]]
   assert both["passages_sha256"] == results["passages_sha256"] and both["model_step"]
   for name, row in results["systems"].items():
-    assert {k: both["systems"][name][k] for k in ("hits", "passages", "mixing")
-            if k in row} == {k: row[k] for k in ("hits", "passages", "mixing") if k in row}, name
+    if "mixing" not in row:  # (mu is chosen again: the same training questions, the same mu)
+      assert both["systems"][name]["hits"]["em@1"] == "".join(
+          row["hits"]["em@1"][i] for i in rows), name
+    else:
+      assert both["systems"][name]["mixing"] == row["mixing"], name
   with pytest.raises(SystemExit, match="other k"):
-    script.main(peer[:-6] + ["--k", "2", "--warmup", "2", "--tune-questions", "10", "--systems",
-                             "bm25", "--out", str(split)])
+    script.main(peer[:-6] + ["--k", "2", "--warmup", "2", "--tune-questions", "10", "--sample",
+                             "7", "--systems", "bm25", "--out", str(split)])
+  with pytest.raises(SystemExit, match="question_rows"):
+    script.main(peer + ["--sample", "6", "--systems", "bm25", "--out", str(split)])
   # With mu = 1 the only choice, a mixed row answers as the reader alone, question by question.
   script.MU_GRID = (1.0,)
   assert script.main(peer + ["--out", str(tmp_path / "mu1.json")]) == 0
@@ -310,3 +318,16 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   hits = (report["rows"]["hybrid"]["hits"]["top1"], bm25["hits"]["top1"])
   assert (a, b) == (sum(x > y for x, y in zip(*hits)), sum(x < y for x, y in zip(*hits)))
   assert report["rows"]["hybrid"]["hybrid"]["weight"] is not None
+  # Reader rows of a sample (split.json, 7 questions): the other rows again on those questions,
+  # and the paired test against the hybrid on them.
+  assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path)]) == 0
+  sampled = json.loads(report_path.read_text())
+  rows = both["question_rows"]
+  assert sampled["reader_sample"]["questions"] == 7 and sampled["questions"] == 12
+  on_sample = sampled["reader_sample"]["rows"]["hybrid"]
+  full = sampled["rows"]["hybrid"]["hits"]["em@1"]
+  assert on_sample["hits"]["em@1"] == "".join(full[i] for i in rows)
+  assert abs(on_sample["em@1"] - 100 * on_sample["hits"]["em@1"].count("1") / 7) < 1e-9
+  a, b, p = sampled["paired"]["bm25+reader vs hybrid"]["em@1"]
+  hits = (sampled["rows"]["bm25+reader"]["hits"]["em@1"], on_sample["hits"]["em@1"])
+  assert (a, b) == (sum(x > y for x, y in zip(*hits)), sum(x < y for x, y in zip(*hits)))

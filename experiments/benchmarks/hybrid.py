@@ -109,6 +109,13 @@ def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 
           "settings": index.manifest["settings"]}
 
 
+def on_rows(row: dict, rows: list[int]) -> dict:
+  """A row's per-question hits, and the shares (x100) they give, on the questions at `rows`."""
+  hits = {key: "".join(value[i] for i in rows) for key, value in row["hits"].items()}
+  return {**{key: 100.0 * value.count("1") / len(rows) for key, value in hits.items()},
+          "hits": hits}
+
+
 def paired(a: dict, b: dict, keys) -> dict:
   """McNemar's exact test of two rows' per-question hits: {key: (a only, b only, p)}."""
   from dpjax import metrics
@@ -127,8 +134,18 @@ def table(result: dict, command: str) -> str:
     lines.append(f"| {name} | " + " | ".join(number(row.get(k)) for k in SHOWN)
                  + f" | {number(row.get('questions_per_sec'), 1)}"
                  + f" | {number(row.get('index_bytes_per_token'), 1)} |")
+  sample = result.get("reader_sample")
+  if sample:
+    lines += ["", f"The reader rows read {sample['questions']} random questions of these (seed "
+              f"{sample['seed']}); on the same questions:", "",
+              "| system | em@1 | top1 | top20 |", "|---|---|---|---|"]
+    lines += [f"| {name} | " + " | ".join(number(row.get(k)) for k in ("em@1", "top1", "top20"))
+              + " |" for name, row in sample["rows"].items()]
+    lines += [f"| {name} | {number(row['em@1'])} | - | - |"
+              for name, row in result["rows"].items() if is_reader(name)]
   lines += ["", "McNemar's exact test: questions right only in the first system / only in the "
-            "second, two-sided p.", ""]
+            "second, two-sided p" + (" (reader rows: on their sample)" if sample else "") + ".",
+            ""]
   for pair, tests in result["paired"].items():
     lines.append(f"- {pair}: " + "; ".join(f"{k} {a} / {b}, p = {p_text(p)}"
                                            for k, (a, b, p) in tests.items()))
@@ -173,8 +190,10 @@ def main(argv=None) -> int:
                           [q.question for q in questions])
   commands = {name: e["command"] for name, e in evals.items()}
   commands["bm25"] = "this script (BM25 over the dump's passages, the hybrid's BM25 index)"
-  if args.reader_json:  # the reader rows, on the same questions
+  sample = None
+  if args.reader_json:  # the reader rows, on the same questions (or a sample of them)
     readers = json.loads(pathlib.Path(args.reader_json).read_text())
+    sample = readers.get("question_rows")
     for name, row in readers["systems"].items():
       if is_reader(name):
         rows[name] = {"em@1": row["em@1"], "hits": row["hits"],
@@ -182,17 +201,23 @@ def main(argv=None) -> int:
     commands["readers"] = f"see {args.reader_json} (commit {readers.get('commit')})"
   for name, row in rows.items():
     count = len(row["hits"].get("em@1") or row["hits"].get("top1", ""))
-    if count != len(questions):
-      raise SystemExit(f"{name}: {count} questions, the questions file {len(questions)}: "
-                       "rerun it (--rerun, or reader_peer.py on all of them)")
+    expected = len(sample) if sample and is_reader(name) else len(questions)
+    if count != expected:
+      raise SystemExit(f"{name}: {count} questions, expected {expected}: rerun it (--rerun, "
+                       "or reader_peer.py on the same questions)")
   result = {"questions": len(questions), "config": args.config, "workdir": args.workdir,
             "commit": git_commit(), "rows": rows, "commands": commands,
             "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
                                                  ("em@1", "top1", "top20")),
                        "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20"))}}
+  if sample:  # the other rows on the readers' sample, like for like
+    result["reader_sample"] = {"questions": len(sample), "seed": readers.get("sample_seed"),
+                               "rows": {name: on_rows(rows[name], sample)
+                                        for name in ("dense", "hybrid", "bm25")}}
+  hybrid = on_rows(rows["hybrid"], sample) if sample else rows["hybrid"]
   for name in rows:
     if is_reader(name):
-      result["paired"][f"{name} vs hybrid"] = paired(rows[name], rows["hybrid"], ("em@1",))
+      result["paired"][f"{name} vs hybrid"] = paired(rows[name], hybrid, ("em@1",))
   from experiments.report import save_results
   save_results(args.out, result, table, "experiments/benchmarks/hybrid.py", argv)
   return 0

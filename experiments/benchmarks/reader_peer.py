@@ -54,6 +54,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # hold only 1/9 to 9); the retriever alone (0) and the reader alone (1) are in it.
 MU_GRID = (0.0, *(round(2.0 ** j / (1 + 2.0 ** j), 4) for j in range(-6, 7)), 1.0)
 TUNE_SEED = 17  # the training questions mu is chosen on (as `dpjax.fusion`'s hybrid weight)
+SAMPLE_SEED = 23  # --sample's evaluation questions
 
 
 def git_commit() -> str:
@@ -167,6 +168,15 @@ def dpjax_search(searcher, texts, k: int, config):
           [found[0]["answer"] if found else None for found in phrases], seconds)
 
 
+def sample_rows(count: int, sample: int) -> list[int] | None:
+  """The rows (ascending) of `sample` random questions of `count` (seeded), or None for all:
+  reading is slow on a CPU, and a random sample keeps the questions' mix of articles."""
+  if not sample or sample >= count:
+    return None
+  rng = np.random.default_rng(SAMPLE_SEED)
+  return sorted(int(i) for i in rng.choice(count, size=sample, replace=False))
+
+
 def tuning_questions(config, workdir, limit: int) -> tuple[list, dict]:
   """`limit` random training questions (seeded; 0: all), on which mu is chosen, and a record."""
   from dpjax.data import data_files
@@ -232,6 +242,9 @@ def measure(args, config, reader_config, workdir) -> dict:
 
   questions = read_questions(data_paths(config, workdir)["questions"])
   questions = questions[:args.limit or config.eval.limit or None]
+  question_rows = sample_rows(len(questions), args.sample)
+  if question_rows is not None:
+    questions = [questions[i] for i in question_rows]
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
   tune, tuning = tuning_questions(config, workdir, args.tune_questions)
   tune_texts, tune_answers = [q.question for q in tune], [q.answers for q in tune]
@@ -259,6 +272,7 @@ def measure(args, config, reader_config, workdir) -> dict:
                  row["passages"]["top1"], row["questions_per_sec"]["pipeline"],
                  f", mu {row['mixing']['mu']:g}" if "mixing" in row else "")
   return {"config": args.config, "questions": len(texts), "passages": len(passages), "k": k,
+          "question_rows": question_rows, "sample_seed": SAMPLE_SEED if args.sample else None,
           "passages_sha256": passages_digest(passages),
           "index": args.index or config.index.search_index, "workdir": str(workdir),
           "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
@@ -267,8 +281,8 @@ def measure(args, config, reader_config, workdir) -> dict:
           "max_answer_length": config.eval.max_answer_length, "systems": systems}
 
 
-SAME = ("config", "questions", "passages", "k", "passages_sha256", "reader", "tuning",
-        "max_answer_length")  # what rows kept from an earlier run must share with this one's
+SAME = ("config", "questions", "question_rows", "passages", "k", "passages_sha256", "reader",
+        "tuning", "max_answer_length")  # what rows kept from an earlier run must share with this one's
 
 
 def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
@@ -296,7 +310,9 @@ def table(results: dict, command: str) -> str:
   from experiments.report import p_text, with_notes
   k = results["k"]
   lines = ["# Retriever-reader peer", "", f"Command: `{command}`", "",
-           f"{results['questions']} questions of `{results['config']}`, {results['passages']} "
+           f"{results['questions']} questions of `{results['config']}`"
+           + (f" (a random sample, seed {results['sample_seed']}, rows in the JSON)"
+              if results.get("question_rows") else "") + f", {results['passages']} "
            "passages (the dump's), "
            f"k = {k} passages read per question by the cross-encoder reader of "
            f"`{results['reader']['workdir']}` (step {results['reader']['step']}); phrase model "
@@ -350,6 +366,8 @@ def main(argv=None) -> int:
   parser.add_argument("--k", type=int, default=10, help="passages read per question")
   parser.add_argument("--limit", type=int, default=0,
                       help="the first N questions (default: eval.limit, 0: all)")
+  parser.add_argument("--sample", type=int, default=0,
+                      help="N random questions of them (seeded; 0: all); their rows are recorded")
   parser.add_argument("--index", default=None, help="default: index.search_index")
   parser.add_argument("--warmup", type=int, default=64, help="untimed questions first")
   parser.add_argument("--tune-questions", type=int, default=500,
