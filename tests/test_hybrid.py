@@ -14,6 +14,7 @@ from dpjax.index.dump import Dump
 from dpjax.index.faiss_index import build_index
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.scoring import half_to_float32
+from conftest import load_script
 from test_search import ANSWERS, PASSAGES, _toy_dump
 
 # One question per toy answer (ANSWERS' order), sharing words with its passage.
@@ -57,6 +58,31 @@ def test_bm25_scores_are_lucenes(toy):
     np.testing.assert_allclose(got[row], _bm25_reference(PASSAGES, question), rtol=1e-5)
   assert got[0].argmax() == ANSWERS[0][0]  # "found Alpha in 1911": the passage that says so
   assert not sparse.SparseIndex(directory, dump.manifest).scores(["zzz qqq"]).any()
+
+
+def test_passages_read_without_the_vectors(toy, tmp_path):
+  """`Dump.read_passages` (the BM25 row's texts) gives `Dump.load`'s passages; a shard whose
+  passages file is gone is named in one line."""
+  assert Dump.read_passages(toy[0]) == Dump.load(toy[0]).passages
+  copy = tmp_path / "dump"
+  shutil.copytree(toy[0], copy)
+  shard = json.loads((copy / "manifest.json").read_text())["shards"][0]["name"]
+  (copy / shard / "passages.jsonl").unlink()
+  with pytest.raises(DumpError, match=f"{shard}: passages missing or damaged"):
+    Dump.read_passages(copy)
+
+
+def test_bm25_peer_ranks_as_the_index_scores(toy):
+  """The BM25 peer of the benchmarks (`passage_retrieval.bm25_retrieve`) is this index's BM25:
+  its top passages and scores are the index's, question by question."""
+  peer = load_script("experiments/benchmarks/passage_retrieval.py")
+  dump = Dump.load(toy[0])
+  scores = sparse.SparseIndex(toy[0], dump.manifest).scores(QUESTIONS)
+  rows, got, info = peer.bm25_retrieve(dump.passages, QUESTIONS, 3)
+  assert (info["k1"], info["b"]) == (sparse.SETTINGS["k1"], sparse.SETTINGS["b"])
+  for q, (found, values) in enumerate(zip(rows, got)):
+    np.testing.assert_allclose(values, scores[q, found], rtol=1e-5)
+    np.testing.assert_allclose(values, np.sort(scores[q])[::-1][:3], rtol=1e-5)
 
 
 def _exhaustive(vectors, token_passage, q_start, q_end, tokens):

@@ -41,8 +41,7 @@ class Dump:
         for key in arrays:
           value = np.load(path / f"{key}.npy")
           arrays[key].append(value + offset if key == "token_passage" else value)
-        with (path / "passages.jsonl").open(encoding="utf-8") as f:
-          passages.extend(Passage(**json.loads(line)) for line in f)
+        passages.extend(_shard_passages(path))
       except (OSError, ValueError, TypeError) as e:
         raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); "
                         "delete the dump and run it again") from None
@@ -52,3 +51,25 @@ class Dump:
         "num_passages"]:
       raise DumpError(f"{directory}: shard contents do not match the manifest counts")
     return cls(directory, manifest, passages=passages, **joined)
+
+  @staticmethod
+  def read_passages(directory: str | os.PathLike) -> list[Passage]:
+    """The dump's passages in row order without its vectors (for what needs only the texts)."""
+    directory = pathlib.Path(directory)
+    manifest = read_manifest(directory)
+    passages = []
+    for shard in manifest["shards"]:
+      try:
+        passages.extend(_shard_passages(directory / shard["name"]))
+      except (OSError, ValueError, TypeError) as e:
+        raise DumpError(f"{directory / shard['name']}: passages missing or damaged "
+                        f"({type(e).__name__}: {e}); delete the dump and run it again") from None
+    if len(passages) != manifest["num_passages"]:
+      raise DumpError(f"{directory}: {len(passages)} passages in the shards, "
+                      f"{manifest['num_passages']} in the manifest")
+    return passages
+
+
+def _shard_passages(path: pathlib.Path) -> list[Passage]:
+  with (path / "passages.jsonl").open(encoding="utf-8") as f:
+    return [Passage(**json.loads(line)) for line in f]

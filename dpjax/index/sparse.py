@@ -47,12 +47,21 @@ def _bm25s():
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
   """Stemmed terms of each text, as the index's passages were tokenized."""
   bm25s, stemmer = _bm25s()
-  return bm25s.tokenize(list(texts), stopwords="en", stemmer=stemmer, return_ids=False,
-                        show_progress=False)
+  return bm25s.tokenize(list(texts), stopwords=SETTINGS["stopwords"], stemmer=stemmer,
+                        return_ids=False, show_progress=False)
 
 
 def passage_text(passage) -> str:
   return f"{passage.title} {passage.text}"
+
+
+def bm25_of(texts: Sequence[str]):
+  """A bm25s BM25 of `texts` with `SETTINGS` (this index's and the BM25 peer's, one place)."""
+  bm25s, stemmer = _bm25s()
+  retriever = bm25s.BM25(k1=SETTINGS["k1"], b=SETTINGS["b"])
+  retriever.index(bm25s.tokenize(list(texts), stopwords=SETTINGS["stopwords"], stemmer=stemmer,
+                                 show_progress=False), show_progress=False)
+  return retriever
 
 
 def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest: dict,
@@ -67,12 +76,9 @@ def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest:
       return final
     except DumpError as e:
       log.warning("%s; building it again", e)
-  bm25s, stemmer = _bm25s()
   start = time.perf_counter()
   texts = [passage_text(p) for p in passages]
-  retriever = bm25s.BM25(k1=SETTINGS["k1"], b=SETTINGS["b"])
-  retriever.index(bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False),
-                  show_progress=False)
+  retriever = bm25_of(texts)
   tmp = final.with_name(final.name + ".tmp")
   remove(tmp)
   tmp.mkdir(parents=True)

@@ -93,19 +93,21 @@ def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 
   from dpjax import metrics
   from dpjax.index.dump import Dump
   from dpjax.index.hybrid import top_passages
+  from dpjax.index.manifest import read_manifest
   from dpjax.index.sparse import SparseIndex
-  dump = Dump.load(workdir / config.index.dump_name)
-  index = SparseIndex(dump.directory, dump.manifest)
+  directory = workdir / config.index.dump_name
+  manifest, passages = read_manifest(directory), Dump.read_passages(directory)
+  index = SparseIndex(directory, manifest)
   start, ranked = time.perf_counter(), []
   for lo in range(0, len(texts), 256):
     ranked += top_passages(index.scores(texts[lo:lo + 256]), k)
   seconds = time.perf_counter() - start
-  docs = [[dump.passages[row].text for row in rows] for rows in ranked]
+  docs = [[passages[row].text for row in rows] for rows in ranked]
   scores = metrics.passage_scores(docs, answers, ks=(1, 5, 20), mrr_k=20, precision_k=20)
   hits = {f"top{n}": "".join(str(int(any(metrics.has_answer(d, g) for d in ds[:n])))
                              for ds, g in zip(docs, answers)) for n in (1, 20)}
   return {**scores, "hits": hits, "questions_per_sec": len(texts) / seconds,
-          "index_bytes_per_token": index.manifest["index_bytes"] / dump.manifest["num_tokens"],
+          "index_bytes_per_token": index.manifest["index_bytes"] / manifest["num_tokens"],
           "settings": index.manifest["settings"]}
 
 

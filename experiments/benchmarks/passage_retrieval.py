@@ -39,26 +39,17 @@ KS = (1, 5, 20, 100)
 def bm25_retrieve(passages, questions, k: int,
                   ) -> tuple[list[list[int]], list[list[float]], dict]:
   """(the top-k passage rows [Q][k], their BM25 scores [Q][k], how it ran) of BM25 over the
-  passages (title and text)."""
-  import bm25s
-  try:
-    import Stemmer
-    stemmer = Stemmer.Stemmer("english")
-  except ImportError:
-    stemmer = None
-  texts = [f"{p.title} {p.text}" for p in passages]
+  passages, with the settings of dpjax's BM25 index (`dpjax.index.sparse.SETTINGS`)."""
+  from dpjax.index.sparse import SETTINGS, bm25_of, passage_text, tokenize
   start = time.perf_counter()
-  retriever = bm25s.BM25(k1=0.9, b=0.4)
-  retriever.index(bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False),
-                  show_progress=False)
+  retriever = bm25_of([passage_text(p) for p in passages])
   built = time.perf_counter() - start
   start = time.perf_counter()
-  rows, scores = retriever.retrieve(bm25s.tokenize(questions, stopwords="en", stemmer=stemmer,
-                                                   show_progress=False), k=k, show_progress=False)
+  rows, scores = retriever.retrieve(tokenize(questions), k=k, show_progress=False)
   seconds = time.perf_counter() - start
   return rows.tolist(), scores.tolist(), {
       "index_seconds": built, "questions_per_sec": len(questions) / seconds,
-      "stemmer": "snowball english (PyStemmer)" if stemmer else "none", "k1": 0.9, "b": 0.4}
+      "stemmer": SETTINGS["stemmer"], "k1": SETTINGS["k1"], "b": SETTINGS["b"]}
 
 
 def mean_pooled(model, tokenizer, texts, max_len: int, batch_size: int, mesh) -> np.ndarray:
