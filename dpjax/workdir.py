@@ -160,6 +160,16 @@ def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   return record
 
 
+def configure_index(index: PhraseIndex, config, *, verify: bool = False) -> PhraseIndex:
+  """The config's search options on a phrase index: merged spans, and hybrid search with the
+  dump's BM25 index (`index.sparse`)."""
+  index.merge_spans = config.index.merge_spans
+  if config.index.sparse:
+    index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
+                     config.index.sparse_weight, passages=config.index.sparse_passages)
+  return index
+
+
 def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, *,
                   verify: bool = False):
   """(DensePhrases over the workdir's index `index_name` (default index.search_index), the
@@ -171,10 +181,7 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
   index = PhraseIndex(workdir.dump(config), index_name or config.index.search_index,
                       nprobe=config.index.nprobe,
                       search_device=config.index.search_device, verify=verify)
-  index.merge_spans = config.index.merge_spans
-  if config.index.sparse:
-    index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
-                     config.index.sparse_weight, passages=config.index.sparse_passages)
+  configure_index(index, config, verify=verify)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,
                           batch_size=config.index.batch_size)

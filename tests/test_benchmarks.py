@@ -40,6 +40,18 @@ def test_passage_retrieval_benchmark_tiny(tmp_path, monkeypatch):
   assert [s["command"] for s in merged["systems"].values()] == [second, first, first, first]
   assert merged["systems"]["bm25"] == {**results["systems"]["bm25"], "command": first}
   assert "command 2, `" in again.with_suffix(".md").read_text()
+  # Hybrid search (the config's index.sparse) is its own row; at weight 0 it ranks as dense.
+  assert run.main(["index"] + base + ["--set", "index.sparse=True", "--set", "index.specs=[]",
+                                      "--set", "index.sparse_tune_questions=20"]) == 0
+  hybrid = tmp_path / "hybrid.json"
+  for weight in ("None", "0.0"):
+    assert _load("passage_retrieval").main(base + [
+        "--systems", "dpjax", "--indexes", "Flat", "--set", "index.sparse=True", "--set",
+        f"index.sparse_weight={weight}", "--out", str(hybrid)]) == 0
+    row = json.loads(hybrid.read_text())["systems"]["dpjax-Flat-hybrid"]
+    if weight == "0.0":
+      assert row["scores"] == merged["systems"]["dpjax-Flat"]["scores"]
+      assert row["em@1"] == merged["systems"]["dpjax-Flat"]["em@1"]
   # Merging only (no systems measured): a system in several tables comes from the last one.
   only = tmp_path / "only.json"
   assert _load("passage_retrieval").main(base + ["--systems", "--merge", str(again), str(out),

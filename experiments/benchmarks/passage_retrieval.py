@@ -9,6 +9,8 @@ paragraphs; all are scored by `dpjax.metrics.passage_scores`, normalised token-s
 match):
   dpjax-<index>  phrase-based passage retrieval (a passage scores as its best phrase), for every
                  index in --indexes (default Flat and IVFauto_SQ4), plus phrase EM@1/EM@10;
+                 with `--set index.sparse=True` hybrid search, named dpjax-<index>-hybrid
+                 (the config's search options apply: `dpjax.workdir.configure_index`);
   bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, the Snowball
                  English (Porter2) stemmer of PyStemmer (Pyserini: Lucene's Porter), over
                  "title text";
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
 
   from dpjax import metrics
   from dpjax.data import Tokenizer
-  from dpjax.workdir import open_workdir, restore_model
+  from dpjax.workdir import configure_index, open_workdir, restore_model
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.search import DensePhrases
@@ -179,9 +181,11 @@ def main(argv=None) -> int:
   if "dpjax" in args.systems:
     model, step = restore_model(config, workdir)
     tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-    for name in args.indexes:
-      searcher = DensePhrases(model, PhraseIndex(dump, name, nprobe=config.index.nprobe),
-                              tokenizer, max_query_length=config.data.max_query_length,
+    for index in args.indexes:
+      name = index + ("-hybrid" if config.index.sparse else "")
+      searcher = DensePhrases(model, configure_index(PhraseIndex(dump, index,
+                                                                 nprobe=config.index.nprobe),
+                                                     config), tokenizer, max_query_length=config.data.max_query_length,
                               batch_size=batch, mesh=mesh)
       start = time.perf_counter()
       found, phrases = searcher.search_many(texts, [(k, "passage"), (10, "phrase")],
