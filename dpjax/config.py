@@ -173,7 +173,8 @@ def _override(config: ml_collections.ConfigDict, override: str) -> None:
 
 # (field, test, what it must be): values no run can use, refused before any work starts.
 _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_checkpoints",
-             "eval.batch_size", "eval.max_answer_length", "index.batch_size", "index.top_k",
+             "eval.batch_size", "eval.max_answer_length", "eval.reader_passages",
+             "index.batch_size", "index.top_k",
              "index.nprobe", "index.train_size", "index.shard_passages", "qsft.batch_size",
              "qsft.top_k", "qsft.epochs", "mine.top_k", "filter.batch_size", "filter.epochs",
              "filter.train_windows", "filter.dev_windows", "train.hard_negatives.per_example",
@@ -186,7 +187,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "mine.limit", "validation.every_steps", "validation.sample_questions",
                  "serve.max_wait_ms", "serve.port", "index.dump_min_context",
                  "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length",
-                 "eval.passage_k", "validation.limit", "filter.sweep_questions",
+                 "eval.passage_k", "eval.reader_tune_questions", "validation.limit", "filter.sweep_questions",
                  "filter.max_em_drop", "train.seed", "model.seed", "qsft.seed", "filter.seed",
                  "validation.seed")
 _LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]
@@ -379,6 +380,14 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
       # `run.py eval`'s throughput: consecutive batches of 64 of the first N questions (at
       # least 64), encoding included, as a service sees them.
       "throughput_questions": 1280,
+      # The retriever-reader pipeline (dpjax/reading.py): a workdir holding a `run.py teacher`
+      # reader, which then reads each question's top reader_passages passages; its answers
+      # mix the reader's and the index's scores with weight reader_mu (unset: chosen on
+      # reader_tune_questions random training questions). Empty: off.
+      "reader": "",
+      "reader_passages": 10,
+      "reader_mu": ml_collections.config_dict.placeholder(float),
+      "reader_tune_questions": 500,
   })
   config.update(overrides)
   return config

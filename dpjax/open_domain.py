@@ -28,6 +28,7 @@ from dpjax.index.manifest import dump_config
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.layout import Workdir
 from dpjax.parallel import make_mesh
+from dpjax.reading import check_reader_config, read_answers
 from dpjax.workdir import (apply_filter_head, checked_dump, data_paths, load_searcher,
                            restore_model, writes_to)
 
@@ -101,6 +102,8 @@ def run_eval_open(config, workdir: str) -> dict:
   the top-10 phrases and passage Top-k / MRR / P@k (from one index search), written with the
   predictions to workdir/open_eval_<index>[_<checkpoint>].json."""
   workdir = Workdir(workdir)
+  if config.eval.reader:
+    check_reader_config(config)
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]
@@ -134,11 +137,15 @@ def run_eval_open(config, workdir: str) -> dict:
             "index_spec": index.manifest["resolved_spec"],
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"],
             "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index)}
+  reading = None
+  if config.eval.reader:  # the retriever-reader pipeline over the ranked passages
+    report["reader"], reading = read_answers(config, workdir, searcher, questions, found[1],
+                                             seconds)
   phrases = [[index.result(p) for p, _ in units] for units in found[0]]
   # eval.passage_k = 0: no passage search, an empty TREC run (not a stale one of another run)
   ranked = [[(index.dump.passages[p.passage].id, p.score) for p, _ in units]
             for units in (found[1] if passage_k else [[] for _ in questions])]
-  _write_eval(config, workdir, report, questions, phrases, ranked)
+  _write_eval(config, workdir, report, questions, phrases, ranked, reading)
   return report
 
 
@@ -206,7 +213,7 @@ def _spans(results: list[dict]) -> list[list]:
 
 
 def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
-                ranked) -> None:
+                ranked, reading=None) -> None:
   """Writes the report, the phrase predictions (JSONL) and the passage ranking (a TREC run file,
   `qid Q0 passage_id rank score dpjax`, as Pyserini writes); for an approximate index, adds how
   often its top-1 is the Flat index's (when Flat was evaluated on the same model and dump)."""
@@ -235,8 +242,10 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
                   flat_report, flat_model)
   write_lines_atomic(workdir / f"open_predictions_{name}{tag}.jsonl", (
       json.dumps({"id": q.id, "question": q.question, "answers": q.answers,
-                  "predictions": [p["answer"] for p in r], "spans": _spans(r)}) + "\n"
-      for q, r in zip(questions, phrases)))
+                  "predictions": [p["answer"] for p in r], "spans": _spans(r),
+                  **({"reader_prediction": reading[i]} if reading is not None else {})})
+      + "\n"
+      for i, (q, r) in enumerate(zip(questions, phrases))))
   skipped = _write_trec(workdir / f"open_run_{name}{tag}.trec", questions, ranked)
   if skipped:
     report["trec_run_not_written"] = skipped

@@ -34,7 +34,7 @@ LAYERS = [
     # L3: one module per paper concept, each with its run_* program.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
      "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve", "dpjax.verify",
-     "dpjax.fusion"},
+     "dpjax.fusion", "dpjax.reading"},
     # L4: the training loop.
     {"dpjax.train", "dpjax.teacher"},
     # L5: the command line (a table of modes; `run.py` and the `dpjax` command).

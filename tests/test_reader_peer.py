@@ -1,6 +1,8 @@
 """The cross-encoder reader over retrieved passages (`rc.read_retrieved`): its answer is the best
 span over every window of a question's passages, as an exhaustive numpy search finds it."""
 import json
+import re
+import shutil
 
 import jax.numpy as jnp
 import ml_collections
@@ -218,13 +220,22 @@ def test_mixed_answers_match_a_loop_over_the_passages():
     rc.mixed_answers([[span(0, 1.0)]], [[1.0]], 1.5)
 
 
-@pytest.mark.slow
-def test_reader_peer_benchmark_tiny(tmp_path):
-  """`experiments/benchmarks/reader_peer.py` end to end on the tiny pipeline: a phrase model,
-  its dump and Flat index, and a reader, all in one workdir."""
-  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+  """A workdir of the tiny pipeline: a phrase model, its dump and Flat index, and a reader."""
+  workdir = tmp_path_factory.mktemp("pipeline")
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(workdir)]
   for mode in ("train", "dump", "index", "teacher"):
     assert run.main([mode] + base) == 0, mode
+  return workdir
+
+
+@pytest.mark.slow
+def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
+  """`experiments/benchmarks/reader_peer.py` end to end on the tiny pipeline: a phrase model,
+  its dump and Flat index, and a reader, all in one workdir."""
+  shutil.copytree(tiny_pipeline, tmp_path, dirs_exist_ok=True)
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
   out = tmp_path / "peer.json"
   script = load_script("experiments/benchmarks/reader_peer.py")
   peer = base + ["--reader", str(tmp_path), "--k", "3", "--warmup", "2", "--tune-questions",
@@ -286,7 +297,7 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   with pytest.raises(SystemExit, match="question_rows"):
     script.main(peer + ["--sample", "6", "--systems", "bm25", "--out", str(split)])
   # With mu = 1 the only choice, a mixed row answers as the reader alone, question by question.
-  script.MU_GRID = (1.0,)
+  monkeypatch.setattr("dpjax.reading.MU_GRID", (1.0,))
   assert script.main(peer + ["--out", str(tmp_path / "mu1.json")]) == 0
   mu1 = json.loads((tmp_path / "mu1.json").read_text())["systems"]
   for name in ("dpjax", "bm25"):
@@ -331,3 +342,72 @@ def test_reader_peer_benchmark_tiny(tmp_path):
   a, b, p = sampled["paired"]["bm25+reader vs hybrid"]["em@1"]
   hits = (sampled["rows"]["bm25+reader"]["hits"]["em@1"], on_sample["hits"]["em@1"])
   assert (a, b) == (sum(x > y for x, y in zip(*hits)), sum(x < y for x, y in zip(*hits)))
+
+
+def _trec_rows(path, row_of, k: int) -> list[list[int]]:
+  """Each question's first k passage rows of a TREC run file, in its order of questions."""
+  ranked: dict[str, list[int]] = {}
+  for line in path.read_text().splitlines():
+    qid, _, pid, _, _, _ = line.split()
+    ranked.setdefault(qid, []).append(row_of[pid])
+  return [rows[:k] for rows in ranked.values()]
+
+
+@pytest.mark.slow
+def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog):
+  """`run.py eval --set eval.reader=...`: the reader reads each question's top passages of the
+  eval's own ranking; with mu 1 it answers as `rc.read_retrieved` over them, with mu 0 from the
+  first passage; mu unset is chosen on training questions; bad settings refused in one line."""
+  from dpjax import reading
+  from dpjax.data import Tokenizer
+  from dpjax.index.dump import Dump
+  shutil.copytree(tiny_pipeline, tmp_path, dirs_exist_ok=True)
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path)]
+  reader_sets = ["--set", f"eval.reader={tmp_path}", "--set", "eval.reader_passages=3"]
+  config = load_config("experiments/demo.py:tiny")
+  passages = Dump.read_passages(tmp_path / "dump")
+  row_of = {p.id: row for row, p in enumerate(passages)}
+  model, step = rc.restore_reader(config, tmp_path)
+  for mu in (1.0, 0.0):
+    assert run.main(["eval"] + base + reader_sets + ["--set", f"eval.reader_mu={mu}"]) == 0
+    report = json.loads((tmp_path / "open_eval_Flat.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "open_predictions_Flat.jsonl").open()]
+    record, got = report["reader"], [line["reader_prediction"] for line in lines]
+    assert (record["mu"], record["passages"], record["step"]) == (mu, 3, step)
+    assert record["mu_tuning"] == {"set": "eval.reader_mu"}
+    rows = _trec_rows(tmp_path / "open_run_Flat.trec", row_of, 3)
+    texts = [line["question"] for line in lines]
+    per_passage = rc.read_retrieved_passages(
+        model, Tokenizer.from_pretrained(config.model.tokenizer), config.data, texts, passages,
+        rows, mesh=make_mesh(), batch_size=config.eval.batch_size,
+        max_answer_length=config.eval.max_answer_length)
+    if mu == 1.0:  # the reader alone: its best span over the three passages
+      expected = rc.read_retrieved(model, Tokenizer.from_pretrained(config.model.tokenizer),
+                                   config.data, texts, passages, rows, mesh=make_mesh(),
+                                   batch_size=config.eval.batch_size,
+                                   max_answer_length=config.eval.max_answer_length)
+      assert got == [a.text if a else None for a in expected]
+    else:  # the retriever alone: the reader's best span in the first passage
+      assert got == [spans[0].text if spans[0] else None for spans in per_passage]
+    hits = record["hits"]["em@1"]
+    assert len(hits) == report["questions"] == len(lines)
+    assert hits == reading.em_hits(got, [line["answers"] for line in lines])
+    assert abs(record["em@1"] - 100 * hits.count("1") / len(hits)) < 1e-9
+    assert record["questions_per_sec"] > 0
+  # Unset, mu is chosen on 10 training questions by EM@1 (every mu's recorded).
+  assert run.main(["eval"] + base + reader_sets + ["--set", "eval.reader_tune_questions=10"]) == 0
+  record = json.loads((tmp_path / "open_eval_Flat.json").read_text())["reader"]
+  tuning = record["mu_tuning"]
+  assert tuning["questions"] == 10 and tuning["file"].endswith("train.json")
+  assert [float(mu) for mu in tuning["em@1"]] == list(reading.MU_GRID)
+  assert record["mu"] == tuning["mu"] and tuning["em@1"][str(record["mu"])] == max(
+      tuning["em@1"].values())
+  # Settings no run can use: one line (exit 2) before any work.
+  for bad, says in (("eval.reader_mu=1.5", r"eval.reader_mu 1.5: .* \[0, 1\]"),
+                    ("eval.reader_passages=101", "eval.reader_passages 101 is more than "
+                     "eval.passage_k 100"),
+                    (f"eval.reader={tmp_path}/none", "none: no such workdir")):
+    caplog.clear()
+    assert run.main(["eval"] + base + reader_sets + ["--set", bad]) == 2, bad
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and re.search(says, errors[0]), (bad, errors)

@@ -48,12 +48,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# The mixed rows' mu: only the ratio mu / (1 - mu) of the reader's weight to the retriever's
-# moves the argmax, and the retrievers' scores (BM25's; dpjax's phrase scores) and the reader's
-# logits have scales of their own, so the ratio doubles from 1/64 to 64 (an even grid in mu would
-# hold only 1/9 to 9); the retriever alone (0) and the reader alone (1) are in it.
-MU_GRID = (0.0, *(round(2.0 ** j / (1 + 2.0 ** j), 4) for j in range(-6, 7)), 1.0)
-TUNE_SEED = 17  # the training questions mu is chosen on (as `dpjax.fusion`'s hybrid weight)
+from dpjax.reading import MU_GRID, TUNE_SEED, choose_mu, em_hits  # noqa: E402
 SAMPLE_SEED = 23  # --sample's evaluation questions
 
 
@@ -62,13 +57,6 @@ def git_commit() -> str:
   run = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
   commit = run("rev-parse", "HEAD").stdout.strip() or "unknown"
   return commit + ("-dirty" if run("diff", "--quiet", "HEAD").returncode == 1 else "")
-
-
-def em_hits(predictions: list[str | None], answers) -> str:
-  """Per question, whether its one answer matches a gold one, as a 0/1 string."""
-  from dpjax import metrics
-  return "".join(str(int(p is not None and metrics.max_over_gold(metrics.exact_match, p, g) > 0))
-                 for p, g in zip(predictions, answers))
 
 
 def passage_ks(k: int) -> list[int]:
@@ -111,35 +99,6 @@ def read_passages(passages, found, answers) -> dict:
               a is not None and metrics.has_answer(passages[a.passage_row].text, g)
               for a, g in zip(found, answers)) / n,
           "read_from_first": 100.0 * sum(a is not None and a.rank == 0 for a in found) / n}
-
-
-def em_at_1(found, answers) -> float:
-  """EM@1 (x100) of `rc.ReadAnswer`s (None: no answer)."""
-  hits = em_hits([a.text if a else None for a in found], answers)
-  return 100.0 * hits.count("1") / max(len(answers), 1)
-
-
-def median_spread(per_passage, retriever_scores) -> dict:
-  """The median over questions of the range (max - min) of the retriever's and of the reader's
-  scores over the passages read: the two scales mu weighs against each other."""
-  spreads = {"retriever": [], "reader": []}
-  for spans, scores in zip(per_passage, retriever_scores):
-    read = [(r, a.score) for a, r in zip(spans, scores) if a is not None]
-    if len(read) > 1:
-      for name, values in zip(spreads, zip(*read)):
-        spreads[name].append(max(values) - min(values))
-  return {name: float(np.median(v)) if v else None for name, v in spreads.items()}
-
-
-def choose_mu(per_passage, retriever_scores, answers) -> dict:
-  """The mu of `MU_GRID` with the best EM@1 of `rc.mixed_answers` on held-out questions (ties
-  to the smaller mu), with every mu's EM@1 and the scores' spreads."""
-  from dpjax.rc import mixed_answers
-  scores = {mu: em_at_1(mixed_answers(per_passage, retriever_scores, mu), answers)
-            for mu in MU_GRID}
-  best = max(MU_GRID, key=lambda mu: (scores[mu], -mu))
-  return {"mu": best, "em@1": {str(mu): em for mu, em in scores.items()},
-          "median_spread": median_spread(per_passage, retriever_scores)}
 
 
 def reader_rows(name, passages, rows, retriever_scores, per_passage, answers, k: int,
