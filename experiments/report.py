@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import pathlib
 import shlex
+import subprocess
 import sys
 from typing import Sequence
 
 from dpjax.io import write_json, write_text_atomic
 from dpjax.metrics import mcnemar_p  # noqa: F401 (the experiments' paired test, from here)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+  """HEAD's commit, with `-dirty` when tracked files differ from it."""
+  run = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+  commit = run("rev-parse", "HEAD").stdout.strip() or "unknown"
+  return commit + ("-dirty" if run("diff", "--quiet", "HEAD").returncode == 1 else "")
 
 
 class Elided(str):

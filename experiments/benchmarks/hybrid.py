@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-from experiments.benchmarks.reader_peer import git_commit  # noqa: E402
+from experiments.report import git_commit  # noqa: E402
 RUNS = {  # row: (its eval file, the run.py overrides that make it)
     "dense": ("open_eval_Flat.json", []),
     "dense, spans not merged": ("open_eval_Flat_unmerged.json", ["index.merge_spans=False"]),

@@ -39,7 +39,6 @@ import argparse
 import json
 import logging
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -47,16 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 from dpjax.reading import MU_GRID, TUNE_SEED, choose_mu, em_hits  # noqa: E402
+from experiments.report import git_commit  # noqa: E402
 SAMPLE_SEED = 23  # --sample's evaluation questions
-
-
-def git_commit() -> str:
-  """HEAD's commit, with `-dirty` when tracked files differ from it."""
-  run = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-  commit = run("rev-parse", "HEAD").stdout.strip() or "unknown"
-  return commit + ("-dirty" if run("diff", "--quiet", "HEAD").returncode == 1 else "")
 
 
 def passage_ks(k: int) -> list[int]:

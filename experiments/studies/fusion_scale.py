@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   from dpjax.config import load_config, setup_logging
   from dpjax.index.sparse import SparseIndex
   from dpjax.workdir import load_searcher
-  from experiments.benchmarks.reader_peer import git_commit
+  from experiments.report import git_commit
   from experiments.report import save_results
   setup_logging("dpjax.fusion", fmt="%(asctime)s %(message)s")
   config = load_config(args.config, args.set)
