@@ -342,6 +342,16 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   a, b, p = sampled["paired"]["bm25+reader vs hybrid"]["em@1"]
   hits = (sampled["rows"]["bm25+reader"]["hits"]["em@1"], on_sample["hits"]["em@1"])
   assert (a, b) == (sum(x > y for x, y in zip(*hits)), sum(x < y for x, y in zip(*hits)))
+  # The hybrid search's passages read (--set index.sparse=True): rows named hybrid, beside the
+  # others; its phrase answers are the hybrid eval's on the same questions.
+  assert script.main(peer + ["--sample", "7", "--systems", "dpjax", "--set", "index.sparse=True",
+                             "--out", str(split)]) == 0
+  systems = json.loads(split.read_text())["systems"]
+  assert set(systems) == set(both["systems"]) | {"hybrid", "hybrid+reader",
+                                                 "hybrid+reader (mixed)"}
+  assert systems["hybrid"]["hits"]["em@1"] == on_sample["hits"]["em@1"]
+  assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path)]) == 0
+  assert "hybrid+reader (mixed) vs hybrid" in json.loads(report_path.read_text())["paired"]
 
 
 def _trec_rows(path, row_of, k: int) -> list[list[int]]:

@@ -171,13 +171,15 @@ def bm25_systems(read_rows, passages, texts, answers, tune_texts, tune_answers, 
 
 def dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts, tune_answers,
                   k: int) -> dict:
-  """dpjax's phrase row and its reader rows (`reader_rows`)."""
+  """dpjax's phrase row and its reader rows (`reader_rows`), named `hybrid` when the config
+  searches hybrid (`index.sparse`)."""
   passages = searcher.index.dump.passages
+  name = "hybrid" if config.index.sparse else "dpjax"
   rows, scores, phrases, search_s = dpjax_search(searcher, texts, k, config)
-  systems = {"dpjax": system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
+  systems = {name: system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
   per_passage, read_s = read_rows(texts, rows)
   tune_rows, tune_scores = dpjax_search(searcher, tune_texts, k, config)[:2]
-  systems.update(reader_rows("dpjax", passages, rows, scores, per_passage, answers, k,
+  systems.update(reader_rows(name, passages, rows, scores, per_passage, answers, k,
                              {"retrieval": search_s, "reading": read_s},
                              choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores,
                                        tune_answers)))
@@ -282,11 +284,12 @@ def table(results: dict, command: str) -> str:
                  + (f"{qps['reading']:.1f}" if "reading" in qps else "-")
                  + f" | {qps['pipeline']:.1f} |")
   systems = results["systems"]
-  if "dpjax" in systems:
-    a_only, b_only, p = mcnemar_p(systems["dpjax+reader"]["hits"]["em@1"],
-                                  systems["dpjax"]["hits"]["em@1"])
-    lines += ["", f"EM@1, dpjax+reader against dpjax's phrases: right only with the reader "
-                  f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
+  for name in ("dpjax", "hybrid"):
+    if name in systems:
+      a_only, b_only, p = mcnemar_p(systems[f"{name}+reader"]["hits"]["em@1"],
+                                    systems[name]["hits"]["em@1"])
+      lines += ["", f"EM@1, {name}+reader against {name}'s phrases: right only with the reader "
+                    f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
   if len(results.get("runs", [])) > 1:
     lines += ["", "Measured in " + str(len(results["runs"])) + " runs: " + "; ".join(
         f"{', '.join(r['systems'])} at {r['commit']} on {r['device']}" for r in results["runs"])
@@ -324,8 +327,9 @@ def main(argv=None) -> int:
   parser.add_argument("--tune-questions", type=int, default=500,
                       help="random training questions mu is chosen on (0: all of them)")
   parser.add_argument("--systems", default="dpjax,bm25",
-                      help="the retrievers measured (dpjax, bm25 or both); a run of one keeps the "
-                      "other's rows from --out (BM25's need no dump: they can run first)")
+                      help="the retrievers measured (dpjax, bm25 or both; dpjax's rows are named "
+                      "hybrid with --set index.sparse=True); a run keeps the rows it does not "
+                      "measure from --out (BM25's need no dump: they can run first)")
   parser.add_argument("--out", required=True)
   parser.add_argument("--set", action="append", default=[], help="overrides of --config")
   parser.add_argument("--note", action="append", default=[],
