@@ -331,8 +331,11 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   assert report["rows"]["hybrid"]["hybrid"]["weight"] is not None
   # Reader rows of a sample (split.json, 7 questions): the other rows again on those questions,
   # and the paired test against the hybrid on them.
-  assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path)]) == 0
+  assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path), "--note",
+                             "A note under the table."]) == 0
   sampled = json.loads(report_path.read_text())
+  markdown = report_path.with_suffix(".md").read_text()
+  assert markdown.endswith("\n\nA note under the table.\n") and "--note ..." in markdown
   rows = both["question_rows"]
   assert sampled["reader_sample"]["questions"] == 7 and sampled["questions"] == 12
   on_sample = sampled["reader_sample"]["rows"]["hybrid"]

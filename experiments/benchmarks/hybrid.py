@@ -153,7 +153,8 @@ def table(result: dict, command: str) -> str:
                                            for k, (a, b, p) in tests.items()))
   lines += ["", "Each row's command:", ""] + [f"- {name}: `{c}`"
                                               for name, c in result["commands"].items()]
-  return "\n".join(lines) + "\n"
+  from experiments.report import with_notes
+  return with_notes(lines, result.get("notes", []))
 
 
 def eval_row(report: dict) -> dict:
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
   parser.add_argument("--reader-json", help="reader_peer.py's JSON (its reader rows)")
   parser.add_argument("--rerun", action="store_true", help="rerun the evals that exist")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--note", action="append", default=[],
+                      help="a paragraph under the table")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   from dpjax.config import load_config
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
       raise SystemExit(f"{name}: {count} questions, expected {expected}: rerun it (--rerun, "
                        "or reader_peer.py on the same questions)")
   result = {"questions": len(questions), "config": args.config, "workdir": args.workdir,
-            "commit": git_commit(), "rows": rows, "commands": commands,
+            "commit": git_commit(), "rows": rows, "commands": commands, "notes": args.note,
             "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
                                                  ("em@1", "top1", "top20")),
                        "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20"))}}
@@ -220,8 +223,9 @@ def main(argv=None) -> int:
   for name in rows:
     if is_reader(name):
       result["paired"][f"{name} vs hybrid"] = paired(rows[name], hybrid, ("em@1",))
-  from experiments.report import save_results
-  save_results(args.out, result, table, "experiments/benchmarks/hybrid.py", argv)
+  from experiments.report import elide_notes, save_results
+  save_results(args.out, result, table, "experiments/benchmarks/hybrid.py",
+               elide_notes(sys.argv[1:] if argv is None else argv))
   return 0
 
 
