@@ -132,18 +132,22 @@ def table(result: dict, command: str) -> str:
            "| system | " + " | ".join(SHOWN) + " | questions/s | index bytes/token |",
            "|---" * (len(SHOWN) + 3) + "|"]
   number = lambda v, digits=2: "-" if v is None else f"{v:.{digits}f}"
+  sample = result.get("reader_sample")
   for name, row in result["rows"].items():
+    if sample and is_reader(name):  # (on their sample only: the table below)
+      continue
     lines.append(f"| {name} | " + " | ".join(number(row.get(k)) for k in SHOWN)
                  + f" | {number(row.get('questions_per_sec'), 1)}"
                  + f" | {number(row.get('index_bytes_per_token'), 1)} |")
-  sample = result.get("reader_sample")
   if sample:
     lines += ["", f"The reader rows read {sample['questions']} random questions of these (seed "
-              f"{sample['seed']}); on the same questions:", "",
-              "| system | em@1 | top1 | top20 |", "|---|---|---|---|"]
+              f"{sample['seed']}); all rows on those questions (questions/s: the reader "
+              "rows', retrieval and reading in sequence):", "",
+              "| system | em@1 | top1 | top20 | questions/s |", "|---|---|---|---|---|"]
     lines += [f"| {name} | " + " | ".join(number(row.get(k)) for k in ("em@1", "top1", "top20"))
-              + " |" for name, row in sample["rows"].items()]
-    lines += [f"| {name} | {number(row['em@1'])} | - | - |"
+              + " | |" for name, row in sample["rows"].items()]
+    lines += [f"| {name} | {number(row['em@1'])} | - | - | "
+              f"{number(row['questions_per_sec'], 1)} |"
               for name, row in result["rows"].items() if is_reader(name)]
   lines += ["", "McNemar's exact test: questions right only in the first system / only in the "
             "second, two-sided p" + (" (reader rows: on their sample)" if sample else "") + ".",
