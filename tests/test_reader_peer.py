@@ -284,6 +284,8 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   assert set(both["systems"]) == set(results["systems"])
   assert [run["systems"] for run in both["runs"]] == [
       ["bm25+reader", "bm25+reader (mixed)"], ["dpjax", "dpjax+reader", "dpjax+reader (mixed)"]]
+  assert ["--systems bm25" in run["command"] for run in both["runs"]] == [True, False]
+  assert "--systems dpjax" in both["runs"][1]["command"]
   assert both["passages_sha256"] == results["passages_sha256"] and both["model_step"]
   for name, row in results["systems"].items():
     if "mixing" not in row:  # (mu is chosen again: the same training questions, the same mu)

@@ -241,9 +241,9 @@ SAME = ("config", "questions", "question_rows", "passages", "k", "passages_sha25
 def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
   """`results` with the rows of the systems this run did not measure kept from the JSON at
   `out` (an earlier run of the other --systems), which must have read the same questions,
-  passages and reader; each run (its systems, commit, device) is listed under `runs`."""
+  passages and reader; each run (its systems, commit, device, command) is listed under `runs`."""
   run = {"systems": sorted(results["systems"]), "commit": results["commit"],
-         "device": results["device"]}
+         "device": results["device"], "command": results.get("command")}
   if not out.is_file():
     return {**results, "runs": [run]}
   old = json.loads(out.read_text())
@@ -292,7 +292,8 @@ def table(results: dict, command: str) -> str:
                     f"{a_only}, only without it {b_only}, McNemar p {p_text(p)}."]
   if len(results.get("runs", [])) > 1:
     lines += ["", "Measured in " + str(len(results["runs"])) + " runs: " + "; ".join(
-        f"{', '.join(r['systems'])} at {r['commit']} on {r['device']}" for r in results["runs"])
+        f"{', '.join(r['systems'])} at {r['commit']} on {r['device']}"
+        + (f" by `{r['command']}`" if r.get("command") else "") for r in results["runs"])
         + "."]
   tuning = results["tuning"]
   for name, row in systems.items():
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
     parser.error(f"--systems {','.join(sorted(args.systems))}: dpjax, bm25 or dpjax,bm25")
   if args.k < 1:
     parser.error(f"--k {args.k}: read at least one passage")
-  from experiments.report import elide_notes, save_results
+  from experiments.report import command_line, elide_notes, save_results
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   from dpjax.config import load_config, setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
   reader_config = load_config(args.reader_config) if args.reader_config else config
   results = measure(args, config, reader_config, pathlib.Path(args.workdir))
   results.update(commit=git_commit(), notes=args.note,
-                 device=f"{jax.device_count()} x {jax.devices()[0].device_kind}")
+                 device=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+                 command=command_line("experiments/benchmarks/reader_peer.py", argv))
   results = with_kept_rows(results, pathlib.Path(args.out))
   save_results(args.out, results, table, "experiments/benchmarks/reader_peer.py", argv)
   return 0
