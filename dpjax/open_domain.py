@@ -103,7 +103,7 @@ def run_eval_open(config, workdir: str) -> dict:
   predictions to workdir/open_eval_<index>[_<checkpoint>].json."""
   workdir = Workdir(workdir)
   if config.eval.reader:
-    check_reader_config(config)
+    check_reader_config(config, workdir)
   questions = read_questions(data_paths(config, workdir)["questions"])
   if config.eval.limit:
     questions = questions[:config.eval.limit]

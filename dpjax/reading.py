@@ -22,6 +22,7 @@ from dpjax.config import SAVED_CONFIG, workdir_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import ConfigError
+from dpjax.layout import Workdir
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.rc import mixed_answers, read_retrieved_passages, restore_reader
 
@@ -89,7 +90,7 @@ class Reader:
                                    max_answer_length=self.max_answer_length)
 
 
-def check_reader_config(config) -> None:
+def check_reader_config(config, workdir) -> None:
   """Refuses `eval.reader` settings no run can use, before any work."""
   mu = config.eval.reader_mu
   if mu is not None and not 0.0 <= mu <= 1.0:
@@ -103,6 +104,14 @@ def check_reader_config(config) -> None:
   if not pathlib.Path(config.eval.reader).is_dir():
     raise ConfigError(f"eval.reader {config.eval.reader}: no such workdir (one holding a "
                       "`run.py teacher` reader)")
+  checkpoints = Workdir(config.eval.reader).teacher.checkpoints()
+  if not checkpoints.is_dir():
+    raise ConfigError(f"eval.reader {config.eval.reader}: no reader checkpoint in {checkpoints} "
+                      "(train one with `run.py teacher`)")
+  train = data_files(config.data, workdir).get("train")
+  if mu is None and not (train and pathlib.Path(train).is_file()):
+    raise ConfigError(f"eval.reader_mu is unset and there are no training questions ({train}) "
+                      "to choose it on: set eval.reader_mu")
 
 
 def ranked_passages(found_passages, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -112,12 +121,13 @@ def ranked_passages(found_passages, k: int) -> tuple[list[list[int]], list[list[
           [[unit.score for unit, _ in units] for units in top])
 
 
-def tuned_mu(config, workdir, reader: Reader, searcher) -> dict:
-  """mu chosen on `eval.reader_tune_questions` random training questions, searched by
-  `searcher` as the evaluation's are (`choose_mu`), with a record of the questions."""
+def tuned_mu(config, workdir, reader: Reader, searcher, evaluated: set[str]) -> dict:
+  """mu chosen on `eval.reader_tune_questions` random training questions (none of the
+  `evaluated` ids), searched by `searcher` as the evaluation's are (`choose_mu`), with a record
+  of the questions."""
   path = data_files(config.data, workdir)["train"]
-  questions = sample_questions(read_questions(path), config.eval.reader_tune_questions,
-                               TUNE_SEED)
+  questions = sample_questions([q for q in read_questions(path) if q.id not in evaluated],
+                               config.eval.reader_tune_questions, TUNE_SEED)
   texts = [q.question for q in questions]
   # ranked as the evaluation ranks: its passage_k, then the first reader_passages
   found = searcher.search(texts, k=config.eval.passage_k, unit="passage",
@@ -139,7 +149,7 @@ def read_answers(config, workdir, searcher, questions, found_passages,
   reader = Reader(config)
   k = config.eval.reader_passages
   if config.eval.reader_mu is None:
-    tuning = tuned_mu(config, workdir, reader, searcher)
+    tuning = tuned_mu(config, workdir, reader, searcher, {q.id for q in questions})
     mu = tuning["mu"]
   else:
     tuning, mu = {"set": "eval.reader_mu"}, config.eval.reader_mu

@@ -351,12 +351,27 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   # others; its phrase answers are the hybrid eval's on the same questions.
   assert script.main(peer + ["--sample", "7", "--systems", "dpjax", "--set", "index.sparse=True",
                              "--out", str(split)]) == 0
-  systems = json.loads(split.read_text())["systems"]
+  third = json.loads(split.read_text())
+  systems = third["systems"]
   assert set(systems) == set(both["systems"]) | {"hybrid", "hybrid+reader",
                                                  "hybrid+reader (mixed)"}
   assert systems["hybrid"]["hits"]["em@1"] == on_sample["hits"]["em@1"]
+  weight = sampled["rows"]["hybrid"]["hybrid"]["weight"]
+  assert all(systems[n]["hybrid"]["weight"] == weight for n in systems if n.startswith("hybrid"))
   assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path)]) == 0
   assert "hybrid+reader (mixed) vs hybrid" in json.loads(report_path.read_text())["paired"]
+  # Reader rows of other questions, or searched with another weight, are refused.
+  for key, value, says in (("questions_sha256", "0" * 64, "read other questions"),
+                           ("weight", weight + 1.0, "searched with hybrid weight")):
+    other = json.loads(split.read_text())
+    if key == "weight":
+      other["systems"]["hybrid+reader"]["hybrid"]["weight"] = value
+    else:
+      other[key] = value
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=says):
+      hybrid.main(base + ["--reader-json", str(tmp_path / "other.json"), "--out",
+                          str(tmp_path / "refused.json")])
 
 
 def _trec_rows(path, row_of, k: int) -> list[list[int]]:
@@ -418,7 +433,9 @@ def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog):
   assert record["mu"] == tuning["mu"] and tuning["em@1"][str(record["mu"])] == max(
       tuning["em@1"].values())
   # Settings no run can use: one line (exit 2) before any work.
+  (tmp_path / "untrained").mkdir()
   for bad, says in (("eval.reader_mu=1.5", r"eval.reader_mu 1.5: .* \[0, 1\]"),
+                    (f"eval.reader={tmp_path}/untrained", "untrained: no reader checkpoint"),
                     ("eval.reader_passages=101", "eval.reader_passages 101 is more than "
                      "eval.passage_k 100"),
                     (f"eval.reader={tmp_path}/none", "none: no such workdir")):

@@ -111,6 +111,31 @@ def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 
           "settings": index.manifest["settings"]}
 
 
+def check_reader_questions(path, readers: dict, questions, sample) -> None:
+  """Refuses reader rows of other questions: their digest (reader_peer.py records one) must be
+  that of these questions, or of the sample's rows of them."""
+  from experiments.benchmarks.reader_peer import questions_digest
+  if sample and max(sample) >= len(questions):
+    raise SystemExit(f"{path}: its sample reaches question {max(sample)}, past these "
+                     f"{len(questions)}")
+  read = [questions[i] for i in sample] if sample else questions
+  recorded = readers.get("questions_sha256")
+  if recorded is None:
+    logging.warning("%s records no digest of its questions: matched by count only", path)
+  elif recorded != questions_digest(read):
+    raise SystemExit(f"{path}: its reader rows read other questions than these")
+
+
+def check_hybrid_weight(path, readers: dict, hybrid: dict) -> None:
+  """Refuses hybrid reader rows searched with another weight than the hybrid eval's."""
+  weight = (hybrid.get("hybrid") or {}).get("weight")
+  for name, row in readers["systems"].items():
+    used = (row.get("hybrid") or {}).get("weight")
+    if used is not None and used != weight:
+      raise SystemExit(f"{path}: {name} searched with hybrid weight {used}, the hybrid eval "
+                       f"with {weight}: run one of them again")
+
+
 def on_rows(row: dict, rows: list[int]) -> dict:
   """A row's per-question hits, and the shares (x100) they give, on the questions at `rows`."""
   hits = {key: "".join(value[i] for i in rows) for key, value in row["hits"].items()}
@@ -203,6 +228,7 @@ def main(argv=None) -> int:
   if args.reader_json:  # the reader rows, on the same questions (or a sample of them)
     readers = json.loads(pathlib.Path(args.reader_json).read_text())
     sample = readers.get("question_rows")
+    check_reader_questions(args.reader_json, readers, questions, sample)
     for name, row in readers["systems"].items():
       if is_reader(name):
         rows[name] = {"em@1": row["em@1"], "hits": row["hits"],
@@ -227,6 +253,8 @@ def main(argv=None) -> int:
   for name in rows:
     if is_reader(name):
       result["paired"][f"{name} vs hybrid"] = paired(rows[name], hybrid, ("em@1",))
+  if args.reader_json:
+    check_hybrid_weight(args.reader_json, readers, rows["hybrid"])
   from experiments.report import elide_notes, save_results
   save_results(args.out, result, table, "experiments/benchmarks/hybrid.py",
                elide_notes(sys.argv[1:] if argv is None else argv))

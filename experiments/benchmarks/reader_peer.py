@@ -146,6 +146,16 @@ def corpus_passages(config, workdir) -> list:
   return list(read_corpus(data_paths(config, workdir)["corpus"]))
 
 
+def questions_digest(questions) -> str:
+  """A SHA-256 of the questions' ids and texts, in order: rows of other questions (another
+  questions file of as many) are never kept or paired with these."""
+  import hashlib
+  digest = hashlib.sha256()
+  for q in questions:
+    digest.update(json.dumps([q.id, q.question]).encode())
+  return digest.hexdigest()
+
+
 def passages_digest(passages) -> str:
   """A SHA-256 of the passages' ids, titles and texts: rows kept from an earlier run must have
   read the same passages."""
@@ -183,6 +193,10 @@ def dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts, tune_
                              {"retrieval": search_s, "reading": read_s},
                              choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores,
                                        tune_answers)))
+  if config.index.sparse:  # the weight fused with (hybrid.py checks it is its eval's)
+    for row in systems.values():
+      row["hybrid"] = {"weight": searcher.index.sparse_weight,
+                       "passages": searcher.index.sparse_passages}
   return systems
 
 
@@ -227,6 +241,8 @@ def measure(args, config, reader_config, workdir) -> dict:
   return {"config": args.config, "questions": len(texts), "passages": len(passages), "k": k,
           "question_rows": question_rows, "sample_seed": SAMPLE_SEED if args.sample else None,
           "passages_sha256": passages_digest(passages),
+          "questions_sha256": questions_digest(questions),
+          "reader_data": reader_config.data.to_dict(),
           "index": args.index or config.index.search_index, "workdir": str(workdir),
           "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
                                          "config": args.reader_config or args.config},
@@ -234,8 +250,9 @@ def measure(args, config, reader_config, workdir) -> dict:
           "max_answer_length": config.eval.max_answer_length, "systems": systems}
 
 
-SAME = ("config", "questions", "question_rows", "passages", "k", "passages_sha256", "reader",
-        "tuning", "max_answer_length")  # what rows kept from an earlier run must share with this one's
+SAME = ("config", "questions", "question_rows", "questions_sha256", "passages", "k",
+        "passages_sha256", "reader", "reader_data", "tuning", "max_answer_length")
+SEARCHED = ("workdir", "index", "model_step")  # the phrase model's rows: of one model and index  # what rows kept from an earlier run must share with this one's
 
 
 def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
@@ -252,10 +269,18 @@ def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
     raise SystemExit(f"{out}: made with other {', '.join(differ)}; its rows cannot be kept "
                      f"(remove it, or run every system)")
   kept = {name: row for name, row in old["systems"].items() if name not in results["systems"]}
-  if results["model_step"] is None:
-    results["model_step"] = old.get("model_step")
-  runs = [r for r in old.get("runs", []) if set(r["systems"]) - set(results["systems"])]
-  return {**results, "systems": {**kept, **results["systems"]}, "runs": runs + [run]}
+  if results["model_step"] is None:  # no searcher this run: the kept rows' model and index
+    results.update({key: old.get(key) for key in SEARCHED})
+  elif old.get("model_step") is not None and any(
+      name.split("+")[0] in ("dpjax", "hybrid") for name in kept):
+    differ = [key for key in SEARCHED if old.get(key) != results.get(key)]
+    if differ:
+      raise SystemExit(f"{out}: its phrase-model rows are of another {', '.join(differ)}; "
+                       "they cannot stand beside these (remove it, or run every system)")
+  runs = [{**r, "systems": [name for name in r["systems"] if name in kept]}
+          for r in old.get("runs", [])]
+  return {**results, "systems": {**kept, **results["systems"]},
+          "runs": [r for r in runs if r["systems"]] + [run]}
 
 
 def table(results: dict, command: str) -> str:
@@ -339,6 +364,8 @@ def main(argv=None) -> int:
   args.systems = set(args.systems.split(","))
   if not args.systems or args.systems - {"dpjax", "bm25"}:
     parser.error(f"--systems {','.join(sorted(args.systems))}: dpjax, bm25 or dpjax,bm25")
+  if args.sample < 0:
+    parser.error(f"--sample {args.sample}: a number of questions (0: all)")
   if args.k < 1:
     parser.error(f"--k {args.k}: read at least one passage")
   from experiments.report import command_line, elide_notes, save_results
