@@ -314,6 +314,11 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   assert hybrid.main(base + ["--set", "index.sparse_tune_questions=20", "--reader-json", str(out),
                              "--out", str(report_path)]) == 0
   report = json.loads(report_path.read_text())
+  effect = report["merging_em@10"]  # EM@10 question by question: the counts add up
+  assert effect["only_unmerged"] - effect["only_merged"] == round(
+      (report["rows"]["dense, spans not merged"]["em@10"] - report["rows"]["dense"]["em@10"])
+      * report["questions"] / 100)
+  assert 0 <= effect["only_unmerged_by_an_overlapping_span"] <= effect["only_unmerged"]
   assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid", "bm25",
                                   "dpjax+reader", "dpjax+reader (mixed)", "bm25+reader",
                                   "bm25+reader (mixed)"]

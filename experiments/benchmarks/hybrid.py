@@ -111,6 +111,28 @@ def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 
           "settings": index.manifest["settings"]}
 
 
+def merging_effect(workdir: pathlib.Path) -> dict | None:
+  """EM@10 question by question with overlapping spans merged and not (the dense eval's two
+  predictions files): right only unmerged (and of those, how many by a span overlapping one of
+  the merged list's, a boundary variant of an answer listed), right only merged."""
+  from dpjax import metrics
+  files = [workdir / f"open_predictions_Flat{suffix}.jsonl" for suffix in ("", "_unmerged")]
+  if not all(f.is_file() for f in files):
+    return None
+  merged, unmerged = ([json.loads(line) for line in f.open()] for f in files)
+  right = lambda p, gold: metrics.max_over_gold(metrics.exact_match, p, gold) > 0
+  effect = {"only_unmerged": 0, "only_unmerged_by_an_overlapping_span": 0, "only_merged": 0}
+  for m, u in zip(merged, unmerged):
+    hit_m = any(right(p, m["answers"]) for p in m["predictions"][:10])
+    hit_u = [s for p, s in zip(u["predictions"][:10], u["spans"][:10]) if right(p, u["answers"])]
+    effect["only_merged"] += hit_m and not hit_u
+    if hit_u and not hit_m:
+      effect["only_unmerged"] += 1
+      effect["only_unmerged_by_an_overlapping_span"] += any(
+          s[0] == t[0] and s[1] < t[2] and t[1] < s[2] for s in hit_u for t in m["spans"][:10])
+  return effect
+
+
 def check_reader_questions(path, readers: dict, questions, sample) -> None:
   """Refuses reader rows of other questions: their digest (reader_peer.py records one) must be
   that of these questions, or of the sample's rows of them."""
@@ -174,6 +196,12 @@ def table(result: dict, command: str) -> str:
     lines += [f"| {name} | {number(row['em@1'])} | - | - | "
               f"{number(row['questions_per_sec'], 1)} |"
               for name, row in result["rows"].items() if is_reader(name)]
+  effect = result.get("merging_em@10")
+  if effect:
+    lines += ["", f"EM@10, spans merged against not merged (dense): right only not merged "
+              f"{effect['only_unmerged']} (of them {effect['only_unmerged_by_an_overlapping_span']}"
+              " by a span overlapping an answer of the merged list), right only merged "
+              f"{effect['only_merged']}."]
   lines += ["", "McNemar's exact test: questions right only in the first system / only in the "
             "second, two-sided p" + (" (reader rows: on their sample)" if sample else "") + ".",
             ""]
@@ -240,7 +268,8 @@ def main(argv=None) -> int:
     if count != expected:
       raise SystemExit(f"{name}: {count} questions, expected {expected}: rerun it (--rerun, "
                        "or reader_peer.py on the same questions)")
-  result = {"questions": len(questions), "config": args.config, "workdir": args.workdir,
+  result = {"merging_em@10": merging_effect(workdir),
+            "questions": len(questions), "config": args.config, "workdir": args.workdir,
             "commit": git_commit(), "rows": rows, "commands": commands, "notes": args.note,
             "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
                                                  ("em@1", "top1", "top20")),
