@@ -255,6 +255,10 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
       f"passage Top-{k} {report[f'top{k}']:.2f}" for k in (1, 5, 20) if f"top{k}" in report])
   log.info("open-domain (%s, %d questions): %s", name, len(questions), summary)
   print(f"open-domain {summary}  ({len(questions)} questions, index {name})")
+  if "reader" in report:
+    reader = report["reader"]
+    print(f"reader over the top {reader['passages']} passages (mu {reader['mu']:g}): EM@1 "
+          f"{reader['em@1']:.2f}  {reader['questions_per_sec']:.1f} questions/s with the search")
   for q, r in list(zip(questions, phrases))[:5]:
     print(f"  Q: {q.question}  gold: {q.answers[0]!r}  predicted: {r[0]['answer']!r}"
           if r else f"  Q: {q.question}  (no answer)")

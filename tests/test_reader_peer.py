@@ -389,7 +389,7 @@ def _trec_rows(path, row_of, k: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog):
+def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog, capsys):
   """`run.py eval --set eval.reader=...`: the reader reads each question's top passages of the
   eval's own ranking; with mu 1 it answers as `rc.read_retrieved` over them, with mu 0 from the
   first passage; mu unset is chosen on training questions; bad settings refused in one line."""
@@ -405,6 +405,7 @@ def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog):
   model, step = rc.restore_reader(config, tmp_path)
   for mu in (1.0, 0.0):
     assert run.main(["eval"] + base + reader_sets + ["--set", f"eval.reader_mu={mu}"]) == 0
+    printed = capsys.readouterr().out
     report = json.loads((tmp_path / "open_eval_Flat.json").read_text())
     lines = [json.loads(line) for line in (tmp_path / "open_predictions_Flat.jsonl").open()]
     record, got = report["reader"], [line["reader_prediction"] for line in lines]
@@ -429,6 +430,7 @@ def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog):
     assert hits == reading.em_hits(got, [line["answers"] for line in lines])
     assert abs(record["em@1"] - 100 * hits.count("1") / len(hits)) < 1e-9
     assert record["questions_per_sec"] > 0
+    assert f"reader over the top 3 passages (mu {mu:g}): EM@1 {record['em@1']:.2f}" in printed
   # Unset, mu is chosen on 10 training questions by EM@1 (every mu's recorded).
   assert run.main(["eval"] + base + reader_sets + ["--set", "eval.reader_tune_questions=10"]) == 0
   record = json.loads((tmp_path / "open_eval_Flat.json").read_text())["reader"]
