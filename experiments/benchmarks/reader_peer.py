@@ -250,9 +250,10 @@ def measure(args, config, reader_config, workdir) -> dict:
           "max_answer_length": config.eval.max_answer_length, "systems": systems}
 
 
+# What rows kept from an earlier run must share with this one's.
 SAME = ("config", "questions", "question_rows", "questions_sha256", "passages", "k",
         "passages_sha256", "reader", "reader_data", "tuning", "max_answer_length")
-SEARCHED = ("workdir", "index", "model_step")  # the phrase model's rows: of one model and index  # what rows kept from an earlier run must share with this one's
+SEARCHED = ("workdir", "index", "model_step")  # the phrase model's rows: of one model and index
 
 
 def with_kept_rows(results: dict, out: pathlib.Path) -> dict:
