@@ -12,17 +12,21 @@ W=${1:-workdirs/squad-cpu}
 R=${2:-workdirs/reader}
 C="--config experiments/squad.py:cpu --workdir $W"
 PEER="experiments/benchmarks/reader_peer.py $C --reader $R --reader-config experiments/squad.py:cpu-base"
-# Reading 10 passages per question runs at a few questions/s on a CPU core: the reader rows read
-# 1,000 random dev questions (seeded), and hybrid.py shows the other rows on them too.
+# Reading is the slow step on a CPU (results/reader_peer.md): the reader rows read 1,000 random
+# dev questions (seeded), and hybrid.py shows the other rows on them too.
 PEER="$PEER --k 10 --sample 1000 --out results/reader_peer.json"
+has() { grep -q "\"$1\"" results/reader_peer.json 2>/dev/null; }  # rows measured already
 # The reader: trained for :cpu-base's 1,500 steps (then `teacher` also writes its distillation
 # logits, which these rows do not read: skipped once the last checkpoint is there).
 [ -d "$R/teacher/checkpoints/1500" ] || $PY run.py teacher --config experiments/squad.py:cpu-base \
     --workdir "$R" --set train.progress_bar=False
 # BM25's reader rows need no phrase model (on a second core they can run beside the next steps).
-grep -q '"bm25+reader"' results/reader_peer.json 2>/dev/null || $PY $PEER --systems bm25
+has "bm25+reader" || $PY $PEER --systems bm25
 $PY run.py train $C --set train.progress_bar=False
 $PY run.py dump $C
 [ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
-$PY $PEER --systems dpjax
+has "dpjax+reader" || $PY $PEER --systems dpjax
+# The hybrid search's passages read: its BM25 index and weight first (hybrid.py reuses them).
+$PY run.py index $C --set index.sparse=True --set 'index.specs=[]'
+has "hybrid+reader" || $PY $PEER --systems dpjax --set index.sparse=True
 $PY experiments/benchmarks/hybrid.py $C --reader-json results/reader_peer.json --out results/hybrid.json
