@@ -239,6 +239,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   warmup = get("train.warmup_fraction")
   if warmup is not None and not 0 <= warmup < 1:
     raise ConfigError(f"train.warmup_fraction = {warmup!r}: must be in [0, 1)")
+  if get("index.sparse_sentence_weight") is not None and get("index.sparse_weight") is None:
+    raise ConfigError("index.sparse_sentence_weight is set without index.sparse_weight: set both, "
+                      "or neither (`run.py index` chooses both)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
 
@@ -514,12 +517,14 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "top_k": 5,
       "unit": "phrase",
       # Hybrid search (dpjax/index/hybrid.py): a phrase scores its dense score + sparse_weight x
-      # its passage's BM25 score, and the spans of the top sparse_passages BM25 passages join
-      # the candidates. `run.py index` builds the BM25 index (<dump>/indexes/bm25) and, without
-      # a sparse_weight, chooses one on sparse_tune_questions random training questions (or
-      # those of sparse_tune_file) and records it there.
+      # its passage's BM25 score + sparse_sentence_weight x its sentence's, and the spans of the
+      # top sparse_passages BM25 passages join the candidates. `run.py index` builds the BM25
+      # index (<dump>/indexes/bm25) and, without a sparse_weight, chooses both weights on
+      # sparse_tune_questions random training questions (or those of sparse_tune_file) and
+      # records them there; with one, the sentence weight is sparse_sentence_weight (None: 0).
       "sparse": False,
       "sparse_weight": ml_collections.config_dict.placeholder(float),
+      "sparse_sentence_weight": ml_collections.config_dict.placeholder(float),
       "sparse_passages": 20,
       "sparse_tune_questions": 1000,
       "sparse_tune_file": "",

@@ -1,16 +1,17 @@
 """Hybrid search's BM25 index and weight (`run.py index` with `index.sparse`).
 
 The BM25 index of the dump's passages is built beside the faiss indexes (`dpjax.index.sparse`).
-Without `index.sparse_weight`, the weight is chosen on questions the evaluation never reports: a
-seeded sample of `index.sparse_tune_questions` training questions (their passages are in the
-corpus of SQuAD-open; another corpus names its own with `index.sparse_tune_file`). Each weight
-of the grid is scored on them by phrase EM@1 and passage Top-1 (one index search shared by all
-weights), the one with the best mean is recorded in the BM25 index's manifest with every
-weight's scores; ties go to the smaller weight. A later `run.py index` keeps it unless the
-settings it was chosen for (`_tuned_for`) changed.
+Without `index.sparse_weight`, the weights of passage and sentence BM25 are chosen on questions
+the evaluation never reports: a seeded sample of `index.sparse_tune_questions` training questions
+(their passages are in the corpus of SQuAD-open; another corpus names its own with
+`index.sparse_tune_file`). Each pair of the grid is scored on them by phrase EM@1 and passage
+Top-1 (one index search shared by all pairs), the pair with the best mean is recorded in the
+BM25 index's manifest with every pair's scores; ties go to the smaller weights. A later
+`run.py index` keeps it unless the settings it was chosen for (`_tuned_for`) changed.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import pathlib
@@ -27,13 +28,14 @@ from dpjax.workdir import load_searcher
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # the grid a weight is chosen from
+WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # passage BM25's grid
+SENTENCE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0)  # sentence BM25's grid
 TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are the dev split)
 
 
 def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   """Builds the dump's BM25 index (kept if already built from this dump) and, unless
-  `index.sparse_weight` is set, chooses and records its weight. The dump is loaded once: by the
+  `index.sparse_weight` is set, chooses and records its weights. The dump is loaded once: by the
   searcher the weight is chosen with when it must be, else alone."""
   workdir = Workdir(workdir)
   searcher = step = None
@@ -43,14 +45,18 @@ def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
   if config.index.sparse_weight is not None:
-    record_weight(dump.directory, config.index.sparse_weight, {"set": "index.sparse_weight"})
-    log.info("hybrid weight %g (index.sparse_weight)", config.index.sparse_weight)
+    sentence = config.index.sparse_sentence_weight or 0.0
+    record_weight(dump.directory, config.index.sparse_weight, sentence,
+                  {"set": "index.sparse_weight"})
+    log.info("hybrid weights %g, sentence %g (index.sparse_weight)", config.index.sparse_weight,
+             sentence)
   elif searcher or not _weight_kept(config, workdir):  # (a rebuilt index has no weight)
     if searcher is None:
       searcher, step = _dense_searcher(config, workdir)
     record_weight(dump.directory, *choose_weight(config, workdir, searcher, step, sparse))
   else:
-    log.info("hybrid weight %g, recorded in %s", sparse.weight, folder)
+    log.info("hybrid weights %g, sentence %g, recorded in %s", sparse.weight,
+             sparse.sentence_weight, folder)
   return folder
 
 
@@ -63,7 +69,8 @@ def _weight_kept(config, workdir: Workdir) -> bool:
     return False
   tuning = manifest.get("weight_tuning") or {}
   wanted = _tuned_for(config)
-  return manifest.get("weight") is not None and wanted == {k: tuning.get(k) for k in wanted}
+  return (manifest.get("weight") is not None and manifest.get("sentence_weight") is not None
+          and wanted == {k: tuning.get(k) for k in wanted})
 
 
 def _dense_searcher(config, workdir: Workdir):
@@ -95,10 +102,10 @@ def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
 
 
 def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseIndex,
-                  ) -> tuple[float, dict]:
-  """(the weight of `WEIGHTS` with the best mean of EM@1 and passage Top-1 on the held-out
-  questions, a record of how it was chosen), searched by `searcher` (dense: `_dense_searcher`)
-  with the BM25 index `sparse`."""
+                  ) -> tuple[float, float, dict]:
+  """(the weights of `WEIGHTS` x `SENTENCE_WEIGHTS` with the best mean of EM@1 and passage
+  Top-1 on the held-out questions, a record of how they were chosen, scores by "weight,sentence
+  weight"), searched by `searcher` (dense: `_dense_searcher`) with the BM25 index `sparse`."""
   questions, path = tune_questions(config, workdir)
   index = searcher.index
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
@@ -107,17 +114,25 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
   width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   hits = index.hits(q_start, q_end, width)  # shared: each hit rescored once for all weights
   scores = {}
-  for weight in WEIGHTS:
-    index.use_sparse(sparse, weight, passages=config.index.sparse_passages)
+  for pair in itertools.product(WEIGHTS, SENTENCE_WEIGHTS):
+    index.use_sparse(sparse, pair[0], sentence_weight=pair[1],
+                     passages=config.index.sparse_passages)
     found = [index.search(q_start, q_end, k, unit, hits=hits, texts=texts,
                           max_answer_length=config.eval.max_answer_length)
              for k, unit in requests]
     report = found_scores(index, found, answers, passage_k=20, passage_ks=(1, 5, 20),
                           regex=config.eval.regex)
-    scores[str(weight)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
-    log.info("hybrid weight %g: %s", weight, scores[str(weight)])
-  best = max(WEIGHTS, key=lambda w: (scores[str(w)]["em@1"] + scores[str(w)]["top1"], -w))
-  log.info("hybrid weight %g chosen on %d questions of %s", best, len(questions), path)
-  return best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
+    scores[pair_key(*pair)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
+    log.info("hybrid weights %g, sentence %g: %s", *pair, scores[pair_key(*pair)])
+  best = max(itertools.product(WEIGHTS, SENTENCE_WEIGHTS), key=lambda pair: (
+      scores[pair_key(*pair)]["em@1"] + scores[pair_key(*pair)]["top1"], -pair[0], -pair[1]))
+  log.info("hybrid weights %g, sentence %g chosen on %d questions of %s", *best,
+           len(questions), path)
+  return *best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
                 "criterion": "mean of EM@1 and passage Top-1", "model_step": step,
                 **_tuned_for(config), "scores": scores}
+
+
+def pair_key(weight: float, sentence_weight: float) -> str:
+  """The key of a pair of weights in the recorded scores: "weight,sentence weight"."""
+  return f"{weight:g},{sentence_weight:g}"

@@ -166,7 +166,9 @@ def configure_index(index: PhraseIndex, config, *, verify: bool = False) -> Phra
   index.merge_spans = config.index.merge_spans
   if config.index.sparse:
     index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
-                     config.index.sparse_weight, passages=config.index.sparse_passages)
+                     config.index.sparse_weight,
+                     sentence_weight=config.index.sparse_sentence_weight,
+                     passages=config.index.sparse_passages)
   return index
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dpjax.errors import DumpError
-from dpjax.index import hybrid, sparse
+from dpjax.index import hybrid, sparse, units
 from dpjax.index.dump import Dump
 from dpjax.index.faiss_index import build_index
 from dpjax.index.phrase_index import PhraseIndex
@@ -34,10 +34,17 @@ def toy(tmp_path_factory):
   return directory, q_start, q_end
 
 
-def _bm25_reference(passages, question, k1=0.9, b=0.4):
+def _sentences(passages):
+  """[(passage row, first character, "title sentence")] of every sentence, in order."""
+  return [(row, a, f"{p.title} {p.text[a:b]}") for row, p in enumerate(passages)
+          for a, b in zip(units.sentence_bounds(p.text)[:-1], units.sentence_bounds(p.text)[1:])]
+
+
+def _bm25_reference(passages, question, k1=0.9, b=0.4, texts=None):
   """Lucene's BM25 (Pyserini's; since Lucene 8 without the (k1 + 1) factor of Robertson's
-  formula), spelled out over the index's terms."""
-  docs = [Counter(terms) for terms in sparse.tokenize([sparse.passage_text(p) for p in passages])]
+  formula), spelled out over the index's terms (of `texts` instead of the passages if given)."""
+  texts = [sparse.passage_text(p) for p in passages] if texts is None else texts
+  docs = [Counter(terms) for terms in sparse.tokenize(texts)]
   lengths = np.array([sum(d.values()) for d in docs], float)
   scores = np.zeros(len(docs))
   for term in sparse.tokenize([question])[0]:
@@ -58,6 +65,24 @@ def test_bm25_scores_are_lucenes(toy):
     np.testing.assert_allclose(got[row], _bm25_reference(PASSAGES, question), rtol=1e-5)
   assert got[0].argmax() == ANSWERS[0][0]  # "found Alpha in 1911": the passage that says so
   assert not sparse.SparseIndex(directory, dump.manifest).scores(["zzz qqq"]).any()
+  sentences = _sentences(PASSAGES)
+  assert index.num_sentences == len(sentences) > len(PASSAGES)
+  got = index.sentence_scores(QUESTIONS)
+  for row, question in enumerate(QUESTIONS):
+    np.testing.assert_allclose(got[row], _bm25_reference(
+        PASSAGES, question, texts=[text for _, _, text in sentences]), rtol=1e-5)
+
+
+def test_every_token_maps_to_the_sentence_unit_sentence(toy):
+  directory = toy[0]
+  index = PhraseIndex(directory, "Flat")
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  tokens = np.arange(index.num_vectors)
+  rows = bm25.sentence_rows(index.dump.token_passage, index.dump.char_spans[:, 0])
+  sentences = _sentences(PASSAGES)
+  for token, row in zip(tokens, rows):
+    phrase = index.phrase(int(token), int(token), 0.0)
+    assert sentences[row][:2] == (phrase.passage, index.sentence_of(phrase)[0])
 
 
 def test_passages_read_without_the_vectors(toy, tmp_path):
@@ -102,17 +127,26 @@ def _exhaustive(vectors, token_passage, q_start, q_end, tokens):
   return found
 
 
-@pytest.mark.parametrize("weight", [0.05, 0.5, 3.0])
-def test_fused_ranking_equals_a_numpy_reference(toy, weight):
+@pytest.mark.parametrize("weight,sentence_weight", [(0.05, 0.0), (0.5, 0.0), (3.0, 0.0),
+                                                    (0.5, 1.5), (0.0, 2.0)])
+def test_fused_ranking_equals_a_numpy_reference(toy, weight, sentence_weight):
   directory, q_start, q_end = toy
   index = PhraseIndex(directory, "Flat")
   index.merge_spans = False
   bm25 = sparse.SparseIndex(directory, index.dump.manifest)
-  index.use_sparse(bm25, weight, passages=2)
+  index.use_sparse(bm25, weight, sentence_weight=sentence_weight, passages=2)
   found = index.search(q_start, q_end, k=8, unit="phrase", texts=QUESTIONS,
                        max_answer_length=LENGTH)
   vectors = half_to_float32(np.asarray(index.dump.vectors))
   lexical = bm25.scores(QUESTIONS)
+  sentences = _sentences(PASSAGES)
+  first = {(row, a): i for i, (row, a, _) in enumerate(sentences)}
+
+  def sentence_score(q, start):  # the BM25 of the sentence holding the span's first character
+    phrase = index.phrase(start, start, 0.0)
+    return _bm25_reference(PASSAGES, QUESTIONS[q], texts=[t for _, _, t in sentences])[
+        first[(phrase.passage, index.sentence_of(phrase)[0])]]
+
   for q in range(len(QUESTIONS)):
     fetch = index.fetch_bounds(8)[0]
     starts, ends, scores = index._spans(q_start[q:q + 1], q_end[q:q + 1], fetch, LENGTH)[0]
@@ -124,7 +158,8 @@ def test_fused_ranking_equals_a_numpy_reference(toy, weight):
       for span, x in _exhaustive(vectors, index.dump.token_passage, q_start[q], q_end[q],
                                  tokens).items():
         candidates.setdefault(span, x)
-    ranked = sorted(((x + weight * lexical[q][index.dump.token_passage[s]], (s, e))
+    ranked = sorted(((x + weight * lexical[q][index.dump.token_passage[s]]
+                      + sentence_weight * sentence_score(q, s), (s, e))
                      for (s, e), x in candidates.items()), key=lambda t: -t[0])[:8]
     assert [(p.start_token, p.end_token) for p, _ in found[q]] == [span for _, span in ranked]
     np.testing.assert_allclose([p.score for p, _ in found[q]], [x for x, _ in ranked],
@@ -134,7 +169,7 @@ def test_fused_ranking_equals_a_numpy_reference(toy, weight):
 def test_weight_zero_is_the_dense_search(toy):
   directory, q_start, q_end = toy
   dense, fused = PhraseIndex(directory, "Flat"), PhraseIndex(directory, "Flat")
-  fused.use_sparse(sparse.SparseIndex(directory, fused.dump.manifest), 0.0)
+  fused.use_sparse(sparse.SparseIndex(directory, fused.dump.manifest), 0.0, sentence_weight=0.0)
   for unit in ("phrase", "sentence", "passage", "document"):
     a = dense.search(q_start, q_end, k=4, unit=unit)
     b = fused.search(q_start, q_end, k=4, unit=unit, texts=QUESTIONS)
@@ -182,6 +217,16 @@ def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
   damaged.write_text(damaged.read_text() + " ")
   with pytest.raises(DumpError, match=r"vocab.index.json: .*bytes.*BM25 index is damaged"):
     sparse.SparseIndex(other, manifest)
+  # One built before the sentences were (its manifest names none): refused, and built again.
+  shutil.rmtree(sparse.sparse_folder(other))
+  shutil.copytree(sparse.sparse_folder(directory), sparse.sparse_folder(other))
+  record = json.loads((sparse.sparse_folder(other) / sparse.MANIFEST).read_text())
+  del record["num_sentences"]
+  (sparse.sparse_folder(other) / sparse.MANIFEST).write_text(json.dumps(record))
+  with pytest.raises(DumpError, match=r"without its sentences .*run.py index --set index.sparse"):
+    sparse.SparseIndex(other, manifest)
+  sparse.build_sparse(other, Dump.load(other).passages, manifest)
+  assert sparse.SparseIndex(other, manifest).num_sentences == len(_sentences(PASSAGES))
   index = PhraseIndex(directory, "Flat")
   index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
   with pytest.raises(ValueError, match="needs the text of every question"):

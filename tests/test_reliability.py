@@ -263,6 +263,8 @@ def test_search_arguments_are_checked(model, tokenizer, tmp_path):
     (["train.batch_size=many"], "--set train.batch_size=many: wrong type"),
     (["train.batch_size"], "is not of the form key=value"),
     (["index.unit=word"], "index.unit = 'word': must be one of"),
+    (["index.sparse_sentence_weight=0.5"], "index.sparse_sentence_weight is set without "
+                                           "index.sparse_weight"),
 ])
 def test_bad_config_values_are_named(overrides, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

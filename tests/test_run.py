@@ -157,7 +157,8 @@ def _hybrid_pipeline(tmp_path, base, caplog):
   tune = ["--set", "index.sparse_tune_questions=40", "--set", "index.specs=[]"]
   assert run.main(["index"] + hybrid + tune) == 0
   bm25 = json.loads((tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json").read_text())
-  assert bm25["weight"] in map(float, bm25["weight_tuning"]["scores"])
+  chosen = f"{bm25['weight']:g},{bm25['sentence_weight']:g}"  # `fusion.pair_key`
+  assert chosen in bm25["weight_tuning"]["scores"] and len(bm25["weight_tuning"]["scores"]) == 40
   assert 0 < bm25["weight_tuning"]["questions"] <= 40 and "train" in bm25["weight_tuning"]["file"]
   manifest = tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json"
   assert run.main(["index"] + hybrid + tune) == 0  # the same settings: kept, not chosen again
@@ -170,6 +171,7 @@ def _hybrid_pipeline(tmp_path, base, caplog):
   assert run.main(["eval"] + hybrid) == 0
   report = json.loads((tmp_path / "open_eval_Flat_hybrid.json").read_text())
   assert report["hybrid"]["weight"] == bm25["weight"] and report["questions"] == 12
+  assert report["hybrid"]["sentence_weight"] == bm25["sentence_weight"]
   assert run.main(["eval"] + hybrid + ["--set", "index.sparse_weight=0.0"]) == 0
   dense = (tmp_path / "open_predictions_Flat.jsonl").read_text()
   assert (tmp_path / "open_predictions_Flat_hybrid.jsonl").read_text() == dense

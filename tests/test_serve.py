@@ -90,7 +90,8 @@ def test_answers_equal_densephrases_search(service):
 def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
   """index.sparse served: each micro-batch's questions carry their texts to the BM25 half."""
   _, config, workdir, questions, _ = service
-  hybrid = SETTINGS + ["index.sparse=True", "index.sparse_weight=2.0"]
+  hybrid = SETTINGS + ["index.sparse=True", "index.sparse_weight=2.0",
+                       "index.sparse_sentence_weight=0.5"]
   assert run.main(["index", "--config", CONFIG, "--workdir", str(workdir), "--set=index.specs=[]",
                    *(f"--set={s}" for s in hybrid)]) == 0
   config = load_config(CONFIG, hybrid)
@@ -99,7 +100,8 @@ def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
   app, batcher = make_service(config, workdir)
   server, thread, port = start_server(app)
   try:
-    assert request(port, "GET", "/info")[1]["hybrid"] == {"weight": 2.0, "passages": 20}
+    assert request(port, "GET", "/info")[1]["hybrid"] == {"weight": 2.0, "sentence_weight": 0.5,
+                                                          "passages": 20}
     for unit, k in (("phrase", 3), ("passage", 5)):
       direct = searcher.search(questions[:6], k=k, unit=unit,
                                max_answer_length=config.eval.max_answer_length)

@@ -1,5 +1,5 @@
-"""Hybrid search: dense phrase scores fused with their passages' BM25 scores, and the merging of
-overlapping spans into one answer.
+"""Hybrid search: dense phrase scores fused with their passages' and sentences' BM25 scores, and
+the merging of overlapping spans into one answer.
 
 A question's candidate phrases are the phrase index's (`PhraseIndex.search`'s dense spans) and
 the spans of the top `passages` BM25 passages, scored exactly as an exhaustive search over each
@@ -7,14 +7,18 @@ such passage's tokens scores them (every token as a start paired with its best e
 with its best start). Every candidate gets
 
     fused = dense score + weight x BM25(question, its passage)
+                        + sentence_weight x BM25(question, the sentence it starts in)
 
-with the raw BM25 score (not normalised: both terms are sums of evidence on scales fixed per
-index and model, so one weight chosen on held-out questions fits them, as Pyserini's dense-sparse
-fusion adds raw scores). A weight of 0 is the dense search itself, without BM25's candidates.
+with raw BM25 scores (not normalised: the terms are sums of evidence on scales fixed per index
+and model, so weights chosen on held-out questions fit them, as Pyserini's dense-sparse fusion
+adds raw scores). The sentence's score tells apart the passages of one article, which share
+most of the question's words, by where the words sit (its effect on the weights' training
+questions: `results/hybrid.md`). Weights of 0 are the dense search itself, without BM25's
+candidates.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,12 +74,15 @@ def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Seque
 
 
 def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: np.ndarray,
-         token_passage: np.ndarray, weight: float) -> tuple[np.ndarray, ...]:
+         token_passage: np.ndarray, weight: float, sentence_bm25: np.ndarray | None = None,
+         sentence_of: Callable[[np.ndarray], np.ndarray] | None = None,
+         sentence_weight: float = 0.0) -> tuple[np.ndarray, ...]:
   """One question's distinct candidate spans, (starts, ends, fused scores) best first.
 
   dense / lexical: (starts, ends, dense scores) of the phrase index's spans and of the BM25
-  passages' spans; bm25: [P] the question's BM25 score of every passage. A span both found is
-  kept once (at its dense place: ties in rank keep the dense search's order first).
+  passages' spans; bm25: [P] the question's BM25 score of every passage; sentence_bm25: [S] of
+  every sentence, and sentence_of maps start tokens to its rows (with a sentence_weight). A span
+  both found is kept once (at its dense place: ties in rank keep the dense search's order first).
   """
   starts = np.concatenate([dense[0], lexical[0]]).astype(np.int64)
   ends = np.concatenate([dense[1], lexical[1]]).astype(np.int64)
@@ -84,6 +91,8 @@ def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: n
   first = np.sort(np.unique(keys, return_index=True)[1])
   starts, ends, scores = starts[first], ends[first], scores[first]
   fused = scores + np.float32(weight) * bm25[token_passage[starts]]
+  if sentence_weight:
+    fused = fused + np.float32(sentence_weight) * sentence_bm25[sentence_of(starts)]
   order = np.argsort(-fused, kind="stable")
   return starts[order], ends[order], fused[order]
 

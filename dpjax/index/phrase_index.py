@@ -116,6 +116,7 @@ class PhraseIndex:
   def _setup(self) -> None:
     self.num_vectors = int(self.manifest["num_tokens"])
     self.sparse, self.sparse_weight, self.sparse_passages = None, 0.0, 20
+    self.sparse_sentence_weight = 0.0
     self._lexical_cache = None
     self.merge_spans = True
     token_passage = self.dump.token_passage
@@ -278,15 +279,15 @@ class PhraseIndex:
 
   def _lexical_rows(self) -> int | None:
     """Questions a hybrid search scores with BM25 at once (None: a dense search)."""
-    if self.sparse is None or not self.sparse_weight:
+    if self.sparse is None or not (self.sparse_weight or self.sparse_sentence_weight):
       return None
-    return max(1, _LEXICAL_ELEMENTS // max(self.sparse.num_passages, 1))
+    return max(1, _LEXICAL_ELEMENTS // (self.sparse.num_passages + self.sparse.num_sentences))
 
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
                max_answer_length: int):
-    """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`) for
-    hybrid search, or None for a dense search. They depend on neither k, unit nor the weight:
-    the last questions' are kept for the next search of them."""
+    """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`,
+    sentence BM25 scores [Q, S]) for hybrid search, or None for a dense search. They depend on
+    neither k, unit nor the weights: the last questions' are kept for the next search of them."""
     if self._lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
@@ -298,23 +299,34 @@ class PhraseIndex:
       return cached[2]  # the same questions' next request (or weight): computed once
     bm25 = self.sparse.scores(list(texts))
     top = hybrid.top_passages(bm25, self.sparse_passages)
-    found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length))
+    found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length),
+             self.sparse.sentence_scores(list(texts)))
     self._lexical_cache = (key, (np.array(q_start), np.array(q_end)), found)
     return found
 
   def use_sparse(self, sparse: SparseIndex | None, weight: float | None = None, *,
-                 passages: int = 20) -> None:
+                 sentence_weight: float | None = None, passages: int = 20) -> None:
     """Hybrid search with a BM25 index of this dump (None: dense search only): a phrase scores
-    its dense score + `weight` (default: the one recorded in the BM25 index) x its passage's
-    BM25 score; the spans of the top `passages` BM25 passages join the candidates."""
+    its dense score + `weight` x its passage's BM25 score + `sentence_weight` x the BM25 score of
+    the sentence it starts in; the spans of the top `passages` BM25 passages join the
+    candidates. Without `weight`, both weights are the ones recorded in the BM25 index; with it,
+    `sentence_weight` defaults to 0."""
     if sparse is not None:
       sparse.check_of(self.dump.directory, self.dump.manifest)
-      weight = sparse.weight if weight is None else weight
       if weight is None:
-        raise DumpError(f"{sparse.directory} records no hybrid weight: choose one with `run.py "
-                        "index --set index.sparse=True` (it tunes it) or set index.sparse_weight")
+        weight, sentence_weight = sparse.weight, sparse.sentence_weight
+        if weight is None or sentence_weight is None:
+          raise DumpError(f"{sparse.directory} records no hybrid weights: choose them with "
+                          "`run.py index --set index.sparse=True` (it tunes them) or set "
+                          "index.sparse_weight")
       count(passages, "index.sparse_passages")
     self.sparse, self.sparse_weight, self.sparse_passages = sparse, float(weight or 0), passages
+    self.sparse_sentence_weight = float(sentence_weight or 0)
+
+  def _sentence_of(self, starts: np.ndarray) -> np.ndarray:
+    """The BM25 index's sentence rows of the sentences that tokens `starts` begin in."""
+    return self.sparse.sentence_rows(self.dump.token_passage[starts],
+                                     self.dump.char_spans[starts, 0])
 
   def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
     """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
@@ -397,7 +409,8 @@ class PhraseIndex:
         ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
         if lexical is not None:
           ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
-                               self.sparse_weight)
+                               self.sparse_weight, lexical[3][q], self._sentence_of,
+                               self.sparse_sentence_weight)
         units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
         if len(units[q]) < k and fetch < max_fetch:
           short.append(q)

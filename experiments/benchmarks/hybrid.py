@@ -66,8 +66,11 @@ def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path) -> bool:
       or not all(len(hits.get(key, "")) == questions for key in ("em@1", "top1", "top20"))):
     return False
   bm25 = sparse_folder(dump) / MANIFEST
-  return not report.get("hybrid") or (bm25.is_file() and report["hybrid"]["weight"]
-                                      == json.loads(bm25.read_text()).get("weight"))
+  if not report.get("hybrid"):
+    return True
+  recorded = json.loads(bm25.read_text()) if bm25.is_file() else {}
+  return all(report["hybrid"].get(key) == recorded.get(key)
+             for key in ("weight", "sentence_weight"))
 
 
 def evaluated(args, config, questions: int) -> dict:
@@ -149,13 +152,17 @@ def check_reader_questions(path, readers: dict, questions, sample) -> None:
 
 
 def check_hybrid_weight(path, readers: dict, hybrid: dict) -> None:
-  """Refuses hybrid reader rows searched with another weight than the hybrid eval's."""
-  weight = (hybrid.get("hybrid") or {}).get("weight")
+  """Refuses hybrid reader rows searched with other weights than the hybrid eval's."""
+  weights = _weights(hybrid.get("hybrid") or {})
   for name, row in readers["systems"].items():
-    used = (row.get("hybrid") or {}).get("weight")
-    if used is not None and used != weight:
-      raise SystemExit(f"{path}: {name} searched with hybrid weight {used}, the hybrid eval "
-                       f"with {weight}: run one of them again")
+    if row.get("hybrid") and _weights(row["hybrid"]) != weights:
+      raise SystemExit(f"{path}: {name} searched with hybrid weights {_weights(row['hybrid'])}, "
+                       f"the hybrid eval with {weights}: run one of them again")
+
+
+def _weights(record: dict) -> tuple:
+  """(passage, sentence) weights of a hybrid record (sentence 0: made before there was one)."""
+  return record.get("weight"), record.get("sentence_weight", 0.0)
 
 
 def on_rows(row: dict, rows: list[int]) -> dict:
@@ -196,6 +203,7 @@ def table(result: dict, command: str) -> str:
     lines += [f"| {name} | {number(row['em@1'])} | - | - | "
               f"{number(row['questions_per_sec'], 1)} |"
               for name, row in result["rows"].items() if is_reader(name)]
+  lines += tuning_lines(result["rows"].get("hybrid", {}).get("hybrid") or {})
   effect = result.get("merging_em@10")
   if effect:
     lines += ["", f"EM@10, spans merged against not merged (dense): right only not merged "
@@ -212,6 +220,25 @@ def table(result: dict, command: str) -> str:
                                               for name, c in result["commands"].items()]
   from experiments.report import with_notes
   return with_notes(lines, result.get("notes", []))
+
+
+def tuning_lines(hybrid: dict) -> list[str]:
+  """How the hybrid weights were chosen: the chosen pair's scores on the tuning questions, and
+  the best pair without the sentence term's (`dpjax.fusion.choose_weight`'s record)."""
+  tuning = hybrid.get("weight_tuning") or {}
+  scores = tuning.get("scores")
+  if not scores:
+    return []
+  mean = lambda key: (scores[key]["em@1"] + scores[key]["top1"]) / 2
+  chosen = f"{hybrid['weight']:g},{hybrid.get('sentence_weight', 0.0):g}"
+  alone = max((key for key in scores if key.endswith(",0")), key=mean, default=None)
+  said = lambda key: (f"passage {key.split(',')[0]}, sentence {key.split(',')[1]}: EM@1 "
+                      f"{scores[key]['em@1']:.2f}, Top-1 {scores[key]['top1']:.2f}")
+  return ["", f"Hybrid weights chosen by `run.py index` on {tuning['questions']} training "
+              f"questions of {tuning['file']} (seed {tuning['seed']}; never these): "
+              f"{said(chosen)}" + (f"; the best without the sentence term, {said(alone)}"
+                                   if alone and alone != chosen else "")
+          + f". Every pair's scores are in the JSON (rows.hybrid.hybrid.weight_tuning)."]
 
 
 def eval_row(report: dict) -> dict:

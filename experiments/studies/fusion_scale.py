@@ -53,11 +53,11 @@ def main(argv=None) -> int:
   try:
     for name, (scale, grid) in SCALINGS.items():
       SparseIndex.scores = lambda self, texts, scale=scale: scale(raw_scores(self, texts))
-      fusion.WEIGHTS = grid
+      fusion.WEIGHTS, fusion.SENTENCE_WEIGHTS = grid, (0.0,)  # passage BM25 alone
       # a new SparseIndex: the searcher caches BM25 results by index object
-      weight, tuning = fusion.choose_weight(config, workdir, searcher, step,
-                                            SparseIndex(dump.directory, dump.manifest))
-      rows[name] = {"weight": weight, **tuning["scores"][str(weight)],
+      weight, _, tuning = fusion.choose_weight(config, workdir, searcher, step,
+                                               SparseIndex(dump.directory, dump.manifest))
+      rows[name] = {"weight": weight, **tuning["scores"][fusion.pair_key(weight, 0.0)],
                     "scores": tuning["scores"], "questions": tuning["questions"],
                     "file": str(tuning["file"]), "seed": tuning["seed"]}
   finally:
