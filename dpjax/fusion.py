@@ -20,7 +20,7 @@ from dpjax.data import data_files
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import ConfigError
 from dpjax.index.dump_reader import Dump
-from dpjax.index.evaluate import found_scores, score_requests
+from dpjax.index.evaluate import PROGRESS_CHUNK, found_scores, score_requests
 from dpjax.index.sparse import (MANIFEST, SparseIndex, build_sparse, record_weight,
                                 sparse_folder)
 from dpjax.layout import Workdir
@@ -107,20 +107,11 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
   Top-1 on the held-out questions, a record of how they were chosen, scores by "weight,sentence
   weight"), searched by `searcher` (dense: `_dense_searcher`) with the BM25 index `sparse`."""
   questions, path = tune_questions(config, workdir)
-  index = searcher.index
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
-  q_start, q_end = searcher.encode(texts)
   requests = score_requests(passage_k=20)
-  width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
-  hits = index.hits(q_start, q_end, width)  # shared: each hit rescored once for all weights
   scores = {}
-  for pair in itertools.product(WEIGHTS, SENTENCE_WEIGHTS):
-    index.use_sparse(sparse, pair[0], sentence_weight=pair[1],
-                     passages=config.index.sparse_passages)
-    found = [index.search(q_start, q_end, k, unit, hits=hits, texts=texts,
-                          max_answer_length=config.eval.max_answer_length)
-             for k, unit in requests]
-    report = found_scores(index, found, answers, passage_k=20, passage_ks=(1, 5, 20),
+  for pair, found in _search_grid(config, searcher, sparse, texts, requests).items():
+    report = found_scores(searcher.index, found, answers, passage_k=20, passage_ks=(1, 5, 20),
                           regex=config.eval.regex)
     scores[pair_key(*pair)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
     log.info("hybrid weights %g, sentence %g: %s", *pair, scores[pair_key(*pair)])
@@ -131,6 +122,27 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
   return *best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
                 "criterion": "mean of EM@1 and passage Top-1", "model_step": step,
                 **_tuned_for(config), "scores": scores}
+
+
+def _search_grid(config, searcher, sparse: SparseIndex, texts: list[str], requests) -> dict:
+  """{(weight, sentence weight): `requests`' results for `texts`} over the grid. Chunk by chunk
+  of questions: a chunk's index hits, BM25 scores and BM25 passages' spans are computed once for
+  every pair (the index keeps the last questions' lexical results)."""
+  index = searcher.index
+  q_start, q_end = searcher.encode(texts)
+  width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
+  grid = list(itertools.product(WEIGHTS, SENTENCE_WEIGHTS))
+  found = {pair: [[] for _ in requests] for pair in grid}
+  for lo in range(0, len(texts), PROGRESS_CHUNK):
+    rows = slice(lo, lo + PROGRESS_CHUNK)
+    hits = index.hits(q_start[rows], q_end[rows], width)
+    for pair in grid:
+      index.use_sparse(sparse, pair[0], sentence_weight=pair[1],
+                       passages=config.index.sparse_passages)
+      for got, (k, unit) in zip(found[pair], requests):
+        got.extend(index.search(q_start[rows], q_end[rows], k, unit, hits=hits,
+                                texts=texts[rows], max_answer_length=config.eval.max_answer_length))
+  return found
 
 
 def pair_key(weight: float, sentence_weight: float) -> str:

@@ -62,10 +62,11 @@ def passage_text(passage) -> str:
   return f"{passage.title} {passage.text}"
 
 
-def bm25_of(texts: Sequence[str]):
-  """A bm25s BM25 of `texts` with `SETTINGS` (this index's and the BM25 peer's, one place)."""
+def bm25_of(texts: Sequence[str], k1: float = SETTINGS["k1"], b: float = SETTINGS["b"]):
+  """A bm25s BM25 of `texts` with `SETTINGS` (this index's and the BM25 peer's, one place;
+  another k1 or b for a study of them)."""
   bm25s, stemmer = _bm25s()
-  retriever = bm25s.BM25(k1=SETTINGS["k1"], b=SETTINGS["b"])
+  retriever = bm25s.BM25(k1=k1, b=b)
   retriever.index(bm25s.tokenize(list(texts), stopwords=SETTINGS["stopwords"], stemmer=stemmer,
                                  show_progress=False), show_progress=False)
   return retriever
