@@ -224,9 +224,13 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
   # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own (and an
-  # approximate index's top-1 is compared with Flat's searched the same way)
+  # approximate index's top-1 is compared with Flat's searched the same way); hybrid weights
+  # set by hand name theirs, beside the recorded ones'
   search = ("_hybrid" if config.index.sparse else "") + (
       "" if config.index.merge_spans else "_unmerged")
+  if config.index.sparse and config.index.sparse_weight is not None:
+    search += (f"_w{config.index.sparse_weight:g}"
+               f"_s{config.index.sparse_sentence_weight or 0.0:g}")
   name = prefix + index_folder(config.index.search_index) + search
   flat_report = workdir / f"open_eval_{prefix}Flat{search}{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{search}{tag}.jsonl"

@@ -276,7 +276,8 @@ def test_hybrid_on_the_devices_answers_as_on_the_host(toy, unit):
   found = []
   for device in ("faiss", "jax"):
     index = PhraseIndex(directory, "Flat", search_device=device)
-    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.7, passages=3)
+    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.7,
+                     sentence_weight=0.4, passages=3)
     found.append([[(p.start_token, p.end_token) for p, _ in units] for units in index.search(
         q_start, q_end, k=3, unit=unit, texts=QUESTIONS)])
   assert found[0] == found[1]

@@ -319,13 +319,14 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
       (report["rows"]["dense, spans not merged"]["em@10"] - report["rows"]["dense"]["em@10"])
       * report["questions"] / 100)
   assert 0 <= effect["only_unmerged_by_an_overlapping_span"] <= effect["only_unmerged"]
-  assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid", "bm25",
-                                  "dpjax+reader", "dpjax+reader (mixed)", "bm25+reader",
+  assert list(report["rows"]) == ["dense", "dense, spans not merged", "hybrid",
+                                  "hybrid, passage BM25 only", "bm25", "dpjax+reader", "dpjax+reader (mixed)", "bm25+reader",
                                   "bm25+reader (mixed)"]
   assert report["rows"]["bm25+reader (mixed)"]["hits"] == results["systems"][
       "bm25+reader (mixed)"]["hits"]
   assert "em@1" in report["paired"]["dpjax+reader (mixed) vs hybrid"]
-  evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json"}
+  evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json",
+           "hybrid, passage BM25 only": "open_eval_Flat_hybrid_w2_s0.json"}
   for name, file in evals.items():
     written = json.loads((tmp_path / file).read_text())
     assert {k: report["rows"][name][k] for k in ("em@1", "top1", "top20")} == {

@@ -174,7 +174,8 @@ def _hybrid_pipeline(tmp_path, base, caplog):
   assert report["hybrid"]["sentence_weight"] == bm25["sentence_weight"]
   assert run.main(["eval"] + hybrid + ["--set", "index.sparse_weight=0.0"]) == 0
   dense = (tmp_path / "open_predictions_Flat.jsonl").read_text()
-  assert (tmp_path / "open_predictions_Flat_hybrid.jsonl").read_text() == dense
+  assert (tmp_path / "open_predictions_Flat_hybrid_w0_s0.jsonl").read_text() == dense
+  assert json.loads((tmp_path / "open_eval_Flat_hybrid.json").read_text()) == report
   assert run.main(["eval"] + base + ["--set", "index.merge_spans=False"]) == 0
   apart = [json.loads(line)["spans"] for line in
            (tmp_path / "open_predictions_Flat_unmerged.jsonl").read_text().splitlines()]

@@ -51,11 +51,12 @@ def _bm25s():
   return bm25s, Stemmer.Stemmer("english")
 
 
-def tokenize(texts: Sequence[str]) -> list[list[str]]:
-  """Stemmed terms of each text, as the index's passages were tokenized."""
+def tokenize(texts: Sequence[str], *, ids: bool = False):
+  """Stemmed terms of each text, as the index's passages were tokenized (`ids`: bm25s's
+  vocabulary and ids, what an index is built from)."""
   bm25s, stemmer = _bm25s()
   return bm25s.tokenize(list(texts), stopwords=SETTINGS["stopwords"], stemmer=stemmer,
-                        return_ids=False, show_progress=False)
+                        return_ids=ids, show_progress=False)
 
 
 def passage_text(passage) -> str:
@@ -65,10 +66,9 @@ def passage_text(passage) -> str:
 def bm25_of(texts: Sequence[str], k1: float = SETTINGS["k1"], b: float = SETTINGS["b"]):
   """A bm25s BM25 of `texts` with `SETTINGS` (this index's and the BM25 peer's, one place;
   another k1 or b for a study of them)."""
-  bm25s, stemmer = _bm25s()
+  bm25s, _ = _bm25s()
   retriever = bm25s.BM25(k1=k1, b=b)
-  retriever.index(bm25s.tokenize(list(texts), stopwords=SETTINGS["stopwords"], stemmer=stemmer,
-                                 show_progress=False), show_progress=False)
+  retriever.index(tokenize(texts, ids=True), show_progress=False)
   return retriever
 
 

@@ -33,6 +33,10 @@ RUNS = {  # row: (its eval file, the run.py overrides that make it)
     "dense": ("open_eval_Flat.json", []),
     "dense, spans not merged": ("open_eval_Flat_unmerged.json", ["index.merge_spans=False"]),
     "hybrid": ("open_eval_Flat_hybrid.json", ["index.sparse=True"]),
+    # the best weight of passage BM25 alone on the tuning questions (`fusion.choose_weight`'s
+    # record): what the sentence term adds
+    "hybrid, passage BM25 only": ("open_eval_Flat_hybrid_w2_s0.json", [
+        "index.sparse=True", "index.sparse_weight=2.0", "index.sparse_sentence_weight=0.0"]),
 }
 SHOWN = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")  # the table's columns
 
@@ -52,10 +56,11 @@ def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
   return shlex.join(["python"] + args[1:])
 
 
-def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path) -> bool:
+def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path,
+             overrides: list[str] | None = None) -> bool:
   """Whether an eval report can stand as its row: there, of the dump's model, with per-question
   hits of all the questions (reports written before eval recorded them are run again), and a
-  hybrid one with the weight the BM25 index records now."""
+  hybrid one with the weights the BM25 index records now (or those `overrides` set)."""
   from dpjax.index.manifest import read_manifest
   from dpjax.index.sparse import MANIFEST, sparse_folder
   if not path.is_file():
@@ -69,6 +74,9 @@ def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path) -> bool:
   if not report.get("hybrid"):
     return True
   recorded = json.loads(bm25.read_text()) if bm25.is_file() else {}
+  if overrides and any(o.startswith("index.sparse_weight=") for o in overrides):  # set by hand
+    recorded = {key: float(o.split("=")[1]) for o in overrides
+                for key in ("weight", "sentence_weight") if o.startswith(f"index.sparse_{key}=")}
   return all(report["hybrid"].get(key) == recorded.get(key)
              for key in ("weight", "sentence_weight"))
 
@@ -79,7 +87,7 @@ def evaluated(args, config, questions: int) -> dict:
   dump = workdir / config.index.dump_name
   for name, (file, overrides) in RUNS.items():
     sets = overrides + args.set
-    run = args.rerun or not reusable(workdir / file, questions, dump)
+    run = args.rerun or not reusable(workdir / file, questions, dump, overrides)
     if name == "hybrid" and run:
       run_py("index", args.config, args.workdir, sets + ["index.specs=[]"])
     command = shlex.join(["python", "run.py", "eval", "--config", args.config, "--workdir",
@@ -300,7 +308,10 @@ def main(argv=None) -> int:
             "commit": git_commit(), "rows": rows, "commands": commands, "notes": args.note,
             "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
                                                  ("em@1", "top1", "top20")),
-                       "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20"))}}
+                       "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20")),
+                       "hybrid vs hybrid, passage BM25 only": paired(
+                           rows["hybrid"], rows["hybrid, passage BM25 only"],
+                           ("em@1", "top1", "top20"))}}
   if sample:  # the other rows on the readers' sample, like for like
     result["reader_sample"] = {"questions": len(sample), "seed": readers.get("sample_seed"),
                                "rows": {name: on_rows(rows[name], sample)
