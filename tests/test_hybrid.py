@@ -382,3 +382,15 @@ def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
   with pytest.raises(DumpError, match=r"indexes/bm25: the BM25 index is unreadable .*"
                                       r"run.py index --set index.sparse=True"):
     sparse.SparseIndex(small, {**dump.manifest, "num_passages": 3})
+
+
+def test_sentence_rows_out_of_order_are_refused(toy, tmp_path):
+  """Damage that keeps the sentence table's size (unchecked unless verified): one line."""
+  directory = toy[0]
+  copy = tmp_path / "copy"
+  shutil.copytree(directory, copy)
+  path = sparse.sparse_folder(copy) / "sentence_rows.npy"
+  rows = np.load(path)
+  np.save(path, rows[::-1].copy())
+  with pytest.raises(DumpError, match=r"sentence_rows.npy: not the index's sentences in order"):
+    sparse.SparseIndex(copy, Dump.load(copy).manifest)

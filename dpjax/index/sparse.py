@@ -166,7 +166,12 @@ class SparseIndex:
                       f"{reason}); {BUILD_HINT}") from None
     self.num_passages = int(self.manifest["num_passages"])
     self.num_sentences = int(self.manifest["num_sentences"])
-    self._sentence_keys = rows[:, 0] * _CHAR_SHIFT + rows[:, 1]  # sorted: passage, then start
+    keys = rows[:, 0] * _CHAR_SHIFT + rows[:, 1] if rows.ndim == 2 else rows
+    if rows.shape != (self.num_sentences, 2) or (np.diff(keys) <= 0).any() or (
+        self.num_sentences and not 0 <= rows[-1, 0] < self.num_passages):
+      raise DumpError(f"{self.directory / _SENTENCE_ROWS}: not the index's sentences in order; "
+                      f"{BUILD_HINT}")
+    self._sentence_keys = keys  # by passage, then first character (`sentence_rows`)
 
   def check_of(self, dump_dir: str | os.PathLike, dump_manifest: dict) -> None:
     """Refuses this BM25 index for a dump it was not built from (its id, model, passages)."""
