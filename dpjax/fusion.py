@@ -115,8 +115,9 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
                           regex=config.eval.regex)
     scores[pair_key(*pair)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
     log.info("hybrid weights %g, sentence %g: %s", *pair, scores[pair_key(*pair)])
-  best = max(itertools.product(WEIGHTS, SENTENCE_WEIGHTS), key=lambda pair: (
-      scores[pair_key(*pair)]["em@1"] + scores[pair_key(*pair)]["top1"], -pair[0], -pair[1]))
+  best = max(itertools.product(WEIGHTS, SENTENCE_WEIGHTS), key=lambda pair: (  # (rounded: ties)
+      round(scores[pair_key(*pair)]["em@1"] + scores[pair_key(*pair)]["top1"], 6),
+      -pair[0], -pair[1]))
   log.info("hybrid weights %g, sentence %g chosen on %d questions of %s", *best,
            len(questions), path)
   return *best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
@@ -133,8 +134,10 @@ def _search_grid(config, searcher, sparse: SparseIndex, texts: list[str], reques
   width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   grid = list(itertools.product(WEIGHTS, SENTENCE_WEIGHTS))
   found = {pair: [[] for _ in requests] for pair in grid}
-  for lo in range(0, len(texts), PROGRESS_CHUNK):
-    rows = slice(lo, lo + PROGRESS_CHUNK)
+  index.use_sparse(sparse, 1.0, passages=config.index.sparse_passages)
+  chunk = min(PROGRESS_CHUNK, index.lexical_rows())  # what one search scores with BM25 at once
+  for lo in range(0, len(texts), chunk):
+    rows = slice(lo, lo + chunk)
     hits = index.hits(q_start[rows], q_end[rows], width)
     for pair in grid:
       index.use_sparse(sparse, pair[0], sentence_weight=pair[1],

@@ -29,3 +29,5 @@ def test_the_sentence_term_can_pick_another_span_of_a_passage():
   assert study.rank(FOUND, BM25, 1.0, sentence=sentence, sentence_weight=0.0) == study.rank(
       FOUND, BM25, 1.0)
   assert study.best_of({"a": {"em@1": 1, "top1": 1}, "b": {"em@1": 2, "top1": 1}})[0] == "b"
+  tied = {"a": {"em@1": 2, "top1": 1}, "b": {"em@1": 1, "top1": 2}}
+  assert study.best_of(tied)[0] == "a"  # ties: the first (the grid's smaller weights)

@@ -231,6 +231,16 @@ def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
   index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
   with pytest.raises(ValueError, match="needs the text of every question"):
     index.search(toy[1], toy[2], k=2)
+  with pytest.raises(ValueError, match="a sentence weight without the passage weight"):
+    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), sentence_weight=1.0)
+  # One of other BM25 settings (here another k1): refused, and built again.
+  record = json.loads((sparse.sparse_folder(other) / sparse.MANIFEST).read_text())
+  record["settings"] = {**record["settings"], "k1": 1.2}
+  (sparse.sparse_folder(other) / sparse.MANIFEST).write_text(json.dumps(record))
+  with pytest.raises(DumpError, match=r"a BM25 index of other settings .*'k1': 1.2"):
+    sparse.SparseIndex(other, manifest)
+  sparse.build_sparse(other, Dump.load(other).passages, manifest)
+  assert sparse.SparseIndex(other, manifest).manifest["settings"]["k1"] == sparse.SETTINGS["k1"]
 
 
 def test_overlapping_spans_are_one_answer_with_the_others_as_evidence(toy):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dpjax.config import load_config
+from dpjax.fusion import WEIGHTS
 from dpjax.data.batches import cross_encoder_inputs
 from dpjax.data.squad import Passage, build_windows
 from dpjax.errors import ConfigError
@@ -325,8 +326,15 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   assert report["rows"]["bm25+reader (mixed)"]["hits"] == results["systems"][
       "bm25+reader (mixed)"]["hits"]
   assert "em@1" in report["paired"]["dpjax+reader (mixed) vs hybrid"]
+  # The passage-only row: passage BM25 at its best weight of the tuning record, sentence 0.
+  passage_only, _, weights = hybrid.passage_only_run(tmp_path / "dump")
+  tuning = json.loads((tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json"
+                       ).read_text())["weight_tuning"]["scores"]
+  best = max((tuning[f"{w:g},0"]["em@1"] + tuning[f"{w:g},0"]["top1"], -w) for w in WEIGHTS)
+  assert weights == (-best[1], 0.0)
+  assert report["rows"]["hybrid, passage BM25 only"]["hybrid"]["sentence_weight"] == 0.0
   evals = {"dense": "open_eval_Flat.json", "hybrid": "open_eval_Flat_hybrid.json",
-           "hybrid, passage BM25 only": "open_eval_Flat_hybrid_w2_s0.json"}
+           "hybrid, passage BM25 only": passage_only}
   for name, file in evals.items():
     written = json.loads((tmp_path / file).read_text())
     assert {k: report["rows"][name][k] for k in ("em@1", "top1", "top20")} == {
@@ -366,18 +374,25 @@ def test_reader_peer_benchmark_tiny(tiny_pipeline, tmp_path, monkeypatch):
   assert all(systems[n]["hybrid"]["weight"] == weight for n in systems if n.startswith("hybrid"))
   assert hybrid.main(base + ["--reader-json", str(split), "--out", str(report_path)]) == 0
   assert "hybrid+reader (mixed) vs hybrid" in json.loads(report_path.read_text())["paired"]
-  # Reader rows of other questions, or searched with another weight, are refused.
+  # Reader rows of other questions, searched with other weights or without a record of them
+  # (rows made before the weights were recorded) are refused; so are weights set by hand.
   for key, value, says in (("questions_sha256", "0" * 64, "read other questions"),
-                           ("weight", weight + 1.0, "searched with hybrid weight")):
+                           ("weight", weight + 1.0, "searched with hybrid weight"),
+                           ("sentence_weight", 7.0, "searched with hybrid weight"),
+                           ("hybrid", None, r"searched with hybrid weights \(None, None\)")):
     other = json.loads(split.read_text())
-    if key == "weight":
-      other["systems"]["hybrid+reader"]["hybrid"]["weight"] = value
+    if key in ("weight", "sentence_weight"):
+      other["systems"]["hybrid+reader"]["hybrid"][key] = value
+    elif key == "hybrid":
+      del other["systems"]["hybrid+reader (mixed)"]["hybrid"]
     else:
       other[key] = value
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=says):
       hybrid.main(base + ["--reader-json", str(tmp_path / "other.json"), "--out",
                           str(tmp_path / "refused.json")])
+  with pytest.raises(SystemExit):
+    hybrid.main(base + ["--set", "index.sparse_weight=1.0", "--out", str(report_path)])
 
 
 def _trec_rows(path, row_of, k: int) -> list[list[int]]:

@@ -12,8 +12,8 @@ with its best start). Every candidate gets
 with raw BM25 scores (not normalised: the terms are sums of evidence on scales fixed per index
 and model, so weights chosen on held-out questions fit them, as Pyserini's dense-sparse fusion
 adds raw scores). The sentence's score tells apart the passages of one article, which share
-most of the question's words, by where the words sit (its effect on the weights' training
-questions: `results/hybrid.md`). Weights of 0 are the dense search itself, without BM25's
+most of the question's words, by where the words sit (its effect on held-out training
+questions: `results/fusion_terms.md`). Weights of 0 are the dense search itself, without BM25's
 candidates.
 """
 from __future__ import annotations

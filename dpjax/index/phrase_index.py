@@ -20,7 +20,8 @@ from dpjax.index.sparse import SparseIndex
 from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
 from dpjax.io import read_json
 
-_LEXICAL_ELEMENTS = 1 << 25  # bounds the [questions, passages] BM25 scores of a hybrid search
+# Bounds the [questions, passages + sentences] BM25 scores of a hybrid search.
+_LEXICAL_ELEMENTS = 1 << 25
 
 
 class PhraseIndex:
@@ -277,18 +278,20 @@ class PhraseIndex:
     return [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
             for i in self._first_of_units(starts, ends, unit)[:k]]
 
-  def _lexical_rows(self) -> int | None:
-    """Questions a hybrid search scores with BM25 at once (None: a dense search)."""
+  def lexical_rows(self) -> int | None:
+    """Questions a hybrid search scores with BM25 at once (None: a dense search); a search of
+    more splits them, and only the last part's lexical results are kept for the next search."""
     if self.sparse is None or not (self.sparse_weight or self.sparse_sentence_weight):
       return None
-    return max(1, _LEXICAL_ELEMENTS // (self.sparse.num_passages + self.sparse.num_sentences))
+    width = self.sparse.num_passages + self.sparse.num_sentences
+    return max(1, _LEXICAL_ELEMENTS // max(width, 1))
 
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
                max_answer_length: int):
     """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`,
     sentence BM25 scores [Q, S]) for hybrid search, or None for a dense search. They depend on
     neither k, unit nor the weights: the last questions' are kept for the next search of them."""
-    if self._lexical_rows() is None:
+    if self.lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
       raise ValueError("hybrid search (index.sparse) needs the text of every question searched")
@@ -314,6 +317,9 @@ class PhraseIndex:
     if sparse is not None:
       sparse.check_of(self.dump.directory, self.dump.manifest)
       if weight is None:
+        if sentence_weight is not None:
+          raise ValueError("a sentence weight without the passage weight: give both, or "
+                           "neither (the BM25 index's recorded ones)")
         weight, sentence_weight = sparse.weight, sparse.sentence_weight
         if weight is None or sentence_weight is None:
           raise DumpError(f"{sparse.directory} records no hybrid weights: choose them with "
@@ -379,7 +385,7 @@ class PhraseIndex:
     """
     k = check_request(k, unit)
     count(max_answer_length, "max_answer_length (in tokens)")
-    step = self._lexical_rows()
+    step = self.lexical_rows()
     if step and len(q_start) > step:  # the BM25 scores of `step` questions at a time
       return [found for lo in range(0, len(q_start), step) for found in self.search(
           q_start[lo:lo + step], q_end[lo:lo + step], k, unit, top_tokens=top_tokens,

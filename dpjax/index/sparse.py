@@ -154,6 +154,9 @@ class SparseIndex:
     if "num_sentences" not in self.manifest:
       raise DumpError(f"{self.directory}: a BM25 index without its sentences (made by an older "
                       f"dpjax); {BUILD_HINT}")
+    if self.manifest.get("settings") != SETTINGS:
+      raise DumpError(f"{self.directory}: a BM25 index of other settings "
+                      f"({self.manifest.get('settings')}); {BUILD_HINT}")
     bm25s, _ = _bm25s()
     try:
       self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
@@ -166,12 +169,20 @@ class SparseIndex:
                       f"{reason}); {BUILD_HINT}") from None
     self.num_passages = int(self.manifest["num_passages"])
     self.num_sentences = int(self.manifest["num_sentences"])
-    keys = rows[:, 0] * _CHAR_SHIFT + rows[:, 1] if rows.ndim == 2 else rows
-    if rows.shape != (self.num_sentences, 2) or (np.diff(keys) <= 0).any() or (
-        self.num_sentences and not 0 <= rows[-1, 0] < self.num_passages):
+    self._sentence_keys = self._keys_of(rows)  # by passage, then first character
+
+  def _keys_of(self, rows: np.ndarray) -> np.ndarray:
+    """The sort keys of the sentence table's rows (`sentence_rows`), refused unless it holds
+    `num_sentences` rows in order, each passage's first sentence at its character 0."""
+    ok = rows.shape == (self.num_sentences, 2)
+    if ok:
+      keys = rows[:, 0] * _CHAR_SHIFT + rows[:, 1]
+      ok = bool((np.diff(keys) > 0).all()) and np.array_equal(rows[rows[:, 1] == 0, 0],
+                                                             np.arange(self.num_passages))
+    if not ok:
       raise DumpError(f"{self.directory / _SENTENCE_ROWS}: not the index's sentences in order; "
                       f"{BUILD_HINT}")
-    self._sentence_keys = keys  # by passage, then first character (`sentence_rows`)
+    return keys
 
   def check_of(self, dump_dir: str | os.PathLike, dump_manifest: dict) -> None:
     """Refuses this BM25 index for a dump it was not built from (its id, model, passages)."""

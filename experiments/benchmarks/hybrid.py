@@ -6,13 +6,14 @@
 
 It runs, through run.py, what is missing or has no per-question hits (everything with
 --rerun): `eval` (dense), `eval --set index.merge_spans=False` (overlapping spans apart: the
-merging's effect on EM@10), `index --set index.sparse=True` (the BM25 index and its weight,
-chosen on training questions) and `eval --set index.sparse=True` (hybrid); it scores BM25
-alone over the dump's passages itself; the reader rows (the reader alone, and mixed with its
-retriever's scores) come from
-`experiments/benchmarks/reader_peer.py`'s JSON. McNemar's exact test pairs hybrid with dense
-(EM@1, passage Top-1, Top-20), with BM25 (Top-1, Top-20) and with each reader row (EM@1) on the
-same questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
+merging's effect on EM@10), `index --set index.sparse=True` (the BM25 index and its weights,
+chosen on training questions), `eval --set index.sparse=True` (hybrid) and the hybrid with
+passage BM25 alone at its best weight on those training questions (what the sentence term
+adds); it scores BM25 alone over the dump's passages itself; the reader rows (the reader alone,
+and mixed with its retriever's scores) come from `experiments/benchmarks/reader_peer.py`'s JSON.
+McNemar's exact test pairs hybrid with dense and with the passage-only hybrid (EM@1, passage
+Top-1, Top-20), with BM25 (Top-1, Top-20) and with each reader row (EM@1) on the same
+questions. Writes the JSON and a Markdown table (`--out` with .md) with every command.
 """
 from __future__ import annotations
 
@@ -33,11 +34,8 @@ RUNS = {  # row: (its eval file, the run.py overrides that make it)
     "dense": ("open_eval_Flat.json", []),
     "dense, spans not merged": ("open_eval_Flat_unmerged.json", ["index.merge_spans=False"]),
     "hybrid": ("open_eval_Flat_hybrid.json", ["index.sparse=True"]),
-    # the best weight of passage BM25 alone on the tuning questions (`fusion.choose_weight`'s
-    # record): what the sentence term adds
-    "hybrid, passage BM25 only": ("open_eval_Flat_hybrid_w2_s0.json", [
-        "index.sparse=True", "index.sparse_weight=2.0", "index.sparse_sentence_weight=0.0"]),
 }
+PASSAGE_ONLY = "hybrid, passage BM25 only"  # what the sentence term adds: `passage_only_run`
 SHOWN = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")  # the table's columns
 
 
@@ -57,10 +55,10 @@ def run_py(mode: str, config: str, workdir: str, overrides: list[str]) -> str:
 
 
 def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path,
-             overrides: list[str] | None = None) -> bool:
+             weights: tuple | None = None) -> bool:
   """Whether an eval report can stand as its row: there, of the dump's model, with per-question
   hits of all the questions (reports written before eval recorded them are run again), and a
-  hybrid one with the weights the BM25 index records now (or those `overrides` set)."""
+  hybrid one with the weights the BM25 index records now (or `weights`, set by hand)."""
   from dpjax.index.manifest import read_manifest
   from dpjax.index.sparse import MANIFEST, sparse_folder
   if not path.is_file():
@@ -74,20 +72,34 @@ def reusable(path: pathlib.Path, questions: int, dump: pathlib.Path,
   if not report.get("hybrid"):
     return True
   recorded = json.loads(bm25.read_text()) if bm25.is_file() else {}
-  if overrides and any(o.startswith("index.sparse_weight=") for o in overrides):  # set by hand
-    recorded = {key: float(o.split("=")[1]) for o in overrides
-                for key in ("weight", "sentence_weight") if o.startswith(f"index.sparse_{key}=")}
-  return all(report["hybrid"].get(key) == recorded.get(key)
-             for key in ("weight", "sentence_weight"))
+  if recorded.get("num_sentences") is None or recorded.get("sentence_weight") is None:
+    return False  # an index of older code: `run.py index` builds it again
+  wanted = weights or (recorded["weight"], recorded["sentence_weight"])
+  return (report["hybrid"].get("weight"), report["hybrid"].get("sentence_weight")) == wanted
+
+
+def passage_only_run(dump: pathlib.Path) -> tuple[str, list[str], tuple]:
+  """(eval file, overrides, weights) of the hybrid with passage BM25 alone at its best weight on
+  the tuning questions (`fusion.choose_weight`'s record in the BM25 index's manifest)."""
+  from dpjax.index.sparse import MANIFEST, sparse_folder
+  scores = json.loads((sparse_folder(dump) / MANIFEST).read_text())["weight_tuning"]["scores"]
+  best = max((key for key in scores if key.endswith(",0")),
+             key=lambda key: (round(scores[key]["em@1"] + scores[key]["top1"], 6),
+                              -float(key.split(",")[0])))
+  weight = float(best.split(",")[0])
+  return (f"open_eval_Flat_hybrid_w{weight:g}_s0.json",
+          ["index.sparse=True", f"index.sparse_weight={weight}",
+           "index.sparse_sentence_weight=0.0"], (weight, 0.0))
 
 
 def evaluated(args, config, questions: int) -> dict:
   """Every eval row: its report (run unless `reusable` and not --rerun) and its command."""
   rows, workdir = {}, pathlib.Path(args.workdir)
   dump = workdir / config.index.dump_name
-  for name, (file, overrides) in RUNS.items():
+  for name in [*RUNS, PASSAGE_ONLY]:  # (the passage-only weight: from the hybrid's index)
+    file, overrides, weights = (*RUNS[name], None) if name in RUNS else passage_only_run(dump)
     sets = overrides + args.set
-    run = args.rerun or not reusable(workdir / file, questions, dump, overrides)
+    run = args.rerun or not reusable(workdir / file, questions, dump, weights)
     if name == "hybrid" and run:
       run_py("index", args.config, args.workdir, sets + ["index.specs=[]"])
     command = shlex.join(["python", "run.py", "eval", "--config", args.config, "--workdir",
@@ -160,17 +172,19 @@ def check_reader_questions(path, readers: dict, questions, sample) -> None:
 
 
 def check_hybrid_weight(path, readers: dict, hybrid: dict) -> None:
-  """Refuses hybrid reader rows searched with other weights than the hybrid eval's."""
+  """Refuses hybrid reader rows searched with other weights than the hybrid eval's, or whose
+  weights are not recorded (rows made before they were)."""
   weights = _weights(hybrid.get("hybrid") or {})
   for name, row in readers["systems"].items():
-    if row.get("hybrid") and _weights(row["hybrid"]) != weights:
-      raise SystemExit(f"{path}: {name} searched with hybrid weights {_weights(row['hybrid'])}, "
-                       f"the hybrid eval with {weights}: run one of them again")
+    if name.startswith("hybrid") and _weights(row.get("hybrid") or {}) != weights:
+      raise SystemExit(f"{path}: {name} searched with hybrid weights "
+                       f"{_weights(row.get('hybrid') or {})}, the hybrid eval with {weights}: "
+                       "run one of them again")
 
 
 def _weights(record: dict) -> tuple:
-  """(passage, sentence) weights of a hybrid record (sentence 0: made before there was one)."""
-  return record.get("weight"), record.get("sentence_weight", 0.0)
+  """(passage, sentence) weights of a hybrid record (None: not recorded)."""
+  return record.get("weight"), record.get("sentence_weight")
 
 
 def on_rows(row: dict, rows: list[int]) -> dict:
@@ -272,6 +286,10 @@ def main(argv=None) -> int:
   parser.add_argument("--note", action="append", default=[],
                       help="a paragraph under the table")
   args = parser.parse_args(argv)
+  hand_set = [v for v in args.set if v.startswith(("index.sparse_weight=",
+                                                   "index.sparse_sentence_weight="))]
+  if hand_set:  # its rows are the tuned weights' and the passage-only one's
+    parser.error(f"--set {hand_set[0]}: the hybrid weights are run.py index's choice here")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
@@ -309,9 +327,8 @@ def main(argv=None) -> int:
             "paired": {"hybrid vs dense": paired(rows["hybrid"], rows["dense"],
                                                  ("em@1", "top1", "top20")),
                        "hybrid vs bm25": paired(rows["hybrid"], rows["bm25"], ("top1", "top20")),
-                       "hybrid vs hybrid, passage BM25 only": paired(
-                           rows["hybrid"], rows["hybrid, passage BM25 only"],
-                           ("em@1", "top1", "top20"))}}
+                       f"hybrid vs {PASSAGE_ONLY}": paired(rows["hybrid"], rows[PASSAGE_ONLY],
+                                                            ("em@1", "top1", "top20"))}}
   if sample:  # the other rows on the readers' sample, like for like
     result["reader_sample"] = {"questions": len(sample), "seed": readers.get("sample_seed"),
                                "rows": {name: on_rows(rows[name], sample)

@@ -8,6 +8,7 @@ For each scaling of a question's BM25 scores, the weight is chosen as `run.py in
 `index.sparse_tune_questions` seeded training questions, never the dev questions) over a grid
 fitting that scale; the table gives each scaling's best weight and its scores there:
   raw  the BM25 score as it is (what hybrid search adds), on a finer grid than `fusion.WEIGHTS`;
+the sentence weight is held at 0 (passage BM25 alone, as before the sentence term).
   max  divided by the question's highest BM25 score over the corpus (its best passage scores 1).
 Needs the workdir's dump, Flat index and BM25 index (`run.py index --set index.sparse=True`).
 """
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
   searcher, step = load_searcher(dense, workdir)
   dump = searcher.index.dump
   raw_scores = SparseIndex.scores
+  weights = fusion.WEIGHTS, fusion.SENTENCE_WEIGHTS
   rows = {}
   try:
     for name, (scale, grid) in SCALINGS.items():
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
                     "file": str(tuning["file"]), "seed": tuning["seed"]}
   finally:
     SparseIndex.scores = raw_scores
+    fusion.WEIGHTS, fusion.SENTENCE_WEIGHTS = weights
   results = {"config": args.config, "workdir": args.workdir, "model_step": step,
              "commit": git_commit(), "rows": rows}
   save_results(args.out, results, table, "experiments/studies/fusion_scale.py", argv)

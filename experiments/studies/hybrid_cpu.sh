@@ -26,7 +26,8 @@ $PY run.py train $C --set train.progress_bar=False
 $PY run.py dump $C
 [ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
 has "dpjax+reader" || $PY $PEER --systems dpjax
-# The hybrid search's passages read: its BM25 index and weight first (hybrid.py reuses them).
+# The hybrid search's passages read: its BM25 index and weights first (hybrid.py reuses them;
+# it refuses hybrid reader rows of other weights, to be measured again after removing them).
 $PY run.py index $C --set index.sparse=True --set 'index.specs=[]'
 has "hybrid+reader" || $PY $PEER --systems dpjax --set index.sparse=True
 $PY experiments/benchmarks/hybrid.py $C --reader-json results/reader_peer.json --out results/hybrid.json
