@@ -404,3 +404,24 @@ def test_sentence_rows_out_of_order_are_refused(toy, tmp_path):
   np.save(path, rows[::-1].copy())
   with pytest.raises(DumpError, match=r"sentence_rows.npy: not the index's sentences in order"):
     sparse.SparseIndex(copy, Dump.load(copy).manifest)
+
+
+def test_sentence_rows_of_awkward_passages(tmp_path):
+  """Empty passages, leading whitespace, no sentence end, abbreviations: every character maps to
+  the sentence `units.sentence_bounds` puts it in, and the table is accepted."""
+  from dpjax.data.squad import Passage
+  texts = ["", "  Leading space. Then more words here.", "no sentence end at all",
+           "Dr. Smith went home. He slept! Did he? Yes.", ""]
+  passages = [Passage(f"p{i}", "T", t) for i, t in enumerate(texts)]
+  manifest = {"dump_id": "x", "fingerprint": "f", "num_passages": len(passages)}
+  sparse.build_sparse(tmp_path, passages, manifest)
+  index = sparse.SparseIndex(tmp_path, manifest)
+  starts = [(row, a) for row, p in enumerate(passages)
+            for a in units.sentence_bounds(p.text)[:-1]]
+  assert index.num_sentences == len(starts)
+  for row, text in enumerate(texts):
+    bounds = units.sentence_bounds(text)
+    for char in range(len(text)):
+      first = max(a for a in bounds[:-1] if a <= char)
+      got = index.sentence_rows(np.array([row]), np.array([char]))[0]
+      assert starts[got] == (row, first), (row, char)
