@@ -107,14 +107,9 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
   Top-1 on the held-out questions, a record of how they were chosen, scores by "weight,sentence
   weight"), searched by `searcher` (dense: `_dense_searcher`) with the BM25 index `sparse`."""
   questions, path = tune_questions(config, workdir)
-  texts, answers = [q.question for q in questions], [q.answers for q in questions]
-  requests = score_requests(passage_k=20)
-  scores = {}
-  for pair, found in _search_grid(config, searcher, sparse, texts, requests).items():
-    report = found_scores(searcher.index, found, answers, passage_k=20, passage_ks=(1, 5, 20),
-                          regex=config.eval.regex)
-    scores[pair_key(*pair)] = {key: report[key] for key in ("em@1", "em@10", "top1", "top20")}
-    log.info("hybrid weights %g, sentence %g: %s", *pair, scores[pair_key(*pair)])
+  scores = _grid_scores(config, searcher, sparse, questions)
+  for key, value in scores.items():
+    log.info("hybrid weights %s, sentence %s: %s", *key.split(","), value)
   best = max(itertools.product(WEIGHTS, SENTENCE_WEIGHTS), key=lambda pair: (  # (rounded: ties)
       round(scores[pair_key(*pair)]["em@1"] + scores[pair_key(*pair)]["top1"], 6),
       -pair[0], -pair[1]))
@@ -125,15 +120,18 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
                 **_tuned_for(config), "scores": scores}
 
 
-def _search_grid(config, searcher, sparse: SparseIndex, texts: list[str], requests) -> dict:
-  """{(weight, sentence weight): `requests`' results for `texts`} over the grid. Chunk by chunk
-  of questions: a chunk's index hits, BM25 scores and BM25 passages' spans are computed once for
-  every pair (the index keeps the last questions' lexical results)."""
+def _grid_scores(config, searcher, sparse: SparseIndex, questions) -> dict:
+  """{`pair_key`: EM@1, EM@10, passage Top-1 and Top-20 of `questions`} over the grid, chunk
+  by chunk of questions: a chunk's index hits, BM25 scores and BM25 passages' spans are computed
+  once for every pair (the index keeps the last questions' lexical results), and only the
+  scores are kept (each a mean over questions: chunks add up weighted by their size)."""
   index = searcher.index
+  texts, answers = [q.question for q in questions], [q.answers for q in questions]
   q_start, q_end = searcher.encode(texts)
+  requests, keys = score_requests(passage_k=20), ("em@1", "em@10", "top1", "top20")
   width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   grid = list(itertools.product(WEIGHTS, SENTENCE_WEIGHTS))
-  found = {pair: [[] for _ in requests] for pair in grid}
+  sums = {pair: dict.fromkeys(keys, 0.0) for pair in grid}
   index.use_sparse(sparse, 1.0, passages=config.index.sparse_passages)
   chunk = min(PROGRESS_CHUNK, index.lexical_rows())  # what one search scores with BM25 at once
   for lo in range(0, len(texts), chunk):
@@ -142,10 +140,17 @@ def _search_grid(config, searcher, sparse: SparseIndex, texts: list[str], reques
     for pair in grid:
       index.use_sparse(sparse, pair[0], sentence_weight=pair[1],
                        passages=config.index.sparse_passages)
-      for got, (k, unit) in zip(found[pair], requests):
-        got.extend(index.search(q_start[rows], q_end[rows], k, unit, hits=hits,
-                                texts=texts[rows], max_answer_length=config.eval.max_answer_length))
-  return found
+      found = [index.search(q_start[rows], q_end[rows], k, unit, hits=hits, texts=texts[rows],
+                            max_answer_length=config.eval.max_answer_length)
+               for k, unit in requests]
+      report = found_scores(index, found, answers[rows], passage_k=20, passage_ks=(1, 5, 20),
+                            regex=config.eval.regex)
+      for key in keys:
+        sums[pair][key] += report[key] * len(found[0])
+    log.info("hybrid weights: %d of %d questions searched", min(lo + chunk, len(texts)),
+             len(texts))
+  return {pair_key(*pair): {key: round(total / max(len(texts), 1), 6)
+                            for key, total in sums[pair].items()} for pair in grid}
 
 
 def pair_key(weight: float, sentence_weight: float) -> str:
