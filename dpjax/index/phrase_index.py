@@ -289,8 +289,10 @@ class PhraseIndex:
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
                max_answer_length: int):
     """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`,
-    sentence BM25 scores [Q, S]) for hybrid search, or None for a dense search. They depend on
-    neither k, unit nor the weights: the last questions' are kept for the next search of them."""
+    sentence BM25 scores [Q, S] or None without a sentence weight) for hybrid search, or None
+    for a dense search. They depend on neither k, unit nor the weights: the last questions' are
+    kept for the next search of them (the sentence scores added when a weight first needs
+    them)."""
     if self.lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
@@ -299,11 +301,14 @@ class PhraseIndex:
     cached = self._lexical_cache
     if cached and cached[0] == key and all(np.array_equal(a, b) for a, b in
                                            zip(cached[1], (q_start, q_end))):
-      return cached[2]  # the same questions' next request (or weight): computed once
-    bm25 = self.sparse.scores(list(texts))
-    top = hybrid.top_passages(bm25, self.sparse_passages)
-    found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length),
-             self.sparse.sentence_scores(list(texts)))
+      found = cached[2]  # the same questions' next request (or weight): computed once
+    else:
+      bm25 = self.sparse.scores(list(texts))
+      top = hybrid.top_passages(bm25, self.sparse_passages)
+      found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length),
+               None)
+    if found[3] is None and self.sparse_sentence_weight:
+      found = (*found[:3], self.sparse.sentence_scores(list(texts)))
     self._lexical_cache = (key, (np.array(q_start), np.array(q_end)), found)
     return found
 
@@ -414,8 +419,9 @@ class PhraseIndex:
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
         ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
         if lexical is not None:
+          sentences = None if lexical[3] is None else lexical[3][q]
           ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
-                               self.sparse_weight, lexical[3][q], self._sentence_of,
+                               self.sparse_weight, sentences, self._sentence_of,
                                self.sparse_sentence_weight)
         units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
         if len(units[q]) < k and fetch < max_fetch:
