@@ -83,10 +83,7 @@ def passage_only_run(dump: pathlib.Path) -> tuple[str, list[str], tuple]:
   the tuning questions (`fusion.choose_weight`'s record in the BM25 index's manifest)."""
   from dpjax.index.sparse import MANIFEST, sparse_folder
   scores = json.loads((sparse_folder(dump) / MANIFEST).read_text())["weight_tuning"]["scores"]
-  best = max((key for key in scores if key.endswith(",0")),
-             key=lambda key: (round(scores[key]["em@1"] + scores[key]["top1"], 6),
-                              -float(key.split(",")[0])))
-  weight = float(best.split(",")[0])
+  weight = float(best_passage_only(scores).split(",")[0])
   return (f"open_eval_Flat_hybrid_w{weight:g}_s0.json",
           ["index.sparse=True", f"index.sparse_weight={weight}",
            "index.sparse_sentence_weight=0.0"], (weight, 0.0))
@@ -171,6 +168,14 @@ def check_reader_questions(path, readers: dict, questions, sample) -> None:
     raise SystemExit(f"{path}: its reader rows read other questions than these")
 
 
+def best_passage_only(scores: dict) -> str:
+  """The `fusion.pair_key` of the best pair with sentence weight 0 in a tuning record's scores,
+  by `fusion.choose_weight`'s criterion and tie-break (the smaller weight)."""
+  return max((key for key in scores if key.endswith(",0")),
+             key=lambda key: (round(scores[key]["em@1"] + scores[key]["top1"], 6),
+                              -float(key.split(",")[0])))
+
+
 def check_hybrid_weight(path, readers: dict, hybrid: dict) -> None:
   """Refuses hybrid reader rows searched with other weights than the hybrid eval's, or whose
   weights are not recorded (rows made before they were)."""
@@ -251,15 +256,14 @@ def tuning_lines(hybrid: dict) -> list[str]:
   scores = tuning.get("scores")
   if not scores:
     return []
-  mean = lambda key: (scores[key]["em@1"] + scores[key]["top1"]) / 2
-  chosen = f"{hybrid['weight']:g},{hybrid.get('sentence_weight', 0.0):g}"
-  alone = max((key for key in scores if key.endswith(",0")), key=mean, default=None)
+  from dpjax.fusion import pair_key
+  chosen, alone = pair_key(hybrid["weight"], hybrid["sentence_weight"]), best_passage_only(scores)
   said = lambda key: (f"passage {key.split(',')[0]}, sentence {key.split(',')[1]}: EM@1 "
                       f"{scores[key]['em@1']:.2f}, Top-1 {scores[key]['top1']:.2f}")
   return ["", f"Hybrid weights chosen by `run.py index` on {tuning['questions']} training "
               f"questions of {tuning['file']} (seed {tuning['seed']}; never these): "
               f"{said(chosen)}" + (f"; the best without the sentence term, {said(alone)}"
-                                   if alone and alone != chosen else "")
+                                   if alone != chosen else "")
           + f". Every pair's scores are in the JSON (rows.hybrid.hybrid.weight_tuning)."]
 
 
