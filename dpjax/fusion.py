@@ -21,6 +21,7 @@ from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import ConfigError
 from dpjax.index.dump_reader import Dump
 from dpjax.index.evaluate import PROGRESS_CHUNK, found_scores, score_requests
+from dpjax.index.hybrid import Hybrid
 from dpjax.index.sparse import (MANIFEST, SparseIndex, build_sparse, record_weight,
                                 sparse_folder)
 from dpjax.layout import Workdir
@@ -132,16 +133,19 @@ def _grid_scores(config, searcher, sparse: SparseIndex, questions) -> dict:
   width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   grid = list(itertools.product(WEIGHTS, SENTENCE_WEIGHTS))
   sums = {pair: dict.fromkeys(keys, 0.0) for pair in grid}
-  index.use_sparse(sparse, 1.0, passages=config.index.sparse_passages)
-  chunk = min(PROGRESS_CHUNK, index.lexical_rows())  # what one search scores with BM25 at once
+  # One searcher per pair, sharing the index, its rescoring and the last lexical results.
+  searchers = {pair: index.with_options(hybrid=Hybrid(sparse, *pair,
+                                                      config.index.sparse_passages))
+               for pair in grid}
+  lexical = index.with_options(hybrid=Hybrid(sparse, 1.0, 0.0, config.index.sparse_passages))
+  chunk = min(PROGRESS_CHUNK, lexical.lexical_rows())  # what one search scores with BM25 at once
   for lo in range(0, len(texts), chunk):
     rows = slice(lo, lo + chunk)
     hits = index.hits(q_start[rows], q_end[rows], width)
     for pair in grid:
-      index.use_sparse(sparse, pair[0], sentence_weight=pair[1],
-                       passages=config.index.sparse_passages)
-      found = [index.search(q_start[rows], q_end[rows], k, unit, hits=hits, texts=texts[rows],
-                            max_answer_length=config.eval.max_answer_length)
+      found = [searchers[pair].search(q_start[rows], q_end[rows], k, unit, hits=hits,
+                                      texts=texts[rows],
+                                      max_answer_length=config.eval.max_answer_length)
                for k, unit in requests]
       report = found_scores(index, found, answers[rows], passage_k=20, passage_ks=(1, 5, 20),
                             regex=config.eval.regex)

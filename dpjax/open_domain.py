@@ -151,12 +151,11 @@ def run_eval_open(config, workdir: str) -> dict:
 
 def _hybrid_record(index) -> dict | None:
   """What a hybrid search fused (None: dense): its weights, BM25 passages and BM25 index size."""
-  if index.sparse is None:
+  if index.hybrid is None:
     return None
-  manifest = index.sparse.manifest
-  return {"weight": index.sparse_weight, "sentence_weight": index.sparse_sentence_weight,
-          "passages": index.sparse_passages,
-          "weight_tuning": manifest.get("weight_tuning"), "bm25": manifest["settings"],
+  manifest = index.hybrid.sparse.manifest
+  return {**index.hybrid.record(), "weight_tuning": manifest.get("weight_tuning"),
+          "bm25": manifest["settings"],
           "bm25_index_bytes": manifest["index_bytes"],
           "bm25_bytes_per_token": manifest["index_bytes"] / index.manifest["num_tokens"]}
 

@@ -806,9 +806,7 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
           "max_k": sc.max_k, "max_questions": sc.max_questions,
           "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
           "max_batch": sc.max_batch, "merge_spans": index.merge_spans, "version": __version__,
-          "hybrid": None if index.sparse is None else {
-              "weight": index.sparse_weight, "sentence_weight": index.sparse_sentence_weight,
-              "passages": index.sparse_passages}}
+          "hybrid": None if index.hybrid is None else index.hybrid.record()}
   return create_app(batcher.start(), Limits.from_config(sc), info, key), batcher
 
 

@@ -20,6 +20,7 @@ from dpjax.data import Tokenizer, data_files
 from dpjax.data.questions import read_questions
 from dpjax.errors import ConfigError, DataError
 from dpjax.index.dump_reader import Dump
+from dpjax.index.hybrid import Hybrid
 from dpjax.index.manifest import check_dump, dump_windows, encoder_fingerprint, read_manifest
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.search import DensePhrases
@@ -160,16 +161,24 @@ def apply_filter_head(model, workdir: pathlib.Path) -> dict | None:
   return record
 
 
-def configure_index(index: PhraseIndex, config, *, verify: bool = False) -> PhraseIndex:
-  """The config's search options on a phrase index: merged spans, and hybrid search with the
-  dump's BM25 index (`index.sparse`)."""
-  index.merge_spans = config.index.merge_spans
+def search_options(config, dump: Dump, *, verify: bool = False) -> dict:
+  """The config's search options for `PhraseIndex(..., **options)` over `dump`: merged spans,
+  and hybrid search with the dump's BM25 index (`index.sparse`)."""
+  hybrid = None
   if config.index.sparse:
-    index.use_sparse(SparseIndex(index.dump.directory, index.dump.manifest, verify=verify),
-                     config.index.sparse_weight,
-                     sentence_weight=config.index.sparse_sentence_weight,
-                     passages=config.index.sparse_passages)
-  return index
+    hybrid = Hybrid.of(SparseIndex(dump.directory, dump.manifest, verify=verify),
+                       config.index.sparse_weight, config.index.sparse_sentence_weight,
+                       passages=config.index.sparse_passages)
+  return {"merge_spans": config.index.merge_spans, "hybrid": hybrid}
+
+
+def describe_search(index: PhraseIndex) -> str:
+  """Which search an index runs, for the logs: dense, or hybrid with its weights."""
+  found = index.hybrid
+  if found is None or not found.active:
+    return "dense phrase search" + ("" if found is None else " (hybrid weights 0 and 0)")
+  return (f"hybrid search (dense + {found.weight:g} x passage BM25 + {found.sentence_weight:g} "
+          f"x sentence BM25, top {found.passages} BM25 passages)")
 
 
 def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, *,
@@ -180,10 +189,12 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
   workdir = Workdir(workdir)
   model, step = restore_model(config, workdir, verify=verify)
   checked_dump(config, workdir)
-  index = PhraseIndex(workdir.dump(config), index_name or config.index.search_index,
-                      nprobe=config.index.nprobe,
-                      search_device=config.index.search_device, verify=verify)
-  configure_index(index, config, verify=verify)
+  dump = Dump.load(workdir.dump(config), verify=verify)
+  index = PhraseIndex(dump, index_name or config.index.search_index, nprobe=config.index.nprobe,
+                      search_device=config.index.search_device, verify=verify,
+                      **search_options(config, dump, verify=verify))
+  log.info("search: %s over index %s of %s", describe_search(index), index.manifest["spec"],
+           dump.directory)
   searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,
                           batch_size=config.index.batch_size)

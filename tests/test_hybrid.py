@@ -12,6 +12,7 @@ from dpjax.errors import DumpError
 from dpjax.index import hybrid, sparse, units
 from dpjax.index.dump import Dump
 from dpjax.index.faiss_index import build_index
+from dpjax.index.hybrid import Hybrid
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.scoring import half_to_float32
 from conftest import load_script
@@ -131,10 +132,10 @@ def _exhaustive(vectors, token_passage, q_start, q_end, tokens):
                                                     (0.5, 1.5), (0.0, 2.0)])
 def test_fused_ranking_equals_a_numpy_reference(toy, weight, sentence_weight):
   directory, q_start, q_end = toy
-  index = PhraseIndex(directory, "Flat")
-  index.merge_spans = False
-  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
-  index.use_sparse(bm25, weight, sentence_weight=sentence_weight, passages=2)
+  dump = Dump.load(directory)
+  bm25 = sparse.SparseIndex(directory, dump.manifest)
+  index = PhraseIndex(dump, "Flat", merge_spans=False,
+                      hybrid=Hybrid(bm25, weight, sentence_weight, passages=2))
   found = index.search(q_start, q_end, k=8, unit="phrase", texts=QUESTIONS,
                        max_answer_length=LENGTH)
   vectors = half_to_float32(np.asarray(index.dump.vectors))
@@ -168,8 +169,10 @@ def test_fused_ranking_equals_a_numpy_reference(toy, weight, sentence_weight):
 
 def test_weight_zero_is_the_dense_search(toy):
   directory, q_start, q_end = toy
-  dense, fused = PhraseIndex(directory, "Flat"), PhraseIndex(directory, "Flat")
-  fused.use_sparse(sparse.SparseIndex(directory, fused.dump.manifest), 0.0, sentence_weight=0.0)
+  dense = PhraseIndex(directory, "Flat")
+  fused = dense.with_options(hybrid=Hybrid(sparse.SparseIndex(directory, dense.dump.manifest),
+                                           0.0, 0.0))
+  assert dense.hybrid is None and not fused.hybrid.active
   for unit in ("phrase", "sentence", "passage", "document"):
     a = dense.search(q_start, q_end, k=4, unit=unit)
     b = fused.search(q_start, q_end, k=4, unit=unit, texts=QUESTIONS)
@@ -186,7 +189,8 @@ def test_a_passage_only_bm25_finds_is_scored_as_an_exhaustive_search(toy):
   assert 5 not in index.dump.token_passage[starts]
   bm25 = sparse.SparseIndex(directory, index.dump.manifest)
   lexical = bm25.scores(text)[0]
-  index.use_sparse(bm25, 1000.0, passages=1)  # BM25's passage wins whatever its dense score
+  # BM25's passage wins whatever its dense score
+  index = index.with_options(hybrid=Hybrid(bm25, 1000.0, passages=1))
   top = index.search(q_start[:1], q_end[:1], k=1, unit="passage", top_tokens=2, texts=text)[0][0][0]
   alone = PhraseIndex.over_passages(index.dump, [5])
   exact = alone.search(q_start[:1], q_end[:1], k=1, unit="phrase",
@@ -227,12 +231,17 @@ def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
     sparse.SparseIndex(other, manifest)
   sparse.build_sparse(other, Dump.load(other).passages, manifest)
   assert sparse.SparseIndex(other, manifest).num_sentences == len(_sentences(PASSAGES))
-  index = PhraseIndex(directory, "Flat")
-  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
+  bm25 = sparse.SparseIndex(directory, Dump.load(directory).manifest)
+  index = PhraseIndex(directory, "Flat", hybrid=Hybrid(bm25, 1.0))
   with pytest.raises(ValueError, match="needs the text of every question"):
     index.search(toy[1], toy[2], k=2)
   with pytest.raises(ValueError, match="a sentence weight without the passage weight"):
-    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), sentence_weight=1.0)
+    Hybrid.of(bm25, sentence_weight=1.0)
+  for weight in (float("nan"), float("inf"), None, "1", True):
+    with pytest.raises(ValueError, match="weight must be a finite number"):
+      Hybrid(bm25, weight)
+  with pytest.raises(TypeError, match="hybrid must be a dpjax.index.hybrid.Hybrid"):
+    index.with_options(hybrid=bm25)
   # One of other BM25 settings (here another k1): refused, and built again.
   record = json.loads((sparse.sparse_folder(other) / sparse.MANIFEST).read_text())
   record["settings"] = {**record["settings"], "k1": 1.2}
@@ -245,8 +254,9 @@ def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
 
 def test_overlapping_spans_are_one_answer_with_the_others_as_evidence(toy):
   directory, q_start, q_end = toy
-  merged, apart = PhraseIndex(directory, "Flat"), PhraseIndex(directory, "Flat")
-  apart.merge_spans = False
+  merged = PhraseIndex(directory, "Flat")
+  apart = merged.with_options(merge_spans=False)
+  assert merged.merge_spans and not apart.merge_spans
   for q in range(len(q_start)):
     # One round of 60 hits each: both rank the same candidate spans.
     one = [p for p, _ in merged.search(q_start[q:q + 1], q_end[q:q + 1], k=6, top_tokens=60,
@@ -285,9 +295,9 @@ def test_hybrid_on_the_devices_answers_as_on_the_host(toy, unit):
   directory, q_start, q_end = toy
   found = []
   for device in ("faiss", "jax"):
-    index = PhraseIndex(directory, "Flat", search_device=device)
-    index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.7,
-                     sentence_weight=0.4, passages=3)
+    bm25 = sparse.SparseIndex(directory, Dump.load(directory).manifest)
+    index = PhraseIndex(directory, "Flat", search_device=device,
+                        hybrid=Hybrid(bm25, 0.7, 0.4, passages=3))
     found.append([[(p.start_token, p.end_token) for p, _ in units] for units in index.search(
         q_start, q_end, k=3, unit=unit, texts=QUESTIONS)])
   assert found[0] == found[1]
@@ -295,9 +305,8 @@ def test_hybrid_on_the_devices_answers_as_on_the_host(toy, unit):
 
 def test_passages_rank_as_their_best_fused_phrase(toy):
   directory, q_start, q_end = toy
-  index = PhraseIndex(directory, "Flat")
-  index.merge_spans = False
-  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 0.3, passages=2)
+  bm25 = sparse.SparseIndex(directory, Dump.load(directory).manifest)
+  index = PhraseIndex(directory, "Flat", merge_spans=False, hybrid=Hybrid(bm25, 0.3, passages=2))
   phrases = index.search(q_start, q_end, k=40, unit="phrase", texts=QUESTIONS, top_tokens=40,
                          max_fetch=40)
   passages = index.search(q_start, q_end, k=3, unit="passage", texts=QUESTIONS, top_tokens=40,
@@ -313,9 +322,8 @@ def test_a_filtered_index_fuses_only_the_tokens_it_keeps(toy):
   directory, q_start, q_end = toy
   dump = Dump.load(directory)
   kept = np.arange(0, len(dump.vectors), 2)  # every other token
-  index = PhraseIndex.over_tokens(dump, kept)
-  index.merge_spans = False
-  index.use_sparse(sparse.SparseIndex(directory, dump.manifest), 5.0, passages=3)
+  index = PhraseIndex.over_tokens(dump, kept, merge_spans=False).with_options(
+      hybrid=Hybrid(sparse.SparseIndex(directory, dump.manifest), 5.0, passages=3))
   found = index.search(q_start, q_end, k=30, unit="phrase", texts=QUESTIONS)
   spans = [(p.start_token, p.end_token) for units in found for p, _ in units]
   assert spans and all(s % 2 == 0 and e % 2 == 0 for s, e in spans)
@@ -330,16 +338,16 @@ def test_exhaustive_rescoring_stays_within_its_bound(toy, monkeypatch):
   texts = QUESTIONS[:4] + ["Xyzzy plugh?"]
   passages = hybrid.top_passages(bm25.scores(texts), 3)
   assert not len(passages[-1]) and all(len(p) for p in passages[:-1])
-  shapes, rescore = [], index._rescore
-  monkeypatch.setattr(index, "_rescore", lambda qs, qe, s, e, n: shapes.append(s.shape) or
-                      rescore(qs, qe, s, e, n))
+  shapes, rescore = [], index.rescorer.rescore
+  monkeypatch.setattr(index.rescorer, "rescore", lambda qs, qe, s, e, n: shapes.append(s.shape)
+                      or rescore(qs, qe, s, e, n))
   bound = 2 * 60 * LENGTH * 2  # two rows of 60 anchors
   monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", bound)
-  chunked = hybrid.lexical_spans(index, q_start, q_end, passages, LENGTH)
+  chunked = hybrid.lexical_spans(index.rescorer, q_start, q_end, passages, LENGTH)
   assert all(rows == 1 or 2 * rows * width * LENGTH <= bound for rows, width in shapes)
   assert len(shapes) > 1
   monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", 1 << 22)
-  whole = hybrid.lexical_spans(index, q_start, q_end, passages, LENGTH)
+  whole = hybrid.lexical_spans(index.rescorer, q_start, q_end, passages, LENGTH)
   assert all(all(np.array_equal(a, b) for a, b in zip(x, y)) for x, y in zip(chunked, whole))
 
 
@@ -356,16 +364,16 @@ def test_bm25_of_the_questions_computed_once_for_their_requests(toy, monkeypatch
   calls = []
   monkeypatch.setattr(bm25, "scores", lambda texts, real=bm25.scores: calls.append(1) or
                       real(texts))
-  index.use_sparse(bm25, 1.0)
+  index = index.with_options(hybrid=Hybrid(bm25, 1.0))
   first = index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
   index.search(q_start, q_end, k=5, unit="passage", texts=QUESTIONS)
-  index.use_sparse(bm25, 2.0)
-  index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
+  # another weight: a copy sharing the last questions' lexical results
+  index.with_options(hybrid=Hybrid(bm25, 2.0)).search(q_start, q_end, k=3, unit="phrase",
+                                                      texts=QUESTIONS)
   assert len(calls) == 1
   other = list(QUESTIONS[::-1])
   index.search(q_start, q_end, k=3, unit="phrase", texts=other)  # other texts: computed again
   assert len(calls) == 2
-  index.use_sparse(bm25, 1.0)
   again = index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)
   assert [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in again] == [
       [(p.start_token, p.end_token, p.score) for p, _ in u] for u in first]
@@ -374,7 +382,8 @@ def test_bm25_of_the_questions_computed_once_for_their_requests(toy, monkeypatch
 def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
   directory, q_start, q_end = toy
   index = PhraseIndex(directory, "Flat")
-  index.use_sparse(sparse.SparseIndex(directory, index.dump.manifest), 1.0)
+  index = index.with_options(hybrid=Hybrid(sparse.SparseIndex(directory, index.dump.manifest),
+                                           1.0))
   with pytest.raises(ValueError, match="max_answer_length .* must be >= 1"):
     index.search(q_start, q_end, k=2, texts=QUESTIONS, max_answer_length=0)
   # Another dump's BM25 index, both without a dump id (made from Python): refused by its size.
@@ -385,7 +394,7 @@ def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
   sparse.build_sparse(small, dump.passages[:3], {**dump.manifest, "num_passages": 3})
   foreign = sparse.SparseIndex(small, {**dump.manifest, "num_passages": 3})
   with pytest.raises(DumpError, match="built from another dump"):
-    index.use_sparse(foreign, 1.0)
+    index.with_options(hybrid=Hybrid(foreign, 1.0))
   # Damage that keeps a file's size: unreadable, one line naming the folder and the rebuild.
   vocab = sparse.sparse_folder(small) / "vocab.index.json"
   vocab.write_bytes(b"\0" * 8 + vocab.read_bytes()[8:])
@@ -425,3 +434,4 @@ def test_sentence_rows_of_awkward_passages(tmp_path):
       first = max(a for a in bounds[:-1] if a <= char)
       got = index.sentence_rows(np.array([row]), np.array([char]))[0]
       assert starts[got] == (row, first), (row, char)
+

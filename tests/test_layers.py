@@ -28,7 +28,8 @@ LAYERS = [
     {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.windows",
      "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump",
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
-     "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.hits", "dpjax.index.phrase_index",
+     "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
+     "dpjax.index.phrase_index",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
@@ -294,3 +295,42 @@ def test_the_package_imports_no_experiment():
   found = [f"{module} imports {name}" for module, (text, is_package) in _sources().items()
            for name, _ in imports_of(text, module, is_package) if name.startswith("experiments")]
   assert not found, "\n".join(found)
+
+
+# Private names of other libraries that are their documented public API.
+PUBLIC_UNDERSCORED = {"os._exit"}
+
+
+def private_access_problems(sources: dict[str, tuple[str, bool]]) -> list[str]:
+  """Each `x._name` read outside `self` / `cls` whose `_name` the module itself does not define
+  (a def, a class or an attribute it assigns): a private member of another module's object."""
+  problems = []
+  for module, (text, _) in sources.items():
+    tree = ast.parse(text)
+    own = set()
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        own.add(node.name)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        own.add(node.attr)
+    for node in ast.walk(tree):
+      if (not isinstance(node, ast.Attribute) or not node.attr.startswith("_")
+          or node.attr.startswith("__") or node.attr in own
+          or (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+        continue
+      if ast.unparse(node) not in PUBLIC_UNDERSCORED:
+        problems.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+  return problems
+
+
+def test_no_private_member_used_across_modules():
+  problems = private_access_problems(_sources())
+  assert not problems, "\n".join(problems)
+
+
+def test_a_private_member_read_across_modules_is_caught():
+  sources = dict(_sources())
+  text, is_package = sources["dpjax.index.hits"]
+  sources["dpjax.index.hits"] = (text + "\n\ndef f(index):\n  return index._spans\n", is_package)
+  assert private_access_problems(sources) == [
+      f"dpjax.index.hits:{text.count(chr(10)) + 4} reads index._spans"]

@@ -293,7 +293,7 @@ def test_token_scores_in_threads_equal_one_thread(toy, index_name, monkeypatch):
   def run(threads):
     monkeypatch.setattr(scoring, "_RESCORE_THREADS", threads)
     groups.clear()
-    scores = index._token_scores(tokens, *queries)
+    scores = index.rescorer.token_scores(tokens, *queries)
     parts = sorted(groups)
     return scores, parts, index.search(*queries, k=3, unit="phrase")
 
@@ -534,16 +534,20 @@ def test_searches_sharing_one_index_search_rescore_each_hit_once(toy, index_name
   alone = [index.search(q_start, q_end, k, unit, hits=index.hits(q_start, q_end, width))
            for k, unit in requests]  # a fresh rescoring per search
   rescored = {}  # question -> start and end hits rescored
-  rescore = index._rescore
+  rescore = index.rescorer.rescore
 
   def counted(qs, qe, starts, ends, max_answer_length):
     for q, s, e in zip(qs, starts, ends):
       rescored[q.tobytes()] = rescored.get(q.tobytes(), 0) + len(s) + len(e)
     return rescore(qs, qe, starts, ends, max_answer_length)
 
-  index._rescore = counted
+  index.rescorer.rescore = counted
   hits = index.hits(q_start, q_end, width)
-  shared = [index.search(q_start, q_end, k, unit, hits=hits) for k, unit in requests]
+  # a copy with other options shares the index's rescoring, and so the hits' rescored spans
+  unmerged = index.with_options(merge_spans=False)
+  assert unmerged.rescorer is index.rescorer
+  shared = [(unmerged if unit == "passage" else index).search(q_start, q_end, k, unit, hits=hits)
+            for k, unit in requests]
   key = lambda found: [[(p.start_token, p.end_token, p.score, u) for p, u in f] for f in found]
   assert list(map(key, shared)) == list(map(key, alone))
   # Each hit rescored at most once over all rounds and searches (without the rescoring the hits

@@ -43,7 +43,7 @@ class Tokenizer:
       lowercase = _do_lower_case(model_dir)
       wordpiece = tokenizers.BertWordPieceTokenizer(str(model_dir / "vocab.txt"),
                                                     lowercase=lowercase)
-      return cls(wordpiece._tokenizer)
+      return cls(tokenizers.Tokenizer.from_str(wordpiece.to_str()))  # (its public form)
     raise FileNotFoundError(f"{model_dir}: neither tokenizer.json nor vocab.txt found")
 
   @functools.cached_property

@@ -6,18 +6,19 @@ from __future__ import annotations
 import numpy as np
 
 from dpjax.index import scoring
+from dpjax.index.rescoring import Rescorer
 
 
 class Hits(tuple):
   """(start token ids, end token ids) [Q, n] each of one index search (`PhraseIndex.hits`) of
-  questions (q_start, q_end); it keeps what rescoring them found (`rescored`), so the rounds of
-  a unit search and the searches sharing it (`retrieve`) rescore each hit once."""
+  questions (q_start, q_end); it keeps what rescoring them found by `rescorer` (`rescored`), so
+  the rounds of a unit search and the searches sharing it (`retrieve`) rescore each hit once."""
 
   def __new__(cls, starts: np.ndarray, ends: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
-              index: "PhraseIndex"):
+              rescorer: Rescorer):
     self = super().__new__(cls, (starts, ends))
     self.queries = (np.array(q_start, np.float32), np.array(q_end, np.float32))  # copies
-    self.index = index
+    self.rescorer = rescorer
     self._rescored: dict[int, _Rescored] = {}  # by max_answer_length
     return self
 
@@ -30,7 +31,7 @@ class Hits(tuple):
 class _Rescored:
   """The best span of each start and end hit of a `Hits`, each hit rescored once, the first
   columns first, as searches ask for them. A hit's best span depends on its question and itself
-  only (`PhraseIndex._rescore`), so the first f columns rescored in pieces are exactly those
+  only (`Rescorer.rescore`), so the first f columns rescored in pieces are exactly those
   columns rescored at once."""
 
   def __init__(self, hits: Hits, max_answer_length: int):
@@ -50,7 +51,7 @@ class _Rescored:
     return ranked_spans(self.scores[rows, :, :width].reshape(len(rows), -1),
                         np.concatenate([starts, partner[:, 1]], 1),
                         np.concatenate([partner[:, 0], ends], 1),
-                        len(self.hits.index.dump.vectors))
+                        self.hits.rescorer.num_tokens)
 
   def _rescore(self, rows: np.ndarray, width: int) -> None:
     todo = rows[self.done[rows] < width]
@@ -60,7 +61,7 @@ class _Rescored:
       chunk = max(1, scoring.RESCORE_ELEMENTS // (2 * new * self.max_answer_length))
       for lo in range(0, len(group), chunk):
         part = group[lo:lo + chunk]
-        scores, span_start, span_end = self.hits.index._rescore(
+        scores, span_start, span_end = self.hits.rescorer.rescore(
             self.hits.queries[0][part], self.hits.queries[1][part],
             self.hits[0][part, done:width], self.hits[1][part, done:width],
             self.max_answer_length)

@@ -18,12 +18,74 @@ candidates.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from typing import Callable, Sequence
 
 import numpy as np
 
+from dpjax.errors import DumpError
+from dpjax.index.rescoring import Rescorer
+from dpjax.index.sparse import SparseIndex
+from dpjax.index.units import count
+
 # Bounds the [questions, anchors, max_answer_length] arrays of one exhaustive rescoring.
 _EXHAUSTIVE_ELEMENTS = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+  """Hybrid search's options: the dump's BM25 index, the weights of its passage and sentence
+  scores, and how many top BM25 passages add their spans to the candidates.
+
+  `Hybrid.recorded(sparse)` takes the weights `run.py index` chose and recorded in the BM25
+  index. Weights of 0 and 0 make the search the dense one (`active` is False).
+  """
+  sparse: SparseIndex
+  weight: float
+  sentence_weight: float = 0.0
+  passages: int = 20
+
+  def __post_init__(self):
+    for name in ("weight", "sentence_weight"):
+      value = getattr(self, name)
+      if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+          or not math.isfinite(value)):
+        raise ValueError(f"hybrid search's {name} must be a finite number, got {value!r}")
+      object.__setattr__(self, name, float(value))  # (frozen: set once, here)
+    count(self.passages, "index.sparse_passages")
+
+  @classmethod
+  def recorded(cls, sparse: SparseIndex, *, passages: int = 20) -> "Hybrid":
+    """The weights recorded in the BM25 index (`run.py index` chose them)."""
+    if sparse.weight is None or sparse.sentence_weight is None:
+      raise DumpError(f"{sparse.directory} records no hybrid weights: choose them with "
+                      "`run.py index --set index.sparse=True` (it tunes them) or set "
+                      "index.sparse_weight")
+    return cls(sparse, sparse.weight, sparse.sentence_weight, passages)
+
+  @classmethod
+  def of(cls, sparse: SparseIndex, weight: float | None = None,
+         sentence_weight: float | None = None, *, passages: int = 20) -> "Hybrid":
+    """Given weights, or without `weight` the recorded ones; `sentence_weight` defaults to 0
+    beside a given `weight` and is refused without one (which pair would it complete?)."""
+    if weight is None:
+      if sentence_weight is not None:
+        raise ValueError("a sentence weight without the passage weight: give both, or "
+                         "neither (the BM25 index's recorded ones)")
+      return cls.recorded(sparse, passages=passages)
+    return cls(sparse, weight, sentence_weight or 0.0, passages)
+
+  @property
+  def active(self) -> bool:
+    """Whether BM25 changes the search (a weight is not 0)."""
+    return bool(self.weight or self.sentence_weight)
+
+  def record(self) -> dict:
+    """What eval and the service report of it."""
+    return {"weight": self.weight, "sentence_weight": self.sentence_weight,
+            "passages": self.passages}
 
 
 def top_passages(lexical: np.ndarray, count: int) -> list[np.ndarray]:
@@ -43,16 +105,13 @@ def top_passages(lexical: np.ndarray, count: int) -> list[np.ndarray]:
   return out
 
 
-def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Sequence[np.ndarray],
-                  max_answer_length: int) -> list[tuple[np.ndarray, ...]]:
+def lexical_spans(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray,
+                  passages: Sequence[np.ndarray], max_answer_length: int,
+                  ) -> list[tuple[np.ndarray, ...]]:
   """Per question, (starts, ends, dense scores) of every best span of the tokens of its
-  `passages` (rows), as an exhaustive search over those tokens finds them (`index._rescore`
+  `passages` (rows), as an exhaustive search over those tokens finds them (`Rescorer.rescore`
   with every token the index keeps as a start hit and as an end hit); -inf spans left out."""
-  tokens = [np.concatenate([np.arange(index.passage_start[p], index.passage_end[p])
-                            for p in rows]) if len(rows) else np.zeros(0, np.int64)
-            for rows in passages]
-  if index.kept_mask is not None:  # a filtered index: phrases start and end at kept tokens only
-    tokens = [t[index.kept_mask[t]] for t in tokens]
+  tokens = [rescorer.passage_tokens(rows) for rows in passages]
   out: list = [None] * len(tokens)
   # Widest first: a call's rows are sized by its first, widest row; similar widths share a call.
   order = np.argsort([-len(t) for t in tokens], kind="stable")
@@ -64,8 +123,8 @@ def lexical_spans(index, q_start: np.ndarray, q_end: np.ndarray, passages: Seque
     anchors = np.full((len(rows), width), -1, np.int64)
     for i, q in enumerate(rows):
       anchors[i, :len(tokens[q])] = tokens[q]
-    scores, starts, ends = index._rescore(q_start[rows], q_end[rows], anchors, anchors,
-                                          max_answer_length)
+    scores, starts, ends = rescorer.rescore(q_start[rows], q_end[rows], anchors, anchors,
+                                            max_answer_length)
     for i, q in enumerate(rows):
       keep = np.isfinite(scores[i])
       out[q] = (starts[i, keep], ends[i, keep], scores[i, keep])

@@ -1,8 +1,13 @@
 """A complete dump with one of its faiss indexes (`PhraseIndex`): the index searched, its hits
-rescored exactly from the stored token vectors, and the best phrase of each retrieved unit.
+rescored exactly from the stored token vectors (`rescoring.Rescorer`), and the best phrase of
+each retrieved unit.
+
+A `PhraseIndex` is built from its search options, merged spans and hybrid search
+(`hybrid.Hybrid`); `with_options` gives the same index with others, sharing what it loaded.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Sequence
 
@@ -15,8 +20,9 @@ from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import check_index, index_folder
 from dpjax.index.hits import Hits, ranked_spans
+from dpjax.index.hybrid import Hybrid
 from dpjax.index.manifest import INDEX_MANIFEST, check_index_of_dump
-from dpjax.index.sparse import SparseIndex
+from dpjax.index.rescoring import Rescorer
 from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
 from dpjax.io import read_json
 
@@ -25,10 +31,16 @@ _LEXICAL_ELEMENTS = 1 << 25
 
 
 class PhraseIndex:
-  """A complete dump with one of its faiss indexes."""
+  """A complete dump with one of its faiss indexes.
+
+  Search options: `merge_spans` (overlapping answers of one passage are one result, the others
+  listed under its `merged`) and `hybrid` (`Hybrid`: BM25 scores of the dump's passages and
+  sentences added; None: the dense search).
+  """
 
   def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
-               nprobe: int | None = None, search_device: str = "auto", *, verify: bool = False):
+               nprobe: int | None = None, search_device: str = "auto", *,
+               merge_spans: bool = True, hybrid: Hybrid | None = None, verify: bool = False):
     """The dump's index `index_name`; the sizes of its and the dump's files are checked against
     those recorded when written, and with `verify` their contents (`index.verify`)."""
     self.dump = dump if isinstance(dump, Dump) else Dump.load(dump, verify=verify)
@@ -59,7 +71,7 @@ class PhraseIndex:
       if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
         faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                    nprobe or self.manifest["nprobe"])
-    self._setup()
+    self._setup(merge_spans, hybrid)
 
   def _device_index(self, search_device: str) -> DeviceFlat | None:
     """The exact index searched on the accelerator (`use_device_search`): its vectors are the
@@ -77,7 +89,7 @@ class PhraseIndex:
 
   @classmethod
   def over_passages(cls, dump: Dump, passages: Sequence[int] | None = None, *,
-                    search_device: str = "auto") -> "PhraseIndex":
+                    search_device: str = "auto", merge_spans: bool = True) -> "PhraseIndex":
     """An exact (Flat, in memory) index over the tokens of some passages of a dump (default all).
 
     Phrase vectors do not depend on the other passages of a corpus, so the index of any
@@ -85,11 +97,12 @@ class PhraseIndex:
     """
     rows = np.arange(len(dump.passages)) if passages is None else np.unique(passages)
     return cls.over_tokens(dump, np.flatnonzero(np.isin(dump.token_passage, rows)),
-                           num_passages=len(rows), search_device=search_device)
+                           num_passages=len(rows), search_device=search_device,
+                           merge_spans=merge_spans)
 
   @classmethod
   def over_tokens(cls, dump: Dump, tokens: np.ndarray, *, num_passages: int | None = None,
-                  search_device: str = "auto") -> "PhraseIndex":
+                  search_device: str = "auto", merge_spans: bool = True) -> "PhraseIndex":
     """An exact (Flat, in memory) index over some tokens of a dump (e.g. those a filter keeps);
     phrases start and end only at these tokens. `search_device` as `index.search_device`."""
     self = cls.__new__(cls)
@@ -111,24 +124,54 @@ class PhraseIndex:
                      "num_tokens": int(len(tokens)), "num_passages": int(num_passages),
                      "fingerprint": dump.manifest["fingerprint"], "build_seconds": 0.0,
                      "index_bytes": int(len(tokens)) * (4 * dump.vectors.shape[1] + 8)}
-    self._setup()
+    self._setup(merge_spans, None)
     return self
 
-  def _setup(self) -> None:
+  def _setup(self, merge_spans: bool, hybrid: Hybrid | None) -> None:
     self.num_vectors = int(self.manifest["num_tokens"])
-    self.sparse, self.sparse_weight, self.sparse_passages = None, 0.0, 20
-    self.sparse_sentence_weight = 0.0
-    self._lexical_cache = None
-    self.merge_spans = True
-    token_passage = self.dump.token_passage
-    num_passages = len(self.dump.passages)
-    self.passage_start = np.searchsorted(token_passage, np.arange(num_passages), "left")
-    self.passage_end = np.searchsorted(token_passage, np.arange(num_passages), "right")
     self._sentences: dict[int, np.ndarray] = {}
-    vectors = self.dump.vectors
-    if self.num_vectors and vectors.dtype != np.float32 and self._exact_vectors() is None:
-      # the rescoring converts the dump's rows (`scoring.token_scores`): compiled now, not searching
-      scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]), vectors.dtype))
+    # The last questions' lexical results (`_lexical`), shared with `with_options` copies.
+    self._lexical_cache: list = [None]
+    vectors = self._exact_vectors()
+    if vectors is None:
+      vectors = self.dump.vectors
+      if self.num_vectors and vectors.dtype != np.float32:
+        # the rescoring converts the dump's rows (`scoring.token_scores`): compiled now, not
+        # searching
+        scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]),
+                                         vectors.dtype))
+    self.rescorer = Rescorer(vectors, self.dump.token_passage, len(self.dump.passages),
+                             self.kept_mask)
+    self._set_options(merge_spans, hybrid)
+
+  def _set_options(self, merge_spans: bool, hybrid: Hybrid | None) -> None:
+    if hybrid is not None:
+      if not isinstance(hybrid, Hybrid):
+        raise TypeError(f"hybrid must be a dpjax.index.hybrid.Hybrid or None, not "
+                        f"{type(hybrid).__name__}")
+      hybrid.sparse.check_of(self.dump.directory, self.dump.manifest)
+    self.merge_spans, self.hybrid = bool(merge_spans), hybrid
+
+  _KEEP = object()
+
+  def with_options(self, *, merge_spans: bool = _KEEP, hybrid: Hybrid | None = _KEEP,
+                   ) -> "PhraseIndex":
+    """This index with other search options (those not given kept): a new searcher sharing
+    the dump, the faiss index, the rescoring and the last lexical results with this one."""
+    other = copy.copy(self)
+    other._set_options(self.merge_spans if merge_spans is self._KEEP else merge_spans,
+                       self.hybrid if hybrid is self._KEEP else hybrid)
+    return other
+
+  @property
+  def passage_start(self) -> np.ndarray:
+    """[P] each passage row's first token id (`Rescorer`)."""
+    return self.rescorer.passage_start
+
+  @property
+  def passage_end(self) -> np.ndarray:
+    """[P] one past each passage row's last token id."""
+    return self.rescorer.passage_end
 
   @property
   def fingerprint(self) -> str:
@@ -142,7 +185,7 @@ class PhraseIndex:
       labels = np.full((len(queries), 0), -1, np.int64)
     else:
       _, labels = self.index.search(queries, k)
-    return Hits(labels[:len(q_start)], labels[len(q_start):], q_start, q_end, self)
+    return Hits(labels[:len(q_start)], labels[len(q_start):], q_start, q_end, self.rescorer)
 
   def search_phrases(self, q_start: np.ndarray, q_end: np.ndarray, k: int = 10, *,
                      top_tokens: int | None = None, max_answer_length: int = 10,
@@ -172,28 +215,23 @@ class PhraseIndex:
       for lo in range(0, len(q_start), chunk):
         part = slice(lo, lo + chunk)
         starts, ends = self._hits(q_start[part], q_end[part], top_tokens)
-        results += ranked_spans(*self._rescore(q_start[part], q_end[part], starts, ends,
-                                               max_answer_length), len(self.dump.vectors))
+        results += ranked_spans(*self.rescorer.rescore(q_start[part], q_end[part], starts, ends,
+                                                       max_answer_length),
+                                self.rescorer.num_tokens)
       return results
     if rows is None:
       rows = np.arange(len(q_start))
     if not self._asked(hits, q_start, q_end, rows):
-      hits, rows = Hits(hits[0][rows], hits[1][rows], q_start, q_end, self), np.arange(len(rows))
+      hits, rows = (Hits(hits[0][rows], hits[1][rows], q_start, q_end, self.rescorer),
+                    np.arange(len(rows)))
     return hits.rescored(max_answer_length).spans(rows, top_tokens)
 
   def _asked(self, hits, q_start, q_end, rows: np.ndarray) -> bool:
     """Whether `hits` are this index's search of these questions (at its `rows`): `Hits` whose
-    rescored spans these questions may share."""
-    return (isinstance(hits, Hits) and hits.index is self
+    rescored spans these questions may share (`with_options` copies share their rescorer)."""
+    return (isinstance(hits, Hits) and hits.rescorer is self.rescorer
             and np.array_equal(hits.queries[0][rows], q_start)
             and np.array_equal(hits.queries[1][rows], q_end))
-
-  def _token_scores(self, tokens: np.ndarray, q_start: np.ndarray, q_end: np.ndarray):
-    """(start scores, end scores) of token ids [Q, ...] under their question's vectors
-    (`scoring.token_scores`), from the faiss index's own storage where it holds every token."""
-    exact = self._exact_vectors()
-    return scoring.token_scores(exact if exact is not None else self.dump.vectors, tokens,
-                                q_start, q_end)
 
   def _exact_vectors(self) -> np.ndarray | None:
     """The float32 [N, D] vectors of every dump token, row = token id, when the faiss index
@@ -207,35 +245,6 @@ class PhraseIndex:
           faiss.vector_to_array(self.index.id_map), np.arange(n)):
         self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
     return self._exact
-
-  def _rescore(self, q_start, q_end, starts, ends, max_answer_length: int):
-    """Every start hit paired with its best end within `max_answer_length` tokens of its passage,
-    every end hit with its best start: (scores, span starts, span ends) [Q, Ks + Ke] of the
-    hits (starts, then ends), -inf where a hit is -1 or has no partner. A hit's best span
-    depends on its question and itself only."""
-    offsets = np.arange(max_answer_length)
-    anchors = np.concatenate([starts, ends], 1)  # [Q, 2K]
-    valid = anchors >= 0
-    anchor = np.maximum(anchors, 0)
-    forward = np.arange(anchors.shape[1]) < starts.shape[1]  # start anchors look forward
-    partners = anchor[..., None] + np.where(forward[:, None], offsets, -offsets)  # [Q, 2K, L]
-    passage = self.dump.token_passage[anchor]
-    ok = ((partners >= self.passage_start[passage][..., None])
-          & (partners < self.passage_end[passage][..., None]) & valid[..., None])
-    partners = np.clip(partners, 0, len(self.dump.vectors) - 1)
-    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
-      ok &= self.kept_mask[partners]
-    span_start = np.where(forward[:, None], anchor[..., None], partners)
-    span_end = np.where(forward[:, None], partners, anchor[..., None])
-    # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.
-    score_s, score_e = self._token_scores(partners, q_start, q_end)  # [Q, 2K, L] each
-    total = np.where(forward[:, None], score_s[..., :1] + score_e, score_s + score_e[..., :1])
-    total = np.where(ok, total, -np.inf)
-    best = total.argmax(-1)[..., None]  # an anchor's best partner (the nearest on ties)
-    scores = np.take_along_axis(total, best, -1)[..., 0]
-    all_start = np.take_along_axis(span_start, best, -1)[..., 0]
-    all_end = np.take_along_axis(span_end, best, -1)[..., 0]
-    return scores, all_start, all_end
 
   def phrase(self, start: int, end: int, score: float) -> Phrase:
     passage = int(self.dump.token_passage[start])
@@ -281,9 +290,9 @@ class PhraseIndex:
   def lexical_rows(self) -> int | None:
     """Questions a hybrid search scores with BM25 at once (None: a dense search); a search of
     more splits them, and only the last part's lexical results are kept for the next search."""
-    if self.sparse is None or not (self.sparse_weight or self.sparse_sentence_weight):
+    if self.hybrid is None or not self.hybrid.active:
       return None
-    width = self.sparse.num_passages + self.sparse.num_sentences
+    width = self.hybrid.sparse.num_passages + self.hybrid.sparse.num_sentences
     return max(1, _LEXICAL_ELEMENTS // max(width, 1))
 
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
@@ -297,46 +306,25 @@ class PhraseIndex:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
       raise ValueError("hybrid search (index.sparse) needs the text of every question searched")
-    key = (tuple(texts), self.sparse, self.sparse_passages, max_answer_length)
-    cached = self._lexical_cache
+    sparse, passages = self.hybrid.sparse, self.hybrid.passages
+    key = (tuple(texts), sparse, passages, max_answer_length)
+    cached = self._lexical_cache[0]
     if cached and cached[0] == key and all(np.array_equal(a, b) for a, b in
                                            zip(cached[1], (q_start, q_end))):
       found = cached[2]  # the same questions' next request (or weight): computed once
     else:
-      bm25 = self.sparse.scores(list(texts))
-      top = hybrid.top_passages(bm25, self.sparse_passages)
-      found = (bm25, top, hybrid.lexical_spans(self, q_start, q_end, top, max_answer_length),
-               None)
-    if found[3] is None and self.sparse_sentence_weight:
-      found = (*found[:3], self.sparse.sentence_scores(list(texts)))
-    self._lexical_cache = (key, (np.array(q_start), np.array(q_end)), found)
+      bm25 = sparse.scores(list(texts))
+      top = hybrid.top_passages(bm25, passages)
+      found = (bm25, top,
+               hybrid.lexical_spans(self.rescorer, q_start, q_end, top, max_answer_length), None)
+    if found[3] is None and self.hybrid.sentence_weight:
+      found = (*found[:3], sparse.sentence_scores(list(texts)))
+    self._lexical_cache[0] = (key, (np.array(q_start), np.array(q_end)), found)
     return found
-
-  def use_sparse(self, sparse: SparseIndex | None, weight: float | None = None, *,
-                 sentence_weight: float | None = None, passages: int = 20) -> None:
-    """Hybrid search with a BM25 index of this dump (None: dense search only): a phrase scores
-    its dense score + `weight` x its passage's BM25 score + `sentence_weight` x the BM25 score of
-    the sentence it starts in; the spans of the top `passages` BM25 passages join the
-    candidates. Without `weight`, both weights are the ones recorded in the BM25 index; with it,
-    `sentence_weight` defaults to 0."""
-    if sparse is not None:
-      sparse.check_of(self.dump.directory, self.dump.manifest)
-      if weight is None:
-        if sentence_weight is not None:
-          raise ValueError("a sentence weight without the passage weight: give both, or "
-                           "neither (the BM25 index's recorded ones)")
-        weight, sentence_weight = sparse.weight, sparse.sentence_weight
-        if weight is None or sentence_weight is None:
-          raise DumpError(f"{sparse.directory} records no hybrid weights: choose them with "
-                          "`run.py index --set index.sparse=True` (it tunes them) or set "
-                          "index.sparse_weight")
-      count(passages, "index.sparse_passages")
-    self.sparse, self.sparse_weight, self.sparse_passages = sparse, float(weight or 0), passages
-    self.sparse_sentence_weight = float(sentence_weight or 0)
 
   def _sentence_of(self, starts: np.ndarray) -> np.ndarray:
     """The BM25 index's sentence rows of the sentences that tokens `starts` begin in."""
-    return self.sparse.sentence_rows(self.dump.token_passage[starts],
+    return self.hybrid.sparse.sentence_rows(self.dump.token_passage[starts],
                                      self.dump.char_spans[starts, 0])
 
   def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
@@ -386,7 +374,7 @@ class PhraseIndex:
     `hits`: `self.hits(q_start, q_end, n)` of these questions, shared by several searches (e.g.
     phrases and passages): rounds that need at most n tokens use its first columns instead of
     searching the index again (the same hits, up to ties of an approximate index's scores).
-    `texts`: the questions' texts, which hybrid search (`use_sparse`) needs for BM25.
+    `texts`: the questions' texts, which hybrid search (`hybrid`) needs for BM25.
     """
     k = check_request(k, unit)
     count(max_answer_length, "max_answer_length (in tokens)")
@@ -421,8 +409,8 @@ class PhraseIndex:
         if lexical is not None:
           sentences = None if lexical[3] is None else lexical[3][q]
           ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
-                               self.sparse_weight, sentences, self._sentence_of,
-                               self.sparse_sentence_weight)
+                               self.hybrid.weight, sentences, self._sentence_of,
+                               self.hybrid.sentence_weight)
         units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
         if len(units[q]) < k and fetch < max_fetch:
           short.append(q)

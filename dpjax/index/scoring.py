@@ -1,4 +1,4 @@
-"""The token scoring of the exact rescoring (`PhraseIndex._rescore`): each distinct (question,
+"""The token scoring of the exact rescoring (`Rescorer.rescore`): each distinct (question,
 token) its hits reach scored once, from an exact index's float32 rows or the dump's float16 rows
 converted a chunk at a time (`half_to_float32`), the questions split over threads with BLAS and
 faiss held at one thread each.

@@ -10,7 +10,7 @@ match):
   dpjax-<index>  phrase-based passage retrieval (a passage scores as its best phrase), for every
                  index in --indexes (default Flat and IVFauto_SQ4), plus phrase EM@1/EM@10;
                  with `--set index.sparse=True` hybrid search, named dpjax-<index>-hybrid
-                 (the config's search options apply: `dpjax.workdir.configure_index`);
+                 (the config's search options apply: `dpjax.workdir.search_options`);
   bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, the Snowball
                  English (Porter2) stemmer of PyStemmer (Pyserini: Lucene's Porter), over
                  "title text";
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
 
   from dpjax import metrics
   from dpjax.data import Tokenizer
-  from dpjax.workdir import configure_index, open_workdir, restore_model
+  from dpjax.workdir import open_workdir, restore_model, search_options
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.search import DensePhrases
@@ -183,10 +183,11 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
     for index in args.indexes:
       name = index + ("-hybrid" if config.index.sparse else "")
-      searcher = DensePhrases(model, configure_index(PhraseIndex(dump, index,
-                                                                 nprobe=config.index.nprobe),
-                                                     config), tokenizer, max_query_length=config.data.max_query_length,
-                              batch_size=batch, mesh=mesh)
+      phrase_index = PhraseIndex(dump, index, nprobe=config.index.nprobe,
+                                 **search_options(config, dump))
+      searcher = DensePhrases(model, phrase_index, tokenizer,
+                              max_query_length=config.data.max_query_length, batch_size=batch,
+                              mesh=mesh)
       start = time.perf_counter()
       found, phrases = searcher.search_many(texts, [(k, "passage"), (10, "phrase")],
                                             max_answer_length=config.eval.max_answer_length)

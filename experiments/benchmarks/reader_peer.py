@@ -195,9 +195,7 @@ def dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts, tune_
                                        tune_answers)))
   if config.index.sparse:  # the weight fused with (hybrid.py checks it is its eval's)
     for row in systems.values():
-      row["hybrid"] = {"weight": searcher.index.sparse_weight,
-                       "sentence_weight": searcher.index.sparse_sentence_weight,
-                       "passages": searcher.index.sparse_passages}
+      row["hybrid"] = searcher.index.hybrid.record()
   return systems
 
 

@@ -193,6 +193,7 @@ def main(argv=None) -> int:
   from dpjax.data import Tokenizer
   from dpjax.workdir import open_workdir, restore_model
   from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.index.rescoring import Rescorer
   from dpjax.index.search import DensePhrases
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
@@ -264,6 +265,7 @@ def main(argv=None) -> int:
       phrase_index.index = _ModuloLabels(index, len(dump.vectors))
       phrase_index.num_vectors = size
       phrase_index.kept_mask = None
+      phrase_index.rescorer = Rescorer(dump.vectors, dump.token_passage, len(dump.passages))
       searcher = DensePhrases(model, phrase_index, tokenizer,
                               max_query_length=config.data.max_query_length, batch_size=64,
                               check_model=False)

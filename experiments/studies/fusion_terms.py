@@ -51,7 +51,7 @@ def collect(searcher, sparse, questions, max_answer_length: int) -> list[dict]:
   lexical = hybrid.top_passages(sparse.scores(texts), 50)
   candidates = [np.unique(np.concatenate([[p.passage for p, _ in found], top]).astype(np.int64))
                 for found, top in zip(dense, lexical)]
-  spans = hybrid.lexical_spans(index, q_start, q_end, candidates, max_answer_length)
+  spans = hybrid.lexical_spans(index.rescorer, q_start, q_end, candidates, max_answer_length)
   out = []
   for question, rows, (starts, ends, scores) in zip(questions, candidates, spans):
     of = dump.token_passage[starts]

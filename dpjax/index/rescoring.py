@@ -1,0 +1,92 @@
+"""Exact rescoring of index hits (`Rescorer`): each start hit paired with its best end, each end
+hit with its best start, scored from the token vectors.
+
+An index search returns top start tokens for q_start and top end tokens for q_end; a phrase
+[i, j] scores q_start . h_i + q_end . h_j. `Rescorer.rescore` pairs every start hit i with its
+best end j in [i, i + max_answer_length) of the same passage (and every end hit with its best
+start), both scored exactly (`scoring.token_scores`). A hit's best span depends on its question
+and itself only, so hits rescored in pieces give exactly what they give rescored at once: the
+shared hits of a search (`hits.Hits`) and hybrid search's exhaustive spans of BM25 passages
+(`hybrid.lexical_spans`) rely on it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dpjax.index import scoring
+
+
+class Rescorer:
+  """The exact scores of phrases of a dump's tokens.
+
+  Args:
+    vectors: [N, D] token vectors, row = token id: the dump's (float16, converted a chunk at a
+      time) or an exact index's float32 storage.
+    token_passage: [N] the passage row of each token (sorted: a passage's tokens are
+      contiguous).
+    num_passages: the passage rows (passages without tokens included).
+    kept_mask: [N] the tokens a filtered index keeps (phrases start and end only there), or
+      None for every token.
+  """
+
+  def __init__(self, vectors, token_passage: np.ndarray, num_passages: int,
+               kept_mask: np.ndarray | None = None):
+    self.vectors, self.token_passage, self.kept_mask = vectors, token_passage, kept_mask
+    rows = np.arange(num_passages)
+    self.passage_start = np.searchsorted(token_passage, rows, "left")
+    self.passage_end = np.searchsorted(token_passage, rows, "right")
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.token_passage)
+
+  def token_scores(self, tokens: np.ndarray, q_start: np.ndarray, q_end: np.ndarray):
+    """(start scores, end scores) of token ids [Q, ...] under their question's vectors."""
+    return scoring.token_scores(self.vectors, tokens, q_start, q_end)
+
+  def passage_tokens(self, passages: Sequence[int]) -> np.ndarray:
+    """The token ids of passage rows `passages` (in their order) that phrases may use."""
+    if not len(passages):
+      return np.zeros(0, np.int64)
+    tokens = np.concatenate([np.arange(self.passage_start[p], self.passage_end[p])
+                             for p in passages])
+    return tokens if self.kept_mask is None else tokens[self.kept_mask[tokens]]
+
+  def rescore(self, q_start: np.ndarray, q_end: np.ndarray, starts: np.ndarray,
+              ends: np.ndarray, max_answer_length: int):
+    """The best span of every hit.
+
+    Args:
+      q_start, q_end: [Q, D] the questions' vectors.
+      starts, ends: [Q, Ks], [Q, Ke] start and end hits (token ids, -1 for none).
+      max_answer_length: the most tokens a phrase spans.
+
+    Returns:
+      (scores, span starts, span ends), [Q, Ks + Ke] each: the hits' best spans, start hits
+      first, -inf where a hit is -1 or has no partner (the nearest partner on ties).
+    """
+    offsets = np.arange(max_answer_length)
+    anchors = np.concatenate([starts, ends], 1)  # [Q, 2K]
+    valid = anchors >= 0
+    anchor = np.maximum(anchors, 0)
+    forward = np.arange(anchors.shape[1]) < starts.shape[1]  # start anchors look forward
+    partners = anchor[..., None] + np.where(forward[:, None], offsets, -offsets)  # [Q, 2K, L]
+    passage = self.token_passage[anchor]
+    ok = ((partners >= self.passage_start[passage][..., None])
+          & (partners < self.passage_end[passage][..., None]) & valid[..., None])
+    partners = np.clip(partners, 0, self.num_tokens - 1)
+    if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
+      ok &= self.kept_mask[partners]
+    span_start = np.where(forward[:, None], anchor[..., None], partners)
+    span_end = np.where(forward[:, None], partners, anchor[..., None])
+    # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.
+    score_s, score_e = self.token_scores(partners, q_start, q_end)  # [Q, 2K, L] each
+    total = np.where(forward[:, None], score_s[..., :1] + score_e, score_s + score_e[..., :1])
+    total = np.where(ok, total, -np.inf)
+    best = total.argmax(-1)[..., None]
+    scores = np.take_along_axis(total, best, -1)[..., 0]
+    all_start = np.take_along_axis(span_start, best, -1)[..., 0]
+    all_end = np.take_along_axis(span_end, best, -1)[..., 0]
+    return scores, all_start, all_end
