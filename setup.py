@@ -26,6 +26,7 @@ setup(
         "numpy>=1.26,<3",
         "ml_collections>=1.0,<2",
         "tqdm>=4.66,<5",
+        "tensorboardX>=2.6,<3",  # metrics.jsonl's scalars as TensorBoard event files
         "threadpoolctl>=3.1,<4",  # BLAS held at one thread while the rescoring threads run
         # hybrid search's BM25 index, with the English Porter2 stemmer (Pyserini stems so)
         "bm25s>=0.2,<0.4",

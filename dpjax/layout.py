@@ -6,6 +6,7 @@ called from a script or a test with a path makes one of it (`Workdir(path)`).
   <workdir>/
     checkpoints/  checkpoints_best/  checkpoints_qsft/   checkpoints by kind (`CHECKPOINTS`)
     metrics.jsonl  results.json  rc_predictions.json    training log and final RC scores
+    tensorboard/<run>/                                   the logs' scalars as TensorBoard events
     <index.dump_name>/  <index.dump_name>/indexes/       the dump and its indexes
     filter_head.npz  filter_results.json                `run.py filter`'s head and sweep
     subcorpora/  teacher/  qsft_metrics.jsonl  open_eval_*.json ...   the other modes' outputs
@@ -20,6 +21,7 @@ CHECKPOINTS = {"latest": "checkpoints", "best": "checkpoints_best", "qsft": "che
 FILTER_HEAD = "filter_head.npz"  # the token filter head `run.py filter` trained
 WORKDIR_LOCK = "workdir.lock"  # held by the `run.py` mode writing into the workdir
 TEACHER = "teacher"  # the cross-encoder teacher's own workdir, inside this one
+TENSORBOARD = "tensorboard"  # beside each metrics file: a folder of event files per run
 
 
 class Workdir(type(pathlib.Path())):
@@ -47,6 +49,11 @@ class Workdir(type(pathlib.Path())):
     return pathlib.Path(self, "metrics.jsonl")
 
   @property
+  def tensorboard(self) -> pathlib.Path:
+    """TensorBoard's `--logdir`: a run folder per metrics file (`tensorboard_run`)."""
+    return pathlib.Path(self, TENSORBOARD)
+
+  @property
   def results(self) -> pathlib.Path:
     return pathlib.Path(self, "results.json")
 
@@ -69,3 +76,12 @@ class Workdir(type(pathlib.Path())):
   def run_lock(self, mode: str) -> pathlib.Path:
     """The lock one run of `mode` at a time holds (`train.lock`, `qsft.lock`, `teacher.lock`)."""
     return pathlib.Path(self, f"{mode}.lock")
+
+
+def tensorboard_run(metrics: pathlib.Path) -> pathlib.Path:
+  """The folder of the TensorBoard event files that mirror a metrics file: `tensorboard/<run>`
+  beside it, the run named after the file (`metrics.jsonl`: train, `qsft_metrics.jsonl`: qsft).
+  The teacher's workdir has its own (`teacher/tensorboard/train`)."""
+  name = metrics.name.removesuffix(".jsonl")
+  run = "train" if name == "metrics" else name.removesuffix("_metrics")
+  return pathlib.Path(metrics.parent, TENSORBOARD, run)

@@ -300,6 +300,7 @@ def _run_qsft(config, workdir: Workdir) -> dict:
              scores["em@1"])
   best = checkpointer.best_step()
   checkpointer.close()
+  writer.close()
   return _report(config, workdir, run, before, history, best)
 
 

@@ -445,6 +445,7 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   if validator:
     record = {**record, **validator.best()}
     validator.close()
+  run.writer.close()
   if record and main:
     write_json(run.workdir.results, record)
   return record

@@ -17,10 +17,12 @@ import dataclasses
 import json
 import logging
 import math
+import numbers
 import pathlib
 import re
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import flax
@@ -30,9 +32,12 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2, summary_pb2
 
 from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
+from dpjax.layout import tensorboard_run
 from dpjax.parallel import global_array
 
 log = logging.getLogger(__name__)
@@ -263,15 +268,26 @@ def build_trainer(model, train_config, objective: Objective, *, mesh,
 class MetricsWriter:
   """Appends JSON lines to a metrics file; on resume drops lines past the restored step.
 
-  Only the main process (process 0) writes; the others' writers do nothing.
+  TensorBoard event files beside it (`layout.tensorboard_run`) mirror the file: every numeric
+  field of a record (`<split>/<name>`) is a scalar at the record's step. They are rewritten
+  from the kept lines when the writer starts and when lines are dropped, so they hold exactly
+  the file's records (no step a resume dropped), and flushed with every record, so a killed run
+  keeps what it logged. A failed write of either raises. Only the main process (process 0)
+  writes; the others' writers do nothing.
   """
 
-  def __init__(self, path: pathlib.Path, resume_step: int):
+  def __init__(self, path: pathlib.Path, resume_step: int,
+               tensorboard: pathlib.Path | None = None):
     self.path = path
+    self.tensorboard = tensorboard_run(path) if tensorboard is None else tensorboard
     self.enabled = jax.process_index() == 0
-    if self.enabled and path.exists():
-      kept = [line for line, record in self.read(path) if record["step"] <= resume_step]
-      write_text_atomic(path, "".join(line + "\n" for line in kept))
+    self._events = None  # the open event file (tensorboardX EventsWriter), once one is written
+    if self.enabled:
+      kept = [(line, record) for line, record in (self.read(path) if path.exists() else [])
+              if record["step"] <= resume_step]
+      if path.exists():
+        write_text_atomic(path, "".join(line + "\n" for line, _ in kept))
+      self._mirror([record for _, record in kept])
 
   @staticmethod
   def read(path: pathlib.Path) -> list[tuple[str, dict]]:
@@ -299,14 +315,75 @@ class MetricsWriter:
       return
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
+    self._add_event(record)
+    if self._events is not None:
+      self._events.flush()
 
   def drop(self, step: int, split: str) -> None:
     """Removes the records of `step` and `split` (one about to be written again)."""
     if not (self.enabled and self.path.exists()):
       return
-    kept = [line for line, record in self.read(self.path)
+    kept = [(line, record) for line, record in self.read(self.path)
             if (record["step"], record.get("split")) != (step, split)]
-    write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+    write_text_atomic(self.path, "".join(line + "\n" for line, _ in kept))
+    self._mirror([record for _, record in kept])
+
+  def close(self) -> None:
+    """Closes the event file (every record is already flushed)."""
+    if self._events is not None:
+      self._events.close()
+      self._events = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _mirror(self, records: list[dict]) -> None:
+    """Replaces the event files with one holding exactly `records`' scalars (their wall time is
+    now: the metrics file records none)."""
+    self.close()
+    for stale in (self.tensorboard.glob("events.out.tfevents.*")
+                  if self.tensorboard.is_dir() else []):
+      stale.unlink()
+    for record in records:
+      self._add_event(record)
+    if self._events is not None:
+      self._events.flush()
+
+  def _add_event(self, record: dict) -> None:
+    """Appends a record's scalars as one event at its step (the file is opened on the first)."""
+    values = [summary_pb2.Summary.Value(tag=tag, simple_value=value)
+              for tag, value in scalars(record).items()]
+    if not values:
+      return
+    if self._events is None:
+      # The synchronous writer, not SummaryWriter: its queue thread would neither raise a
+      # failed write nor write everything by a flush.
+      self.tensorboard.mkdir(parents=True, exist_ok=True)
+      # (a name of its own: the writer's names differ only by the second, and it truncates)
+      self._events = EventsWriter(str(self.tensorboard / "events"), f".{time.time_ns()}")
+    self._events.write_event(event_pb2.Event(wall_time=time.time(), step=record["step"],
+                                             summary=summary_pb2.Summary(value=values)))
+
+
+def scalars(record: dict) -> dict[str, float]:
+  """The numeric fields of a metrics record as TensorBoard tags, `<split>/<name>` (a nested
+  dict's names joined by `/`); the step, strings, booleans, None and lists are not scalars."""
+  split, out = record.get("split"), {}
+
+  def add(tag: str, value) -> None:
+    if isinstance(value, dict):
+      for key, inner in value.items():
+        add(f"{tag}/{key}", inner)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+      out[tag] = float(value)
+
+  for key, value in record.items():
+    if key != "step":
+      add(f"{split}/{key}" if isinstance(split, str) else key, value)
+  return out
 
 
 def every(step: int, n: int) -> bool:

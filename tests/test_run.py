@@ -7,6 +7,7 @@ import pytest
 
 from conftest import REPO
 from dpjax import fusion
+from test_tensorboard import read_scalars
 
 import run
 
@@ -101,6 +102,9 @@ def test_train_resume_gives_the_same_losses(tmp_path, straight):
   assert (broken / "metrics.jsonl").read_text().count('"split": "dev"') == evaluations
   assert (json.loads((broken / "results.json").read_text())
           == json.loads((workdir / "results.json").read_text()))
+  # The TensorBoard scalars mirror metrics.jsonl through the resumes: the logged losses at
+  # their steps, without the dead run's line past the checkpoint.
+  assert read_scalars(broken / "tensorboard" / "train")["train/loss"] == straight
 
 
 def test_logged_losses_are_the_means_since_the_last_log(tmp_path, straight):
