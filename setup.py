@@ -1,7 +1,8 @@
 """dpjax: dense phrase retrieval in JAX/Flax."""
 from setuptools import find_packages, setup
 
-SERVE = ["fastapi>=0.110,<1", "pydantic>=2,<3", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1"]
+SERVE = ["fastapi>=0.110,<1", "pydantic>=2,<3", "uvicorn>=0.30,<1", "prometheus_client>=0.20,<1",
+         "fastapi-offline>=1.7,<2"]  # /docs' Swagger UI files, served without a CDN
 BENCH = ["matplotlib>=3.8,<4"]
 
 setup(

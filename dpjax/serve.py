@@ -7,17 +7,20 @@
 - `GET /health` (the index, its size, the model's step), `GET /info` (model, checkpoint step,
   index, units and the limits a client must respect, version), `GET /metrics` (Prometheus),
   `GET /stats` (a JSON view of the same counters), `GET /` a search page, `GET /docs` the
-  OpenAPI docs of the schema at `/openapi.json`.
+  OpenAPI docs of the schema at `/openapi.json` (Swagger UI served from DOCS_ASSETS, not a CDN:
+  the docs work without internet).
 - Micro-batching: one search thread takes every request waiting when it is free (up to
   `serve.max_batch` questions, waiting at most `serve.max_wait_ms` for more) and encodes their
   questions in one call of the jitted question encoder, then searches the index once per distinct
   (k, unit); so throughput grows with the number of concurrent clients.
 - Access: with an API key (`serve.api_key` or the environment variable `serve.api_key_env`
-  names) every data route needs `Authorization: Bearer <key>`; without one the service listens
-  on loopback only, unless `serve.allow_open`.
+  names, at least MIN_KEY_CHARS characters) every data route needs `Authorization: Bearer <key>`;
+  without one the service listens on loopback only, unless `serve.allow_open`, and there answers
+  only requests whose Host header is a loopback name (LoopbackHostOnly: a DNS-rebinding guard).
 - Bad requests get a 4xx and one line `{"error": "..."}`; a search that fails answers 500 for
-  its requests only; a full queue answers 503. Nothing a client sends stops the server. SIGTERM
-  or SIGINT: it stops accepting, answers the requests it holds, and exits.
+  its requests only, with a request id the server log holds beside the cause; a full queue
+  answers 503. Nothing a client sends stops the server. SIGTERM or SIGINT: it stops accepting,
+  answers the requests it holds, and exits.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import math
 import os
 import queue
 import re
+import secrets
 import signal
 import socket
 import threading
@@ -52,6 +56,7 @@ try:  # the service's own dependencies are an extra of the install
   from fastapi import FastAPI, Request
   from fastapi.exceptions import RequestValidationError
   from fastapi.responses import HTMLResponse, JSONResponse, Response
+  from fastapi_offline import FastAPIOffline
   from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                  Histogram, Info, generate_latest)
   from pydantic import BaseModel, ConfigDict, Field
@@ -66,6 +71,7 @@ from dpjax.workdir import load_searcher
 
 log = logging.getLogger("dpjax.serve")
 MAX_BODY = 1 << 20  # bytes of a POST body
+MIN_KEY_CHARS = 16  # an API key's least length: a short one is guessed by trying
 _STOP = object()  # tells the search thread to end
 
 
@@ -203,6 +209,8 @@ class ErrorAnswer(BaseModel):
   model_config = ConfigDict(json_schema_extra={"examples": [{"error": "k = 0: must be between "
                                                                       "1 and 100"}]})
   error: str
+  request_id: str | None = Field(None, description="a failed search's id (500 only): the "
+                                 "server log names the cause beside it")
 
 
 class Health(BaseModel):
@@ -256,7 +264,8 @@ class Stats(BaseModel):
 _ERRORS = {status: {"model": ErrorAnswer, "description": text} for status, text in (
     (400, "a malformed request: the error names the field"),
     (413, "too many questions, a question or a body too long"),
-    (415, "a body that is not application/json"), (500, "the search failed"),
+    (415, "a body that is not application/json"),
+    (500, "the search failed: the answer's request_id finds the cause in the server log"),
     (503, "the queue is full: try again"))}
 _SEARCH_EXAMPLES = {"one": {"summary": "one question", "value": {
                         "question": "who founded the city?", "k": 3, "unit": "passage"}},
@@ -559,10 +568,42 @@ async def _payload(request: Request) -> dict:
   return payload
 
 
+# Where the docs page's Swagger UI files are served (FastAPIOffline mounts fastapi-offline's copy).
+DOCS_ASSETS = "/docs/assets"
 # Served to anyone, also with an API key: the health check, and the pages a browser opens
-# without a way to attach a header (the search page and the docs, which ask for the key and send
-# it with each request they make).
-OPEN_PATHS = frozenset({"/health", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+# without a way to attach a header (the search page and the docs with the files they load, which
+# ask for the key and send it with each request they make).
+OPEN_PATHS = frozenset({"/health", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json",
+                        *(f"{DOCS_ASSETS}/{name}" for name in ("swagger-ui-bundle.js",
+                                                               "swagger-ui.css", "favicon.png"))})
+
+
+class LoopbackHostOnly:
+  """ASGI middleware of a keyless service on loopback: a request whose Host header is not a
+  loopback name (localhost, a 127.x.x.x or ::1 address, with any port) gets a 403 with one line
+  (counted in the metrics). Otherwise a web page of any site could name the service by a host
+  of its own that its DNS then points at 127.0.0.1 (DNS rebinding), and read its answers."""
+
+  def __init__(self, app, *, metrics: ServiceMetrics):
+    self.app, self.metrics = app, metrics
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      # No Host at all (HTTP/1.0) is let through: a browser always sends one.
+      foreign = [value for name, value in scope["headers"]
+                 if name == b"host" and not _LOOPBACK_HOST.fullmatch(value)]
+      if foreign:
+        self.metrics.request(403)
+        host = foreign[0].decode("latin-1")[:100]
+        response = JSONResponse({"error": f"Host {host!r} is not a loopback name: without an "
+                                          "API key this service answers only requests to "
+                                          "localhost, 127.0.0.1 or [::1]"}, status_code=403)
+        return await response(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+
+_LOOPBACK_HOST = re.compile(rb"(localhost|127(\.[0-9]{1,3}){3}|\[::1\])(:[0-9]{1,5})?",
+                            re.IGNORECASE)
 
 
 class BearerAuth:
@@ -599,15 +640,20 @@ class BearerAuth:
 def api_key(serve) -> str:
   """The key the service requires ('' for none): `serve.api_key`, or the value of the environment
   variable `serve.api_key_env` names, which keeps the key out of command lines and config files.
-  A ConfigError if both are set and differ, or if the key cannot be sent in a header."""
+  A ConfigError if both are set and differ, if the key cannot be sent in a header, or if it is
+  shorter than MIN_KEY_CHARS."""
   env = serve.api_key_env
   from_env = os.environ.get(env, "") if env else ""
   if serve.api_key and from_env and serve.api_key != from_env:
     raise ConfigError(f"serve.api_key and ${env} are both set and differ: give the key once")
   key = serve.api_key or from_env
+  where = "serve.api_key" if serve.api_key else "$" + env
   if key and not re.fullmatch(r"[!-~]+", key):
-    raise ConfigError(f"the API key ({'serve.api_key' if serve.api_key else '$' + env}) must be "
-                      "printable ASCII without spaces")
+    raise ConfigError(f"the API key ({where}) must be printable ASCII without spaces")
+  if key and len(key) < MIN_KEY_CHARS:
+    raise ConfigError(f"the API key ({where}) has {len(key)} characters; give at least "
+                      f"{MIN_KEY_CHARS}, e.g. python -c 'import secrets; "
+                      "print(secrets.token_urlsafe(24))'")
   return key
 
 
@@ -632,14 +678,15 @@ def _loopback(host: str) -> bool:
     return False
 
 
-def create_app(batcher: Batcher, limits: Limits, info: dict, key: str = "") -> FastAPI:
+def create_app(batcher: Batcher, limits: Limits, info: dict, key: str = "", *,
+               loopback_hosts_only: bool = False) -> FastAPI:
   """The service's routes over a started Batcher (`info`: what /info reports, ServiceInfo's
-  fields); with an API key (`key`), every route outside OPEN_PATHS needs it (BearerAuth)."""
+  fields); with an API key (`key`), every route outside OPEN_PATHS needs it (BearerAuth).
+  `loopback_hosts_only` (a keyless service on loopback) refuses requests whose Host header is
+  not a loopback name (LoopbackHostOnly)."""
   metrics = batcher.metrics
   metrics.describe(info)
-  app = FastAPI(title="dpjax", version=__version__, redoc_url=None,
-                description="Dense phrase retrieval: the top-k phrases, sentences, passages or "
-                            "documents of questions over an indexed corpus.")
+  app = _offline_docs_app()
   health = {"status": "ok", "auth": bool(key),
             **{name: info[name] for name in ("index", "vectors", "passages", "model_step")}}
   search = _search_route(batcher, limits)
@@ -685,10 +732,29 @@ def create_app(batcher: Batcher, limits: Limits, info: dict, key: str = "") -> F
     metrics.request(422)
     return _error(422, "; ".join(str(err.get("msg")) for err in e.errors()))
 
+  _limit_access(app, metrics, key, loopback_hosts_only)
+  return app
+
+
+def _offline_docs_app() -> FastAPI:
+  """A FastAPI app whose /docs page loads Swagger UI from the files fastapi-offline ships,
+  mounted at DOCS_ASSETS, not from a CDN that a machine without internet never reaches (the page
+  was blank there)."""
+  return FastAPIOffline(title="dpjax", version=__version__, redoc_url=None,
+                        static_url=DOCS_ASSETS,
+                        description="Dense phrase retrieval: the top-k phrases, sentences, "
+                                    "passages or documents of questions over an indexed corpus.")
+
+
+def _limit_access(app: FastAPI, metrics: ServiceMetrics, key: str,
+                  loopback_hosts_only: bool) -> None:
+  """With a key, BearerAuth on every route outside OPEN_PATHS (and the schema says so); without
+  one, `loopback_hosts_only`: LoopbackHostOnly on every route."""
   if key:
     app.add_middleware(BearerAuth, key=key, metrics=metrics)
     _document_auth(app)
-  return app
+  elif loopback_hosts_only:
+    app.add_middleware(LoopbackHostOnly, metrics=metrics)
 
 
 def _search_route(batcher: Batcher, limits: Limits):
@@ -712,9 +778,14 @@ def _search_route(batcher: Batcher, limits: Limits):
     except RequestError as e:
       metrics.request(e.status, len(questions))
       return _error(e.status, str(e))
-    except Exception as e:  # the search failed (logged by the search thread)
+    except Exception as e:  # the search failed: its cause is for the log, not the client
       metrics.request(500, len(questions))
-      return _error(500, f"search failed: {type(e).__name__}: {e}")
+      request_id = secrets.token_hex(8)
+      log.error("request %s: the search failed: %s: %s", request_id, type(e).__name__, e,
+                exc_info=e)
+      return JSONResponse({"error": f"the search failed (request id {request_id}); the server "
+                                    "log has the cause", "request_id": request_id},
+                          status_code=500)
     metrics.request(200, len(questions))
     answer = {"k": k, "unit": unit, "seconds": time.perf_counter() - start}
     # A JSONResponse as is: FastAPI's encoder would walk every result in Python first.
@@ -782,7 +853,8 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
 def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
   the question encoder compiled ahead for every call shape a micro-batch may take; with an API
-  key (`api_key`) its data routes need it."""
+  key (`api_key`) its data routes need it, without one on a loopback `serve.host` it answers
+  only requests to a loopback name."""
   sc = config.serve
   key = api_key(sc)
   searcher, step = load_searcher(config, workdir, sc.index or None,
@@ -807,7 +879,8 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
           "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
           "max_batch": sc.max_batch, "merge_spans": index.merge_spans, "version": __version__,
           "hybrid": None if index.hybrid is None else index.hybrid.record()}
-  return create_app(batcher.start(), Limits.from_config(sc), info, key), batcher
+  return create_app(batcher.start(), Limits.from_config(sc), info, key,
+                    loopback_hosts_only=not key and _loopback(sc.host)), batcher
 
 
 def run_serve(config, workdir: str) -> None:

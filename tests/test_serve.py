@@ -480,7 +480,7 @@ def test_a_client_that_hangs_up_mid_body_is_no_failed_search(service):
   port, batcher = service[0], service[4]
   before = batcher.stats()
   with socket.create_connection(("127.0.0.1", port)) as client:
-    client.sendall(b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    client.sendall(b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: 100\r\n\r\n{\"question\": \"who\"")
   for _ in range(100):
     if batcher.stats().get("client_disconnects", 0) > before.get("client_disconnects", 0):
@@ -681,7 +681,7 @@ def test_an_api_key_guards_every_route_but_health_and_the_pages(service, monkeyp
     after = _metrics(guarded, good)
     assert (_sample(after, "dpjax_requests", "dpjax_requests_total", status="401")
             - _sample(before, "dpjax_requests", "dpjax_requests_total", status="401")) == refused
-    for path in ("/health", "/", "/docs", "/openapi.json"):  # open: no data, or a browser's page
+    for path in ("/health", "/", "/docs", "/openapi.json", *DOCS_ASSETS):  # no data, or a page
       assert raw_request(guarded, "GET", path)[0] == 200, path
     assert request(guarded, "GET", "/health")[1]["auth"] is True
     schema = request(guarded, "GET", "/openapi.json")[1]
@@ -708,7 +708,10 @@ def test_the_api_key_comes_from_the_config_or_the_environment(monkeypatch):
   for key, env, message in (("other", KEY, r"serve.api_key and \$DPJAX_API_KEY are both set and "
                                            "differ"),
                             ("two words", "", r"API key \(serve.api_key\) must be printable"),
-                            ("", "tab\tkey", r"API key \(\$DPJAX_API_KEY\) must be printable")):
+                            ("", "tab\tkey", r"API key \(\$DPJAX_API_KEY\) must be printable"),
+                            ("s3cret-key", "", r"^the API key \(serve.api_key\) has 10 "
+                                               r"characters; give at least 16, e.g. python"),
+                            ("", KEY[:15], r"^the API key \(\$DPJAX_API_KEY\) has 15 characters")):
     serve.api_key = key
     monkeypatch.setenv("DPJAX_API_KEY", env)
     with pytest.raises(ConfigError, match=message):
@@ -728,6 +731,100 @@ def test_an_open_address_needs_a_key_or_allow_open(host, key, allow_open, refuse
       check_exposure(host, key, allow_open)
   else:
     check_exposure(host, key, allow_open)
+
+
+def test_with_an_api_key_the_host_header_is_not_checked(service):
+  """A keyed service may be reached by any name (a proxy's, a LAN name): the key guards it."""
+  from dpjax import serve
+  port, _, _, _, batcher = service
+  app = serve.create_app(batcher, serve.Limits(), request(port, "GET", "/info")[1], KEY,
+                         loopback_hosts_only=True)
+  server, thread, guarded = start_server(app)
+  try:
+    foreign = {"Host": "search.example:8000"}
+    assert raw_request(guarded, "GET", "/info", headers={
+        **foreign, "Authorization": f"Bearer {KEY}"})[0] == 200
+    assert raw_request(guarded, "GET", "/info", headers=foreign)[0] == 401
+  finally:
+    server.should_exit = True
+    thread.join()
+
+
+@pytest.mark.parametrize("host, status", [
+    ("127.0.0.1", 200), ("localhost", 200), ("LocalHost:8000", 200), ("[::1]:8000", 200),
+    ("127.0.0.2:1", 200), ("rebound.example", 403), ("rebound.example:8000", 403),
+    ("localhost.rebound.example", 403), ("127.0.0.1.rebound.example", 403),
+    ("[::1].rebound.example", 403), ("10.0.0.1:8000", 403)])
+def test_a_keyless_loopback_service_answers_only_loopback_host_names(service, host, status):
+  """DNS rebinding: a page of another site names the service by a host of its own that it then
+  points at 127.0.0.1; the Host header it sends is that name, refused on every route."""
+  port, _, _, _, batcher = service
+  before = batcher.stats().get("refused_403", 0)
+  for path in ("/health", "/search?q=who", "/docs"):
+    got, _, answer = raw_request(port, "GET", path, headers={"Host": host})
+    assert got == status, (host, path)
+    if status == 403:
+      error = json.loads(answer)["error"]
+      assert f"Host {host!r} is not a loopback name" in error and "\n" not in error
+  assert batcher.stats().get("refused_403", 0) - before == (3 if status == 403 else 0)
+
+
+# The files the docs page loads, all from the service itself (fastapi-offline's Swagger UI).
+DOCS_ASSETS = ("/docs/assets/swagger-ui.css", "/docs/assets/favicon.png",
+               "/docs/assets/swagger-ui-bundle.js")
+
+
+def test_the_docs_page_loads_only_files_of_the_service(service):
+  """/docs loaded Swagger UI from a CDN: a blank page on a machine without internet."""
+  port = service[0]
+  status, _, page = raw_request(port, "GET", "/docs")
+  assert status == 200 and not re.findall(rb"(?i)https?:|//[a-z]", page)  # no other origin
+  assert re.findall(rb'(?:src|href)="([^"]*)"', page) == [a.encode() for a in DOCS_ASSETS]
+  for path, kind in zip(DOCS_ASSETS, ("text/css", "image/png", "javascript")):
+    status, headers, body = raw_request(port, "GET", path)
+    assert status == 200 and kind in headers["content-type"] and body, path
+  assert b".swagger-ui" in raw_request(port, "GET", DOCS_ASSETS[0])[2]
+  assert b"SwaggerUIBundle" in raw_request(port, "GET", DOCS_ASSETS[-1])[2]
+
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",
+                                                "google-chrome"))), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (apt install chromium)")
+def test_the_docs_page_renders_the_operations_in_chromium_offline(service, tmp_path):
+  """Headless chromium, every name but 127.0.0.1 unresolvable and any other address sent to a
+  dead proxy, renders the docs of /search (the CDN page rendered none)."""
+  port = service[0]
+  shown = subprocess.run(
+      [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}",
+       "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+       "--proxy-server=http://127.0.0.1:9", "--virtual-time-budget=30000", "--dump-dom",
+       f"http://127.0.0.1:{port}/docs"], capture_output=True, text=True, timeout=120)
+  assert shown.returncode == 0, shown.stderr[-2000:]
+  assert 'data-path="/search"' in shown.stdout and 'data-path="/health"' in shown.stdout
+
+
+def test_a_failed_search_answers_a_request_id_and_logs_the_cause(service, monkeypatch, caplog):
+  """The 500's body carried the exception's text (paths, internals) to the client."""
+  port, _, _, _, batcher = service
+
+  def failing(batch):
+    raise RuntimeError("index shard /data/secret.faiss unreadable")
+
+  monkeypatch.setattr(batcher, "search", failing)
+  with caplog.at_level("ERROR", logger="dpjax.serve"):
+    status, answer = request(port, "POST", "/search", '{"question": "who?"}')
+  monkeypatch.undo()
+  assert status == 500 and set(answer) == {"error", "request_id"}
+  request_id = answer["request_id"]
+  assert re.fullmatch("[0-9a-f]{16}", request_id) and "secret" not in json.dumps(answer)
+  assert answer["error"] == (f"the search failed (request id {request_id}); the server log has "
+                             "the cause")
+  logged = [r for r in caplog.records if request_id in r.getMessage()]
+  assert len(logged) == 1 and logged[0].exc_info is not None
+  assert "RuntimeError: index shard /data/secret.faiss unreadable" in logged[0].getMessage()
+  assert request(port, "POST", "/search", '{"question": "who?"}')[0] == 200
 
 
 def test_serve_refuses_an_open_address_without_a_key_before_loading(monkeypatch, caplog,
