@@ -102,13 +102,15 @@ def checkpoint_rerun(step_dir: pathlib.Path) -> str:
           "from it)")
 
 
-def checkpoint_problems(step_dir: pathlib.Path, *, contents: bool) -> list[str] | None:
+def checkpoint_problems(step_dir: pathlib.Path, *, contents: bool,
+                        reuse_stamps: bool = True) -> list[str] | None:
   """What is wrong with a step's files against the sizes and (`contents`) digests recorded when
-  it was saved (`checksum_problems`); None when none were (a checkpoint of an older dpjax)."""
+  it was saved (`checksum_problems`, which `reuse_stamps` passes to); None when none were (a
+  checkpoint of an older dpjax)."""
   if not (step_dir / CHECKSUMS).is_file():
     return None
   recorded = read_json(step_dir / CHECKSUMS, DataError, checkpoint_rerun(step_dir))
-  return checksum_problems(step_dir, recorded, contents=contents)
+  return checksum_problems(step_dir, recorded, contents=contents, reuse_stamps=reuse_stamps)
 
 
 def check_checkpoint(step_dir: pathlib.Path, *, contents: bool = False) -> None:

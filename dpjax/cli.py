@@ -1,7 +1,7 @@
 """dpjax command line: `dpjax MODE --workdir DIR [--config x.py[:arg]]`, or `python run.py ...`."""
 import argparse
-import importlib
 import logging
+import pkgutil
 import sys
 import traceback
 
@@ -39,12 +39,12 @@ def parse(argv=None) -> argparse.Namespace:
                       help="override a config field, e.g. --set eval.batch_size=16")
   parser.add_argument("--query", action="append", default=[], help="a question (search mode)")
   parser.add_argument("--out", help="the folder export writes")
+  parser.add_argument("--allow_unverified", action="store_true", help="verify: pass undigested")
   hosts = parser.add_argument_group("many processes/hosts (jax.distributed; see README)")
   hosts.add_argument("--coordinator", help="host:port of process 0")
   for name in ("--num_processes", "--process_id"):
     hosts.add_argument(name, type=int)
-  hosts.add_argument("--distributed", action="store_true",
-                     help="join using the cluster environment (SLURM, Open MPI, TPU pods)")
+  hosts.add_argument("--distributed", action="store_true", help="join via SLURM/Open MPI/TPU pods")
   hosts.add_argument("--init_timeout", type=int, default=300,
                      help="seconds to wait for the coordinator and the other processes")
   parser.add_argument("--debug", action="store_true", help="tracebacks of expected errors too")
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout=args.init_timeout)
-    module, _, name = MODES[args.mode][0].partition(":")
-    mode = getattr(importlib.import_module(module), name)
-    extra = {"search": {"queries": args.query}, "export": {"out": args.out}}.get(args.mode, {})
+    mode = pkgutil.resolve_name(MODES[args.mode][0])
+    extra = {"search": {"queries": args.query}, "export": {"out": args.out},
+             "verify": {"allow_unverified": args.allow_unverified}}.get(args.mode, {})
     run_in_workdir(mode, args.config, args.set, args.workdir, **extra)
   except (*EXPECTED, OSError, Preempted) as e:  # bad input or state, I/O: one line (stack:
     logging.error("%s", e, exc_info=args.debug)  # --debug); SIGTERM: stopped with a checkpoint

@@ -195,30 +195,91 @@ def file_checksum(path: str | os.PathLike) -> dict:
 
 
 def folder_checksums(folder: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, dict]:
-  """`file_checksum` of every file under `folder` but `skip`, by path relative to it."""
+  """`file_checksum` of every file under `folder` but `skip` and verified stamps (`STAMP`), by
+  path relative to it."""
   folder, skip = pathlib.Path(folder), set(skip)
   return {path.relative_to(folder).as_posix(): file_checksum(path)
           for path in sorted(folder.rglob("*"))
-          if path.is_file() and path.relative_to(folder).as_posix() not in skip}
+          if path.is_file() and path.name != STAMP
+          and path.relative_to(folder).as_posix() not in skip}
+
+
+# A folder's verified stamp: for each file whose contents a check found equal to the recorded
+# digest, that digest and the file's size, mtime, ctime and inode then. A later check of a file
+# with all of them unchanged skips reading it; a write in place, a copy or a replacement changes
+# one of them, so that file is read again.
+STAMP = ".dpjax_verified.json"
+# Files changed less than this before a check are not stamped: a write in the same tick of a
+# coarse file system clock (or a skewed network one) could leave their times as they were.
+STAMP_SETTLE_NS = 2_000_000_000
 
 
 def checksum_problems(folder: str | os.PathLike, recorded: dict[str, dict], *,
-                      contents: bool) -> list[str]:
+                      contents: bool, reuse_stamps: bool = True) -> list[str]:
   """What is wrong with the files `recorded` (`folder_checksums`) under `folder`, one
   "<path>: <what>" each: missing or of another size (always checked: a stat), or with
-  `contents` other bytes than when they were written (a read of every byte)."""
+  `contents` other bytes than when they were written (a read of every byte).
+
+  With `contents`, the files found intact are stamped in the folder's `STAMP`; with
+  `reuse_stamps` a file whose stamp still matches its recorded digest and its stat is not read
+  again (`run.py verify` reads every byte: a disk fault that keeps the times shows there).
+  """
+  folder = pathlib.Path(folder)
+  stamp = _read_stamp(folder) if contents else {}
+  fresh = dict(stamp)  # the stamp after this check (entries of files not checked here kept)
   problems = []
   for name, record in recorded.items():
-    path = pathlib.Path(folder) / name
+    path = folder / name
+    fresh.pop(name, None)  # stamped again below only if found intact now
     try:
-      size = path.stat().st_size
-      if size != record["bytes"]:
-        problems.append(f"{path}: {size} bytes, {record['bytes']} when it was written")
-      elif contents and file_checksum(path)["crc32"] != record["crc32"]:
-        problems.append(f"{path}: its bytes differ from when it was written (crc32)")
+      stat = path.stat()
+      if stat.st_size != record["bytes"]:
+        problems.append(f"{path}: {stat.st_size} bytes, {record['bytes']} when it was written")
+      elif contents:
+        entry = _stamp_entry(stat, record)
+        if reuse_stamps and stamp.get(name) == entry:
+          fresh[name] = entry
+          continue
+        started = time.time_ns()
+        if file_checksum(path)["crc32"] != record["crc32"]:
+          problems.append(f"{path}: its bytes differ from when it was written (crc32)")
+        elif max(stat.st_mtime_ns, stat.st_ctime_ns) < started - STAMP_SETTLE_NS:
+          fresh[name] = entry
     except OSError as e:
       problems.append(f"{path}: {os.strerror(e.errno) if e.errno else e}")
+  if contents and fresh != stamp:
+    _write_stamp(folder, fresh)
   return problems
+
+
+def _stamp_entry(stat: os.stat_result, record: dict) -> dict:
+  return {"bytes": record["bytes"], "crc32": record["crc32"], "mtime_ns": stat.st_mtime_ns,
+          "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}
+
+
+def _read_stamp(folder: pathlib.Path) -> dict[str, dict]:
+  """The folder's stamp entries by file name; a missing, unreadable or damaged stamp is none
+  (its files are read again), never an error."""
+  try:
+    stamp = json.loads((folder / STAMP).read_text(encoding="utf-8"))
+    files = stamp["files"] if stamp.get("version") == 1 else {}
+    return {name: entry for name, entry in files.items() if isinstance(entry, dict)}
+  except FileNotFoundError:
+    return {}
+  except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+    log.info("%s: ignored (%s: %s); its files are read again", folder / STAMP,
+             type(e).__name__, e)
+    return {}
+
+
+def _write_stamp(folder: pathlib.Path, files: dict[str, dict]) -> None:
+  """Writes the folder's stamp; one that cannot be written (a read-only or full disk) only
+  costs the next check its reads."""
+  try:
+    write_json(folder / STAMP, {"version": 1, "files": files}, indent=None, sort_keys=True)
+  except OSError as e:
+    log.info("%s: not written (%s); the next check reads the files again", folder / STAMP,
+             os.strerror(e.errno) if e.errno else e)
 
 
 def refuse_damage(problems: list[str] | None, error: type[Exception], what: str,

@@ -86,7 +86,7 @@ def run_search(config, workdir: str, queries: Sequence[str]) -> list:
   """`run.py search`: answers questions and prints the top units."""
   if not queries or not all(q.strip() for q in queries):
     raise ConfigError("search needs one or more non-empty --query \"question\"")
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = load_searcher(config, workdir, verify=config.index.verify)
   results = searcher.search(list(queries), k=config.index.top_k, unit=config.index.unit,
                             max_answer_length=config.eval.max_answer_length)
   for query, found in zip(queries, results):

@@ -1,9 +1,14 @@
 """`run.py verify`: every artifact of a workdir read back and checked against the sizes and
 digests recorded when it was written (`dpjax.io.file_checksum`): each checkpoint step (of
 `checkpoints`, `checkpoints_best`, `checkpoints_qsft`, the teacher's), each shard of each dump,
-each faiss index and the token filter head. A damaged file is named with what remakes it and the
-run exits with status 2; an artifact written before digests were recorded is reported as
-unverified, not refused.
+each faiss and BM25 index, the teacher's logits and the token filter head. Every byte is read
+(verified stamps are not trusted here: a disk fault can keep a file's times).
+
+A damaged file is named with what remakes it, and so is what an artifact lacks to be checked at
+all: a dump without its manifest, a checkpoint step without its `state/`, an index folder
+without its manifest. The run then exits with status 2. An artifact without digests (written
+before they were recorded, or teacher logits, which have none) is reported as unverified and
+also exits 2, unless `--allow_unverified` accepts it.
 """
 from __future__ import annotations
 
@@ -13,24 +18,29 @@ import os
 import pathlib
 from typing import Callable, Iterator
 
-from dpjax.checkpoint import checkpoint_problems, checkpoint_rerun
+from dpjax.checkpoint import CHECKSUMS, checkpoint_problems, checkpoint_rerun
 from dpjax.errors import DataError, DumpError
 from dpjax.index.faiss_index import index_problems
 from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
-from dpjax.index.shards import SHARD_INFO, shard_problems, shard_rerun
+from dpjax.index.shards import SHARD_INFO, shard_rerun
 from dpjax.index.sparse import BUILD_HINT, MANIFEST as SPARSE_MANIFEST
 from dpjax.io import checksum_problems, read_json
-from dpjax.layout import Workdir
+from dpjax.layout import CHECKPOINTS, Workdir
 from dpjax.workdir import read_filter_head
 
 log = logging.getLogger(__name__)
-# An artifact's check: (its problems, or None when no digests were recorded; what remakes it).
+# An artifact's check: (its problems, or None when it has no digests to check; what remakes it,
+# or for one without digests why it has none).
 Check = Callable[[], tuple]
+OLD = "written before digests were recorded"
+DUMP_AGAIN = "delete the dump's directory and dump again"
+INDEX_AGAIN = "build the index again with `run.py index`"
 
 
-def run_verify(config, workdir: str) -> dict:
+def run_verify(config, workdir: str, allow_unverified: bool = False) -> dict:
   """`run.py verify`: checks every artifact of `workdir`; returns the paths verified, unverified
-  and damaged ({path: problems}); any damaged one is a DataError naming them (exit 2)."""
+  and damaged ({path: problems}). Any damaged one, or with `allow_unverified` False any
+  unverified one, is a DataError naming them (exit 2)."""
   del config  # what is checked is what the workdir holds, whatever the config names
   workdir = Workdir(workdir)
   if not workdir.is_dir():
@@ -42,7 +52,7 @@ def run_verify(config, workdir: str) -> dict:
     except (DataError, DumpError) as e:  # a record that cannot be read: that is the damage
       problems, rerun = [str(e)], ""
     if problems is None:
-      log.warning("%s: unverified (written before digests were recorded)", path)
+      log.warning("%s: unverified (%s)", path, rerun)
       report["unverified"].append(str(path))
     elif problems:
       for problem in problems:
@@ -55,6 +65,10 @@ def run_verify(config, workdir: str) -> dict:
   if report["damaged"]:
     raise DataError(f"{workdir}: {len(report['damaged'])} damaged artifacts: "
                     f"{', '.join(report['damaged'])} (each file and what to rerun above)")
+  if report["unverified"] and not allow_unverified:
+    raise DataError(f"{workdir}: {len(report['unverified'])} artifacts without digests to check "
+                    f"them by: {', '.join(report['unverified'])}; remake them, or pass "
+                    "--allow_unverified to accept them")
   return report
 
 
@@ -66,35 +80,65 @@ def _artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
   for folder, dirs, files in os.walk(workdir):
     dirs[:] = sorted(d for d in dirs if not d.endswith(".tmp"))
     here = pathlib.Path(folder)
-    if here.name.isdigit() and "state" in dirs:  # an Orbax checkpoint step
+    shards = [d for d in dirs if d.startswith("shard_")]
+    if _is_checkpoint_step(here, dirs, files):
       dirs[:] = []
       yield here, functools.partial(_checkpoint, here)
-    elif DUMP_MANIFEST in files and any(d.startswith("shard_") for d in dirs):  # a dump
-      dirs[:] = [d for d in dirs if d == "indexes"]  # its shards are checked here
-      yield from _dump_shards(here)
+    elif shards and _is_teacher_logits(here, shards):
+      dirs[:] = []
+      yield here, lambda: (None, "dpjax records no digests of teacher logits")
+    elif shards:  # a dump: its shards are checked here, its indexes below
+      dirs[:] = [d for d in dirs if d == "indexes"]
+      yield from _dump_shards(here, has_manifest=DUMP_MANIFEST in files)
     elif INDEX_MANIFEST in files:
       yield here, functools.partial(_index, here)
     elif SPARSE_MANIFEST in files:
       yield here, functools.partial(_sparse, here)
+    elif here.name == "indexes" and any(here.parent.glob("shard_*")):  # a dump's indexes
+      for name in dirs:
+        if not {INDEX_MANIFEST, SPARSE_MANIFEST} & {p.name for p in (here / name).iterdir()}:
+          yield here / name, functools.partial(_missing, here / name / INDEX_MANIFEST,
+                                               "an index folder without its manifest",
+                                               INDEX_AGAIN)
+
+
+def _is_checkpoint_step(here: pathlib.Path, dirs: list[str], files: list[str]) -> bool:
+  """An Orbax checkpoint step's folder (`<kind>/<step>/`), whole or with its state gone."""
+  return here.name.isdigit() and (here.parent.name in CHECKPOINTS.values() or "state" in dirs
+                                  or "meta" in dirs or CHECKSUMS in files)
+
+
+def _is_teacher_logits(here: pathlib.Path, shards: list[str]) -> bool:
+  """Teacher logits' shards hold `logits.npy`, a dump's its `SHARD_INFO`."""
+  return (not any((here / d / SHARD_INFO).is_file() for d in shards)
+          and any((here / d / "logits.npy").is_file() for d in shards))
+
+
+def _missing(path: pathlib.Path, what: str, rerun: str) -> tuple:
+  return [f"{path}: missing ({what}: nothing to check it by)"], rerun
 
 
 def _checkpoint(step_dir: pathlib.Path) -> tuple:
-  return checkpoint_problems(step_dir, contents=True), checkpoint_rerun(step_dir)
+  if not (step_dir / "state").is_dir():  # a restore would pass over it for an earlier step
+    return _missing(step_dir / "state", "a checkpoint step without its saved arrays",
+                    checkpoint_rerun(step_dir))
+  problems = checkpoint_problems(step_dir, contents=True, reuse_stamps=False)
+  return problems, checkpoint_rerun(step_dir) if problems is not None else OLD
 
 
 def _index(directory: pathlib.Path) -> tuple:
-  manifest = read_json(directory / INDEX_MANIFEST, DumpError,
-                       "build the index again with `run.py index`")
-  problems = (index_problems(directory, manifest, contents=True) if "files" in manifest
-              else None)
-  return problems, "build the index again with `run.py index`"
+  manifest = read_json(directory / INDEX_MANIFEST, DumpError, INDEX_AGAIN)
+  if "files" not in manifest:
+    return None, OLD
+  return index_problems(directory, manifest, contents=True, reuse_stamps=False), INDEX_AGAIN
 
 
 def _sparse(directory: pathlib.Path) -> tuple:
   manifest = read_json(directory / SPARSE_MANIFEST, DumpError, BUILD_HINT)
-  problems = (checksum_problems(directory, manifest["files"], contents=True)
-              if "files" in manifest else None)  # (None: no digests to verify against)
-  return problems, BUILD_HINT
+  if "files" not in manifest:
+    return None, OLD
+  return (checksum_problems(directory, manifest["files"], contents=True, reuse_stamps=False),
+          BUILD_HINT)
 
 
 def _filter_head(path: pathlib.Path) -> tuple:
@@ -102,14 +146,23 @@ def _filter_head(path: pathlib.Path) -> tuple:
   return [], ""
 
 
-def _dump_shards(dump_dir: pathlib.Path) -> Iterator[tuple[pathlib.Path, Check]]:
-  """The shards of a dump: those its manifest lists when complete, else every finished one."""
-  try:
-    manifest = read_json(dump_dir / DUMP_MANIFEST, DumpError,
-                         "delete the dump's directory and dump again")
-  except DumpError as e:
-    yield dump_dir / DUMP_MANIFEST, lambda: ([str(e)], "")
-    return
+def _dump_shards(dump_dir: pathlib.Path, *,
+                 has_manifest: bool) -> Iterator[tuple[pathlib.Path, Check]]:
+  """The shards of a dump: those its manifest lists when complete, else every finished one (a
+  dump without its manifest is damaged itself, and its shards checked by their own records)."""
+  manifest = {}
+  if not has_manifest:
+    yield dump_dir / DUMP_MANIFEST, functools.partial(
+        _missing, dump_dir / DUMP_MANIFEST, "a dump's shards without its manifest", DUMP_AGAIN)
+  else:
+    try:
+      manifest = read_json(dump_dir / DUMP_MANIFEST, DumpError, DUMP_AGAIN)
+      if not (isinstance(manifest, dict) and all(isinstance(s, dict) and "name" in s
+                                                 for s in manifest.get("shards", []))):
+        raise DumpError(f"{dump_dir / DUMP_MANIFEST}: not a dump's manifest; {DUMP_AGAIN}")
+    except DumpError as e:
+      yield dump_dir / DUMP_MANIFEST, lambda: ([str(e)], "")
+      return
   if manifest.get("complete"):
     entries = [(dump_dir / s["name"], s) for s in manifest.get("shards", [])]
   else:
@@ -121,5 +174,8 @@ def _dump_shards(dump_dir: pathlib.Path) -> Iterator[tuple[pathlib.Path, Check]]
 def _shard(shard: pathlib.Path, entry: dict | None) -> tuple:
   if entry is None:  # a shard of an unfinished dump: its own record
     entry = read_json(shard / SHARD_INFO, DumpError, shard_rerun(shard))
-  problems = shard_problems(shard, entry, contents=True) if "files" in entry else None
-  return problems, shard_rerun(shard)
+  if "files" not in entry:
+    return None, OLD
+  # (`shard_problems` with every file, reading every byte)
+  return (checksum_problems(shard, entry["files"], contents=True, reuse_stamps=False),
+          shard_rerun(shard))

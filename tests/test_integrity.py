@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
+import dpjax.io
 from dpjax.errors import DataError, DumpError
 from dpjax.index import shards as shards_module
 from dpjax.index.dump import dump_phrases
@@ -218,8 +219,11 @@ def test_serve_refuses_a_zeroed_shard_or_index(trained, tmp_path):
     assert len(errors) == 1 and f"{path}: its bytes differ from when it was written" in errors[0]
 
 
-def test_artifacts_without_digests_are_unverified_not_refused(trained, tmp_path, caplog):
-  """Dumps, indexes and checkpoints written before digests were recorded still load."""
+def test_artifacts_without_digests_load_and_verify_accepts_them_when_asked(trained, tmp_path,
+                                                                          caplog):
+  """Dumps, indexes and checkpoints written before digests were recorded still load; `verify`
+  names each as unverified and exits 2 (it exited 0: nothing of them had been checked) unless
+  `--allow_unverified` accepts them."""
   workdir, base = _copy(trained, tmp_path)
   for path in [workdir / "dump" / "manifest.json", *workdir.glob("dump/shard_*/shard.json")]:
     manifest = json.loads(path.read_text())
@@ -232,9 +236,103 @@ def test_artifacts_without_digests_are_unverified_not_refused(trained, tmp_path,
   for record in workdir.glob("checkpoints/*/dpjax_checksums.json"):
     record.unlink()
   caplog.clear()
-  assert run.main(["verify"] + base) == 0
+  assert run.main(["verify"] + base) == 2
+  assert caplog.text.count("unverified (written before digests were recorded)") == 4
+  assert "4 artifacts without digests to check them by" in caplog.records[-1].getMessage()
+  caplog.clear()
+  assert run.main(["verify"] + base + ["--allow_unverified"]) == 0
   assert caplog.text.count("unverified (written before digests were recorded)") == 4
   assert run.main(["eval"] + base) == 0
+
+
+def _remove(path: pathlib.Path) -> None:
+  shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+@pytest.mark.parametrize("target, refused", [
+    (lambda w: w / "dump" / "manifest.json", "a dump's shards without its manifest"),
+    (lambda w: w / "checkpoints" / "6" / "state", "a checkpoint step without its saved arrays"),
+    (lambda w: w / "dump" / "indexes" / "Flat" / "index_manifest.json",
+     "an index folder without its manifest"),
+])
+def test_verify_refuses_what_it_cannot_check(trained, tmp_path, caplog, target, refused):
+  """A dump without its manifest (its shards went unchecked), a checkpoint step without its
+  state (a restore passes over it for an earlier one) and an index folder without its manifest
+  were passed over without a word, and verify exited 0."""
+  workdir, base = _copy(trained, tmp_path)
+  path = target(workdir)
+  _remove(path)
+  for allow in ([], ["--allow_unverified"]):  # missing is damage, not an older format
+    caplog.clear()
+    assert run.main(["verify"] + base + allow) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(m.startswith(f"{path}: missing ({refused}") for m in errors), errors
+    assert "Traceback" not in caplog.text
+
+
+def test_verify_names_teacher_logits_unverified(trained, tmp_path, caplog):
+  """Teacher logits (shards without a dump's records) were taken for a dump and verify stopped
+  with a TypeError; they carry no digests, so they are unverified."""
+  workdir, base = _copy(trained, tmp_path)
+  logits = workdir / "teacher" / "logits"
+  (logits / "shard_00000").mkdir(parents=True)
+  np.save(logits / "shard_00000" / "logits.npy", np.zeros((3, 2, 5), np.float16))
+  (logits / "manifest.json").write_text(json.dumps({"shards": ["shard_00000"], "rows": 3,
+                                                    "shard_rows": 4096, "complete": True}))
+  assert run.main(["verify"] + base) == 2
+  assert f"{logits}: unverified (dpjax records no digests of teacher logits)" in caplog.text
+  assert run.main(["verify"] + base + ["--allow_unverified"]) == 0
+
+
+def test_search_refuses_a_same_size_zeroed_index(trained, tmp_path, caplog, capsys,
+                                                 monkeypatch):
+  """`run.py search` answered from a faiss index whose middle was zeroed: it did not check the
+  contents (eval and serve did). Stamps of an earlier intact search do not hide the damage."""
+  monkeypatch.setattr(dpjax.io, "STAMP_SETTLE_NS", 0)  # the copies were just made
+  workdir, base = _copy(trained, tmp_path)
+  search = ["search"] + base + ["--query", "Where is the river?"]
+  assert run.main(search) == 0
+  assert "Q: Where is the river?" in capsys.readouterr().out
+  path = workdir / "dump" / "indexes" / "Flat" / "index.faiss"
+  assert json.loads((path.parent / dpjax.io.STAMP).read_text())["files"]["index.faiss"]
+  size = path.stat().st_size
+  _zero_block(path)
+  assert path.stat().st_size == size
+  caplog.clear()
+  assert run.main(search) == 2
+  errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert len(errors) == 1 and errors[0].startswith(f"{path}: its bytes differ"), errors
+  assert "\n" not in errors[0] and "Q:" not in capsys.readouterr().out
+
+
+def test_a_stamped_file_is_read_again_only_once_changed(trained, tmp_path, monkeypatch):
+  """A verified stamp spares an unchanged file the reading of every byte at the next start;
+  a file written again (same bytes, new times), a damaged stamp or `run.py verify` read it."""
+  monkeypatch.setattr(dpjax.io, "STAMP_SETTLE_NS", 0)
+  workdir, base = _copy(trained, tmp_path)
+  read = []
+  checksum = dpjax.io.file_checksum
+  monkeypatch.setattr(dpjax.io, "file_checksum", lambda path: (read.append(pathlib.Path(path)),
+                                                               checksum(path))[1])
+  search = ["search"] + base + ["--query", "Where is the river?"]
+  index = workdir / "dump" / "indexes" / "Flat" / "index.faiss"
+  shard = workdir / "dump" / "shard_00000" / "vectors.npy"
+  assert run.main(search) == 0
+  assert index in read and shard in read and any("checkpoints" in p.parts for p in read)
+  read.clear()
+  assert run.main(search) == 0
+  assert read == []
+  index.write_bytes(index.read_bytes())  # the same bytes, written again
+  assert run.main(search) == 0
+  assert read == [index]
+  read.clear()
+  (shard.parent / dpjax.io.STAMP).write_text('{"version": 1, "files": [')  # a torn stamp
+  assert run.main(search) == 0
+  assert set(read) == set(shard.parent.iterdir()) - {shard.parent / n for n in (
+      dpjax.io.STAMP, "shard.json")}
+  read.clear()
+  assert run.main(["verify"] + base) == 0
+  assert index in read and shard in read
 
 
 def test_filter_head_digest_is_checked(tmp_path):

@@ -248,10 +248,13 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
            plan["resolved"], seconds, manifest["index_bytes"] / plan["total_kept"])
 
 
-def index_problems(directory: pathlib.Path, manifest: dict, *, contents: bool) -> list[str]:
+def index_problems(directory: pathlib.Path, manifest: dict, *, contents: bool,
+                   reuse_stamps: bool = True) -> list[str]:
   """What is wrong with an index's files against the sizes and digests its manifest recorded
-  (`checksum_problems`; an index built before they were recorded: nothing)."""
-  return checksum_problems(directory, manifest.get("files", {}), contents=contents)
+  (`checksum_problems`, which `reuse_stamps` passes to; an index built before they were
+  recorded: nothing)."""
+  return checksum_problems(directory, manifest.get("files", {}), contents=contents,
+                           reuse_stamps=reuse_stamps)
 
 
 def check_index(directory: pathlib.Path, manifest: dict, *, contents: bool = False) -> None:
