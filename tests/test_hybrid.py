@@ -435,3 +435,46 @@ def test_sentence_rows_of_awkward_passages(tmp_path):
       got = index.sentence_rows(np.array([row]), np.array([char]))[0]
       assert starts[got] == (row, first), (row, char)
 
+
+@pytest.mark.slow
+def test_squad_configs_search_hybrid_by_default(tmp_path, caplog):
+  """`run.py index` of a SQuAD config builds the BM25 index and chooses its weights, and eval
+  fuses it unless `index.sparse=False`; the log says which search ran."""
+  import logging
+
+  import run
+  from dpjax.config import load_config
+  from dpjax.data.synthetic import write_synthetic
+  for arg in ("", "paper", "cpu", "cpu-base", "tiny"):
+    assert load_config(f"experiments/squad.py:{arg}" if arg else "experiments/squad.py"
+                       ).index.sparse, arg
+  data = tmp_path / "squad"
+  files = write_synthetic(data, seed=0, num_train_entities=6, num_dev_entities=4,
+                          questions_per_entity=3)
+  files["train"].rename(data / "train-v1.1.json")
+  files["dev"].rename(data / "dev-v1.1.json")
+  workdir = tmp_path / "w"
+  base = ["--config", "experiments/squad.py:tiny", "--workdir", str(workdir),
+          "--set", f"data.dir={data}", "--set", "eval.limit=6",
+          "--set", "index.sparse_tune_questions=12", "--set", "index.specs=['Flat']"]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0, mode
+  recorded = json.loads((sparse.sparse_folder(workdir / "dump") / sparse.MANIFEST).read_text())
+  assert recorded["weight_tuning"]["questions"] == 12
+  caplog.set_level(logging.INFO, logger="dpjax.workdir")
+  assert run.main(["eval"] + base) == 0
+  report = json.loads((workdir / "open_eval_Flat_hybrid.json").read_text())
+  assert (report["hybrid"]["weight"], report["hybrid"]["sentence_weight"]) == (
+      recorded["weight"], recorded["sentence_weight"])
+  weight, sentence_weight, dump = recorded["weight"], recorded["sentence_weight"], workdir / "dump"
+  expected = (f"search: hybrid search (dense + {weight:g} x passage BM25 + {sentence_weight:g} x "
+              f"sentence BM25, top 20 BM25 passages) over index Flat of {dump}"
+              if weight or sentence_weight else
+              f"search: dense phrase search (hybrid weights 0 and 0) over index Flat of {dump}")
+  assert [r.getMessage() for r in caplog.records
+          if r.getMessage().startswith("search: ")] == [expected]
+  caplog.clear()
+  assert run.main(["eval"] + base + ["--set", "index.sparse=False"]) == 0
+  assert json.loads((workdir / "open_eval_Flat.json").read_text())["hybrid"] is None
+  assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("search: ")] == [
+      f"search: dense phrase search over index Flat of {workdir / 'dump'}"]

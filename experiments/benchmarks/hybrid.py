@@ -31,8 +31,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from experiments.report import git_commit  # noqa: E402
 RUNS = {  # row: (its eval file, the run.py overrides that make it)
-    "dense": ("open_eval_Flat.json", []),
-    "dense, spans not merged": ("open_eval_Flat_unmerged.json", ["index.merge_spans=False"]),
+    "dense": ("open_eval_Flat.json", ["index.sparse=False"]),
+    "dense, spans not merged": ("open_eval_Flat_unmerged.json",
+                                ["index.sparse=False", "index.merge_spans=False"]),
     "hybrid": ("open_eval_Flat_hybrid.json", ["index.sparse=True"]),
 }
 PASSAGE_ONLY = "hybrid, passage BM25 only"  # what the sentence term adds: `passage_only_run`

@@ -24,8 +24,9 @@ has() { grep -q "\"$1\"" results/reader_peer.json 2>/dev/null; }  # rows measure
 has "bm25+reader" || $PY $PEER --systems bm25
 $PY run.py train $C --set train.progress_bar=False
 $PY run.py dump $C
-[ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]'
-has "dpjax+reader" || $PY $PEER --systems dpjax
+[ -f "$W/dump/indexes/Flat/index_manifest.json" ] || $PY run.py index $C --set 'index.specs=["Flat"]' \
+    --set index.sparse=False
+has "dpjax+reader" || $PY $PEER --systems dpjax --set index.sparse=False
 # The hybrid search's passages read: its BM25 index and weights first (hybrid.py reuses them);
 # hybrid reader rows of other weights are measured again (they replace the old ones).
 $PY run.py index $C --set index.sparse=True --set 'index.specs=[]'
