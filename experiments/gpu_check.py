@@ -6,8 +6,10 @@ finished. Every figure in it is read from the files the processes wrote.
 
   train      `run.py train` of the config (and of each `--alt` candidate, alongside): its RC
              EM/F1 on the dev questions (results.json), wall time, steps and time per step
-  chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval`: EM@1/10,
-             passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s
+  chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval` (dense):
+             EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s;
+             then hybrid search: `run.py index` of the BM25 index (weights chosen on training
+             questions) and `run.py eval` with it (figures `hybrid_*`)
   dump_warm  the default's dump again into another folder, executables from the compile cache
   step       experiments/benchmarks/train_step.py: the recipe's bf16 step (its dropout) on
              XLA's attention; `step_pallas` the same on the Pallas kernel
@@ -34,6 +36,7 @@ sys.path.insert(0, str(REPO))  # dpjax, when run as a script
 STAGES = ("train", "chain", "dump_warm", "step", "step_pallas")
 # Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
+           ("hybrid_em@1", ">=", 50.0), ("hybrid_top1", ">=", 85.0),
            ("step_ms", "<=", 20.0), ("dump_cold_tokens_per_s", ">=", 400e3),
            ("dump_warm_tokens_per_s", ">=", 1e6), ("eval_questions_per_s", ">=", 1000.0))
 OPEN_KEYS = ("questions", "em@1", "f1@1", "em@10", "top1", "top5", "top20", "mrr@20",
@@ -244,8 +247,8 @@ def read_dump(folder: pathlib.Path) -> dict:
   return found
 
 
-def read_open(workdir: pathlib.Path) -> dict:
-  report = _json(workdir / "open_eval_Flat.json")
+def read_open(workdir: pathlib.Path, name: str = "open_eval_Flat.json") -> dict:
+  report = _json(workdir / name)
   if not report:
     return {}
   found = {k: report.get(k) for k in OPEN_KEYS}
@@ -257,7 +260,8 @@ def read_open(workdir: pathlib.Path) -> dict:
 def figures(report: dict) -> dict:
   """The default candidate's figures under the targets' names, from the report's records."""
   default = report["candidates"]["default"]
-  found = {**default.get("train", {}), **default.get("open", {})}
+  found = {**default.get("train", {}), **default.get("open", {}),
+           **{f"hybrid_{k}": v for k, v in default.get("hybrid", {}).items()}}
   stages = report["stages"]
   if default.get("dump", {}).get("stored_tokens_per_s"):
     found["dump_stored_tokens_per_s"] = default["dump"]["stored_tokens_per_s"]
@@ -299,17 +303,25 @@ def stage_chain(check: Check):
     candidate = check.report["candidates"][name]
     candidate["dump"] = read_dump(check.root / name / "dump")
     candidate["open"] = read_open(check.root / name)
+    candidate["hybrid"] = read_open(check.root / name, "open_eval_Flat_hybrid.json")
 
   jobs = {}
   for name in check.candidates:
     if not (check.root / name / "results.json").is_file():
       continue
     run = [check.args.python, "run.py"]
+    # The dense search, then hybrid search: the BM25 index, its weights chosen on training
+    # questions (`run.py index`), and the same questions answered with it.
+    dense, hybrid = ["--set", "index.sparse=False"], ["--set", "index.sparse=True"]
     jobs[name] = [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
-                  (f"{name}.index", [*run, "index", *check.common(name),
+                  (f"{name}.index", [*run, "index", *check.common(name), *dense,
                                      "--set", 'index.specs=["Flat"]'], None),
-                  (f"{name}.eval", [*run, "eval", *check.common(name),
-                                    "--set", "index.search_index=Flat"], None)]
+                  (f"{name}.eval", [*run, "eval", *check.common(name), *dense,
+                                    "--set", "index.search_index=Flat"], None),
+                  (f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
+                                            "--set", "index.specs=[]"], None),
+                  (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
+                                           "--set", "index.search_index=Flat"], None)]
   check.chains(jobs, after)
 
 

@@ -75,7 +75,10 @@ GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1
             ("passage Top-20", "top20"), ("MRR@20", "mrr@20"), ("training steps", "steps"),
             ("training's median step (ms)", "train_step_ms_median"),
             ("dump: stored tokens/s after compiles", "stored_tokens_per_s"),
-            ("eval: questions/s over its search", "questions_per_s"))
+            ("eval: questions/s over its search", "questions_per_s"),
+            ("hybrid EM@1", "hybrid_em@1"), ("hybrid EM@10", "hybrid_em@10"),
+            ("hybrid passage Top-1", "hybrid_top1"), ("hybrid passage Top-20", "hybrid_top20"),
+            ("hybrid eval: questions/s over its search", "hybrid_questions_per_s"))
 
 
 def _cell(value) -> str:
@@ -103,7 +106,8 @@ def render_gpu_check(results: dict, command: str) -> str:
     values = []
     for n in names:
       c = results["candidates"][n]
-      values.append(_cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {})}
+      values.append(_cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {}),
+                           **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
                           .get(key)))
     lines.append(f"| {label} | " + " | ".join(values) + " |")
   lines.append("| training's wall (s): data, compiles, steps, RC eval | " + " | ".join(
@@ -142,7 +146,8 @@ def gpu_check_report(argv: Sequence[str]) -> int:
   if not any((r["commands"], r["commit"]) == key for r in seen):
     run = {"commands": key[0], "commit": key[1], "device": results["device"],
            "recipe": results["candidates"]["default"]["recipe"], "figures": results["figures"],
-           "candidates": {n: {**c.get("train", {}), **c.get("open", {})}
+           "candidates": {n: {**c.get("train", {}), **c.get("open", {}),
+                              **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
                           for n, c in results["candidates"].items()}}
     with history.open("a") as f:
       f.write(json.dumps(run) + "\n")

@@ -16,12 +16,13 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   """Every stage runs; each figure is the one its run wrote; the report renders once a run."""
   out, work = tmp_path / "out", tmp_path / "w"
   assert gpu_check.main(["--workdir", str(work), "--out", str(out), *TINY, "--stages", "train",
-                         "chain", "dump_warm", "step", "--step-args",
+                         "chain", "dump_warm", "step", "--set", "index.sparse_tune_questions=12",
+                         "--step-args",
                          "--batch 8 --length 32 --steps 1 --warmup 1"]) == 0
   result = json.loads((out / "gpu_check.json").read_text())
   assert {k: v["rc"] for k, v in result["stages"].items()} == {
       "default.train": 0, "default.dump": 0, "default.index": 0, "default.eval": 0,
-      "dump_warm": 0, "step": 0}
+      "default.hybrid_index": 0, "default.hybrid_eval": 0, "dump_warm": 0, "step": 0}
   figures = result["figures"]
   rc = json.loads((work / "default" / "results.json").read_text())
   assert figures["rc_exact_match"] == rc["rc_exact_match"] and figures["count"] == rc["count"]
@@ -29,6 +30,11 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   for key in ("em@1", "em@10", "top1", "top20", "mrr@20"):
     assert figures[key] == open_eval[key]
   assert figures["questions"] == open_eval["questions"] > 0
+  assert open_eval["hybrid"] is None  # the dense row is dense whatever the config's default
+  hybrid = json.loads((work / "default" / "open_eval_Flat_hybrid.json").read_text())
+  for key in ("em@1", "top1", "top20"):
+    assert figures[f"hybrid_{key}"] == hybrid[key]
+  assert hybrid["hybrid"]["weight_tuning"]["questions"] == 12
   manifest = json.loads((work / "default" / "dump" / "manifest.json").read_text())
   assert figures["dump_stored_tokens_per_s"] == manifest["num_tokens"] / manifest["seconds"]
   assert figures["dump_cold_tokens_per_s"] < figures["dump_stored_tokens_per_s"]
