@@ -8,15 +8,18 @@
 # Usage: OUT=/path bash experiments/gpu_check.sh [gpu_check.py arguments, e.g. --alt NAME=ARGS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# Two processes (the default and an --alt candidate) share the GPU.
-export PYTHONPATH=/root/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 PYTHONUNBUFFERED=1
+# The default alone gets the GPU's memory; with an --alt candidate two processes share it.
+FRACTION=0.9
+for arg in "$@"; do [[ $arg == --alt* ]] && FRACTION=0.45; done
+export PYTHONPATH=/root/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 W=${W:-/root/w/check}
 python3 experiments/gpu_check.py --workdir "$W" --out "$W/logs" --json "${OUT:?set OUT}/gpu_check.json" \
   --set data.dir=/root/gpu/data/squad "$@"
 rc=$?
 small=(metrics.jsonl results.json rc_predictions.json open_eval_Flat.json
-       open_predictions_Flat.jsonl open_run_Flat.trec)
+       open_predictions_Flat.jsonl open_run_Flat.trec open_eval_Flat_hybrid.json
+       open_predictions_Flat_hybrid.jsonl open_run_Flat_hybrid.trec)
 tar czf "$OUT/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do ls -d */"$f"; done \
   2>/dev/null)
 exit $rc
