@@ -7,8 +7,8 @@ each faiss and BM25 index, the teacher's logits and the token filter head. Every
 A damaged file is named with what remakes it, and so is what an artifact lacks to be checked at
 all: a dump without its manifest, a checkpoint step without its `state/`, an index folder
 without its manifest. The run then exits with status 2. An artifact without digests (written
-before they were recorded, or teacher logits, which have none) is reported as unverified and
-also exits 2, unless `--allow_unverified` accepts it.
+before they were recorded) is reported as unverified and also exits 2, unless
+`--allow_unverified` accepts it.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pathlib
 from typing import Callable, Iterator
 
 from dpjax.checkpoint import CHECKSUMS, checkpoint_problems, checkpoint_rerun
+from dpjax.data.teacher_logits import logits_problems
 from dpjax.errors import DataError, DumpError
 from dpjax.index.faiss_index import index_problems
 from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
@@ -86,7 +87,7 @@ def _artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
       yield here, functools.partial(_checkpoint, here)
     elif shards and _is_teacher_logits(here, shards):
       dirs[:] = []
-      yield here, lambda: (None, "dpjax records no digests of teacher logits")
+      yield here, functools.partial(_teacher_logits, here)
     elif shards:  # a dump: its shards are checked here, its indexes below
       dirs[:] = [d for d in dirs if d == "indexes"]
       yield from _dump_shards(here, has_manifest=DUMP_MANIFEST in files)
@@ -112,6 +113,12 @@ def _is_teacher_logits(here: pathlib.Path, shards: list[str]) -> bool:
   """Teacher logits' shards hold `logits.npy`, a dump's its `SHARD_INFO`."""
   return (not any((here / d / SHARD_INFO).is_file() for d in shards)
           and any((here / d / "logits.npy").is_file() for d in shards))
+
+
+def _teacher_logits(directory: pathlib.Path) -> tuple:
+  problems = logits_problems(directory, contents=True, reuse_stamps=False)
+  rerun = f"delete {directory} and run `run.py teacher` again"
+  return (problems, rerun) if problems is not None else (None, OLD)
 
 
 def _missing(path: pathlib.Path, what: str, rerun: str) -> tuple:

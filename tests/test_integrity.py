@@ -270,17 +270,34 @@ def test_verify_refuses_what_it_cannot_check(trained, tmp_path, caplog, target, 
     assert "Traceback" not in caplog.text
 
 
-def test_verify_names_teacher_logits_unverified(trained, tmp_path, caplog):
+def test_verify_checks_teacher_logits(trained, tmp_path, caplog):
   """Teacher logits (shards without a dump's records) were taken for a dump and verify stopped
-  with a TypeError; they carry no digests, so they are unverified."""
+  with a TypeError. Complete ones record their shards' digests: verified, and a same-size
+  change is damage (and a load refuses a resized shard); ones written before the digests were
+  recorded are unverified."""
+  from dpjax.data.teacher_logits import TeacherLogits, write_teacher_logits
   workdir, base = _copy(trained, tmp_path)
   logits = workdir / "teacher" / "logits"
-  (logits / "shard_00000").mkdir(parents=True)
-  np.save(logits / "shard_00000" / "logits.npy", np.zeros((3, 2, 5), np.float16))
-  (logits / "manifest.json").write_text(json.dumps({"shards": ["shard_00000"], "rows": 3,
-                                                    "shard_rows": 4096, "complete": True}))
+  compute = lambda rows: np.tile(rows[:, None, None], (1, 2, 5)).astype(np.float16)
+  write_teacher_logits(logits, {"data": "d", "length": 5}, np.arange(7), compute, shard_rows=4)
+  assert run.main(["verify"] + base) == 0
+  shard = logits / "shard_00001" / "logits.npy"
+  data = bytearray(shard.read_bytes())
+  data[-1] ^= 0xFF  # same size, other bytes
+  shard.write_bytes(bytes(data))
+  caplog.clear()
+  assert run.main(["verify"] + base + ["--allow_unverified"]) == 2
+  assert f"{shard}: its bytes differ from when it was written (crc32)" in caplog.text
+  shard.write_bytes(bytes(data[:-2]))
+  with pytest.raises(DataError, match=r"logits\.npy: \d+ bytes, \d+ when it was written: the "
+                                      r"teacher logits file is damaged; delete .* run `run\.py teacher`"):
+    TeacherLogits(logits, data="d", length=5)
+  manifest = json.loads((logits / "manifest.json").read_text())
+  del manifest["checksums"]  # as written by an older dpjax
+  (logits / "manifest.json").write_text(json.dumps(manifest))
+  caplog.clear()
   assert run.main(["verify"] + base) == 2
-  assert f"{logits}: unverified (dpjax records no digests of teacher logits)" in caplog.text
+  assert f"{logits}: unverified (written before digests were recorded)" in caplog.text
   assert run.main(["verify"] + base + ["--allow_unverified"]) == 0
 
 

@@ -2,7 +2,8 @@
 
 A directory (`run.py teacher` writes `<workdir>/teacher/logits`): `manifest.json` (the
 fingerprint: the teacher's parameters and step, the training features, the window length; the
-rows it covers; `complete`) and shards `shard_NNNNN/` of `rows.npy` [n] (training feature rows)
+rows it covers; `complete`; once complete, each shard's files' sizes and digests, `checksums`,
+which a load checks by size and `run.py verify` by contents) and shards `shard_NNNNN/` of `rows.npy` [n] (training feature rows)
 and `logits.npy` [n, 2, L] float16 (start, end, at the phrase model's window positions). Shards
 are renamed into place whole, so a killed run resumes with the missing ones; a directory written
 for another teacher or other data is refused, never mixed or silently used.
@@ -18,7 +19,8 @@ from typing import Callable
 import numpy as np
 
 from dpjax.errors import DataError
-from dpjax.io import Progress, atomic_directory, digest, write_json
+from dpjax.io import (Progress, atomic_directory, checksum_problems, digest, folder_checksums,
+                      refuse_damage, write_json)
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -72,6 +74,8 @@ def write_teacher_logits(directory: str | os.PathLike, fingerprint: dict, rows: 
   progress.close()
   manifest["complete"] = True
   if main:
+    manifest["checksums"] = {name: folder_checksums(directory / name)
+                             for name in manifest["shards"]}
     write_json(directory / MANIFEST, manifest)
   barrier("teacher-logits-done")  # complete for every process once it returns
   return manifest
@@ -86,6 +90,22 @@ def _read_manifest(directory: pathlib.Path) -> dict | None:
   except json.JSONDecodeError as e:
     raise DataError(f"{path}: not valid JSON ({e}); delete {directory} and write it "
                     "again") from None
+
+
+def logits_problems(directory: str | os.PathLike, *, contents: bool,
+                    reuse_stamps: bool = True) -> list[str] | None:
+  """What is wrong with a complete logits directory's shard files against the sizes (and with
+  `contents` the digests) its manifest records (`io.checksum_problems`); None for one written
+  before they were recorded."""
+  directory = pathlib.Path(directory)
+  manifest = _read_manifest(directory)
+  if manifest is None:
+    return [f"{directory / MANIFEST}: missing"]
+  if "checksums" not in manifest:
+    return None
+  return [problem for name in manifest["shards"]
+          for problem in checksum_problems(directory / name, manifest["checksums"].get(name, {}),
+                                           contents=contents, reuse_stamps=reuse_stamps)]
 
 
 def _differences(old: dict, new: dict) -> str:
@@ -116,6 +136,8 @@ class TeacherLogits:
                       f"length (data {fingerprint.get('data')} vs {data}, length "
                       f"{fingerprint.get('length')} vs {length}); run `run.py teacher` again")
     self.fingerprint = fingerprint
+    refuse_damage(logits_problems(self.directory, contents=False), DataError,
+                  "teacher logits file", f"delete {self.directory} and run `run.py teacher` again")
     parts = []
     for name in manifest["shards"]:
       try:
