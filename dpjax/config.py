@@ -450,7 +450,7 @@ def filter_config(**overrides) -> ml_collections.ConfigDict:
       "train_windows": 4000,  # training windows (with an answer) whose vectors train the head
       "dev_windows": 1000,  # dev windows for AUC-PR
       # A linear probe from zero: ~30 steps per epoch at the CPU settings; AUC-PR was still
-      # rising steeply after 5 epochs (0.041 -> 0.091) on SQuAD; the best epoch is kept.
+      # rising steeply after 5 epochs on SQuAD (results/filter.md); the best epoch is kept.
       "epochs": 50,
       "batch_size": 64,
       "learning_rate": 1e-3,
@@ -488,8 +488,8 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "dump_min_context": 0,
       # The dump's window length: 0 = data.max_seq_length, as the model was trained. Longer
       # windows (at most the model's max_position_embeddings) split fewer passages, so fewer
-      # tokens are encoded twice, but a model trained at 192 then retrieves worse (EM@1 -0.58
-      # at 384, -0.34 at 256 on SQuAD dev: results/dump_window_length.md).
+      # tokens are encoded twice, but a model trained at 192 then retrieves worse (lower EM@1
+      # at 256 and 384 on SQuAD dev: results/dump_window_length.md).
       "dump_max_seq_length": 0,
       # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
       # is slower than an accelerator encodes and holds the GIL the encoder's feeder needs: use

@@ -79,14 +79,15 @@ def get_config(arg=None):
     # time: results/recipe.md); the recipe study's factors are measured against it
     # (results/recipe.md). Results and commands dated before 2026-11-24 that say `squad.py:cpu`
     # mean this configuration.
-    # No dropout: ~20% more steps in the same time, and 1/5 of an epoch does not overfit.
+    # No dropout: more steps in the same time (results/throughput.md), and 1/5 of an epoch does
+    # not overfit (dropout lowered RC EM at this budget: results/recipe.md).
     config.data.update(max_seq_length=192, doc_stride=64, max_query_length=32)
     config.train.update(batch_size=12, num_steps=1500, learning_rate=1e-4, dropout=False,
                         questions_per_window=1,
                         checkpoint_every=250, log_every=25)
     # The unified loss with lambda_inb = lambda_prb = 1, not the paper's 256: at this budget
-    # (batch 12, 1,500 steps) lambda 1 is ahead on RC (EM 42.6 vs 33.5) and on phrase retrieval
-    # (full-corpus EM@1 24.0 vs 19.8), 256 on passage Top-20 (88.5 vs 86.2); results/squad_rc.md.
+    # (batch 12, 1,500 steps) lambda 1 is ahead on RC EM and on full-corpus EM@1, 256 on passage
+    # Top-20 (results/squad_rc.md).
     # Runs of the earlier `:cpu` figures add --set train.loss.lambda_inb=256.
     config.train.loss.lambda_inb = 1.0
     config.index.train_size = 262_144  # quantizer training in minutes on 2 cores
@@ -95,17 +96,17 @@ def get_config(arg=None):
     if arg == "cpu-base":  # the study's baseline: float32 dumps, as all of its figures
       config.index.dump_dtype = "float32"
     # QSFT on a random 16,000 training questions (2 epochs), dev EM@1 on a random 2,000, at the
-    # reference's lr 3e-5. On the :cpu-base model (results/qsft_q_base.md): 1e-4 lowered EM@1
-    # (23.40 -> 22.45 at 4,000 questions), 3e-5 raised it, the more the more questions (4,000:
-    # 24.55; 8,000: 24.95; 16,000: 25.75); 4 epochs of 4,000 overfit (23.25).
+    # reference's lr 3e-5: on the :cpu-base model 1e-4 lowered EM@1 and 3e-5 raised it, the more
+    # the more questions, while 4 epochs of the same questions overfit (results/qsft_q_base.md).
     config.qsft.update(limit=16000, dev_limit=2000, learning_rate=3e-5, dropout=False)
     # The filter head trained on 2,000 training windows' frozen vectors (~300k tokens; it is a
     # 384 x 2 layer), AUC-PR on 1,000 dev windows, the sweep on a random 2,000 dev questions.
     config.filter.update(train_windows=2000, dev_windows=1000, sweep_questions=2000)
     config.eval.passage_k = 20  # passage Top-1/5/20, MRR@20, P@20 (Top-100: eval.passage_k=100)
     if arg == "cpu":  # the best CPU-budget recipe of the study (results/recipe.md)
-      # Passage-grouped batches: each of the 12 windows with up to 5 of its questions (~45 per
-      # step instead of 12, at a longer step: results/code_measurements.md), 2,000 steps.
+      # Passage-grouped batches: each of the 12 windows with up to 5 of its questions (more
+      # questions a step, at a longer step: results/recipe.md, results/code_measurements.md),
+      # 2,000 steps.
       config.train.update(questions_per_window=5, num_steps=2000)
   elif arg == "tiny":
     config = common.make_tiny(config)

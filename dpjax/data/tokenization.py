@@ -98,7 +98,7 @@ _MARKS = unicode_regex.compile(r"\p{M}+")  # combining marks (accents, viramas, 
 def _over_marks(text: str, offsets: np.ndarray) -> np.ndarray:
   """`offsets` with each token's end moved past the combining marks right after it that no token
   holds: an uncased tokenizer strips accents, so "Cafe\u0301" ends its token before the accent,
-  and an answer cut at that end lost it (EM 0 against "Café")."""
+  and an answer cut at that end lost it (no exact match with "Café")."""
   if text.isascii() or not len(offsets):
     return offsets
   runs = np.array([m.span() for m in _MARKS.finditer(text)], np.int64).reshape(-1, 2)

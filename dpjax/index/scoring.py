@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # float16 rows converted a call by the rescoring (`_score_converted`): 1.5 + 3 MiB at D = 384.
-# The eval's rescoring on a Zen 4 core ran fastest at 1,024-2,048, 3% slower at 4,096, 13% at 8,192.
+# The eval's rescoring on a Zen 4 core ran fastest at 1,024-2,048 rows a call, slower at more
+# (results/speed_history.md has the eval with this convert).
 CONVERT_ROWS = 2048
 RESCORE_ELEMENTS = 1 << 22  # bounds the (question, hit, partner) arrays of one rescoring
 # The threads that score a rescoring's tokens: at most this many, each given this many rows at
@@ -32,8 +33,9 @@ _BLAS_LIMIT = None  # their limit, restored by the last
 def half_to_float32(half: np.ndarray) -> np.ndarray:
   """`half` [n, D] (float16) as a float32 array, exactly (subnormals, signed zeros and infinities
   bit for bit, NaNs stay NaNs): one jitted XLA convert on the host's CPU, vectorised (F16C /
-  AVX-512): ~0.1-0.3 ns an element on a Zen 4 core where faiss's float16 decoder takes ~1.1 and
-  numpy's `astype` ~1.6. Compiled once per shape; the result is read-only."""
+  AVX-512), faster per element on a Zen 4 core than faiss's float16 decoder or numpy's `astype`
+  (the eval with it: results/speed_history.md). Compiled once per shape; the result is
+  read-only."""
   with jax.default_device(_host_cpu()):
     return np.asarray(_half_to_float32(half))
 

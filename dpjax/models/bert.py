@@ -373,7 +373,8 @@ class BertModel(nnx.Module):
   ):
     """Returns the last hidden states, [B, L, D] in the compute dtype; with `first_only` only
     the first position's, [B, 1, D]: the last layer computes the other positions' keys and values
-    only (for [CLS] readers; 11-13% less time for a 6-layer encoder on a CPU), and the values
+    only (less work for [CLS] readers such as the question encoders; results/speed.md times the
+    train step that uses it), and the values
     equal the full pass's first row; with `query_positions` those positions' likewise, [B, S, D].
 
     Packed rows (several sequences in one row, no padding between them): `segment_ids` numbers
