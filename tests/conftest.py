@@ -51,3 +51,16 @@ def tokenizer():
 def minilm_dir() -> pathlib.Path:
   from dpjax.models import resolve_model_dir
   return resolve_model_dir("minilm-l6")
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir(tmp_path_factory) -> pathlib.Path:
+  """One trained tiny workdir per test process (`experiments/demo.py:tiny`): trained, its corpus
+  dumped and a Flat index built. Tests that write into it work on a copy
+  (`shutil.copytree`)."""
+  import run
+  workdir = tmp_path_factory.mktemp("tiny") / "demo"
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(workdir)]
+  for mode in ("train", "dump", "index"):
+    assert run.main([mode] + base) == 0, mode
+  return workdir
