@@ -12,6 +12,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dpjax", "dpjax.*"]),
+    # the service's search page, read from the package at import (dpjax/serve/app.py)
+    package_data={"dpjax.serve": ["static/*.html"]},
     python_requires=">=3.11",
     entry_points={"console_scripts": ["dpjax = dpjax.cli:main"]},
     install_requires=[

@@ -34,8 +34,12 @@ LAYERS = [
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept, each with its run_* program.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
-     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.serve", "dpjax.verify",
-     "dpjax.fusion", "dpjax.reading"},
+     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.verify",
+     "dpjax.fusion", "dpjax.reading",
+     # the service, its modules importing downward in this order: metrics, batching, parsing,
+     # schema, auth, app, service, and the package re-exporting their public names
+     "dpjax.serve.metrics", "dpjax.serve.batching", "dpjax.serve.parsing", "dpjax.serve.schema",
+     "dpjax.serve.auth", "dpjax.serve.app", "dpjax.serve.service", "dpjax.serve"},
     # L4: the training loop.
     {"dpjax.train", "dpjax.teacher"},
     # L5: the command line (a table of modes; `run.py` and the `dpjax` command).

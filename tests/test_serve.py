@@ -283,7 +283,7 @@ def _job(questions, k=2, unit="phrase"):
   import concurrent.futures
   import time
 
-  from dpjax.serve import _Job
+  from dpjax.serve.batching import _Job
   return _Job(questions, k, unit, concurrent.futures.Future(), time.perf_counter())
 
 
@@ -651,9 +651,10 @@ def test_an_api_key_guards_every_route_but_health_and_the_pages(service, monkeyp
   import hmac
 
   from dpjax import serve
+  from dpjax.serve import auth
   port, _, _, questions, batcher = service
   compared, compare = [], hmac.compare_digest
-  monkeypatch.setattr(serve.hmac, "compare_digest",
+  monkeypatch.setattr(auth.hmac, "compare_digest",  # the module BearerAuth compares keys with
                       lambda a, b: compared.append(1) or compare(a, b))
   app = serve.create_app(batcher, serve.Limits(), request(port, "GET", "/info")[1], KEY)
   server, thread, guarded = start_server(app)

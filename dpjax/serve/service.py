@@ -1,0 +1,132 @@
+"""`run.py serve` (run_serve): the port taken, the index loaded and its searches compiled ahead
+(make_service), then uvicorn until SIGINT or SIGTERM; start_server runs an app on a thread (the
+tests, the benchmarks)."""
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from dpjax import __version__
+from dpjax.errors import ConfigError
+from dpjax.index.device_search import DeviceFlat
+from dpjax.index.units import UNITS
+from dpjax.serve.app import create_app
+from dpjax.serve.auth import api_key, check_exposure, is_loopback
+from dpjax.serve.batching import Batcher
+from dpjax.serve.parsing import MAX_BODY, Limits
+from dpjax.workdir import load_searcher
+
+log = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+  """A socket listening on (host, port) (port 0: a free one, `getsockname()[1]`) for the server;
+  a port in use or a host not of this machine is a ConfigError naming them. It listens at once
+  (connections wait in its backlog until the server runs): a socket only bound would let another
+  program bind and listen on the port meanwhile (SO_REUSEADDR), and the server would never serve."""
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's default backlog
+  except (OSError, OverflowError) as e:  # in use, not this machine's address; port > 65535
+    sock.close()
+    cause = getattr(e, "strerror", None) or e
+    raise ConfigError(f"serve.host {host!r}, serve.port {port}: cannot listen there ({cause}); "
+                      "pick another port (--set serve.port=..., 0: any free one) or stop the "
+                      "server already using it") from None
+  return sock
+
+
+def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+  """Runs `app` on a background thread; returns (server, thread, port) (port 0: a free one).
+  `server.should_exit = True` then `thread.join()` stops it."""
+  sock = bind(host, port)
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  while not server.started and thread.is_alive():
+    time.sleep(0.01)
+  return server, thread, sock.getsockname()[1]
+
+
+def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
+  """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
+  the question encoder compiled ahead for every call shape a micro-batch may take; with an API
+  key (`api_key`) its data routes need it, without one on a loopback `serve.host` it answers
+  only requests to a loopback name."""
+  sc = config.serve
+  key = api_key(sc)
+  searcher, step = load_searcher(config, workdir, sc.index or None,
+                                 verify=config.index.verify)
+  start = time.perf_counter()  # every shape of its calls: no compile while serving
+  shapes = searcher.compile(sc.max_batch)
+  log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,
+           sc.max_batch, time.perf_counter() - start)
+  if isinstance(searcher.index.index, DeviceFlat):  # the exact index on the accelerator: each width
+    start = time.perf_counter()  # a search of up to max_k units may fetch, compiled ahead
+    widths = searcher.index.index.warm(searcher.index.fetch_bounds(sc.max_k)[1])
+    log.info("device search compiled for %d widths in %.1f s", widths,
+             time.perf_counter() - start)
+  batcher = Batcher(searcher, max_batch=sc.max_batch, max_wait_ms=sc.max_wait_ms,
+                    max_queue=sc.max_queue, max_answer_length=config.eval.max_answer_length)
+  index = searcher.index
+  info = {"model": config.model.name, "model_step": step,
+          "index": sc.index or config.index.search_index, "dump": str(index.dump.directory),
+          "workdir": str(workdir), "vectors": int(index.num_vectors),
+          "passages": int(index.dump.manifest["num_passages"]), "units": list(UNITS),
+          "max_k": sc.max_k, "max_questions": sc.max_questions,
+          "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
+          "max_batch": sc.max_batch, "merge_spans": index.merge_spans, "version": __version__,
+          "hybrid": None if index.hybrid is None else index.hybrid.record()}
+  return create_app(batcher.start(), Limits.from_config(sc), info, key,
+                    loopback_hosts_only=not key and is_loopback(sc.host)), batcher
+
+
+def run_serve(config, workdir: str) -> None:
+  """`run.py serve`: serves the workdir's index until SIGINT or SIGTERM (the port is taken before
+  the index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host
+  other machines reach needs an API key or `serve.allow_open` (check_exposure). On a signal it
+  stops accepting, answers the requests it holds (for at most `serve.shutdown_timeout_s`) and
+  returns."""
+  sc = config.serve
+  key = api_key(sc)
+  check_exposure(sc.host, key, sc.allow_open)
+  with bind(sc.host, sc.port) as sock:
+    app, batcher = make_service(config, workdir)
+    # What loading made (the model, the tokenizer, the passages) lives as long as the service:
+    # moved out of the collector's generations, a full collection no longer walks it and
+    # stalls every request in flight (results/serve_soak.md).
+    gc.collect()
+    gc.freeze()
+    host = f"[{sc.host}]" if ":" in sc.host else sc.host
+    url = f"http://{host}:{sock.getsockname()[1]}/"
+    log.info("serving %s on %s (%s; Ctrl-C or SIGTERM stops)", workdir, url,
+             "API key required" if key else "no API key")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=sc.shutdown_timeout_s))
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the
+    # handler it found: SIGTERM's default would then kill the process (status -15), so SIGTERM
+    # ends it as Ctrl-C does instead.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+      server.run(sockets=[sock])
+    except KeyboardInterrupt:
+      pass
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+      batcher.stop(timeout=sc.shutdown_timeout_s)
+  if not server.started:  # uvicorn logged why
+    raise OSError(f"the server on {url} did not start")
+  log.info("stopped")
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
