@@ -8,28 +8,28 @@ import traceback
 from dpjax.config import run_in_workdir, setup_logging
 from dpjax.errors import EXPECTED, Preempted
 
-# mode: (module:function(config, workdir), what it does). Modules load when their mode runs.
+# mode: what it does; its program is run(config, workdir, ...) in dpjax/main/<mode>.py
 MODES = {
-    "train": ("dpjax.train:train_and_evaluate", "train the encoders, RC EM/F1 on dev; resumes"),
-    "eval_rc": ("dpjax.rc:run_eval_rc", "reading-comprehension EM/F1 of the model on dev"),
-    "teacher": ("dpjax.teacher:run_teacher", "train the cross-encoder teacher; write its logits"),
-    "data": ("dpjax.data:run_data", "write the configured data set and print its counts"),
-    "dump": ("dpjax.open_domain:run_dump", "encode every passage of the corpus"),
-    "index": ("dpjax.open_domain:run_index", "build the configured faiss indexes over the dump"),
-    "search": ("dpjax.open_domain:run_search", "answer --query questions open-domain"),
-    "eval": ("dpjax.open_domain:run_eval_open", "open-domain EM@k, F1@k, passage Top-k/MRR/P@k"),
-    "subcorpus": ("dpjax.validation:run_subcorpus", "write validation subcorpora C0, R_r, H_k"),
-    "mine": ("dpjax.mining:run_mine", "mine hard negatives for the training questions"),
-    "qsft": ("dpjax.qsft:run_qsft", "query-side fine-tuning of the question encoders"),
-    "filter": ("dpjax.token_filter:run_filter", "train the token filter; threshold sweep"),
-    "export": ("dpjax.export:run_export", "the encoders as Hugging Face BERT folders (--out)"),
-    "serve": ("dpjax.serve:run_serve", "HTTP search service and web page (serve.host/port)"),
-    "verify": ("dpjax.verify:run_verify", "check every file against its digest from writing"),
+    "train": "train the encoders, RC EM/F1 on dev; resumes",
+    "eval_rc": "reading-comprehension EM/F1 of the model on dev",
+    "teacher": "train the cross-encoder teacher; write its logits",
+    "data": "write the configured data set and print its counts",
+    "dump": "encode every passage of the corpus",
+    "index": "build the configured faiss indexes over the dump",
+    "search": "answer --query questions open-domain",
+    "eval": "open-domain EM@k, F1@k, passage Top-k/MRR/P@k",
+    "subcorpus": "write validation subcorpora C0, R_r, H_k",
+    "mine": "mine hard negatives for the training questions",
+    "qsft": "query-side fine-tuning of the question encoders",
+    "filter": "train the token filter; threshold sweep",
+    "export": "the encoders as Hugging Face BERT folders (--out)",
+    "serve": "HTTP search service and web page (serve.host/port)",
+    "verify": "check every file against its digest from writing",
 }
 
 
 def parse(argv=None) -> argparse.Namespace:
-  modes = "\n".join(f"  {name:<10} {text}" for name, (_, text) in MODES.items())
+  modes = "\n".join(f"  {name:<10} {text}" for name, text in MODES.items())
   parser = argparse.ArgumentParser(description=f"{__doc__}\nModes:\n{modes}",
                                    formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument("mode", choices=list(MODES))
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     distributed.enable_compilation_cache()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout=args.init_timeout)
-    mode = pkgutil.resolve_name(MODES[args.mode][0])
+    mode = pkgutil.resolve_name(f"dpjax.main.{args.mode}:run")
     extra = {"search": {"queries": args.query}, "export": {"out": args.out},
              "verify": {"allow_unverified": args.allow_unverified}}.get(args.mode, {})
     run_in_workdir(mode, args.config, args.set, args.workdir, **extra)

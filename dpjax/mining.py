@@ -21,12 +21,9 @@ from typing import Sequence
 import numpy as np
 
 from dpjax import metrics
-from dpjax.data import data_files
-from dpjax.data.squad import Question, read_squad
+from dpjax.data.squad import Question
 from dpjax.errors import DataError
 from dpjax.io import write_lines_atomic
-from dpjax.layout import Workdir
-from dpjax.workdir import load_searcher, writes_to
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +87,3 @@ def mine_hard_negatives(searcher, questions: Sequence[Question], train_passages:
 
   write_lines_atomic(out_path, lines())
   return counts
-
-
-@writes_to
-def run_mine(config, workdir: Workdir) -> dict:
-  """Mines hard negatives for the training questions with the model and its full index."""
-  files = data_files(config.data, workdir)
-  passages, questions, _ = read_squad(files["train"])
-  if config.mine.limit:
-    questions = questions[:config.mine.limit]
-  searcher, _ = load_searcher(config, workdir)
-  out = workdir / config.mine.out
-  counts = mine_hard_negatives(searcher, questions, passages, out, top_k=config.mine.top_k,
-                               max_answer_length=config.eval.max_answer_length)
-  print(f"hard negatives of {counts['questions']} questions -> {out}: "
-        f"{counts['negatives'] / max(counts['questions'], 1):.1f} per question, "
-        f"{counts['with_negatives']} questions with at least one, "
-        f"{counts['dropped_with_answer']} retrieved passages dropped (they contain an answer)")
-  return counts
-

@@ -38,7 +38,7 @@ from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import QSFT_METRIC, checked_dump, data_paths, restore_model, writes_to
+from dpjax.workdir import QSFT_METRIC, checked_dump, data_paths, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +115,6 @@ def workdir_lock(path: pathlib.Path):
   """One QSFT run per workdir (`<workdir>/qsft.lock`): a second one would delete the first one's
   `checkpoints_qsft` and interleave its metrics."""
   return io.workdir_lock(path, "QSFT")
-
-
-@writes_to
-def run_qsft(config, workdir: Workdir) -> dict:
-  """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
-  per workdir at a time: `<workdir>/qsft.lock`)."""
-  if jax.process_index() != 0:
-    return _run_qsft(config, workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  with workdir_lock(workdir.run_lock("qsft")):
-    return _run_qsft(config, workdir)
 
 
 @dataclasses.dataclass
@@ -261,7 +250,7 @@ def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
   return losses, len(usable)
 
 
-def _run_qsft(config, workdir: Workdir) -> dict:
+def fine_tune(config, workdir: Workdir) -> dict:
   qc = config.qsft
   run = _setup(config, workdir)
   eval_batch = round_to_devices(config.eval.batch_size, run.mesh)

@@ -24,16 +24,14 @@ import numpy as np
 
 from dpjax import metrics
 from dpjax.checkpoint import restore_params
-from dpjax.data import Tokenizer, data_files, load_rc_split
+from dpjax.data import Tokenizer
 from dpjax.data.batches import cross_batch
 from dpjax.data.squad import Passage, PassageWindows, Question, RCFeatures, build_windows
 from dpjax.errors import DataError
-from dpjax.io import write_json
 from dpjax.layout import Workdir
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
-from dpjax.parallel import make_mesh, map_batches, round_to_devices
-from dpjax.workdir import restore_model
+from dpjax.parallel import map_batches
 
 log = logging.getLogger(__name__)
 
@@ -311,29 +309,3 @@ def evaluate_rc(model, features: RCFeatures, passages: list[Passage], questions:
   predictions = {questions[qi].id: text for qi, text in answers.items()}
   gold = {q.id: q.answers for q in questions}
   return metrics.squad_em_f1(predictions, gold), predictions
-
-
-def run_eval_rc(config, workdir: str) -> dict:
-  """`run.py eval_rc`: reading-comprehension EM/F1 on the dev split of the workdir's model (its
-  latest checkpoint, or the best one with `eval.checkpoint=best`; the untrained configured model
-  when the workdir has no checkpoint).
-
-  Writes `workdir/rc_eval.json` (metrics) and `workdir/rc_predictions.json` ({id: answer}).
-  """
-  workdir = Workdir(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
-                      limit=config.eval.limit or None)
-  # The untrained model's RC accuracy is a baseline: a workdir without checkpoints is allowed.
-  model, step = restore_model(config, workdir, allow_untrained=True)
-  mesh = make_mesh()
-  batch_size = round_to_devices(config.eval.batch_size, mesh)
-  scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
-                                    mesh=mesh, batch_size=batch_size,
-                                    max_answer_length=config.eval.max_answer_length)
-  log.info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path, scores["exact_match"],
-           scores["f1"], scores["count"])
-  write_json(workdir.report("rc_eval.json"), {**scores, "step": step})
-  write_json(workdir.report("rc_predictions.json"), predictions)
-  return scores

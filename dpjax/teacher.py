@@ -15,7 +15,6 @@ in the original one).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import numpy as np
@@ -25,16 +24,15 @@ from dpjax.checkpoint import restore_params
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.data.batches import TeacherBatches
 from dpjax.data.teacher_logits import write_teacher_logits
-from dpjax.errors import ConfigError, DataError
+from dpjax.errors import DataError
 from dpjax import distributed
-from dpjax.io import digest, workdir_lock
+from dpjax.io import digest
 from dpjax.layout import TEACHER as TEACHER_DIR, Workdir
 from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.rc import reader_logits
-from dpjax.train import PHRASE, Spec, features_fingerprint, train_and_evaluate
-from dpjax.workdir import writes_to
+from dpjax.training import PHRASE, Spec, features_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +46,6 @@ def _reader(config):
 TEACHER = Spec("teacher", TEACHER_DIR, _reader, lambda config, model: TEACHER_OBJECTIVE,
                lambda config, train, workdir, data: TeacherBatches(
                    train.features, config.train.batch_size, config.train.seed))
-
-
-@writes_to
-def run_teacher(config, workdir: Workdir) -> dict:
-  """`run.py teacher`: trains (or resumes) the teacher, then writes (or resumes) its logits."""
-  if config.train.teacher_logits:
-    raise ConfigError("train.teacher_logits is set: the teacher is trained without one "
-                      "(leave it empty for `run.py teacher`)")
-  workdir.teacher.mkdir(parents=True, exist_ok=True)
-  # Training takes teacher/train.lock itself; this one also covers the logits (two runs would
-  # write the same shards' temporary folders).
-  with (workdir_lock(workdir.teacher.run_lock("teacher"), "teacher") if distributed.is_main()
-        else contextlib.nullcontext()):
-    record = train_and_evaluate(config, workdir, TEACHER)
-    manifest = write_logits(config, workdir)
-  log.info("teacher: dev RC EM %.2f F1 %.2f; logits of %d examples in %s",
-           record.get("rc_exact_match", float("nan")), record.get("rc_f1", float("nan")),
-           manifest["rows"], workdir.teacher / "logits")
-  return {**record, "logits_rows": manifest["rows"]}
 
 
 def write_logits(config, workdir: Workdir) -> dict:

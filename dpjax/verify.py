@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from dpjax.checkpoint import CHECKSUMS, checkpoint_problems, checkpoint_rerun
 from dpjax.data.teacher_logits import logits_problems
-from dpjax.errors import DataError, DumpError
+from dpjax.errors import DumpError
 from dpjax.index.faiss_index import index_problems
 from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
 from dpjax.index.shards import SHARD_INFO, shard_rerun
@@ -38,42 +38,7 @@ DUMP_AGAIN = "delete the dump's directory and dump again"
 INDEX_AGAIN = "build the index again with `run.py index`"
 
 
-def run_verify(config, workdir: str, allow_unverified: bool = False) -> dict:
-  """`run.py verify`: checks every artifact of `workdir`; returns the paths verified, unverified
-  and damaged ({path: problems}). Any damaged one, or with `allow_unverified` False any
-  unverified one, is a DataError naming them (exit 2)."""
-  del config  # what is checked is what the workdir holds, whatever the config names
-  workdir = Workdir(workdir)
-  if not workdir.is_dir():
-    raise DataError(f"{workdir}: no such workdir (check --workdir)")
-  report = {"verified": [], "unverified": [], "damaged": {}}
-  for path, check in _artifacts(workdir):
-    try:
-      problems, rerun = check()
-    except (DataError, DumpError) as e:  # a record that cannot be read: that is the damage
-      problems, rerun = [str(e)], ""
-    if problems is None:
-      log.warning("%s: unverified (%s)", path, rerun)
-      report["unverified"].append(str(path))
-    elif problems:
-      for problem in problems:
-        log.error("%s%s", problem, f"; {rerun}" if rerun else "")
-      report["damaged"][str(path)] = problems
-    else:
-      report["verified"].append(str(path))
-  log.info("verify %s: %d artifacts verified, %d unverified, %d damaged", workdir,
-           len(report["verified"]), len(report["unverified"]), len(report["damaged"]))
-  if report["damaged"]:
-    raise DataError(f"{workdir}: {len(report['damaged'])} damaged artifacts: "
-                    f"{', '.join(report['damaged'])} (each file and what to rerun above)")
-  if report["unverified"] and not allow_unverified:
-    raise DataError(f"{workdir}: {len(report['unverified'])} artifacts without digests to check "
-                    f"them by: {', '.join(report['unverified'])}; remake them, or pass "
-                    "--allow_unverified to accept them")
-  return report
-
-
-def _artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
+def artifacts(workdir: Workdir) -> Iterator[tuple[pathlib.Path, Check]]:
   """(path, check) of every artifact under `workdir`, found by what its folder holds; the
   temporary folders of unfinished writes (`*.tmp`, never read) are skipped."""
   if workdir.filter_head.is_file():
@@ -168,7 +133,8 @@ def _dump_shards(dump_dir: pathlib.Path, *,
                                                  for s in manifest.get("shards", []))):
         raise DumpError(f"{dump_dir / DUMP_MANIFEST}: not a dump's manifest; {DUMP_AGAIN}")
     except DumpError as e:
-      yield dump_dir / DUMP_MANIFEST, lambda: ([str(e)], "")
+      problem = str(e)  # (`e` is unbound once the except block ends; the check runs later)
+      yield dump_dir / DUMP_MANIFEST, lambda: ([problem], "")
       return
   if manifest.get("complete"):
     entries = [(dump_dir / s["name"], s) for s in manifest.get("shards", [])]

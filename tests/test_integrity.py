@@ -67,10 +67,11 @@ def _largest_array_file(workdir: pathlib.Path) -> pathlib.Path:
 # run.py whose dump and index build first wait a few seconds (inside the workdir's lock): a tiny
 # index is built in less time than two processes' start-ups may differ by.
 SLOW_RUN = """import sys, time
-import dpjax.open_domain as od
+import dpjax.main.dump, dpjax.main.index
 def slow(fn):
   return lambda *args, **kwargs: (time.sleep(4), fn(*args, **kwargs))[1]
-od.dump_phrases, od.build_index = slow(od.dump_phrases), slow(od.build_index)
+dpjax.main.dump.dump_phrases = slow(dpjax.main.dump.dump_phrases)
+dpjax.main.index.build_index = slow(dpjax.main.index.build_index)
 import run
 sys.argv[0] = "run.py"
 sys.exit(run.main())

@@ -32,17 +32,21 @@ LAYERS = [
      "dpjax.index.phrase_index",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
-    # L3: one module per paper concept, each with its run_* program.
+    # L3: one module per paper concept.
     {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
-     "dpjax.qsft", "dpjax.open_domain", "dpjax.export", "dpjax.verify",
+     "dpjax.qsft", "dpjax.verify",
      "dpjax.fusion", "dpjax.reading",
      # the service, its modules importing downward in this order: metrics, batching, parsing,
      # schema, auth, app, service, and the package re-exporting their public names
      "dpjax.serve.metrics", "dpjax.serve.batching", "dpjax.serve.parsing", "dpjax.serve.schema",
      "dpjax.serve.auth", "dpjax.serve.app", "dpjax.serve.service", "dpjax.serve"},
-    # L4: the training loop.
-    {"dpjax.train", "dpjax.teacher"},
-    # L5: the command line (a table of modes; `run.py` and the `dpjax` command).
+    # L4: a training run.
+    {"dpjax.training", "dpjax.teacher"},
+    # L5: one program per mode of the command line (`run(config, workdir, ...)`).
+    {"dpjax.main", *(f"dpjax.main.{mode}" for mode in (
+        "train", "eval_rc", "teacher", "data", "dump", "index", "search", "eval", "subcorpus",
+        "mine", "qsft", "filter", "export", "serve", "verify"))},
+    # L6: the command line (a table of modes; `run.py` and the `dpjax` command).
     {"dpjax.cli"},
     # The package's face: `dpjax.DensePhrases` / `dpjax.PhraseIndex`, imported on first use.
     {"dpjax"},
@@ -196,9 +200,9 @@ def test_relative_imports_resolve_to_absolute_modules():
     list(imports_of("from ... import x", "dpjax.data.squad"))
 
 
-@pytest.mark.parametrize("probe", ["from .. import train", "from ..train import run",
+@pytest.mark.parametrize("probe", ["from .. import training", "from ..training import Run",
                                    "from .. import qsft as fine_tuning", "from ..index import dump",
-                                   "def f():\n  from .. import train"])
+                                   "def f():\n  from .. import training"])
 def test_a_relative_import_above_the_layer_is_caught(probe):
   """The checker on the package with one line added to dpjax/data/squad.py (L1)."""
   sources = _sources()

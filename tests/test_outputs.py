@@ -8,7 +8,7 @@ import sys
 from conftest import REPO
 from dpjax.data.corpus import read_corpus
 from dpjax.data.squad import Question
-from dpjax.open_domain import _trec_ids, _write_trec
+from dpjax.index.evaluate import trec_ids, write_trec
 
 import run
 
@@ -63,7 +63,7 @@ def test_trec_ids_with_whitespace_are_rewritten_never_merged(tmp_path, caplog):
   ranked = [[("p 1", 2.5), ("p2", 1.0)], [("p2", 3.0)]]
   path = tmp_path / "run.trec"
   with caplog.at_level(logging.WARNING):
-    assert _write_trec(path, questions, ranked) is None
+    assert write_trec(path, questions, ranked) is None
   assert path.read_text().splitlines() == ["q_1 Q0 p_1 1 2.500000 dpjax",
                                            "q_1 Q0 p2 2 1.000000 dpjax",
                                            "q2 Q0 p2 1 3.000000 dpjax"]
@@ -72,8 +72,8 @@ def test_trec_ids_with_whitespace_are_rewritten_never_merged(tmp_path, caplog):
   # earlier one is not left behind to be read as this run's.
   ranked[1].append(("p_1", 0.5))
   with caplog.at_level(logging.ERROR):
-    why = _write_trec(path, questions, ranked)
+    why = write_trec(path, questions, ranked)
   assert why == "passage ids 'p 1' and 'p_1' would both be 'p_1' (whitespace splits a TREC line)"
   assert not path.exists() and "run.trec not written" in caplog.text
-  assert _trec_ids(["", "x\ty", "x y z"], "question") == {"": "_", "x\ty": "x_y",
+  assert trec_ids(["", "x\ty", "x y z"], "question") == {"": "_", "x\ty": "x_y",
                                                           "x y z": "x_y_z"}

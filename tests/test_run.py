@@ -204,7 +204,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path,
   import os
   import signal
 
-  from dpjax import train
+  from dpjax import training as train
   base = BASE
   before = signal.getsignal(signal.SIGTERM)
   log = train._log
@@ -232,7 +232,7 @@ def test_metrics_since_the_last_log_survive_a_stop_between_logs(tmp_path, monkey
   import os
   import signal
 
-  from dpjax import train
+  from dpjax import training as train
   base = BASE + ["--set", "train.log_every=4"]
   straight = tmp_path / "straight"
   assert run.main(base + ["--workdir", str(straight)]) == 0

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from dpjax import open_domain
+from dpjax.main import eval as eval_program
 from dpjax.config import load_config
 from dpjax.data.squad import Passage
 from dpjax.index import evaluate
@@ -41,7 +41,7 @@ def test_an_index_without_tokens_finds_nothing(toy_dump, unit):
 
 
 class _Searcher:
-  """What `run_eval_open` needs of `DensePhrases`: the toy index and its question vectors."""
+  """What `run.py eval` needs of `DensePhrases`: the toy index and its question vectors."""
 
   def __init__(self, index, q_start, q_end):
     self.index, self.q_start, self.q_end = index, q_start, q_end
@@ -68,8 +68,9 @@ def test_open_eval_without_passages(toy_dump, tmp_path, monkeypatch):
   config = load_config("experiments/demo.py:tiny", [f"index.questions={questions}",
                                                      "eval.passage_k=0"])
   searcher = _Searcher(PhraseIndex.over_passages(dump), q_start, q_end)
-  monkeypatch.setattr(open_domain, "load_searcher", lambda config, workdir, **kwargs: (searcher, 7))
-  report = open_domain.run_eval_open(config, str(tmp_path))
+  monkeypatch.setattr(eval_program, "load_searcher",
+                      lambda config, workdir, **kwargs: (searcher, 7))
+  report = eval_program.run(config, str(tmp_path))
   assert report["em@1"] == 100.0 and "top20" not in report
   assert json.loads((tmp_path / "open_eval_Flat.json").read_text())["em@1"] == 100.0
   assert (tmp_path / "open_run_Flat.trec").read_text() == ""

@@ -404,7 +404,7 @@ def test_a_distillation_run_records_its_teachers_logits():
   `_restore` refuses other ones (as for a re-mined hard-negatives file, test_validation)."""
   from types import SimpleNamespace
 
-  from dpjax.train import _inputs
+  from dpjax.training import _inputs
   config = load_config("experiments/demo.py:tiny")
   def teacher(step):
     return SimpleNamespace(teacher=SimpleNamespace(fingerprint={"params": "abc", "step": step}),

@@ -12,7 +12,7 @@ from dpjax.models import create_model
 from dpjax.data.batches import TrainBatches
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, make_mesh
-from dpjax import train, trainer
+from dpjax import training as train, trainer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dpjax.data.squad import Passage, Question, build_windows, read_squad
 from dpjax.errors import DataError
 from dpjax.data.hard_negatives import HardNegatives
 from dpjax.mining import filter_negatives
-from dpjax.train import random_with_answer
+from dpjax.training import random_with_answer
 from dpjax.validation import Validator
 
 import run
@@ -187,7 +187,7 @@ def test_hard_negative_windows(tokenizer, caplog):
   assert set(cornered(0, np.array([1]))["hard_passage_ids"].tolist()) <= {0, 2}
   assert cornered.random_with_answer == 2
   # ... which training's end reports (summed over the processes) and warns of.
-  with caplog.at_level(logging.WARNING, logger="dpjax.train"):
+  with caplog.at_level(logging.WARNING, logger="dpjax.training"):
     assert random_with_answer(types.SimpleNamespace(hard_negatives=cornered)) == {
         "hard_negatives_random_with_answer": 2}
   assert "2 random hard negatives of these steps hold their question's answer" in caplog.text

@@ -57,20 +57,3 @@ def load_rc_split(path: str | pathlib.Path, tokenizer: Tokenizer, data_config,
                             max_query_length=data_config.max_query_length,
                             include_title=data_config.include_title)
   return RCSplit(pathlib.Path(path), passages, questions, features, summary)
-
-
-def run_data(config, workdir: str) -> dict[str, RCSplit]:
-  """`run.py data`: writes/locates the configured files, reads them, and prints the counts."""
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  splits = {}
-  for name, path in data_files(config.data, workdir).items():
-    if name == "corpus":
-      continue
-    split = load_rc_split(path, tokenizer, config.data)
-    answerable = int((split.features.start_position > 0).sum())
-    print(f"{name}: {path}: {split.summary.questions_seen} questions read, "
-          f"{len(split.questions)} kept, {split.summary.total} records skipped; "
-          f"{len(split.passages)} passages, {len(split.features.windows)} windows, "
-          f"{len(split.features)} features ({answerable} with the answer in the window)")
-    splits[name] = split
-  return splits

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pathlib
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from dpjax import metrics
-from dpjax.io import Progress
+from dpjax.io import Progress, write_lines_atomic
 
 log = logging.getLogger("dpjax.eval")
 PROGRESS_CHUNK = 256  # questions searched between two progress updates
@@ -141,3 +142,41 @@ def found_scores(index, results: list[list[list]], answers: Sequence[Sequence[st
             str(int(any(metrics.has_answer(d, golds, regex) for d in docs[:k])))
             for docs, golds in zip(ranked, answers))
   return report
+
+
+def trec_ids(ids, what: str) -> dict[str, str]:
+  """Each of the distinct `ids` as a TREC run line's column: whitespace (a column separator)
+  as '_', the others as they are. Raises ValueError naming two ids that would then be one."""
+  columns: dict[str, str] = {}
+  taken: dict[str, str] = {}
+  for value in ids:
+    if value in columns:
+      continue
+    column = "_".join(value.split()) or "_"
+    if column in taken:
+      raise ValueError(f"{what} ids {taken[column]!r} and {value!r} would both be {column!r} "
+                       "(whitespace splits a TREC line)")
+    columns[value], taken[column] = column, value
+  return columns
+
+
+def write_trec(path: pathlib.Path, questions, ranked) -> str | None:
+  """The passage ranking as a TREC run file (`qid Q0 passage_id rank score dpjax`, as Pyserini
+  writes), ids with whitespace rewritten (`trec_ids`, warned). Where that would make two ids
+  one, no file (an earlier one is removed): returns why."""
+  try:
+    qids = trec_ids((q.id for q in questions), "question")
+    pids = trec_ids((pid for passages in ranked for pid, _ in passages), "passage")
+  except ValueError as e:
+    path.unlink(missing_ok=True)
+    log.error("%s not written: %s; the predictions file has every id as it is", path.name, e)
+    return str(e)
+  rewritten = sorted(k for k, v in (qids | pids).items() if k != v)
+  write_lines_atomic(path, (f"{qids[q.id]} Q0 {pids[pid]} {rank} {score:.6f} dpjax\n"
+                            for q, passages in zip(questions, ranked)
+                            for rank, (pid, score) in enumerate(passages, 1)))
+  if rewritten:
+    log.warning("%s: %d question or passage ids hold whitespace, which splits a TREC line; "
+                "written with '_' for it (e.g. %r); the predictions file has them as they are",
+                path.name, len(rewritten), rewritten[0])
+  return None

@@ -25,7 +25,7 @@
 The modules, each importing only those above it: `metrics` (ServiceMetrics, the counters),
 `batching` (Batcher, RequestError), `parsing` (a request's fields and limits), `schema` (the
 OpenAPI models), `auth` (the API key and the Host guard), `app` (create_app: the routes and the
-page, `static/index.html`), `service` (make_service, run_serve, bind, start_server). Their public
+page, `static/index.html`), `service` (make_service, bind, start_server). Their public
 names are importable from `dpjax.serve` too.
 """
 from dpjax.errors import ConfigError
@@ -44,7 +44,7 @@ try:  # the service's own dependencies are an extra of the install
   from dpjax.serve.parsing import MAX_BODY, Limits, parse_search
   from dpjax.serve.schema import (EXAMPLE_RESULT, ErrorAnswer, Evidence, Health, ManyAnswers,
                                   OneAnswer, Result, SearchRequest, ServiceInfo, Stats, Unit)
-  from dpjax.serve.service import bind, make_service, run_serve, start_server
+  from dpjax.serve.service import bind, make_service, start_server
 except ImportError as e:  # missing, or a version without what is imported (pydantic 1)
   if (e.name or "").partition(".")[0] not in _EXTRA:
     raise
@@ -56,4 +56,4 @@ __all__ = ["DOCS_ASSETS", "EXAMPLE_RESULT", "LATENCY_BUCKETS", "MAX_BODY", "MIN_
            "Limits", "LoopbackHostOnly", "ManyAnswers", "OneAnswer", "RequestError", "Result",
            "SearchRequest", "ServiceInfo", "ServiceMetrics", "Stats", "Unit", "api_key", "bind",
            "check_exposure", "create_app", "make_service", "parse_search", "quantile",
-           "run_serve", "start_server"]
+           "start_server"]

@@ -1,11 +1,9 @@
-"""`run.py serve` (run_serve): the port taken, the index loaded and its searches compiled ahead
+"""The service of `run.py serve` (dpjax/main/serve.py): the index loaded and its searches compiled ahead
 (make_service), then uvicorn until SIGINT or SIGTERM; start_server runs an app on a thread (the
 tests, the benchmarks)."""
 from __future__ import annotations
 
-import gc
 import logging
-import signal
 import socket
 import threading
 import time
@@ -18,7 +16,7 @@ from dpjax.errors import ConfigError
 from dpjax.index.device_search import DeviceFlat
 from dpjax.index.units import UNITS
 from dpjax.serve.app import create_app
-from dpjax.serve.auth import api_key, check_exposure, is_loopback
+from dpjax.serve.auth import api_key, is_loopback
 from dpjax.serve.batching import Batcher
 from dpjax.serve.parsing import MAX_BODY, Limits
 from dpjax.workdir import load_searcher
@@ -88,45 +86,3 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
           "hybrid": None if index.hybrid is None else index.hybrid.record()}
   return create_app(batcher.start(), Limits.from_config(sc), info, key,
                     loopback_hosts_only=not key and is_loopback(sc.host)), batcher
-
-
-def run_serve(config, workdir: str) -> None:
-  """`run.py serve`: serves the workdir's index until SIGINT or SIGTERM (the port is taken before
-  the index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host
-  other machines reach needs an API key or `serve.allow_open` (check_exposure). On a signal it
-  stops accepting, answers the requests it holds (for at most `serve.shutdown_timeout_s`) and
-  returns."""
-  sc = config.serve
-  key = api_key(sc)
-  check_exposure(sc.host, key, sc.allow_open)
-  with bind(sc.host, sc.port) as sock:
-    app, batcher = make_service(config, workdir)
-    # What loading made (the model, the tokenizer, the passages) lives as long as the service:
-    # moved out of the collector's generations, a full collection no longer walks it and
-    # stalls every request in flight (results/serve_soak.md).
-    gc.collect()
-    gc.freeze()
-    host = f"[{sc.host}]" if ":" in sc.host else sc.host
-    url = f"http://{host}:{sock.getsockname()[1]}/"
-    log.info("serving %s on %s (%s; Ctrl-C or SIGTERM stops)", workdir, url,
-             "API key required" if key else "no API key")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=sc.shutdown_timeout_s))
-    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the
-    # handler it found: SIGTERM's default would then kill the process (status -15), so SIGTERM
-    # ends it as Ctrl-C does instead.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-      server.run(sockets=[sock])
-    except KeyboardInterrupt:
-      pass
-    finally:
-      signal.signal(signal.SIGTERM, previous)
-      batcher.stop(timeout=sc.shutdown_timeout_s)
-  if not server.started:  # uvicorn logged why
-    raise OSError(f"the server on {url} did not start")
-  log.info("stopped")
-
-
-def _interrupt(signum, frame):
-  raise KeyboardInterrupt

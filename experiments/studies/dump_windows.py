@@ -85,12 +85,12 @@ def measure(args, length: int, min_context: int, passages, questions, vectors, t
   from dpjax.index.evaluate import retrieval_scores
   from dpjax.index.faiss_index import build_index
   from dpjax.index.phrase_index import PhraseIndex
-  from dpjax.open_domain import run_dump
+  from dpjax.main import dump
   from dpjax.workdir import data_paths
   config = load(args, f"index.dump_min_context={min_context}",
                 f"index.dump_max_seq_length={length}",
                 f"index.dump_name={dump_name(length, min_context)!r}")
-  manifest = run_dump(config, args.workdir)
+  manifest = dump.run(config, args.workdir)
   dump_dir = data_paths(config, args.workdir)["dump"]
   build_index(dump_dir, "Flat")
   index = PhraseIndex(dump_dir, "Flat")

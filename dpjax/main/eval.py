@@ -1,11 +1,6 @@
-"""Open-domain pipeline behind `run.py dump | index | search | eval`.
-
-  dump    encode every passage of the corpus with the trained phrase encoder (workdir/dump)
-  index   build the configured faiss indexes over the dump (workdir/dump/indexes/<name>)
-  search  answer questions given on the command line
-  eval    answer the evaluation questions open-domain; EM@k/F1@k (phrases) and passage
-          Top-k / MRR@20 / P@20, written to workdir/open_eval_<index>.json with predictions
-          (open_eval_<index>_<checkpoint>.json for eval.checkpoint other than latest)
+"""`run.py eval`: the evaluation questions answered open-domain; EM@k / F1@k of the top-10 phrases
+and passage Top-k / MRR / P@k, written with the predictions and a TREC run file to
+workdir/open_eval_<index>[_<checkpoint>].json (`_write_eval` names the files).
 """
 from __future__ import annotations
 
@@ -13,91 +8,21 @@ import json
 import logging
 import pathlib
 import time
-from typing import Sequence
 
-from dpjax.data import SkipSummary, Tokenizer
-from dpjax.data.corpus import read_corpus
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
-from dpjax.errors import ConfigError, DataError
-from dpjax.fusion import build_sparse_index
-from dpjax.index.dump import dump_phrases
-from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests
-from dpjax.index.faiss_index import build_index, index_folder
-from dpjax.index.manifest import dump_config
+from dpjax.errors import DataError
+from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests, write_trec
+from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.layout import Workdir
-from dpjax.parallel import make_mesh
 from dpjax.reading import check_reader_config, read_answers
-from dpjax.workdir import (apply_filter_head, checked_dump, data_paths, load_searcher,
-                           restore_model, writes_to)
+from dpjax.workdir import data_paths, load_searcher
 
 log = logging.getLogger(__name__)
 
 
-@writes_to
-def run_dump(config, workdir: Workdir) -> dict:
-  """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
-  paths = data_paths(config, workdir)
-  model, step = restore_model(config, workdir)
-  head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
-  mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
-  summary = SkipSummary()
-  try:
-    manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
-                            read_corpus(paths["corpus"], summary), paths["dump"],
-                            dump_config(config, mesh), mesh=mesh, workers=config.index.dump_workers,
-                            model_info={"workdir": str(workdir), "step": step,
-                                        "name": config.model.name,
-                                        "tokenizer": str(config.model.tokenizer)},
-                            corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
-                                                   for f in paths["corpus"]]},
-                            filter_head=head)
-  finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")
-    if summary.total:
-      log.warning("%s", summary)
-  encoded = manifest.get("encoded_tokens")
-  log.info("dump %s: %d passages, %d tokens%s", paths["dump"], manifest["num_passages"],
-           manifest["num_tokens"],
-           f" (encoded {encoded / max(manifest['num_tokens'], 1):.3f} tokens per stored one: "
-           "titles, [CLS]/[SEP] and overlapping windows' contexts)" if encoded else "")
-  return manifest
-
-
-def _size(path) -> int | None:
-  return pathlib.Path(path).stat().st_size if pathlib.Path(path).is_file() else None
-
-
-@writes_to
-def run_index(config, workdir: Workdir) -> list[pathlib.Path]:
-  """`run.py index`: the configured faiss indexes (`index.specs`) over the dump, and with
-  `index.sparse` its BM25 index and hybrid weight (`dpjax.fusion`)."""
-  dump = workdir.dump(config)
-  checked_dump(config, workdir)
-  built = [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
-                       train_size=config.index.train_size, nprobe=config.index.nprobe)
-           for spec in config.index.specs]
-  if config.index.sparse:  # after the faiss indexes: choosing its weight searches one
-    built.append(build_sparse_index(config, workdir))
-  return built
-
-
-def run_search(config, workdir: str, queries: Sequence[str]) -> list:
-  """`run.py search`: answers questions and prints the top units."""
-  if not queries or not all(q.strip() for q in queries):
-    raise ConfigError("search needs one or more non-empty --query \"question\"")
-  searcher, _ = load_searcher(config, workdir, verify=config.index.verify)
-  results = searcher.search(list(queries), k=config.index.top_k, unit=config.index.unit,
-                            max_answer_length=config.eval.max_answer_length)
-  for query, found in zip(queries, results):
-    print(f"Q: {query}")
-    for rank, r in enumerate(found, 1):
-      print(f"  {rank}. {r['answer']!r} ({r['score']:.2f}) — {r['title']}: "
-            f"{r.get('sentence', r['passage'])[:120]}")
-  return results
-
-
-def run_eval_open(config, workdir: str) -> dict:
+def run(config, workdir: str) -> dict:
   """`run.py eval`: the evaluation questions answered over the workdir's index; EM@k / F1@k of
   the top-10 phrases and passage Top-k / MRR / P@k (from one index search), written with the
   predictions to workdir/open_eval_<index>[_<checkpoint>].json."""
@@ -170,44 +95,6 @@ def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]
   return len(timed) / (time.perf_counter() - start), len(timed)
 
 
-def _trec_ids(ids, what: str) -> dict[str, str]:
-  """Each of the distinct `ids` as a TREC run line's column: whitespace (a column separator)
-  as '_', the others as they are. Raises ValueError naming two ids that would then be one."""
-  columns: dict[str, str] = {}
-  taken: dict[str, str] = {}
-  for value in ids:
-    if value in columns:
-      continue
-    column = "_".join(value.split()) or "_"
-    if column in taken:
-      raise ValueError(f"{what} ids {taken[column]!r} and {value!r} would both be {column!r} "
-                       "(whitespace splits a TREC line)")
-    columns[value], taken[column] = column, value
-  return columns
-
-
-def _write_trec(path: pathlib.Path, questions, ranked) -> str | None:
-  """The passage ranking as a TREC run file (`qid Q0 passage_id rank score dpjax`, as Pyserini
-  writes), ids with whitespace rewritten (`_trec_ids`, warned). Where that would make two ids
-  one, no file (an earlier one is removed): returns why."""
-  try:
-    qids = _trec_ids((q.id for q in questions), "question")
-    pids = _trec_ids((pid for passages in ranked for pid, _ in passages), "passage")
-  except ValueError as e:
-    path.unlink(missing_ok=True)
-    log.error("%s not written: %s; the predictions file has every id as it is", path.name, e)
-    return str(e)
-  rewritten = sorted(k for k, v in (qids | pids).items() if k != v)
-  write_lines_atomic(path, (f"{qids[q.id]} Q0 {pids[pid]} {rank} {score:.6f} dpjax\n"
-                            for q, passages in zip(questions, ranked)
-                            for rank, (pid, score) in enumerate(passages, 1)))
-  if rewritten:
-    log.warning("%s: %d question or passage ids hold whitespace, which splits a TREC line; "
-                "written with '_' for it (e.g. %r); the predictions file has them as they are",
-                path.name, len(rewritten), rewritten[0])
-  return None
-
-
 def _spans(results: list[dict]) -> list[list]:
   return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
 
@@ -250,7 +137,7 @@ def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
                   **({"reader_prediction": reading[i]} if reading is not None else {})})
       + "\n"
       for i, (q, r) in enumerate(zip(questions, phrases))))
-  skipped = _write_trec(workdir / f"open_run_{name}{tag}.trec", questions, ranked)
+  skipped = write_trec(workdir / f"open_run_{name}{tag}.trec", questions, ranked)
   if skipped:
     report["trec_run_not_written"] = skipped
   write_json(workdir / f"open_eval_{name}{tag}.json", report)

@@ -6,7 +6,6 @@ tokenizer files, and load as `transformers.BertModel`; `out/filter_head.safetens
 """
 from __future__ import annotations
 
-import logging
 import pathlib
 
 from dpjax.errors import ConfigError
@@ -15,11 +14,9 @@ from dpjax.models.densephrases import EXPORT_INFO, export_dense_phrases
 from dpjax.models.pretrained import resolve_model_dir
 from dpjax.workdir import apply_filter_head, restore_model, writes_to
 
-log = logging.getLogger(__name__)
-
 
 @writes_to
-def run_export(config, workdir: Workdir, out: str) -> pathlib.Path:
+def run(config, workdir: Workdir, out: str) -> pathlib.Path:
   """Exports the workdir's model (the checkpoint `eval.checkpoint` names) to `out`."""
   if not out:
     raise ConfigError("export needs --out DIR (the folder to write)")

@@ -1,0 +1,49 @@
+"""`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder (workdir/dump).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from dpjax.data import SkipSummary, Tokenizer
+from dpjax.data.corpus import read_corpus
+from dpjax.index.dump import dump_phrases
+from dpjax.index.manifest import dump_config
+from dpjax.layout import Workdir
+from dpjax.parallel import make_mesh
+from dpjax.workdir import apply_filter_head, data_paths, restore_model, writes_to
+
+log = logging.getLogger(__name__)
+
+
+@writes_to
+def run(config, workdir: Workdir) -> dict:
+  """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
+  paths = data_paths(config, workdir)
+  model, step = restore_model(config, workdir)
+  head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
+  mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
+  summary = SkipSummary()
+  try:
+    manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
+                            read_corpus(paths["corpus"], summary), paths["dump"],
+                            dump_config(config, mesh), mesh=mesh, workers=config.index.dump_workers,
+                            model_info={"workdir": str(workdir), "step": step,
+                                        "name": config.model.name,
+                                        "tokenizer": str(config.model.tokenizer)},
+                            corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
+                                                   for f in paths["corpus"]]},
+                            filter_head=head)
+  finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")
+    if summary.total:
+      log.warning("%s", summary)
+  encoded = manifest.get("encoded_tokens")
+  log.info("dump %s: %d passages, %d tokens%s", paths["dump"], manifest["num_passages"],
+           manifest["num_tokens"],
+           f" (encoded {encoded / max(manifest['num_tokens'], 1):.3f} tokens per stored one: "
+           "titles, [CLS]/[SEP] and overlapping windows' contexts)" if encoded else "")
+  return manifest
+
+
+def _size(path) -> int | None:
+  return pathlib.Path(path).stat().st_size if pathlib.Path(path).is_file() else None

@@ -1,0 +1,20 @@
+"""`run.py qsft`: query-side fine-tuning of the workdir's question encoders on its index.
+"""
+from __future__ import annotations
+
+import jax
+
+from dpjax.layout import Workdir
+from dpjax.qsft import fine_tune, workdir_lock
+from dpjax.workdir import writes_to
+
+
+@writes_to
+def run(config, workdir: Workdir) -> dict:
+  """`run.py qsft`: fine-tunes the question encoders of the workdir's model on its index (one run
+  per workdir at a time: `<workdir>/qsft.lock`)."""
+  if jax.process_index() != 0:
+    return fine_tune(config, workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  with workdir_lock(workdir.run_lock("qsft")):
+    return fine_tune(config, workdir)
