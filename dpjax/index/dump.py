@@ -31,7 +31,7 @@ from dpjax.errors import DumpError
 # Importable from here too: the benchmarks, which also measure trees from before `dump_reader`.
 from dpjax.index.dump_reader import Dump  # noqa: F401
 from dpjax.index.encode import encode_pipelined, first_shards_ahead
-from dpjax.index.manifest import (DumpConfig, encoder_fingerprint, existing_manifest,
+from dpjax.index.manifest import (MANIFEST, DumpConfig, encoder_fingerprint, existing_manifest,
                                   read_manifest, write_manifest)
 from dpjax.index.shards import SHARD_INFO, check_shard_passages, shard_name
 from dpjax.index.windows import WindowMaker
@@ -76,9 +76,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   """
   model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   chunks = _batches(passages, config.shard_passages)
+  # The first passages read before anything is written: a corpus that is missing, unreadable or
+  # empty is refused without leaving a folder or a manifest behind.
   head = list(itertools.islice(chunks, 1))
+  if not head and not (out_dir / MANIFEST).is_file():
+    raise DumpError(f"{out_dir}: the corpus is empty")
+  out_dir.mkdir(parents=True, exist_ok=True)
   chunks = itertools.chain(head, chunks)
   with WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
@@ -93,7 +97,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
       log.info("%s: dump already complete (%d passages, %d tokens)", out_dir,
                old["num_passages"], old["num_tokens"])
       return old
-    _prepare(out_dir, manifest)
+    _prepare(out_dir, manifest, old)
     start, compiled, cpu_start = time.perf_counter(), compile_stats(), time.thread_time()
     counts = {"shards": 0, "resumed": 0}
     todo = _shards_to_encode(out_dir, chunks, counts)
@@ -222,12 +226,15 @@ def _check_corpus(out_dir: pathlib.Path, shards: list[dict], chunks: Iterable[li
     check_shard_passages(out_dir, shard, chunk)
 
 
-def _prepare(out_dir: pathlib.Path, manifest: dict) -> None:
-  """Removes what a killed run left unfinished and marks the dump incomplete."""
+def _prepare(out_dir: pathlib.Path, manifest: dict, old: dict | None) -> None:
+  """Removes what a killed run left unfinished and marks a new dump incomplete. An incomplete
+  dump's manifest (`old`, of the same model and settings) is left as it is until the dump
+  completes: a resume refused for another corpus (its shards checked next) changes nothing."""
   if distributed.is_main():
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
       remove(leftover)
-    write_manifest(out_dir, manifest)
+    if old is None:
+      write_manifest(out_dir, manifest)
   distributed.barrier("dump-start")
 
 

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 @writes_to
 def run(config, workdir: Workdir) -> dict:
   """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
-  paths = data_paths(config, workdir)
+  # The model first: a workdir without one is refused before the data set is written into it.
   model, step = restore_model(config, workdir)
+  paths = data_paths(config, workdir)
   head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   summary = SkipSummary()
