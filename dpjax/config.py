@@ -493,8 +493,8 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "dump_max_seq_length": 0,
       # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
       # is slower than an accelerator encodes and holds the GIL the encoder's feeder needs: use
-      # several on an accelerator (each takes seconds to start; dpjax.index.windows.WindowMaker;
-      # results/code_measurements.md).
+      # several on an accelerator (each takes seconds to start;
+      # dpjax.index.window_maker.WindowMaker; results/code_measurements.md).
       "dump_workers": 0,
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
       # products (vectors stored float16 either way; the manifest records which).

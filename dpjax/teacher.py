@@ -31,7 +31,7 @@ from dpjax.layout import TEACHER as TEACHER_DIR, Workdir
 from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
-from dpjax.rc import reader_logits
+from dpjax.reading import reader_logits
 from dpjax.training import PHRASE, Spec, features_fingerprint
 
 log = logging.getLogger(__name__)

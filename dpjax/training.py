@@ -33,7 +33,7 @@ from dpjax.models import model_for_data
 from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
-from dpjax.rc import evaluate_rc
+from dpjax.reading import evaluate_rc
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
 from dpjax.layout import Workdir
 from dpjax.trainer import (Hook, MetricsWriter, Preemption, Trainer, build_trainer,

@@ -23,7 +23,7 @@ from dpjax.index.dump_reader import Dump
 from dpjax.index.hybrid import Hybrid
 from dpjax.index.manifest import check_dump, dump_windows, encoder_fingerprint, read_manifest
 from dpjax.index.phrase_index import PhraseIndex
-from dpjax.index.search import DensePhrases
+from dpjax.index.search import PhraseSearcher
 from dpjax.index.sparse import SparseIndex
 from dpjax.io import digest, save_npz_atomic, workdir_lock
 from dpjax.layout import CHECKPOINTS, FILTER_HEAD, Workdir
@@ -195,7 +195,7 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
                       **search_options(config, dump, verify=verify))
   log.info("search: %s over index %s of %s", describe_search(index), index.manifest["spec"],
            dump.directory)
-  searcher = DensePhrases(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
+  searcher = PhraseSearcher(model, index, Tokenizer.from_pretrained(config.model.tokenizer),
                           max_query_length=config.data.max_query_length,
                           batch_size=config.index.batch_size)
   return searcher, step

@@ -13,20 +13,21 @@ from flax import nnx
 
 from conftest import SHARED_DATA
 from dpjax.data.corpus import read_corpus, squad_to_jsonl
-from dpjax.data.squad import Passage, SkipSummary, build_windows
+from dpjax.data.squad import Passage, SkipSummary
+from dpjax.data.windows import build_windows
 from dpjax.errors import DataError, DumpError
 from dpjax.index import dump as dump_module
 from dpjax.index import encode as encode_module
 from dpjax.index import shard_stream as shard_stream_module
-from dpjax.index import windows as windows_module
+from dpjax.index import window_maker as windows_module
 from dpjax.index.dump import dump_phrases
 from dpjax.index.dump_reader import Dump
 from dpjax.index.encode import encode_shard
 from dpjax.index.manifest import DumpConfig
 from dpjax.index.faiss_index import build_index
 from dpjax.index.phrase_index import PhraseIndex
-from dpjax.index.search import DensePhrases as SearchAPI
-from dpjax.index.windows import WindowMaker, kept_runs, shard_windows
+from dpjax.index.search import PhraseSearcher as SearchAPI
+from dpjax.index.window_maker import WindowMaker, kept_runs, shard_windows
 from dpjax.models import BertConfig, DensePhrases
 from dpjax.models.densephrases import compute_dtype
 from dpjax.models.encoders import bound

@@ -16,7 +16,8 @@ LAYERS = [
     {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
      "dpjax.distributed", "dpjax.model_files", "dpjax.layout"},
     # L1: data, models, checkpoints.
-    {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.squad", "dpjax.data.corpus",
+    {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.windows", "dpjax.data.squad",
+     "dpjax.data.corpus",
      "dpjax.data.questions", "dpjax.data.batches", "dpjax.data.synthetic",
      "dpjax.data.teacher_logits", "dpjax.data.hard_negatives", "dpjax.models",
      "dpjax.models.reader",
@@ -25,17 +26,17 @@ LAYERS = [
      "dpjax.models.densephrases",
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
-    {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.windows",
+    {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.window_maker",
      "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump",
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
      "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
      "dpjax.index.phrase_index",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
-     "dpjax.index.evaluate", "dpjax.workdir", "dpjax.trainer"},
+     "dpjax.index.evaluate", "dpjax.index.hybrid_weights", "dpjax.workdir", "dpjax.trainer"},
     # L3: one module per paper concept.
-    {"dpjax.rc", "dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
+    {"dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
      "dpjax.qsft", "dpjax.verify",
-     "dpjax.fusion", "dpjax.reading",
+     "dpjax.reading",
      # the service, its modules importing downward in this order: metrics, batching, parsing,
      # schema, auth, app, service, and the package re-exporting their public names
      "dpjax.serve.metrics", "dpjax.serve.batching", "dpjax.serve.parsing", "dpjax.serve.schema",
@@ -48,14 +49,14 @@ LAYERS = [
         "mine", "qsft", "filter", "export", "serve", "verify"))},
     # L6: the command line (a table of modes; `run.py` and the `dpjax` command).
     {"dpjax.cli"},
-    # The package's face: `dpjax.DensePhrases` / `dpjax.PhraseIndex`, imported on first use.
+    # The package's face: `dpjax.PhraseSearcher` / `dpjax.PhraseIndex`, imported on first use.
     {"dpjax"},
 ]
 
 # The only function-level imports in dpjax/, each keeping `import dpjax` (or a light module)
 # from loading what it does not need: (module, imported module).
 LAZY_IMPORTS = {
-    # `dpjax.DensePhrases` / `dpjax.PhraseIndex` without starting JAX on `import dpjax`.
+    # `dpjax.PhraseSearcher` / `dpjax.PhraseIndex` without starting JAX on `import dpjax`.
     ("dpjax", "dpjax.index.search"),
     # The command line starts JAX only to run a mode (`dpjax --help` does not); the mode's own
     # module is loaded by name from the table of modes.

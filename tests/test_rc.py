@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dpjax.parallel import make_mesh, map_batches
-from dpjax.rc import best_spans
+from dpjax.reading import best_spans
 
 
 def test_best_spans_matches_brute_force():

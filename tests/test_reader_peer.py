@@ -1,4 +1,4 @@
-"""The cross-encoder reader over retrieved passages (`rc.read_retrieved`): its answer is the best
+"""The cross-encoder reader over retrieved passages (`reading.read_retrieved`): its answer is the best
 span over every window of a question's passages, as an exhaustive numpy search finds it."""
 import json
 import re
@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from dpjax.config import load_config
-from dpjax.fusion import WEIGHTS
+from dpjax.index.hybrid_weights import WEIGHTS
 from dpjax.data.batches import cross_encoder_inputs
-from dpjax.data.squad import Passage, build_windows
+from dpjax.data.squad import Passage
+from dpjax.data.windows import build_windows
 from dpjax.errors import ConfigError
 from dpjax.models.reader import create_reader
 from dpjax.parallel import make_mesh
-from dpjax import rc
-from dpjax.rc import read_retrieved
+from dpjax import reading as rc
+from dpjax.reading import read_retrieved
 
 import run
 from conftest import load_script
@@ -407,7 +408,7 @@ def _trec_rows(path, row_of, k: int) -> list[list[int]]:
 @pytest.mark.slow
 def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog, capsys):
   """`run.py eval --set eval.reader=...`: the reader reads each question's top passages of the
-  eval's own ranking; with mu 1 it answers as `rc.read_retrieved` over them, with mu 0 from the
+  eval's own ranking; with mu 1 it answers as `reading.read_retrieved` over them, with mu 0 from the
   first passage; mu unset is chosen on training questions; bad settings refused in one line."""
   from dpjax import reading
   from dpjax.data import Tokenizer

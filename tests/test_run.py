@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from dpjax import fusion
+from dpjax.index import hybrid_weights as fusion
 from test_tensorboard import read_scalars
 
 import run

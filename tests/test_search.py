@@ -554,3 +554,11 @@ def test_searches_sharing_one_index_search_rescore_each_hit_once(toy, index_name
   # keep, every round rescores the first hits again: 348 here against at most 156).
   assert max(rescored.values()) <= 2 * hits[0].shape[1]
   assert sorted(rescored) == sorted(q.tobytes() for q in q_start)
+
+
+def test_the_searcher_keeps_its_old_name():
+  """`dpjax.DensePhrases`, the searcher's name before `PhraseSearcher` (the model class has it
+  too), still names the searcher."""
+  import dpjax
+  from dpjax.index import search
+  assert dpjax.DensePhrases is dpjax.PhraseSearcher is search.PhraseSearcher

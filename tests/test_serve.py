@@ -343,7 +343,7 @@ def test_texts_retrieved_pipelined_equal_their_vectors(service, monkeypatch):
 
 
 def test_search_many_answers_each_request_as_its_own_search(service, monkeypatch):
-  """`DensePhrases.search_many`: one index search a chunk of questions (2 here, pipelined) for
+  """`PhraseSearcher.search_many`: one index search a chunk of questions (2 here, pipelined) for
   several requests, each answered as its own search of the chunk answers it (an exact index;
   a question's vector depends on the questions encoded with it, by rounding)."""
   _, config, workdir, questions, _ = service

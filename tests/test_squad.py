@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dpjax.data import squad
-from dpjax.data.squad import build_features, build_windows, read_squad
+from dpjax.data.squad import build_features, read_squad
+from dpjax.data.windows import build_windows
 from dpjax.errors import DataError
 
 

@@ -11,14 +11,15 @@ from flax import nnx
 
 from dpjax.config import load_config
 from dpjax.data.batches import GroupedBatches, TrainBatches, cross_batch, cross_encoder_inputs
-from dpjax.data.squad import PassageWindows, RCFeatures
+from dpjax.data.squad import RCFeatures
+from dpjax.data.windows import PassageWindows
 from dpjax.data.teacher_logits import TeacherLogits, write_teacher_logits
 from dpjax.errors import DataError
 from dpjax.models.bert import BertConfig
 from dpjax.models.reader import CrossEncoderReader
 from dpjax.objectives import compute_loss, teacher_loss
 from dpjax.parallel import make_mesh
-from dpjax.rc import reader_logits
+from dpjax.reading import reader_logits
 
 import run
 
@@ -54,7 +55,7 @@ def test_cross_inputs_put_every_window_token_where_align_says():
 
 
 def test_reader_logits_cut_to_each_batch_equal_the_full_width_ones():
-  """`rc.reader_logits` takes rows longest first and cuts each batch to its longest input: at
+  """`reading.reader_logits` takes rows longest first and cuts each batch to its longest input: at
   every real window position its logits equal those of the full-width rows, matched by row."""
   rng = np.random.default_rng(2)
   lengths = np.array([70, 9, 33, 120, 12, 64, 5, 90, 41])

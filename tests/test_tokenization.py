@@ -28,13 +28,13 @@ def test_encode_pads_and_truncates_to_the_requested_length(tokenizer):
 
 
 def test_the_tokenizer_loads_without_jax():
-  """What the dump's window-making worker processes import (`dpjax.data.squad.windows_worker`):
+  """What the dump's window-making worker processes import (`dpjax.data.windows.windows_worker`):
   no JAX, Flax or faiss start there."""
   import subprocess
   import sys
   from conftest import REPO
   code = ("import sys; from dpjax.data.tokenization import Tokenizer; "
-          "from dpjax.data.squad import windows_worker; "
+          "from dpjax.data.windows import windows_worker; "
           "Tokenizer.from_pretrained('minilm-l6').tokenize(['a b']); "
           "print(sorted(m for m in ('jax', 'flax', 'faiss', 'optax') if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

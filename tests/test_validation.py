@@ -11,7 +11,8 @@ from dpjax.checkpoint import Checkpointer
 from dpjax.trainer import MetricsWriter
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
-from dpjax.data.squad import Passage, Question, build_windows, read_squad
+from dpjax.data.squad import Passage, Question, read_squad
+from dpjax.data.windows import build_windows
 from dpjax.errors import DataError
 from dpjax.data.hard_negatives import HardNegatives
 from dpjax.mining import filter_negatives

@@ -5,12 +5,13 @@ import dataclasses
 import logging
 import pathlib
 
-from dpjax.data.squad import (Passage, PassageWindows, Question, RCFeatures, SkipSummary,
-                              build_features, build_windows, read_squad)
+from dpjax.data.squad import (Passage, Question, RCFeatures, SkipSummary, build_features,
+                              read_squad)
 from dpjax.errors import DataError
 from dpjax.data.synthetic import write_synthetic
 from dpjax.errors import ConfigError
 from dpjax.data.tokenization import Tokenizer
+from dpjax.data.windows import PassageWindows, build_windows
 
 log = logging.getLogger(__name__)
 

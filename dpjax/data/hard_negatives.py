@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 
 from dpjax import metrics
-from dpjax.data.squad import JSON_ERRORS, PassageWindows, Question
+from dpjax.data.squad import JSON_ERRORS, Question
+from dpjax.data.windows import PassageWindows
 from dpjax.errors import DataError
 
 log = logging.getLogger(__name__)

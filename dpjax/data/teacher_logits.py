@@ -1,12 +1,12 @@
 """The teacher's start/end logits over training examples, written once and read by distillation.
 
-A directory (`run.py teacher` writes `<workdir>/teacher/logits`): `manifest.json` (the
-fingerprint: the teacher's parameters and step, the training features, the window length; the
-rows it covers; `complete`; once complete, each shard's files' sizes and digests, `checksums`,
-which a load checks by size and `run.py verify` by contents) and shards `shard_NNNNN/` of `rows.npy` [n] (training feature rows)
-and `logits.npy` [n, 2, L] float16 (start, end, at the phrase model's window positions). Shards
-are renamed into place whole, so a killed run resumes with the missing ones; a directory written
-for another teacher or other data is refused, never mixed or silently used.
+A directory (`run.py teacher` writes `<workdir>/teacher/logits`): `manifest.json` (the fingerprint:
+the teacher's parameters and step, the training features, the window length; the rows it covers;
+`complete`; once complete, each shard's files' sizes and digests, `checksums`, which a load checks
+by size and `run.py verify` by contents) and shards `shard_NNNNN/` of `rows.npy` [n] (training
+feature rows) and `logits.npy` [n, 2, L] float16 (start, end, at the phrase model's window
+positions). Shards are renamed into place whole, so a killed run resumes with the missing ones; a
+directory written for another teacher or other data is refused, never mixed or silently used.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Dumping the phrase vectors of a corpus to disk, in shards, resumably (`dump_phrases`).
 
-Every passage is cut into windows like the training data (`dpjax.index.windows`); each window is
-encoded by the jitted phrase encoder, sharded over all devices (fixed batches, padding dropped;
-`dpjax.index.encode`); of every context token only the copy from its "max context" window is
-kept, so token ids are contiguous within a passage and each token is stored once. The shards'
-files are `dpjax.index.shards`', written batch by batch (`dpjax.index.shard_stream`).
+Every passage is cut into windows like the training data (`dpjax.data.windows`, made ahead of the
+encoder by `dpjax.index.window_maker`); each window is encoded by the jitted phrase encoder, sharded
+over all devices (fixed batches, padding dropped; `dpjax.index.encode`); of every context token only
+the copy from its "max context" window is kept, so token ids are contiguous within a passage and
+each token is stored once. The shards' files are `dpjax.index.shards`', written batch by batch
+(`dpjax.index.shard_stream`).
 
 `manifest.json` (`dpjax.index.manifest`) says `"complete": true` (and lists the shards) only when
 the whole corpus is done. Running the dump again redoes only the missing shards; a dump that is
@@ -34,7 +35,7 @@ from dpjax.index.encode import encode_pipelined, first_shards_ahead
 from dpjax.index.manifest import (MANIFEST, DumpConfig, encoder_fingerprint, existing_manifest,
                                   read_manifest, write_manifest)
 from dpjax.index.shards import SHARD_INFO, check_shard_passages, shard_name
-from dpjax.index.windows import WindowMaker
+from dpjax.index.window_maker import WindowMaker
 from dpjax.io import Progress, digest_texts, read_json, remove
 from dpjax.models.encoders import bound, call_widths, compile_ahead, phrase_calls
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype

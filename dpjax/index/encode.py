@@ -18,7 +18,7 @@ from dpjax.data.tokenization import Tokenizer
 from dpjax.index.manifest import DumpConfig
 from dpjax.index.shard_stream import ShardStream
 from dpjax.index.shards import shard_name
-from dpjax.index.windows import WindowMaker, kept_runs, kept_slices, shard_windows
+from dpjax.index.window_maker import WindowMaker, kept_runs, kept_slices, shard_windows
 from dpjax.io import Progress
 from dpjax.models.encoders import phrase_batches, phrase_calls
 

@@ -1,5 +1,5 @@
 """The hits of an index search (`Hits`) and what rescoring them found: the rounds of a unit search
-and the searches they serve (`DensePhrases.search_many`) rescore each hit once.
+and the searches they serve (`PhraseSearcher.search_many`) rescore each hit once.
 """
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ deduplicated and sorted. A sentence, passage or document scores as its best phra
 are fetched until k distinct units are found or `max_fetch` phrases (default 20 k; the reference
 retrieves ~2k phrases for k units) have been asked for; the index itself is searched at most
 twice per question (the first round, then once at `max_fetch` for the questions still short), and
-`DensePhrases.search_many` serves several searches of the same questions with one. The hits of an
+`PhraseSearcher.search_many` serves several searches of the same questions with one. The hits of an
 index search (`Hits`) keep what rescoring them found: the rounds and searches they serve rescore
 each hit once.
 
-Here: `DensePhrases`, questions in and results out. The index search and the rescoring are
+Here: `PhraseSearcher`, questions in and results out. The index search and the rescoring are
 `PhraseIndex`'s (`phrase_index.py`), the rescoring's token scores `scoring.py`'s, the retrieval
 units `units.py`'s and the shared hits of an index search `hits.py`'s.
 """
@@ -49,14 +49,17 @@ def _dump_tokenizer(index: PhraseIndex) -> Tokenizer:
   name = index.dump.manifest.get("model", {}).get("tokenizer")
   if name is None:  # a dump from before the tokenizer was recorded, or made from Python
     log.warning("%s does not say which tokenizer made it: questions are tokenized by %s's; "
-                "pass DensePhrases(..., tokenizer=) if the model has another",
+                "pass PhraseSearcher(..., tokenizer=) if the model has another",
                 index.dump.directory, DEFAULT_MODEL)
     return Tokenizer.from_pretrained()
   return Tokenizer.from_pretrained(name)
 
 
-class DensePhrases:
-  """Question answering over a phrase index: `DensePhrases(model, index).search(questions)`."""
+class PhraseSearcher:
+  """Question answering over a phrase index: `PhraseSearcher(model, index).search(questions)`.
+
+  Named `DensePhrases` before, as the model class `dpjax.models.DensePhrases` is: that name is
+  kept as an alias (`dpjax.DensePhrases`)."""
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
                batch_size: int = 64, mesh=None, check_model: bool = True):
@@ -115,3 +118,6 @@ class DensePhrases:
                            **kwargs)
     return [[[self.index.result(p, unit) for p, _ in units] for units in per_request]
             for (_, unit), per_request in zip(requests, found)]
+
+
+DensePhrases = PhraseSearcher  # the searcher's name before it was renamed

@@ -11,7 +11,7 @@ import numpy as np
 
 from dpjax.data.squad import Passage
 from dpjax.index.shards import seal_shard, write_error, write_shard_files
-from dpjax.index.windows import kept_slices
+from dpjax.index.window_maker import kept_slices
 from dpjax.io import commit_directory, remove
 
 log = logging.getLogger(__name__)

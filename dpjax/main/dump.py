@@ -1,5 +1,4 @@
-"""`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder (workdir/dump).
-"""
+"""`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder (its dump)."""
 from __future__ import annotations
 
 import logging

@@ -1,10 +1,9 @@
-"""`run.py index`: the configured faiss indexes over the dump, and with `index.sparse` its BM25 index.
-"""
+"""`run.py index`: the configured faiss indexes over the dump (with `index.sparse`, its BM25)."""
 from __future__ import annotations
 
 import pathlib
 
-from dpjax.fusion import build_sparse_index
+from dpjax.index.hybrid_weights import build_sparse_index
 from dpjax.index.faiss_index import build_index
 from dpjax.layout import Workdir
 from dpjax.workdir import checked_dump, writes_to
@@ -13,7 +12,7 @@ from dpjax.workdir import checked_dump, writes_to
 @writes_to
 def run(config, workdir: Workdir) -> list[pathlib.Path]:
   """`run.py index`: the configured faiss indexes (`index.specs`) over the dump, and with
-  `index.sparse` its BM25 index and hybrid weight (`dpjax.fusion`)."""
+  `index.sparse` its BM25 index and hybrid weight (`dpjax.index.hybrid_weights`)."""
   dump = workdir.dump(config)
   checked_dump(config, workdir)
   built = [build_index(dump, spec, filter_threshold=config.index.filter_threshold,

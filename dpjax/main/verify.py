@@ -1,5 +1,4 @@
-"""`run.py verify`: every artifact of a workdir checked against its recorded digests (`dpjax.verify`).
-"""
+"""`run.py verify`: every artifact of a workdir checked against its recorded digests."""
 from __future__ import annotations
 
 import logging

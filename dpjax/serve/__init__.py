@@ -3,7 +3,7 @@
 - `GET /search?q=...&k=10&unit=passage` (q repeatable) and `POST /search` with JSON
   `{"question": "..."}` or `{"questions": [...]}` plus optional `k` and `unit`: the top-k units
   (phrase, sentence, passage, document), each with its answer phrase, score, passage id, row and
-  title, the passage text and the answer's character span in it (as `DensePhrases.search`).
+  title, the passage text and the answer's character span in it (as `PhraseSearcher.search`).
 - `GET /health` (the index, its size, the model's step), `GET /info` (model, checkpoint step,
   index, units and the limits a client must respect, version), `GET /metrics` (Prometheus),
   `GET /stats` (a JSON view of the same counters), `GET /` a search page, `GET /docs` the

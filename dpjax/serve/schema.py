@@ -42,7 +42,7 @@ class Evidence(BaseModel):
 
 
 class Result(BaseModel):
-  """A retrieved unit, as `DensePhrases.search` returns it."""
+  """A retrieved unit, as `PhraseSearcher.search` returns it."""
   model_config = ConfigDict(json_schema_extra={"examples": [EXAMPLE_RESULT]})
   answer: str = Field(description="the answer phrase")
   score: float

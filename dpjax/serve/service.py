@@ -1,6 +1,5 @@
-"""The service of `run.py serve` (dpjax/main/serve.py): the index loaded and its searches compiled ahead
-(make_service), then uvicorn until SIGINT or SIGTERM; start_server runs an app on a thread (the
-tests, the benchmarks)."""
+"""The service of `run.py serve` (dpjax/main/serve.py): the index loaded and its searches compiled
+ahead (make_service); start_server runs an app on a thread (the tests, the benchmarks)."""
 from __future__ import annotations
 
 import logging

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
   from dpjax.data import Tokenizer
   from dpjax.data.corpus import read_corpus
   from dpjax.data.questions import read_questions
-  from dpjax.data.squad import build_windows
+  from dpjax.data.windows import build_windows
   from dpjax.index.encode import encode_shard
   from dpjax.index.manifest import training_windows_config
   from dpjax.models import encoders as encoders_module

@@ -38,12 +38,12 @@ def child(args) -> dict:
   import speed
   from dpjax.index.evaluate import retrieve, retrieve_texts
   from dpjax.index.phrase_index import PhraseIndex
-  from dpjax.index.search import DensePhrases
+  from dpjax.index.search import PhraseSearcher
   config, model, tokenizer = speed._model(args)
   _, questions = speed.squad_dev(args.passages, args.questions)
   texts = [q["question"] for q in questions]
   index = PhraseIndex(pathlib.Path(args.scratch) / "dump", args.index)
-  searcher = DensePhrases(model, index, tokenizer, max_query_length=config.data.max_query_length,
+  searcher = PhraseSearcher(model, index, tokenizer, max_query_length=config.data.max_query_length,
                           batch_size=BATCH)
   batches = [texts[lo:lo + BATCH] for lo in range(0, len(texts), BATCH)]
   encoded = [searcher.encode(b) for b in batches]  # every shape compiled, untimed

@@ -252,12 +252,12 @@ def table(result: dict, command: str) -> str:
 
 def tuning_lines(hybrid: dict) -> list[str]:
   """How the hybrid weights were chosen: the chosen pair's scores on the tuning questions, and
-  the best pair without the sentence term's (`dpjax.fusion.choose_weight`'s record)."""
+  the best pair without the sentence term's (`hybrid_weights.choose_weight`'s record)."""
   tuning = hybrid.get("weight_tuning") or {}
   scores = tuning.get("scores")
   if not scores:
     return []
-  from dpjax.fusion import pair_key
+  from dpjax.index.hybrid_weights import pair_key
   chosen, alone = pair_key(hybrid["weight"], hybrid["sentence_weight"]), best_passage_only(scores)
   said = lambda key: (f"passage {key.split(',')[0]}, sentence {key.split(',')[1]}: EM@1 "
                       f"{scores[key]['em@1']:.2f}, Top-1 {scores[key]['top1']:.2f}")

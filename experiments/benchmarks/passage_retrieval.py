@@ -163,7 +163,7 @@ def main(argv=None) -> int:
   from dpjax.workdir import open_workdir, restore_model, search_options
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.index.phrase_index import PhraseIndex
-  from dpjax.index.search import DensePhrases
+  from dpjax.index.search import PhraseSearcher
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   passages = dump.passages
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
       name = index + ("-hybrid" if config.index.sparse else "")
       phrase_index = PhraseIndex(dump, index, nprobe=config.index.nprobe,
                                  **search_options(config, dump))
-      searcher = DensePhrases(model, phrase_index, tokenizer,
+      searcher = PhraseSearcher(model, phrase_index, tokenizer,
                               max_query_length=config.data.max_query_length, batch_size=batch,
                               mesh=mesh)
       start = time.perf_counter()

@@ -14,16 +14,17 @@ one answer against the gold answers, `dpjax.metrics.open_domain_scores`; passage
   dpjax+reader dpjax's top-k passages (a passage scores as its best phrase), read;
   ... (mixed)  the same reading, answered as BERTserini (Yang et al. 2019) does.
 The reader answers with the best span (start + end logit, at most eval.max_answer_length tokens,
-inside one window) over all windows of the k passages (`dpjax.rc.read_retrieved`): its score
+inside one window) over all windows of the k passages (`dpjax.reading.read_retrieved`): its score
 alone, the retriever's not added. Its scores are not comparable across passages (it was trained
 on windows holding the answer), so the mixed rows take each passage's best span and answer with
 the one of the highest (1 - mu) x retriever score of its passage + mu x reader score
-(`dpjax.rc.mixed_answers`). mu is chosen for each retriever by EM@1 from `MU_GRID` on
---tune-questions random training questions (seeded; never the reported ones: the dev split),
-each mu's EM@1 recorded in the row's `mixing` (the reader and the phrase model were trained on
-these questions: a caveat, as for `dpjax.fusion`'s hybrid weight). "read passage has answer" is
-the share of questions whose answer comes from a passage holding a gold answer (the re-ranking
-of the k passages), "read from passage 1" the share read from the retriever's first passage.
+(`dpjax.reading.mixed_answers`). mu is chosen for each retriever by EM@1 from `MU_GRID` on
+--tune-questions random training questions (seeded; never the reported ones: the dev split), each
+mu's EM@1 recorded in the row's `mixing` (the reader and the phrase model were trained on these
+questions: a caveat, as for hybrid search's weights, `dpjax.index.hybrid_weights`). "read passage
+has answer" is the share of questions whose answer comes from a passage holding a gold answer (the
+re-ranking of the k passages), "read from passage 1" the share read from the retriever's first
+passage.
 Questions/s: retrieval, reading, and the two in sequence, after a warm-up on the first
 --warmup questions (compiles); a mixed row's are its reader row's (one reading); BM25's index
 build is reported apart. Per-question EM@1 hits are kept for paired tests
@@ -72,9 +73,9 @@ def system_row(passages, retrieved, predictions, answers, k: int, seconds: dict)
 
 
 def read(reader, tokenizer, reader_config, config, texts, passages, retrieved, mesh, batch):
-  """(the reader's best span in each retrieved passage [Q][k] (`rc.read_retrieved_passages`),
+  """(the reader's best span in each retrieved passage [Q][k] (`reading.read_retrieved_passages`),
   seconds)."""
-  from dpjax.rc import read_retrieved_passages
+  from dpjax.reading import read_retrieved_passages
   start = time.perf_counter()
   per_passage = read_retrieved_passages(reader, tokenizer, reader_config.data, texts, passages,
                                         retrieved, mesh=mesh, batch_size=batch,
@@ -97,7 +98,7 @@ def reader_rows(name, passages, rows, retriever_scores, per_passage, answers, k:
                 seconds: dict, mixing: dict) -> dict:
   """The `NAME+reader` row (the reader's score alone) and the `NAME+reader (mixed)` row (the
   retriever's and the reader's, mixed with the chosen mu): one reading, so one timing."""
-  from dpjax.rc import mixed_answers, reader_answers
+  from dpjax.reading import mixed_answers, reader_answers
 
   def row(found):
     return {**system_row(passages, rows, [a.text if a else None for a in found], answers, k,
@@ -203,7 +204,7 @@ def measure(args, config, reader_config, workdir) -> dict:
   from dpjax.data import Tokenizer
   from dpjax.data.questions import read_questions
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.rc import restore_reader
+  from dpjax.reading import restore_reader
   from dpjax.workdir import data_paths, load_searcher
 
   questions = read_questions(data_paths(config, workdir)["questions"])

@@ -6,7 +6,7 @@
 The vectors are the real ones of the workdir's dump (SQuAD-open small), tiled beyond its size
 with small Gaussian noise (sigma = `--noise` x the per-dimension standard deviation) so that
 copies are not exact duplicates. Search is dpjax's whole phrase search with question encoding
-(`DensePhrases.search`, top-10 phrases: start and end token searches, then exact rescoring of
+(`PhraseSearcher.search`, top-10 phrases: start and end token searches, then exact rescoring of
 partners); a tiled token t is rescored with the stored vector of token t mod T (same cost).
 For each size and index: build time, bytes per token, questions/s and p50/p99 latency at batch 1
 and batch 64, and recall@10 of the start-token search against exact inner-product search
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
   from dpjax.workdir import open_workdir, restore_model
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.rescoring import Rescorer
-  from dpjax.index.search import DensePhrases
+  from dpjax.index.search import PhraseSearcher
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
   model, step = restore_model(config, workdir)
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
       phrase_index.num_vectors = size
       phrase_index.kept_mask = None
       phrase_index.rescorer = Rescorer(dump.vectors, dump.token_passage, len(dump.passages))
-      searcher = DensePhrases(model, phrase_index, tokenizer,
+      searcher = PhraseSearcher(model, phrase_index, tokenizer,
                               max_query_length=config.data.max_query_length, batch_size=64,
                               check_model=False)
       if queries is None:

@@ -173,7 +173,8 @@ def role_windows(args) -> dict:
   """Saves the dump's windows of the passages (for the PyTorch encoding of the same input)."""
   import numpy as np
 
-  from dpjax.data.squad import Passage, build_windows
+  from dpjax.data.squad import Passage
+  from dpjax.data.windows import build_windows
   from dpjax.models.encoders import phrase_calls
   from dpjax.parallel import make_mesh
   config, _, tokenizer = _model(args)
@@ -227,11 +228,11 @@ def role_eval(args) -> dict:
   one is searched); q/s, compiles, and what was found (for the comparison)."""
   from dpjax.index import evaluate
   from dpjax.index.phrase_index import PhraseIndex
-  from dpjax.index.search import DensePhrases
+  from dpjax.index.search import PhraseSearcher
   config, model, tokenizer = _model(args)
   questions = json.loads(pathlib.Path(args.questions_file).read_text())
   index = PhraseIndex(args.out_dir, args.index)
-  searcher = DensePhrases(model, index, tokenizer, max_query_length=config.data.max_query_length,
+  searcher = PhraseSearcher(model, index, tokenizer, max_query_length=config.data.max_query_length,
                           batch_size=BATCH)
   requests = [(10, "phrase"), (20, "passage")]
   for lo in range(0, len(questions), BATCH):  # every shape the encoder meets compiled, untimed

@@ -50,7 +50,7 @@ def window_tokens(config, tokenizer, passages, mesh, manifest: dict) -> dict:
   if manifest.get("encoded_tokens") is not None:
     return {"windows": manifest["num_windows"], "tokens_encoded": manifest["encoded_tokens"]}
   from dpjax.index.manifest import dump_config
-  from dpjax.index.windows import shard_windows
+  from dpjax.index.window_maker import shard_windows
   windows = shard_windows(tokenizer, passages, dump_config(config, mesh))
   return {"windows": len(windows.input_ids), "tokens_encoded": int(windows.attention_mask.sum())}
 

@@ -4,7 +4,7 @@
       --workdir workdirs/squad-cpu --out results/fusion_scale.json
 
 For each scaling of a question's BM25 scores, the weight is chosen as `run.py index` chooses it
-(`dpjax.fusion.choose_weight`: the best mean of phrase EM@1 and passage Top-1 on
+(`dpjax.index.hybrid_weights.choose_weight`: the best mean of phrase EM@1 and passage Top-1 on
 `index.sparse_tune_questions` seeded training questions, never the dev questions) over a grid
 fitting that scale; the table gives each scaling's best weight and its scores there:
   raw  the BM25 score as it is (what hybrid search adds), on a finer grid than `fusion.WEIGHTS`;
@@ -36,13 +36,13 @@ def main(argv=None) -> int:
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
-  from dpjax import fusion
+  from dpjax.index import hybrid_weights as fusion
   from dpjax.config import load_config, setup_logging
   from dpjax.index.sparse import SparseIndex
   from dpjax.workdir import load_searcher
   from experiments.report import git_commit
   from experiments.report import save_results
-  setup_logging("dpjax.fusion", fmt="%(asctime)s %(message)s")
+  setup_logging("dpjax.index.hybrid_weights", fmt="%(asctime)s %(message)s")
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
   dense = config.copy_and_resolve_references()
@@ -76,8 +76,8 @@ def table(results: dict, command: str) -> str:
   lines = ["# Hybrid search: how BM25 is scaled (held-out training questions)", "",
            f"Command: `{command}` (commit {results['commit']}); {first['questions']} training "
            f"questions of {first['file']} (seed {first['seed']}), model step "
-           f"{results['model_step']}. Each scaling's weight chosen by `dpjax.fusion.choose_weight` "
-           "(mean of EM@1 and passage Top-1).", "",
+           f"{results['model_step']}. Each scaling's weight chosen by "
+           "`dpjax.index.hybrid_weights.choose_weight` (mean of EM@1 and passage Top-1).", "",
            "| scaling | weight | EM@1 | EM@10 | passage Top-1 | Top-20 | mean of EM@1 and Top-1 |",
            "|---|---|---|---|---|---|---|"]
   for name, row in results["rows"].items():

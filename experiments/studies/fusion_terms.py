@@ -13,8 +13,9 @@ best span (a passage's own terms are the same for all its spans) under each vari
   sentence  + a sentence weight x the BM25 of the sentence a span starts in (the BM25 index's
             sentences), over each passage's top 10 spans.
 Each variant's weights are the best of a grid by the mean of phrase EM@1 (the top passage's best
-span) and passage Top-1, the way `dpjax.fusion.choose_weight` picks them; every grid point is in
-the JSON. Needs the workdir's dump, Flat index and BM25 index (`run.py index --set index.sparse=True`).
+span) and passage Top-1, the way `dpjax.index.hybrid_weights.choose_weight` picks them; every grid
+point is in the JSON. Needs the workdir's dump, Flat index and BM25 index (`run.py index --set
+index.sparse=True`).
 """
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   from dpjax.index.manifest import dump_config, params_fingerprint
   from dpjax.workdir import restore_model
   from dpjax.parallel import make_mesh
-  from dpjax.rc import evaluate_rc
+  from dpjax.reading import evaluate_rc
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.models.encoders import encode_questions
   from dpjax.index.evaluate import retrieval_scores

@@ -9,8 +9,9 @@ from typing import Iterator
 
 import numpy as np
 
-from dpjax.data.squad import (Passage, build_windows, windows_worker, windows_worker_ready,
-                              windows_worker_setup)
+from dpjax.data.squad import Passage
+from dpjax.data.windows import (build_windows, windows_worker, windows_worker_ready,
+                                windows_worker_setup)
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.index.manifest import DumpConfig, window_settings
