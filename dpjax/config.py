@@ -280,6 +280,25 @@ def model_config(name: str = "minilm-l6") -> ml_collections.ConfigDict:
   })
 
 
+def base_config(data: dict, *, train: dict, index: dict | None = None, eval_batch_size: int,
+                model: str = "minilm-l6") -> ml_collections.ConfigDict:
+  """The sections every experiment has, each from its function with the experiment's
+  settings (`train`, `index`: keyword overrides), and its `data` section as given: what
+  experiments/demo.py and experiments/squad.py share."""
+  config = ml_collections.ConfigDict()
+  config.model = model_config(model)
+  config.data = ml_collections.ConfigDict(data)
+  config.train = train_config(**train)
+  config.index = index_config(**(index or {}))
+  config.validation = validation_config()
+  config.mine = mine_config()
+  config.qsft = qsft_config()
+  config.filter = filter_config()
+  config.eval = eval_config(batch_size=eval_batch_size)
+  config.serve = serve_config()
+  return config
+
+
 def make_tiny(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Shrinks a config to a seconds-long CPU run of the same code path."""
   config.model.init = "random"
