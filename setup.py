@@ -43,7 +43,8 @@ setup(
         # the suite runs the service and the benchmarks; openapi-spec-validator and jsonschema
         # check the service's OpenAPI schema and its answers
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7",
-                 "openapi-spec-validator>=0.7,<1", "jsonschema>=4.18,<5", *SERVE, *BENCH],
+                 "openapi-spec-validator>=0.7,<1", "jsonschema>=4.18,<5", *SERVE, *BENCH,
+                 "pdoc>=15,<17"],  # the API reference built from the docstrings (docs/api.md)
         # `jupyter nbconvert --execute` of experiments/notebooks/ (the tests run their code directly)
         "notebooks": ["nbconvert>=7,<8", "ipykernel>=6,<8", "matplotlib>=3.8,<4"],
         # the web page check of tests/test_serve.py and experiments/benchmarks/serve_load.py, with

@@ -266,6 +266,7 @@ def setup_logging(*quiet: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %
 
 
 def model_config(name: str = "minilm-l6") -> ml_collections.ConfigDict:
+  """The model section: pretrained weights `name` (a known name, a local folder or a hub id)."""
   return ml_collections.ConfigDict({
       "init": "pretrained",  # or "random" (uses `random`), for tests
       "name": name,  # local dir, alias (minilm-l6) or Hugging Face Hub id

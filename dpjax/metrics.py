@@ -30,6 +30,7 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match(prediction: str, gold: str) -> float:
+  """1.0 when the answers are equal after SQuAD's normalisation (`normalize_answer`), else 0."""
   return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
@@ -56,6 +57,7 @@ def regex_match(prediction: str, pattern: str) -> float:
 
 
 def max_over_gold(metric, prediction: str, golds: Iterable[str]) -> float:
+  """`metric` of the prediction against its best gold answer (0 without gold answers)."""
   return max((metric(prediction, gold) for gold in golds), default=0.0)
 
 

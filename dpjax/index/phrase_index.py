@@ -247,6 +247,7 @@ class PhraseIndex:
     return self._exact
 
   def phrase(self, start: int, end: int, score: float) -> Phrase:
+    """The `Phrase` of tokens [start, end] (token ids) with its passage and text."""
     passage = int(self.dump.token_passage[start])
     s, e = int(self.dump.char_spans[start, 0]), int(self.dump.char_spans[end, 1])
     return Phrase(score, start, end, passage, s, e, self.dump.passages[passage].text[s:e])
@@ -261,6 +262,8 @@ class PhraseIndex:
     return int(bounds[i]), int(bounds[i + 1])
 
   def unit_key(self, phrase: Phrase, unit: str):
+    """What identifies the phrase's `unit` (its span, sentence, passage row or document): two
+    phrases of one key are one result of a unit search."""
     if unit == "phrase":
       return (phrase.start_token, phrase.end_token)
     if unit == "sentence":

@@ -85,6 +85,8 @@ class PhraseSearcher:
     return _tokenless(self.tokenizer.encode(list(questions), self.max_query_length)[1]).tolist()
 
   def encode(self, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The questions' start and end vectors, [Q, D] each; a question without tokens is a
+    ValueError naming it."""
     if isinstance(questions, str):
       raise ValueError("questions must be a list of strings, not one string")
     ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
@@ -96,6 +98,10 @@ class PhraseSearcher:
 
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
              **kwargs) -> list[list[dict]] | list[dict]:
+    """The top-k units (`phrase`, `sentence`, `passage` or `document`) of each question, best
+    first, each a dict (`PhraseIndex.result`: answer, score, character span, passage id, title,
+    text); one question (a string) gives its list, a list of questions a list per question.
+    `kwargs` go to `PhraseIndex.search` (`max_answer_length`, `top_tokens`, `max_fetch`)."""
     single = isinstance(questions, str)
     texts = [questions] if single else list(questions)
     q_start, q_end = self.encode(texts)

@@ -38,6 +38,7 @@ BUILD_HINT = "build it with `run.py index --set index.sparse=True`"
 
 
 def sparse_folder(dump_dir: str | os.PathLike) -> pathlib.Path:
+  """The BM25 index's folder of a dump: `<dump>/indexes/bm25`."""
   return pathlib.Path(dump_dir) / "indexes" / FOLDER
 
 
@@ -60,6 +61,7 @@ def tokenize(texts: Sequence[str], *, ids: bool = False):
 
 
 def passage_text(passage) -> str:
+  """What BM25 indexes of a passage: "title text"."""
   return f"{passage.title} {passage.text}"
 
 
