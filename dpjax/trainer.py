@@ -13,6 +13,7 @@ is checkpointed and restored with it. Freezing is configuration: parameter-path 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -38,7 +39,7 @@ from tensorboardX.proto import event_pb2, summary_pb2
 from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
 from dpjax.layout import tensorboard_run
-from dpjax.parallel import global_array
+from dpjax.parallel import compile_stats, global_array
 
 log = logging.getLogger(__name__)
 # A loss above this is divergence, not learning (the unified loss starts near log of the number
@@ -425,6 +426,45 @@ def run_steps(trainer: Trainer, steps: Iterable[int], batch: Callable[[int], dic
     for hook in hooks:
       if hook.due(step + 1):
         hook.fn(step + 1, metrics)
+
+
+class Stopwatch:
+  """Host seconds by part of a run, compiles apart: `with watch("data"): ...` adds the block's
+  seconds to `seconds["data"]`, less the seconds JAX spent tracing, lowering and compiling in
+  it (`compile_stats`), which go to `seconds["compiles"]`. A part inside another is taken off
+  the outer one, so the parts add up to the outermost blocks' wall time. No device wait: what
+  the device does between two host calls shows up in the part that waits for it."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+    self._parts: list[str] = []  # the open blocks, innermost last
+    stats = compile_stats()  # (JAX's compile events are listened to from here on)
+    self._mark, self._count = (time.perf_counter(), stats["seconds"]), stats["count"]
+
+  @property
+  def compile_count(self) -> int:
+    """XLA compilations (or loads from the compilation cache) since the stopwatch started."""
+    return compile_stats()["count"] - self._count
+
+  def _close_interval(self) -> None:
+    """Gives the seconds since the last mark to the innermost open part (compiles apart)."""
+    now, compiled = time.perf_counter(), compile_stats()["seconds"]
+    if self._parts:
+      compiles = compiled - self._mark[1]
+      part = self._parts[-1]
+      self.seconds[part] = self.seconds.get(part, 0.0) + now - self._mark[0] - compiles
+      self.seconds["compiles"] = self.seconds.get("compiles", 0.0) + compiles
+    self._mark = (now, compiled)
+
+  @contextlib.contextmanager
+  def __call__(self, part: str):
+    self._close_interval()
+    self._parts.append(part)
+    try:
+      yield
+    finally:
+      self._close_interval()
+      self._parts.pop()
 
 
 class Preemption:

@@ -36,7 +36,7 @@ from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, 
 from dpjax.reading import evaluate_rc
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
 from dpjax.layout import Workdir
-from dpjax.trainer import (Hook, MetricsWriter, Preemption, Trainer, build_trainer,
+from dpjax.trainer import (Hook, MetricsWriter, Preemption, Stopwatch, Trainer, build_trainer,
                            check_finite, every, run_steps)
 from dpjax.validation import Validator
 
@@ -86,6 +86,9 @@ class Run:
   clock: list = dataclasses.field(default_factory=list)  # [time, step] of the last log
   window: list = dataclasses.field(default_factory=lambda: [None, 0])  # [sums, steps] to log
   progress: Any = None  # the tqdm bar
+  # Where the process's seconds went (`_timing_record`), and the sequences its steps encoded.
+  watch: Stopwatch = dataclasses.field(default_factory=Stopwatch)
+  encoded: dict = dataclasses.field(default_factory=dict)
 
 
 def features_fingerprint(features) -> str:
@@ -375,17 +378,58 @@ def make_hooks(run: Run, stop: int, validator: Validator | None,
            Hook(lambda d: every(d, tc.log_every) or d == stop,
                 functools.partial(_log, run)),
            Hook(lambda d: every(d, config.eval.every_steps) or d == run.total,
-                lambda d, m: evaluate(run, d))]
+                _timed(run, "rc_eval", lambda d, m: evaluate(run, d)))]
   if validator:
     hooks.append(Hook(lambda d: every(d, validator.every_steps) or d == run.total,
-                      functools.partial(_validate, run, validator)))
+                      _timed(run, "validation", functools.partial(_validate, run, validator))))
   hooks.append(Hook(lambda d: every(d, tc.checkpoint_every) or d == stop,
-                    functools.partial(_checkpoint, run)))
+                    _timed(run, "checkpoint", functools.partial(_checkpoint, run))))
   if preemption is not None:
     # Called every step (the processes' sync protocol); the last step finishes the run anyway.
     hooks.append(Hook(lambda d: preemption.requested(d) and d < stop,
                       functools.partial(_preempted, run)))
   return hooks
+
+
+def _timed(run: Run, part: str, fn: Callable[[int, dict], None]) -> Callable[[int, dict], None]:
+  """A hook `fn` timed as `part` of the run (`run.watch`), from when the step it follows has
+  finished: these hooks wait for the device anyway, and the step's time stays the steps'."""
+  def timed(done: int, metrics: dict) -> None:
+    jax.block_until_ready(metrics)
+    with run.watch(part):
+      fn(done, metrics)
+  return timed
+
+
+def _timed_batches(run: Run) -> Callable[[int], dict]:
+  """`run.to_device` timed as the run's "data" part, counting the sequences each step encodes
+  (rows and tokens of its windows and of its questions, padding included)."""
+  def batch(step: int) -> dict:
+    with run.watch("data"):
+      placed = run.to_device(step)
+    for key, rows_name, tokens_name in (("input_ids", "windows", "window_tokens"),
+                                        ("question_input_ids", "questions", "question_tokens")):
+      if key in placed:
+        rows, width = placed[key].shape[:2]
+        run.encoded[rows_name] = run.encoded.get(rows_name, 0) + rows
+        run.encoded[tokens_name] = run.encoded.get(tokens_name, 0) + rows * width
+    return placed
+  return batch
+
+
+def _timing_record(run: Run, step: int) -> dict:
+  """metrics.jsonl's "timing" record of this process: host seconds by part (`Stopwatch`).
+
+  setup_s: reading the data, building the model and trainer, restoring, the validator;
+  data_s: making each step's batch and putting it on the devices (the device may be running
+  earlier steps meanwhile); steps_s: the rest of the loop, dispatching steps and waiting for
+  them (on log steps, before evaluations and checkpoints); rc_eval_s, validation_s,
+  checkpoint_s: those hooks after their step finished; compiles_s: JAX's tracing, lowering and
+  compiling in all of these (taken off each). Their sum is below the process's wall time (its
+  start, imports and exit are not in it)."""
+  seconds = {f"{k}_s": round(v, 3) for k, v in sorted(run.watch.seconds.items())}
+  return {"step": step, "split": "timing", "steps_run": max(step - run.first, 0), **seconds,
+          "compiles": run.watch.compile_count, "encoded": dict(run.encoded)}
 
 
 def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
@@ -415,19 +459,22 @@ def train_and_evaluate(config, workdir: str | pathlib.Path, spec: Spec = PHRASE)
 
 def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   main = jax.process_index() == 0
-  run = setup(config, workdir, spec)
-  eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
-  validator = (Validator(vc, config, workdir, data_files(config.data, workdir)["dev"],
-                         Tokenizer.from_pretrained(config.model.tokenizer), run.mesh, eval_batch,
-                         run.writer)
-               if vc and vc.corpus and vc.every_steps else None)
+  watch = Stopwatch()
+  with watch("setup"):
+    run = setup(config, workdir, spec)
+    eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
+    validator = (Validator(vc, config, workdir, data_files(config.data, workdir)["dev"],
+                           Tokenizer.from_pretrained(config.model.tokenizer), run.mesh,
+                           eval_batch, run.writer)
+                 if vc and vc.corpus and vc.every_steps else None)
+  run.watch = watch
   stop = min(run.total, config.train.stop_at_step or run.total)
   run.progress = tqdm(total=run.total, initial=run.first, desc="train", dynamic_ncols=True,
                       disable=not (config.train.progress_bar and main))
   run.clock = [time.perf_counter(), run.first]
   try:
-    with Preemption() as preemption:
-      run_steps(run.trainer, range(run.first, stop), run.to_device,
+    with Preemption() as preemption, watch("steps"):
+      run_steps(run.trainer, range(run.first, stop), _timed_batches(run),
                 make_hooks(run, stop, validator, preemption),
                 before=functools.partial(_new_epoch_queue, run))
   finally:
@@ -441,10 +488,14 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
     record = _finished(run)
     if not record:  # (killed after the last checkpoint: its evaluation's record is replaced)
       run.writer.drop(run.first, "dev")
-      record = evaluate(run, run.first)
+      with watch("rc_eval"):
+        record = evaluate(run, run.first)
   if validator:
     record = {**record, **validator.best()}
     validator.close()
+  timing = _timing_record(run, max(stop, run.first))
+  run.writer.write(timing)
+  log.info("timing: %s", {k: v for k, v in timing.items() if k.endswith("_s")})
   run.writer.close()
   if record and main:
     write_json(run.workdir.results, record)

@@ -5,7 +5,8 @@ of `--deadline`; OUT/gpu_check.json is rewritten after every stage, so a timeout
 finished. Every figure in it is read from the files the processes wrote.
 
   train      `run.py train` of the config (and of each `--alt` candidate, alongside): its RC
-             EM/F1 on the dev questions (results.json), wall time, steps and time per step
+             EM/F1 on the dev questions (results.json), wall time, steps and time per step, and
+             where the wall went: data, compiles, steps, RC eval (metrics.jsonl's "timing")
   chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval` (dense):
              EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s;
              then hybrid search: `run.py index` of the BM25 index (weights chosen on training
@@ -14,6 +15,9 @@ finished. Every figure in it is read from the files the processes wrote.
   step       experiments/benchmarks/train_step.py: the recipe's bf16 step (its dropout) on
              XLA's attention; `step_pallas` the same on the Pallas kernel
   flash_tests  tests/test_flash_attention.py compiled for the GPU (not run by default)
+
+Each timing stage also reports the model FLOPs it did and their share of the devices' bf16 peak
+(MFU; `*_flops`, `*_flops_per_s`, `*_mfu`; the formula in docs/performance.md).
 
   python experiments/gpu_check.py --workdir /root/w/check --out $OUT \\
       --set data.dir=/root/gpu/data/squad --alt 'inb256=--set train.loss.lambda_inb=256.0'
@@ -38,12 +42,21 @@ STAGES = ("train", "chain", "dump_warm", "step", "step_pallas")
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
            ("hybrid_em@1", ">=", 50.0), ("hybrid_top1", ">=", 85.0),
            ("step_ms", "<=", 20.0), ("dump_cold_tokens_per_s", ">=", 400e3),
-           ("dump_warm_tokens_per_s", ">=", 1e6), ("eval_questions_per_s", ">=", 1000.0))
+           ("dump_warm_tokens_per_s", ">=", 1e6), ("eval_questions_per_s", ">=", 1000.0),
+           ("step_mfu", ">=", 0.20))
 OPEN_KEYS = ("questions", "em@1", "f1@1", "em@10", "top1", "top5", "top20", "mrr@20",
              "search_seconds", "questions_per_sec_batch64", "index_tokens", "index_spec",
              "index_bytes_per_token", "model_step")
-DUMP_KEYS = ("num_passages", "num_tokens", "encoded_tokens", "seconds", "compile_seconds",
-             "compiles", "host_seconds", "processes", "width_multiple")
+DUMP_KEYS = ("num_passages", "num_tokens", "num_windows", "encoded_tokens", "seconds",
+             "compile_seconds", "compiles", "host_seconds", "processes", "width_multiple")
+# The parts of the training's wall (metrics.jsonl's "timing" record: `dpjax.training`), as
+# `train_<part>_s` figures.
+TRAIN_PARTS = ("data", "compiles", "steps", "rc_eval", "setup", "checkpoint", "validation")
+# Peak dense bfloat16 tensor FLOP/s of one device, by a part of the name jax gives it
+# (`device_kind`), the first that matches (NVIDIA's datasheets: docs/performance.md). NVL
+# cards run at other clocks: not in the table, as every device not named (MFU None).
+PEAK_BF16_FLOPS = (("NVL", None), ("H100 PCIe", 756e12), ("H100", 989.4e12),
+                   ("H200", 989.4e12), ("A100", 312e12))
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -80,12 +93,16 @@ class Check:
       self.candidates[name] = shlex.split(rest)
     self.configs = {n: _resolved(args.config, [*args.set, *_sets(a)])
                     for n, a in self.candidates.items()}
+    models = {n: _model_dims(args.config, [*args.set, *_sets(a)])
+              for n, a in self.candidates.items()}
     # The device's copy of the tree may have no .git: DPJAX_COMMIT names the commit.
     commit = os.environ.get("DPJAX_COMMIT") or _git("rev-parse", "HEAD")
+    device = _device(args.python)
     self.report = {"command": shlex.join(["python", "experiments/gpu_check.py", *argv]),
                    "commit": commit, "config": args.config,
-                   "settings": args.set, "device": _device(args.python), "stages": {},
-                   "candidates": {n: {"args": a, "recipe": self.configs[n]}
+                   "settings": args.set, "device": device, "peak": peak_flops(device),
+                   "stages": {},
+                   "candidates": {n: {"args": a, "recipe": self.configs[n], "model": models[n]}
                                   for n, a in self.candidates.items()},
                    "speed": {}}
     self.start = time.monotonic()  # the deadline counts the stages, not this set-up
@@ -156,7 +173,7 @@ def _sets(argv: list[str]) -> list[str]:
   return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
 
 
-RECIPE_KEYS = ("model.dtype", "data.max_seq_length", "train.batch_size",
+RECIPE_KEYS = ("model.dtype", "data.max_seq_length", "data.max_query_length", "train.batch_size",
                "train.questions_per_window", "train.epochs", "train.num_steps",
                "train.learning_rate", "train.dropout", "train.loss.lambda_inb",
                "train.loss.prebatch_size", "index.dump_dtype", "index.dump_min_context")
@@ -173,6 +190,74 @@ def _resolved(config: str, sets: list[str]) -> dict:
       value = value.get(part) if value is not None else None
     found[key] = value
   return found
+
+
+def _model_dims(config: str, sets: list[str]) -> dict | None:
+  """The encoder's sizes the FLOPs need (`BertConfig` fields), from the config's random encoder
+  or the pretrained model's config.json; None when the model is not found here."""
+  from dpjax.config import load_config
+  from dpjax.errors import CheckpointError
+  from dpjax.model_files import resolve_model_dir
+  model = load_config(config, sets).model
+  keys = ("hidden_size", "num_hidden_layers", "intermediate_size")
+  if model.init == "random":
+    values = model.random.to_dict()
+  else:
+    try:
+      values = json.loads((resolve_model_dir(model.name) / "config.json").read_text())
+    except (CheckpointError, OSError, ValueError):
+      return None
+  return {k: values[k] for k in keys}
+
+
+def encoder_flops(model: dict, rows: float, length: float, *, backward: bool = False,
+                  first_only: bool = False) -> float:
+  """Model FLOPs of a BERT encoder (`model`: `_model_dims`) over `rows` sequences of `length`
+  tokens: 2 per multiply-add of the layers' matrix products (the query, key, value and output
+  projections, the feed-forward pair, attention's scores and context), 3 times that with the
+  backward pass; embeddings, LayerNorms, softmax and biases left out. With `first_only` the
+  last layer computes every token's keys and values but the rest for the first row only (the
+  question encoders' [CLS])."""
+  d, ff, layers = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"]
+  projections = 2 * (4 * d * d + 2 * d * ff)  # one token through one layer's weights
+  attention = 4 * d * length  # one query row's scores and context over `length` keys
+  forward = (layers - 1 if first_only else layers) * length * (projections + attention)
+  if first_only:
+    forward += 4 * d * d * length + (projections - 4 * d * d) + attention
+  return rows * forward * (3 if backward else 1)
+
+
+def train_step_flops(model: dict, windows: float, length: float, questions: float,
+                     query_length: float) -> float:
+  """Model FLOPs of a training step: the phrase encoder forward and backward over `windows`
+  windows of `length` tokens, the two question encoders ([CLS] only in their last layer) over
+  `questions` of `query_length` tokens. The loss's question-token scores are left out."""
+  return (encoder_flops(model, windows, length, backward=True)
+          + 2 * encoder_flops(model, questions, query_length, backward=True, first_only=True))
+
+
+def question_flops(model: dict, questions: float, length: float) -> float:
+  """Model FLOPs of encoding `questions` of `length` tokens (the two question encoders)."""
+  return 2 * encoder_flops(model, questions, length, first_only=True)
+
+
+def peak_flops(device: str) -> dict:
+  """The devices' bf16 peak for `_device`'s line ('platform kind count'): {"per_device" (FLOP/s,
+  None when the table does not know the device), "devices", "note"}."""
+  kind, _, count = device.rpartition(" ")
+  per_device = next((peak for name, peak in PEAK_BF16_FLOPS if name.lower() in kind.lower()),
+                    None)
+  record = {"per_device": per_device, "devices": int(count) if count.isdigit() else 1}
+  if per_device is None:
+    record["note"] = f"no bf16 peak known for {kind or device!r}: MFU not computed"
+  return record
+
+
+def mfu(flops: float | None, seconds: float | None, peak: dict | None) -> float | None:
+  """Model FLOPs utilisation: `flops` done in `seconds` over the devices' bf16 peak FLOP/s."""
+  if not (flops and seconds and peak and peak.get("per_device")):
+    return None
+  return flops / seconds / (peak["per_device"] * peak["devices"])
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -215,7 +300,9 @@ def _json(path: pathlib.Path):
 
 
 def read_train(workdir: pathlib.Path, batch_size: int) -> dict:
-  """RC EM/F1 of results.json; the training's steps and median time per step over its logs."""
+  """RC EM/F1 of results.json; the training's steps and median time per step over its logs;
+  where its wall went (`train_<part>_s` of TRAIN_PARTS) and what its steps encoded, from the
+  last "timing" record of a process that ran steps (else the last: a run found finished)."""
   found = {}
   results = _json(workdir / "results.json")
   if results:
@@ -234,6 +321,12 @@ def read_train(workdir: pathlib.Path, batch_size: int) -> dict:
   steps = [r["step"] for r in records if r.get("split") == "train"]
   if steps:
     found["steps"] = max(steps)
+  timings = [r for r in records if r.get("split") == "timing"]
+  timing = ([r for r in timings if r.get("steps_run")] or timings or [None])[-1]
+  if timing:
+    found.update({f"train_{part}_s": timing.get(f"{part}_s", 0.0) for part in TRAIN_PARTS})
+    found.update(train_compiles=timing.get("compiles"), train_steps_run=timing.get("steps_run"),
+                 train_encoded=timing.get("encoded", {}))
   return found
 
 
@@ -285,7 +378,50 @@ def figures(report: dict) -> dict:
   pallas = report["speed"].get("step_pallas")
   if pallas and "median_step_s" in pallas:
     found["step_pallas_ms"] = 1e3 * pallas["median_step_s"]
+  for stage, (flops, seconds) in stage_flops(report, found).items():
+    found.update({f"{stage}_flops": flops, f"{stage}_flops_per_s": flops / seconds,
+                  f"{stage}_mfu": mfu(flops, seconds, report.get("peak"))})
   return found
+
+
+def stage_flops(report: dict, found: dict) -> dict:
+  """{stage: (model FLOPs, seconds)} of the default candidate's timing stages: its training's
+  steps (over their data and steps seconds), its dump (over the encoding's seconds; `dump_cold`
+  over the process's wall) and the warm one, its evals' question encoding (over their search
+  seconds, questions at data.max_query_length), the bf16 steps (over the median step)."""
+  default, done = report["candidates"]["default"], {}
+  for stage in ("step", "step_pallas"):
+    step = report["speed"].get(stage) or {}
+    if step.get("median_step_s") and step.get("model"):
+      done[stage] = (train_step_flops(step["model"], step["batch"], step["length"],
+                                      step["questions"], step["query_length"]),
+                     step["median_step_s"])
+  model, recipe = default.get("model"), default.get("recipe", {})
+  if not model:  # (the candidate's model was not found: no FLOPs of its stages)
+    return done
+  encoded = found.get("train_encoded") or {}
+  seconds = found.get("train_data_s", 0.0) + found.get("train_steps_s", 0.0)
+  if encoded.get("windows") and seconds > 0:
+    questions = encoded.get("questions", 0)
+    done["train"] = (train_step_flops(model, encoded["windows"],
+                                      encoded["window_tokens"] / encoded["windows"], questions,
+                                      encoded.get("question_tokens", 0) / max(questions, 1)),
+                     seconds)
+  for stage, dump in (("dump", default.get("dump")),
+                      ("dump_warm", report["speed"].get("dump_warm"))):
+    if dump and dump.get("num_windows") and dump.get("encoded_tokens") and dump.get("seconds"):
+      windows = dump["num_windows"]  # the phrase encoder forward, at the windows' mean length
+      flops = encoder_flops(model, windows, dump["encoded_tokens"] / windows)
+      done[stage] = (flops, dump["seconds"])
+      if stage == "dump" and "dump_cold_tokens_per_s" in found:
+        done["dump_cold"] = (flops, report["stages"]["default.dump"]["wall_s"])
+  for stage, key in (("eval", "open"), ("hybrid_eval", "hybrid")):
+    answered = default.get(key) or {}
+    if (answered.get("questions") and answered.get("search_seconds")
+        and recipe.get("data.max_query_length")):
+      done[stage] = (question_flops(model, answered["questions"], recipe["data.max_query_length"]),
+                     answered["search_seconds"])
+  return done
 
 
 def stage_train(check: Check):
@@ -392,7 +528,9 @@ def merge(parts: list[dict]) -> dict:
     merged["speed"].update(part.get("speed", {}))
   merged["figures"] = figures(merged)
   if "default.dump" in resumed:  # its seconds are the resumed part's, its tokens all parts'
-    for key in ("dump_stored_tokens_per_s", "dump_cold_tokens_per_s"):
+    for key in ("dump_stored_tokens_per_s", "dump_cold_tokens_per_s", "dump_flops",
+                "dump_flops_per_s", "dump_mfu", "dump_cold_flops", "dump_cold_flops_per_s",
+                "dump_cold_mfu"):
       merged["figures"].pop(key, None)
     merged["dump_resumed"] = True
   merged["targets"] = targets(merged["figures"])

@@ -89,6 +89,48 @@ def _cell(value) -> str:
   return str(value)
 
 
+# The timing stages of the FLOPs table: (label, the stage's figures' prefix, what its seconds are).
+FLOPS_ROWS = (("training", "train", "its data and steps seconds"),
+              ("dump, cold", "dump_cold", "the process's wall"),
+              ("dump", "dump", "its encoding seconds"),
+              ("dump, warm", "dump_warm", "its encoding seconds"),
+              ("eval (question encoding)", "eval", "its search seconds"),
+              ("hybrid eval (question encoding)", "hybrid_eval", "its search seconds"),
+              ("bf16 step, XLA attention", "step", "the median step"),
+              ("bf16 step, Pallas attention", "step_pallas", "the median step"))
+
+
+def _wall_split(results: dict, name: str) -> str:
+  """'data / compiles / steps / RC eval (sum of wall)' seconds of a candidate's training."""
+  train = results["candidates"][name].get("train", {})
+  wall = results["stages"].get(f"{name}.train", {}).get("wall_s")
+  parts = [train.get(f"train_{part}_s") for part in ("data", "compiles", "steps", "rc_eval")]
+  if None in parts:
+    return f"- (wall {_cell(wall)})"
+  return " / ".join(map(_cell, parts)) + f" ({_cell(sum(parts))} of {_cell(wall)})"
+
+
+def _flops_table(results: dict) -> list[str]:
+  """The default candidate's model FLOPs, FLOP/s and MFU by timing stage (docs/performance.md)."""
+  figures, peak = results["figures"], results.get("peak") or {}
+  rows = [(label, prefix, basis) for label, prefix, basis in FLOPS_ROWS
+          if figures.get(f"{prefix}_flops")]
+  if not rows:
+    return []
+  if peak.get("per_device"):
+    against = f"{peak['per_device'] / 1e12:g} TFLOP/s bf16 a device x {peak['devices']}"
+  else:
+    against = peak.get("note", "no peak known: MFU not computed")
+  lines = ["", f"Model FLOPs and MFU (the default; peak: {against}; docs/performance.md):", "",
+           "| stage | model FLOPs | over | TFLOP/s | MFU |", "|---|---|---|---|---|"]
+  for label, prefix, basis in rows:
+    share = figures.get(f"{prefix}_mfu")
+    lines.append(f"| {label} | {figures[f'{prefix}_flops']:.3g} | {basis} | "
+                 f"{figures[f'{prefix}_flops_per_s'] / 1e12:.3g} | "
+                 + ("-" if share is None else f"{100 * share:.1f}%") + " |")
+  return lines
+
+
 def render_gpu_check(results: dict, command: str) -> str:
   """results/gpu_check.md: the device, the parts' commands, each candidate's recipe and
   figures, the issue's targets (met, missed or not measured) and each stage's wall time."""
@@ -110,13 +152,17 @@ def render_gpu_check(results: dict, command: str) -> str:
                            **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
                           .get(key)))
     lines.append(f"| {label} | " + " | ".join(values) + " |")
-  lines.append("| training's wall (s): data, compiles, steps, RC eval | " + " | ".join(
-      _cell(results["stages"].get(f"{n}.train", {}).get("wall_s")) for n in names) + " |")
+  lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
+               + " | ".join(_wall_split(results, n) for n in names) + " |")
+  lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(
+      " / ".join(_cell(results["candidates"][n].get("train", {}).get(f"train_{part}_s"))
+                 for part in ("setup", "checkpoint", "validation")) for n in names) + " |")
   lines += ["", "Targets (the default candidate):", "", "| figure | target | value | met |",
             "|---|---|---|---|"]
   met = {True: "yes", False: "**no**", None: "not measured"}
   lines += [f"| {t['figure']} | {t['target']} | {_cell(t['value'])} | {met[t['met']]} |"
             for t in results["targets"]]
+  lines += _flops_table(results)
   lines += ["", "Stages (wall seconds, exit status):", "", "| stage | wall s | rc |",
             "|---|---|---|"]
   lines += [f"| {k} | {_cell(v.get('wall_s'))} | {v['rc']} |" for k, v in results["stages"].items()]

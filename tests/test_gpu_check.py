@@ -9,6 +9,7 @@ gpu_check = load_script("experiments/gpu_check.py")
 report = load_script("experiments/report.py")
 
 TINY = ["--config", "experiments/demo.py:tiny"]
+MINILM = {"hidden_size": 384, "num_hidden_layers": 6, "intermediate_size": 1536}
 
 
 @pytest.mark.slow
@@ -44,7 +45,28 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   assert result["candidates"]["default"]["recipe"]["train.batch_size"] == 8
   assert result["command"].startswith("python experiments/gpu_check.py --workdir ")
   assert [t["figure"] for t in result["targets"]] == [k for k, _, _ in gpu_check.TARGETS]
-  assert all(isinstance(t["met"], bool) for t in result["targets"])
+  # Every target is judged but MFU: a CPU has no bf16 peak in the table.
+  assert all(isinstance(t["met"], bool) == (t["figure"] != "step_mfu")
+             for t in result["targets"])
+  # The training's wall split is its timing record's, and sums to at most the stage's wall.
+  timing = [json.loads(line) for line in (work / "default" / "metrics.jsonl").read_text()
+            .splitlines() if '"timing"' in line][-1]
+  parts = {p: figures[f"train_{p}_s"] for p in gpu_check.TRAIN_PARTS}
+  assert parts == {p: timing.get(f"{p}_s", 0.0) for p in gpu_check.TRAIN_PARTS}
+  assert all(parts[p] > 0 for p in ("setup", "data", "compiles", "steps", "rc_eval"))
+  assert sum(parts.values()) <= result["stages"]["default.train"]["wall_s"]
+  assert timing["steps_run"] == figures["steps"] == 6 and timing["compiles"] > 0
+  assert figures["train_encoded"]["windows"] == 6 * 8  # tiny: 6 steps of 8 windows
+  # Each timing stage's model FLOPs; no MFU without a peak.
+  assert result["peak"]["per_device"] is None and "MFU not computed" in result["peak"]["note"]
+  for stage in ("train", "dump", "dump_cold", "dump_warm", "eval", "hybrid_eval", "step"):
+    assert figures[f"{stage}_flops"] > 0 and figures[f"{stage}_mfu"] is None, stage
+  step = result["speed"]["step"]  # MiniLM, 8 windows of 32 tokens, 8 questions of 8
+  assert figures["step_flops"] == gpu_check.train_step_flops(MINILM, 8, 32, 8, 8)
+  assert figures["step_flops_per_s"] == figures["step_flops"] / step["median_step_s"]
+  assert figures["dump_warm_flops"] == gpu_check.encoder_flops(
+      result["candidates"]["default"]["model"], warm["num_windows"],
+      warm["encoded_tokens"] / warm["num_windows"])
 
   rendered = tmp_path / "results" / "gpu_check.json"
   history = tmp_path / "results" / "gpu_runs.jsonl"
@@ -54,6 +76,10 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert report.gpu_check_report(argv) == 0
   markdown = rendered.with_suffix(".md").read_text()
   assert f"| passage Top-1 | {open_eval['top1']:.2f} |" in markdown
+  split = " / ".join(report._cell(parts[p]) for p in ("data", "compiles", "steps", "rc_eval"))
+  assert (f"| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
+          f"{split} (") in markdown
+  assert f"| bf16 step, XLA attention | {figures['step_flops']:.3g} | the median step |" in markdown
   assert markdown.rstrip().endswith("a note")
   runs = [json.loads(line) for line in history.read_text().splitlines()]
   assert len(runs) == 1 and runs[0]["figures"]["top1"] == open_eval["top1"]
@@ -112,3 +138,43 @@ def test_read_train_leaves_out_a_line_cut_by_a_kill(tmp_path):
   (tmp_path / "metrics.jsonl").write_text(
       '{"split": "train", "step": 10, "examples_per_sec": 100.0}\n{"split": "train", "st')
   assert gpu_check.read_train(tmp_path, 8) == {"train_step_ms_median": 80.0, "steps": 10}
+
+
+def test_read_train_takes_the_timing_of_the_process_that_ran_steps(tmp_path):
+  """A run found finished writes a timing record of no steps: the wall split stays the one of
+  the process that trained."""
+  lines = [{"split": "timing", "step": 6, "steps_run": 6, "data_s": 1.0, "steps_s": 5.0,
+            "compiles": 3, "encoded": {"windows": 48}},
+           {"split": "timing", "step": 6, "steps_run": 0, "setup_s": 2.0, "compiles": 0}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  found = gpu_check.read_train(tmp_path, 8)
+  assert (found["train_data_s"], found["train_steps_s"], found["train_setup_s"]) == (1.0, 5.0, 0.0)
+  assert found["train_steps_run"] == 6 and found["train_encoded"] == {"windows": 48}
+
+
+def test_model_flops_against_a_hand_count():
+  """An odd-sized encoder (d 6, f 10, 2 layers) counted by hand: a token through a layer's
+  weights 2 (4*36 + 2*6*10) = 528 FLOPs, a row's attention over 5 keys 4*6*5 = 120."""
+  model = {"hidden_size": 6, "intermediate_size": 10, "num_hidden_layers": 2}
+  assert gpu_check.encoder_flops(model, 3, 5) == 3 * 2 * 5 * (528 + 120) == 19440
+  # forward and backward: PaLM's 6 N T + 12 L d T^2 a sequence (N = 2 * 264 weights)
+  assert gpu_check.encoder_flops(model, 3, 5, backward=True) == 3 * (6 * 528 * 5 + 12 * 2 * 6 * 25)
+  # [CLS] only in the last layer: keys and values of 5 tokens 2*2*36*5 = 720, the query,
+  # output and feed-forward of one row 2 (2*36 + 2*6*10) = 384, its attention 120.
+  question = 5 * (528 + 120) + 720 + 384 + 120
+  assert gpu_check.encoder_flops(model, 1, 5, first_only=True) == question == 4464
+  assert gpu_check.question_flops(model, 3, 5) == 2 * 3 * question
+  assert gpu_check.train_step_flops(model, 3, 5, 2, 5) == 3 * 19440 + 2 * 3 * 2 * question
+
+
+def test_mfu_against_the_peak_table():
+  h100 = gpu_check.peak_flops("gpu NVIDIA H100 80GB HBM3 2")
+  assert h100 == {"per_device": 989.4e12, "devices": 2}
+  assert gpu_check.mfu(989.4e12, 2.0, h100) == 0.25
+  assert gpu_check.peak_flops("gpu NVIDIA H100 PCIe 1")["per_device"] == 756e12
+  assert gpu_check.peak_flops("gpu NVIDIA A100-SXM4-80GB 8")["per_device"] == 312e12
+  assert gpu_check.peak_flops("gpu NVIDIA H200 1")["per_device"] == 989.4e12
+  for unknown in ("cpu cpu 8", "gpu NVIDIA H200 NVL 1"):  # no peak known: no MFU, a note
+    peak = gpu_check.peak_flops(unknown)
+    assert peak["per_device"] is None and "MFU not computed" in peak["note"]
+    assert gpu_check.mfu(1e12, 1.0, peak) is None

@@ -116,7 +116,11 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
   result.update(devices=str(jax.devices()), jax=jax.__version__, loss=float(metrics["loss"]),
                 dtype=dtype, dropout=dropout,
                 attention=attention_implementation(dtype),  # what ran ("cpu" on a CPU)
-                host_step_s=statistics.median(host))
+                host_step_s=statistics.median(host),
+                # what a step encodes, for its model FLOPs (experiments/gpu_check.py)
+                batch=BATCH, length=LENGTH, questions=BATCH, query_length=QUERY_LENGTH,
+                model={k: getattr(model.config, k)
+                       for k in ("hidden_size", "num_hidden_layers", "intermediate_size")})
   if pytree:
     result.update(_pytree_steps(trainer, batch, steps))
   result.update(_pipelined_and_profiled(trainer, batch, steps, profile))
