@@ -12,7 +12,7 @@ import ml_collections
 
 from dpjax.errors import ConfigError, DataError
 from dpjax.io import read_json, write_json
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:

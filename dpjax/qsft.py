@@ -33,12 +33,12 @@ from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax import io, metrics
 from dpjax.io import remove, write_json
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.models.encoders import encode_questions
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.trainer import Hook, MetricsWriter, Trainer, build_trainer, run_steps
-from dpjax.workdir import QSFT_METRIC, checked_dump, data_paths, restore_model
+from dpjax.loading import QSFT_METRIC, checked_dump, data_paths, restore_model
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dpjax.data.questions import read_questions, sample_questions
 from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.data.windows import PassageWindows, build_windows
 from dpjax.errors import ConfigError, DataError
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices

@@ -27,7 +27,7 @@ from dpjax.data.teacher_logits import write_teacher_logits
 from dpjax.errors import DataError
 from dpjax import distributed
 from dpjax.io import digest
-from dpjax.layout import TEACHER as TEACHER_DIR, Workdir
+from dpjax.workdir import TEACHER as TEACHER_DIR, Workdir
 from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices

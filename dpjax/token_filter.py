@@ -33,7 +33,7 @@ from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import save_npy_atomic
 from dpjax.models.encoders import bound, phrase_batches
-from dpjax.workdir import (filter_head_digest)
+from dpjax.loading import (filter_head_digest)
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from tensorboardX.proto import event_pb2, summary_pb2
 
 from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
-from dpjax.layout import tensorboard_run
+from dpjax.workdir import tensorboard_run
 from dpjax.parallel import compile_stats, global_array
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def build_trainer(model, train_config, objective: Objective, *, mesh,
 class MetricsWriter:
   """Appends JSON lines to a metrics file; on resume drops lines past the restored step.
 
-  TensorBoard event files beside it (`layout.tensorboard_run`) mirror the file: every numeric
+  TensorBoard event files beside it (`workdir.tensorboard_run`) mirror the file: every numeric
   field of a record (`<split>/<name>`) is a scalar at the record's step. They are rewritten
   from the kept lines when the writer starts and when lines are dropped, so they hold exactly
   the file's records (no step a resume dropped), and flushed with every record, so a killed run

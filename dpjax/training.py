@@ -35,7 +35,7 @@ from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.reading import evaluate_rc
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.trainer import (Hook, MetricsWriter, Preemption, Stopwatch, Trainer, build_trainer,
                            check_finite, every, run_steps)
 from dpjax.validation import Validator

@@ -34,7 +34,7 @@ from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.manifest import encoder_fingerprint, training_windows_config
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.models.encoders import bound, encode_questions
 from dpjax.trainer import MetricsWriter
 

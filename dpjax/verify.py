@@ -26,8 +26,8 @@ from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
 from dpjax.index.shards import SHARD_INFO, shard_rerun
 from dpjax.index.sparse import BUILD_HINT, MANIFEST as SPARSE_MANIFEST
 from dpjax.io import checksum_problems, read_json
-from dpjax.layout import CHECKPOINTS, Workdir
-from dpjax.workdir import read_filter_head
+from dpjax.workdir import CHECKPOINTS, Workdir
+from dpjax.loading import read_filter_head
 
 log = logging.getLogger(__name__)
 # An artifact's check: (its problems, or None when it has no digests to check; what remakes it,

@@ -22,7 +22,7 @@ from conftest import REPO
 # The modules a user imports, in docs/api.md's order (its command lists the same); the others
 # are reached through run.py.
 PUBLIC_MODULES = [
-    "dpjax.config", "dpjax.errors", "dpjax.layout", "dpjax.workdir",
+    "dpjax.config", "dpjax.errors", "dpjax.workdir", "dpjax.loading",
     "dpjax.losses", "dpjax.metrics", "dpjax.reading",
     "dpjax.models.bert", "dpjax.models.densephrases", "dpjax.models.reader",
     "dpjax.data.squad", "dpjax.data.corpus", "dpjax.data.questions", "dpjax.data.windows",
@@ -38,7 +38,7 @@ KEY_NAMES = {
     "dpjax.metrics": ["exact_match", "f1", "squad_em_f1", "has_answer", "open_domain_scores",
                       "passage_scores"],
     "dpjax.config": ["load_config"],
-    "dpjax.workdir": ["load_searcher", "restore_model"],
+    "dpjax.loading": ["load_searcher", "restore_model"],
     "dpjax.reading": ["best_spans", "evaluate_rc", "read_retrieved"],
     "dpjax.models.bert": ["BertConfig", "BertModel"],
     "dpjax.models.densephrases": ["DensePhrases", "load_exported", "export_dense_phrases"],

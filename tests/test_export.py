@@ -8,7 +8,7 @@ from flax import nnx
 
 from dpjax.config import load_config
 from dpjax.models import load_exported, load_pretrained_bert
-from dpjax.workdir import restore_model
+from dpjax.loading import restore_model
 
 import run
 

@@ -461,7 +461,7 @@ def test_squad_configs_search_hybrid_by_default(tmp_path, caplog):
     assert run.main([mode] + base) == 0, mode
   recorded = json.loads((sparse.sparse_folder(workdir / "dump") / sparse.MANIFEST).read_text())
   assert recorded["weight_tuning"]["questions"] == 12
-  caplog.set_level(logging.INFO, logger="dpjax.workdir")
+  caplog.set_level(logging.INFO, logger="dpjax.loading")
   assert run.main(["eval"] + base) == 0
   report = json.loads((workdir / "open_eval_Flat_hybrid.json").read_text())
   assert (report["hybrid"]["weight"], report["hybrid"]["sentence_weight"]) == (

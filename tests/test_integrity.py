@@ -21,8 +21,8 @@ from dpjax.index import shards as shards_module
 from dpjax.index.dump import dump_phrases
 from dpjax.index.manifest import DumpConfig
 from dpjax.parallel import make_mesh
-from dpjax.layout import FILTER_HEAD
-from dpjax.workdir import read_filter_head, save_filter_head
+from dpjax.workdir import FILTER_HEAD
+from dpjax.loading import read_filter_head, save_filter_head
 
 import run
 

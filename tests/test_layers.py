@@ -14,7 +14,7 @@ PACKAGE = REPO / "dpjax"
 LAYERS = [
     # L0: no dpjax imports but each other's.
     {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
-     "dpjax.distributed", "dpjax.model_files", "dpjax.layout"},
+     "dpjax.distributed", "dpjax.model_files", "dpjax.workdir"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.windows", "dpjax.data.squad",
      "dpjax.data.corpus",
@@ -32,7 +32,7 @@ LAYERS = [
      "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
      "dpjax.index.phrase_index",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
-     "dpjax.index.evaluate", "dpjax.index.hybrid_weights", "dpjax.workdir", "dpjax.trainer"},
+     "dpjax.index.evaluate", "dpjax.index.hybrid_weights", "dpjax.loading", "dpjax.trainer"},
     # L3: one module per paper concept.
     {"dpjax.objectives", "dpjax.mining", "dpjax.validation", "dpjax.token_filter",
      "dpjax.qsft", "dpjax.verify",

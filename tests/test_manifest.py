@@ -11,7 +11,7 @@ from dpjax.config import eval_config, index_config, with_defaults, workdir_confi
 from dpjax.errors import DataError, DumpError
 from dpjax.index.manifest import (FORMAT, LEGACY_SETTINGS, MANIFEST, check_dump, check_index_of_dump,
                                   existing_manifest, read_manifest, write_manifest)
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 
 WINDOWS = {"max_seq_length": 29, "doc_stride": 7, "include_title": True, "min_context": 0}
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from dpjax.config import load_config
 from dpjax.models import create_model
-from dpjax.workdir import restore_model
+from dpjax.loading import restore_model
 from dpjax.objectives import qsft_loss
 
 import run

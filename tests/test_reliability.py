@@ -361,7 +361,7 @@ def test_the_best_checkpoint_is_the_best_kept_not_the_newest(tmp_path):
   import jax
   from dpjax.checkpoint import Checkpointer
   from dpjax.models.densephrases import model_for_data
-  from dpjax.workdir import restore_model
+  from dpjax.loading import restore_model
   config = load_config("experiments/demo.py:tiny", ["eval.checkpoint='best'"])
   params = nnx.to_pure_dict(nnx.state(model_for_data(config), nnx.Param))
   zeros = jax.tree.map(np.zeros_like, params)

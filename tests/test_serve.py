@@ -17,7 +17,7 @@ from conftest import REPO, load_script
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
 from dpjax.serve import make_service, start_server
-from dpjax.workdir import data_paths, load_searcher
+from dpjax.loading import data_paths, load_searcher
 
 import run
 
@@ -503,7 +503,7 @@ def test_library_loader_chatter_is_kept_out_unless_verbose(service):
   assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-2000:]
   assert "faiss.loader" not in quiet.stderr and "ModuleNotFoundError" not in quiet.stderr
   assert "faiss.loader: Successfully loaded faiss" in verbose.stderr
-  assert "Q: who?" in quiet.stdout and "WARNING dpjax.workdir" in quiet.stderr
+  assert "Q: who?" in quiet.stdout and "WARNING dpjax.loading" in quiet.stderr
 
 
 # Every route the service has, with its methods (the docs' own, /openapi.json and /docs, aside).

@@ -8,7 +8,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from dpjax.layout import Workdir, tensorboard_run
+from dpjax.workdir import Workdir, tensorboard_run
 from dpjax.trainer import MetricsWriter, scalars
 
 RECORDS = [

@@ -24,8 +24,8 @@ from dpjax.index.evaluate import PROGRESS_CHUNK, found_scores, score_requests
 from dpjax.index.hybrid import Hybrid
 from dpjax.index.sparse import (MANIFEST, SparseIndex, build_sparse, record_weight,
                                 sparse_folder)
-from dpjax.layout import Workdir
-from dpjax.workdir import load_searcher
+from dpjax.workdir import Workdir
+from dpjax.loading import load_searcher
 
 log = logging.getLogger(__name__)
 

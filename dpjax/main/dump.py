@@ -8,9 +8,9 @@ from dpjax.data import SkipSummary, Tokenizer
 from dpjax.data.corpus import read_corpus
 from dpjax.index.dump import dump_phrases
 from dpjax.index.manifest import dump_config
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.parallel import make_mesh
-from dpjax.workdir import apply_filter_head, data_paths, restore_model, writes_to
+from dpjax.loading import apply_filter_head, data_paths, restore_model, writes_to
 
 log = logging.getLogger(__name__)
 

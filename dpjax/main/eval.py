@@ -15,9 +15,9 @@ from dpjax.errors import DataError
 from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests, write_trec
 from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json, write_lines_atomic
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.reading import check_reader_config, read_answers
-from dpjax.workdir import data_paths, load_searcher
+from dpjax.loading import data_paths, load_searcher
 
 log = logging.getLogger(__name__)
 

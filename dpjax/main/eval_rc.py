@@ -6,10 +6,10 @@ import logging
 
 from dpjax.data import Tokenizer, data_files, load_rc_split
 from dpjax.io import write_json
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.reading import evaluate_rc
-from dpjax.workdir import restore_model
+from dpjax.loading import restore_model
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pathlib
 
 from dpjax.errors import ConfigError
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.models.densephrases import EXPORT_INFO, export_dense_phrases
 from dpjax.models.pretrained import resolve_model_dir
-from dpjax.workdir import apply_filter_head, restore_model, writes_to
+from dpjax.loading import apply_filter_head, restore_model, writes_to
 
 
 @writes_to

@@ -12,11 +12,11 @@ from dpjax.errors import DataError
 from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.models.encoders import encode_questions
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.token_filter import rewrite_dump_logits, threshold_sweep, train_head, window_splits
-from dpjax.workdir import checked_dump, data_paths, restore_model, save_filter_head, writes_to
+from dpjax.loading import checked_dump, data_paths, restore_model, save_filter_head, writes_to
 
 
 @writes_to

@@ -5,8 +5,8 @@ import pathlib
 
 from dpjax.index.hybrid_weights import build_sparse_index
 from dpjax.index.faiss_index import build_index
-from dpjax.layout import Workdir
-from dpjax.workdir import checked_dump, writes_to
+from dpjax.workdir import Workdir
+from dpjax.loading import checked_dump, writes_to
 
 
 @writes_to

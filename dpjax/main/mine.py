@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dpjax.data import data_files
 from dpjax.data.squad import read_squad
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.mining import mine_hard_negatives
-from dpjax.workdir import load_searcher, writes_to
+from dpjax.loading import load_searcher, writes_to
 
 
 @writes_to

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax
 
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.qsft import fine_tune, workdir_lock
-from dpjax.workdir import writes_to
+from dpjax.loading import writes_to
 
 
 @writes_to

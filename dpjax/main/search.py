@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dpjax.errors import ConfigError
-from dpjax.workdir import load_searcher
+from dpjax.loading import load_searcher
 
 
 def run(config, workdir: str, queries: Sequence[str]) -> list:

@@ -9,9 +9,9 @@ from dpjax.data.squad import SkipSummary, write_squad_subset
 from dpjax.errors import DataError
 from dpjax.index.dump_reader import Dump
 from dpjax.index.manifest import MANIFEST
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.validation import gold_rows, parse_kind, select, subcorpus_tokens, write_subcorpus
-from dpjax.workdir import data_paths, load_searcher, writes_to
+from dpjax.loading import data_paths, load_searcher, writes_to
 
 
 @writes_to

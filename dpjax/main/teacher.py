@@ -8,10 +8,10 @@ import logging
 from dpjax import distributed
 from dpjax.errors import ConfigError
 from dpjax.io import workdir_lock
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.teacher import TEACHER, write_logits
 from dpjax.training import train_and_evaluate
-from dpjax.workdir import writes_to
+from dpjax.loading import writes_to
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from dpjax.errors import DataError, DumpError
-from dpjax.layout import Workdir
+from dpjax.workdir import Workdir
 from dpjax.verify import artifacts
 
 log = logging.getLogger(__name__)

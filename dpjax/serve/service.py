@@ -18,7 +18,7 @@ from dpjax.serve.app import create_app
 from dpjax.serve.auth import api_key, is_loopback
 from dpjax.serve.batching import Batcher
 from dpjax.serve.parsing import MAX_BODY, Limits
-from dpjax.workdir import load_searcher
+from dpjax.loading import load_searcher
 
 log = logging.getLogger(__name__)
 

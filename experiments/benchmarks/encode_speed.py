@@ -87,7 +87,7 @@ def main(argv=None) -> int:
   from dpjax.index.manifest import training_windows_config
   from dpjax.models import encoders as encoders_module
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.workdir import data_paths, restore_model
+  from dpjax.loading import data_paths, restore_model
 
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)

@@ -298,7 +298,7 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
-  from dpjax.workdir import data_paths
+  from dpjax.loading import data_paths
   config = load_config(args.config, args.set)
   workdir = pathlib.Path(args.workdir)
   questions = read_questions(data_paths(config, workdir)["questions"])

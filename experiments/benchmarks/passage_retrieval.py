@@ -10,7 +10,7 @@ match):
   dpjax-<index>  phrase-based passage retrieval (a passage scores as its best phrase), for every
                  index in --indexes (default Flat and IVFauto_SQ4), plus phrase EM@1/EM@10;
                  with `--set index.sparse=True` hybrid search, named dpjax-<index>-hybrid
-                 (the config's search options apply: `dpjax.workdir.search_options`);
+                 (the config's search options apply: `dpjax.loading.search_options`);
   bm25           bm25s, k1 0.9 and b 0.4 (Pyserini's defaults), English stop words, the Snowball
                  English (Porter2) stemmer of PyStemmer (Pyserini: Lucene's Porter), over
                  "title text";
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
 
   from dpjax import metrics
   from dpjax.data import Tokenizer
-  from dpjax.workdir import open_workdir, restore_model, search_options
+  from dpjax.loading import open_workdir, restore_model, search_options
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.search import PhraseSearcher

@@ -143,7 +143,7 @@ def corpus_passages(config, workdir) -> list:
   """The passages of the workdir's corpus, as `run.py dump` reads them (the dump's, in its order):
   BM25's rows need no phrase model."""
   from dpjax.data.corpus import read_corpus
-  from dpjax.workdir import data_paths
+  from dpjax.loading import data_paths
   return list(read_corpus(data_paths(config, workdir)["corpus"]))
 
 
@@ -205,7 +205,7 @@ def measure(args, config, reader_config, workdir) -> dict:
   from dpjax.data.questions import read_questions
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.reading import restore_reader
-  from dpjax.workdir import data_paths, load_searcher
+  from dpjax.loading import data_paths, load_searcher
 
   questions = read_questions(data_paths(config, workdir)["questions"])
   questions = questions[:args.limit or config.eval.limit or None]

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
   from experiments.report import save_results
   from dpjax.data import Tokenizer
-  from dpjax.workdir import open_workdir, restore_model
+  from dpjax.loading import open_workdir, restore_model
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.rescoring import Rescorer
   from dpjax.index.search import PhraseSearcher

@@ -225,7 +225,7 @@ def workload(args) -> tuple:
   port) of the serving benchmarks' arguments."""
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
-  from dpjax.workdir import data_paths
+  from dpjax.loading import data_paths
   config = load_config(args.config, args.set)
   questions = [q.question for q in
                read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]

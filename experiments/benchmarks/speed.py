@@ -64,7 +64,7 @@ def _compile_counter() -> dict:
 def _model(args):
   from dpjax.config import load_config
   from dpjax.data.tokenization import Tokenizer
-  from dpjax.workdir import restore_model
+  from dpjax.loading import restore_model
   config = load_config(args.config)
   model, step = restore_model(config, pathlib.Path(args.workdir))
   return config, model, Tokenizer.from_pretrained(config.model.tokenizer)

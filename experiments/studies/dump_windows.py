@@ -86,7 +86,7 @@ def measure(args, length: int, min_context: int, passages, questions, vectors, t
   from dpjax.index.faiss_index import build_index
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.main import dump
-  from dpjax.workdir import data_paths
+  from dpjax.loading import data_paths
   config = load(args, f"index.dump_min_context={min_context}",
                 f"index.dump_max_seq_length={length}",
                 f"index.dump_name={dump_name(length, min_context)!r}")
@@ -114,7 +114,7 @@ def study(args) -> dict:
   from dpjax.models.encoders import encode_questions
   from dpjax.index.manifest import dump_config
   from dpjax.parallel import make_mesh
-  from dpjax.workdir import data_paths, restore_model
+  from dpjax.loading import data_paths, restore_model
   config = load(args)
   passages = list(read_corpus(data_paths(config, args.workdir)["corpus"]))  # for the windows
   questions = read_questions(data_paths(config, args.workdir)["questions"])

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   from dpjax.index import hybrid_weights as fusion
   from dpjax.config import load_config, setup_logging
   from dpjax.index.sparse import SparseIndex
-  from dpjax.workdir import load_searcher
+  from dpjax.loading import load_searcher
   from experiments.report import git_commit
   from experiments.report import save_results
   setup_logging("dpjax.index.hybrid_weights", fmt="%(asctime)s %(message)s")

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
   from dpjax.data import data_files
   from dpjax.data.questions import read_questions, sample_questions
   from dpjax.index.sparse import SETTINGS, SparseIndex
-  from dpjax.workdir import load_searcher
+  from dpjax.loading import load_searcher
   from experiments.report import git_commit, save_results
   setup_logging()
   config = load_config(args.config, [])

@@ -41,7 +41,7 @@ def ranked_passages(args) -> tuple[list, list, dict]:
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
   from dpjax.index.evaluate import retrieve
-  from dpjax.workdir import data_paths, load_searcher
+  from dpjax.loading import data_paths, load_searcher
   config = load_config(args.config, args.set)
   questions = read_questions(data_paths(config, args.workdir)["questions"])
   questions = questions[:config.eval.limit or None]

@@ -164,7 +164,7 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   from dpjax.index.dump import dump_phrases
   from dpjax.index.dump_reader import Dump
   from dpjax.index.manifest import dump_config, params_fingerprint
-  from dpjax.workdir import restore_model
+  from dpjax.loading import restore_model
   from dpjax.parallel import make_mesh
   from dpjax.reading import evaluate_rc
   from dpjax.index.phrase_index import PhraseIndex
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
   from dpjax.data.corpus import read_corpus
   from dpjax.data import Tokenizer, load_rc_split
   from dpjax.data.questions import read_questions
-  from dpjax.workdir import data_paths
+  from dpjax.loading import data_paths
   from dpjax.parallel import make_mesh, round_to_devices
 
   config = load_config(args.config, args.set)
