@@ -43,9 +43,15 @@ def writes_to(mode):
     workdir = Workdir(workdir)
     if not distributed.is_main():
       return mode(config, workdir, *args, **kwargs)
+    created = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
-    with workdir_lock(workdir.lock, ""):
-      return mode(config, workdir, *args, **kwargs)
+    try:
+      with workdir_lock(workdir.lock, ""):
+        return mode(config, workdir, *args, **kwargs)
+    except BaseException:
+      if created and workdir.is_dir() and not any(workdir.iterdir()):
+        workdir.rmdir()  # a refused run in a mistyped workdir leaves no empty folder behind
+      raise
   return run
 
 
@@ -183,7 +189,7 @@ def describe_search(index: PhraseIndex) -> str:
 
 def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, *,
                   verify: bool = False):
-  """(DensePhrases over the workdir's index `index_name` (default index.search_index), the
+  """(PhraseSearcher over the workdir's index `index_name` (default index.search_index), the
   model's checkpoint step). `verify`: the checkpoint's, dump's and index's files are checked
   against the digests recorded when they were written (serve and eval: `index.verify`)."""
   workdir = Workdir(workdir)

@@ -53,7 +53,7 @@ def mine_hard_negatives(searcher, questions: Sequence[Question], train_passages:
   """Writes the hard negatives of every training question to `out_path` (JSONL); returns counts.
 
   Args:
-    searcher: a `DensePhrases` over the full index (its dump's passages include the training
+    searcher: a `PhraseSearcher` over the full index (its dump's passages include the training
       passages; others are dropped).
     questions, train_passages: the training split (`read_squad`).
   """

@@ -480,6 +480,7 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   finally:
     run.progress.close()
     run.checkpointer.close()
+    run.writer.close()  # (an error or a stop leaves no event file open; later writes reopen it)
   record = run.record
   if stop > run.first:  # steps run now: how their hard negatives were drawn
     drawn = random_with_answer(run.batches)
@@ -493,9 +494,10 @@ def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
   if validator:
     record = {**record, **validator.best()}
     validator.close()
-  timing = _timing_record(run, max(stop, run.first))
-  run.writer.write(timing)
-  log.info("timing: %s", {k: v for k, v in timing.items() if k.endswith("_s")})
+  if stop > run.first:  # a rerun of a finished training adds no timing line
+    timing = _timing_record(run, stop)
+    run.writer.write(timing)
+    log.info("timing: %s", {k: v for k, v in timing.items() if k.endswith("_s")})
   run.writer.close()
   if record and main:
     write_json(run.workdir.results, record)

@@ -81,7 +81,7 @@ GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1
             ("hybrid eval: questions/s over its search", "hybrid_questions_per_s"))
 
 
-def _cell(value) -> str:
+def cell(value) -> str:
   if value is None:
     return "-"
   if isinstance(value, float):
@@ -106,8 +106,8 @@ def _wall_split(results: dict, name: str) -> str:
   wall = results["stages"].get(f"{name}.train", {}).get("wall_s")
   parts = [train.get(f"train_{part}_s") for part in ("data", "compiles", "steps", "rc_eval")]
   if None in parts:
-    return f"- (wall {_cell(wall)})"
-  return " / ".join(map(_cell, parts)) + f" ({_cell(sum(parts))} of {_cell(wall)})"
+    return f"- (wall {cell(wall)})"
+  return " / ".join(map(cell, parts)) + f" ({cell(sum(parts))} of {cell(wall)})"
 
 
 def _flops_table(results: dict) -> list[str]:
@@ -141,31 +141,31 @@ def render_gpu_check(results: dict, command: str) -> str:
             for p in results.get("parts", [results])]
   recipe_keys = list(results["candidates"]["default"]["recipe"])
   lines += ["", "| setting | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-  lines += [f"| {k} | " + " | ".join(_cell(results["candidates"][n]["recipe"].get(k))
+  lines += [f"| {k} | " + " | ".join(cell(results["candidates"][n]["recipe"].get(k))
                                      for n in names) + " |" for k in recipe_keys]
   lines += ["", "| figure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   for label, key in GPU_ROWS:
     values = []
     for n in names:
       c = results["candidates"][n]
-      values.append(_cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {}),
+      values.append(cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {}),
                            **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
                           .get(key)))
     lines.append(f"| {label} | " + " | ".join(values) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")
   lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(
-      " / ".join(_cell(results["candidates"][n].get("train", {}).get(f"train_{part}_s"))
+      " / ".join(cell(results["candidates"][n].get("train", {}).get(f"train_{part}_s"))
                  for part in ("setup", "checkpoint", "validation")) for n in names) + " |")
   lines += ["", "Targets (the default candidate):", "", "| figure | target | value | met |",
             "|---|---|---|---|"]
   met = {True: "yes", False: "**no**", None: "not measured"}
-  lines += [f"| {t['figure']} | {t['target']} | {_cell(t['value'])} | {met[t['met']]} |"
+  lines += [f"| {t['figure']} | {t['target']} | {cell(t['value'])} | {met[t['met']]} |"
             for t in results["targets"]]
   lines += _flops_table(results)
   lines += ["", "Stages (wall seconds, exit status):", "", "| stage | wall s | rc |",
             "|---|---|---|"]
-  lines += [f"| {k} | {_cell(v.get('wall_s'))} | {v['rc']} |" for k, v in results["stages"].items()]
+  lines += [f"| {k} | {cell(v.get('wall_s'))} | {v['rc']} |" for k, v in results["stages"].items()]
   return with_notes(lines, results.get("notes", []))
 
 

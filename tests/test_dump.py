@@ -448,7 +448,7 @@ def test_dump_resumes_after_a_crash(model, tokenizer, tmp_path):
 
 
 def test_search_api_tokenizes_questions_as_the_dump_says(model, tokenizer, tmp_path):
-  """`DensePhrases(model, index)` without a tokenizer takes the one the dump's manifest names
+  """`PhraseSearcher(model, index)` without a tokenizer takes the one the dump's manifest names
   (`run.py dump` records `model.tokenizer`): it took MiniLM's whatever made the dump."""
   vocab = tmp_path / "vocab"
   vocab.mkdir()

@@ -117,6 +117,10 @@ def test_a_run_is_clean_only_when_its_product_equals_the_expectation(tmp_path):
   row = _row(tmp_path, answer(["Ann", "Eve"]), expect=expect)
   assert row["verdict"] == "silent" and row["failed"] == ["the answers a clean run gives"]
   answers.unlink()
+  # exit 0 but a logged error as its last line (the prefix `final_line` strips): not clean
+  logged = _row(tmp_path, lambda: (0, "2026-11-28 10:00:00,000 ERROR root: x\n", 1.0),
+                expect=[("nothing", lambda out: True)])
+  assert logged["verdict"] == "silent" and _failed_kinds(logged) == {"message"}
   missing = _row(tmp_path, lambda: (0, "done\n", 1.0), expect=expect)  # a check that raises
   assert missing["verdict"] == "silent"
   said = [sweep.printed(r"^skipped 1 record")]

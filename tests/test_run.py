@@ -331,3 +331,11 @@ def test_the_workdir_remembers_its_config_and_refuses_another(tmp_path, caplog):
     assert (f"{workdir} was made with another config ({tiny}, {saved_file}): " in caplog.text
             and message in caplog.text and "leave --config out" in caplog.text), caplog.text
   assert json.loads(saved_file.read_text()) == saved  # written once, by the run that made it
+
+
+def test_a_refused_run_leaves_no_new_workdir(tmp_path):
+  """A dump from a mistyped workdir (no checkpoints) is refused and leaves no empty folder."""
+  workdir = tmp_path / "mistyped"
+  assert run.main(["dump", "--config", "experiments/demo.py:tiny", "--workdir",
+                   str(workdir)]) == 2
+  assert not workdir.exists()

@@ -562,3 +562,20 @@ def test_the_searcher_keeps_its_old_name():
   import dpjax
   from dpjax.index import search
   assert dpjax.DensePhrases is dpjax.PhraseSearcher is search.PhraseSearcher
+
+
+def test_plain_hits_share_their_rescoring_across_rounds(toy):
+  """Hits given as a plain (starts, ends) pair are wrapped once: a unit search's rounds rescore
+  each hit at most once (wrapped with the index itself, every round started over)."""
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  width = index.fetch_bounds(4)[1]
+  found = index.hits(q_start, q_end, width)
+  columns, rescore = [], index.rescorer.rescore
+  index.rescorer.rescore = lambda qs, qe, s, e, n: columns.append(s.shape[1]) or rescore(
+      qs, qe, s, e, n)
+  shared = index.search(q_start, q_end, 4, "document", hits=found)
+  shared_columns, columns[:] = sum(columns), []
+  plain = index.search(q_start, q_end, 4, "document", hits=(found[0], found[1]))
+  key = lambda units: [[(p.start_token, p.end_token, p.score) for p, _ in u] for u in units]
+  assert key(plain) == key(shared) and sum(columns) == shared_columns <= width

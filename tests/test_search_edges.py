@@ -41,7 +41,7 @@ def test_an_index_without_tokens_finds_nothing(toy_dump, unit):
 
 
 class _Searcher:
-  """What `run.py eval` needs of `DensePhrases`: the toy index and its question vectors."""
+  """What `run.py eval` needs of `PhraseSearcher`: the toy index and its question vectors."""
 
   def __init__(self, index, q_start, q_end):
     self.index, self.q_start, self.q_end = index, q_start, q_end

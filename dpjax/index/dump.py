@@ -234,7 +234,9 @@ def _prepare(out_dir: pathlib.Path, manifest: dict, old: dict | None) -> None:
   if distributed.is_main():
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
       remove(leftover)
-    if old is None:
+    # (one written before the tokenizer and filter head were recorded gets them now, so that a
+    # later resume with another of either is refused)
+    if old is None or any(key not in old for key in ("tokenizer", "filter_head")):
       write_manifest(out_dir, manifest)
   distributed.barrier("dump-start")
 

@@ -394,7 +394,8 @@ class PhraseIndex:
     units: list = [None] * len(q_start)
     pending = np.arange(len(q_start))
     if hits is not None and not self._asked(hits, q_start, q_end, pending):
-      hits = Hits(hits[0], hits[1], q_start, q_end, self)  # its rounds share their rescoring
+      # its rounds share their rescoring
+      hits = Hits(hits[0], hits[1], q_start, q_end, self.rescorer)
     wide, wide_row = (None, None) if hits is None else (hits, np.arange(len(q_start)))
     while len(pending):
       needed = min(fetch, self.num_vectors)

@@ -1,9 +1,9 @@
 """Soak test of `run.py serve`: many requests from concurrent clients, a share of them bad, every
-good answer checked against `DensePhrases.search`.
+good answer checked against `PhraseSearcher.search`.
 
 Before the server starts, the oracle: this process loads the workdir's searcher as the service
 does (`load_searcher`) and searches every distinct question of the workdir's questions for each
-(k, unit) of SEARCHES with `DensePhrases.search`. Then the server is started as serve_load.py
+(k, unit) of SEARCHES with `PhraseSearcher.search`. Then the server is started as serve_load.py
 does, with an API key in its environment (`serve.api_key_env`, $DPJAX_API_KEY: the one set, else
 a random one; never on a command line, in a log or in the report), and `--clients` threads send
 `--requests` requests in all, each for a question and a (k, unit) of SEARCHES, `--bad-fraction`
@@ -39,6 +39,7 @@ import pathlib
 import random
 import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -64,7 +65,7 @@ WRONG_EXAMPLES = 20  # the wrong answers the report shows, the first ones
 
 
 def oracle(config, workdir: str, questions: list[str]) -> dict[tuple, list[dict]]:
-  """{(question, k, unit): the results `DensePhrases.search` finds} for each distinct question
+  """{(question, k, unit): the results `PhraseSearcher.search` finds} for each distinct question
   and each (k, unit) of SEARCHES, over the searcher loaded as `make_service` loads it (through
   JSON, as the service sends them)."""
   from dpjax.loading import load_searcher
@@ -325,7 +326,7 @@ def render(r: dict, command: str) -> str:
            f"key from the environment; kinds: "
            + ", ".join(f"{k} {n}" for k, n in sorted(r["kinds"].items())) + f". Commit "
            f"{r['commit']}.", "",
-           f"Each good and slow request's answer compared with `DensePhrases.search` of the "
+           f"Each good and slow request's answer compared with `PhraseSearcher.search` of the "
            f"same question in the soak's process ({answers['oracle_searches']} searches: each "
            "question for each of " + ", ".join(f"k={k} {u}" for k, u in r["searches"])
            + f"): {answers['right']} of {checked} right, {answers['wrong']} wrong "
@@ -385,8 +386,16 @@ def main(argv=None):
     result = soak(port, questions, args, server.pid, answers, key)
   finally:
     server.send_signal(signal.SIGTERM)
-    exit_status = server.wait(timeout=60)
-  results = {**result, "commit": commit, "auth": True, "requests": args.requests,
+    try:
+      exit_status = server.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # a server that does not stop: killed, and said so
+      server.kill()
+      server.wait()
+      exit_status = "killed after 60 s"
+  # The key was required: requests without it were sent, and every one was refused (401).
+  auth = result["kinds"].get("nokey", 0) > 0 and not any(
+      k.startswith("nokey:") for k in result["unexpected"])
+  results = {**result, "commit": commit, "auth": auth, "requests": args.requests,
              "clients": args.clients, "bad_fraction": args.bad_fraction,
              "searches": [list(s) for s in SEARCHES], "answers": answers.summary(),
              "oracle_seconds": oracle_seconds, "server_exit": exit_status, "notes": args.note}

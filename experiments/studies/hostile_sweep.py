@@ -117,6 +117,14 @@ def final_line(out: str) -> str:
   return LOG_PREFIX.sub("", lines[-1].strip()) if lines else ""
 
 
+def logged_error(out: str) -> bool:
+  """Whether the output's last non-empty line is a logged ERROR (`final_line` strips the
+  prefix that says so) or an API call's "ERROR <class>: ..." line."""
+  lines = [line.strip() for line in out.strip().splitlines() if line.strip()]
+  return bool(lines) and (LOG_PREFIX.match(lines[-1]) is not None
+                          or lines[-1].startswith("ERROR "))
+
+
 def chain(*runs):
   """Runs `runs` in order until one fails; (the last exit code, all output, all seconds)."""
   code, outs, seconds = 0, [], 0.0
@@ -333,7 +341,7 @@ def case_checks(error, raises, unchanged, allowed, said, expect) -> list[Check]:
                         and not RAW_ERRNO.match(o.last)))
   else:
     checks.append(Check("message", "final line not an ERROR",
-                        lambda o: not o.last.startswith("ERROR")))
+                        lambda o: not logged_error(o.out)))
   checks += [Check("message", what, lambda o, f=f: f(o.out)) for what, f in said]
   if unchanged:
     names = ", ".join(pathlib.Path(p).name for p in unchanged)
