@@ -63,7 +63,7 @@ def data_paths(config, workdir: pathlib.Path) -> dict:
       str(files["train"]), str(files["dev"])]
   questions = config.index.questions or str(files["dev"])
   return {"corpus": corpus, "questions": questions,
-          "dump": Workdir(workdir).dump(config)}
+          "dump": Workdir(workdir).dump(config.index.dump_name)}
 
 
 def checked_dump(config, workdir: pathlib.Path, model=None) -> dict:
@@ -72,7 +72,7 @@ def checked_dump(config, workdir: pathlib.Path, model=None) -> dict:
   dump's vectors with the model's question encoders or filter head: QSFT, the token filter),
   made by its phrase encoder. Read and checked before any shard is: index, eval, search, mine,
   serve, QSFT and the token filter would otherwise use another dump without a word."""
-  dump = Workdir(workdir).dump(config)
+  dump = Workdir(workdir).dump(config.index.dump_name)
   manifest = read_manifest(dump)
   check_dump(manifest, dump, windows=dump_windows(config),
              corpus=lambda: data_paths(config, workdir)["corpus"],
@@ -195,7 +195,7 @@ def load_searcher(config, workdir: pathlib.Path, index_name: str | None = None, 
   workdir = Workdir(workdir)
   model, step = restore_model(config, workdir, verify=verify)
   checked_dump(config, workdir)
-  dump = Dump.load(workdir.dump(config), verify=verify)
+  dump = Dump.load(workdir.dump(config.index.dump_name), verify=verify)
   index = PhraseIndex(dump, index_name or config.index.search_index, nprobe=config.index.nprobe,
                       search_device=config.index.search_device, verify=verify,
                       **search_options(config, dump, verify=verify))

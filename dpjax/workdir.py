@@ -32,13 +32,13 @@ class Workdir(type(pathlib.Path())):
     """The checkpoints of `kind` (`CHECKPOINTS`: latest, best, qsft)."""
     return pathlib.Path(self, CHECKPOINTS[kind])
 
-  def dump(self, config) -> pathlib.Path:
-    """The configured dump (`index.dump_name`)."""
-    return pathlib.Path(self, config.index.dump_name)
+  def dump(self, name: str) -> pathlib.Path:
+    """The dump `name` (`index.dump_name`)."""
+    return pathlib.Path(self, name)
 
-  def indexes(self, config) -> pathlib.Path:
-    """The folder of the configured dump's indexes (one folder each)."""
-    return self.dump(config) / "indexes"
+  def indexes(self, name: str) -> pathlib.Path:
+    """The folder of dump `name`'s indexes (one folder each)."""
+    return self.dump(name) / "indexes"
 
   def report(self, name: str) -> pathlib.Path:
     """A mode's report or output file (`open_eval_Flat.json`, `qsft_results.json`, ...)."""

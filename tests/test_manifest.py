@@ -81,10 +81,11 @@ def test_an_index_is_checked_against_its_dump(tmp_path):
 def test_the_workdir_layout():
   workdir = Workdir("/w")
   config = ml_collections.ConfigDict({"index": {"dump_name": "d"}})
+  name = config.index.dump_name
   assert [str(p) for p in (workdir.checkpoints(), workdir.checkpoints("best"),
-                           workdir.checkpoints("qsft"), workdir.dump(config),
-                           workdir.indexes(config), workdir.filter_head, workdir.metrics,
-                           workdir.results, workdir.teacher.checkpoints())] == [
+                           workdir.checkpoints("qsft"), workdir.dump(name), workdir.indexes(name),
+                           workdir.filter_head, workdir.metrics, workdir.results,
+                           workdir.teacher.checkpoints())] == [
       "/w/checkpoints", "/w/checkpoints_best", "/w/checkpoints_qsft", "/w/d", "/w/d/indexes",
       "/w/filter_head.npz", "/w/metrics.jsonl", "/w/results.json", "/w/teacher/checkpoints"]
   assert Workdir(workdir) == workdir and (workdir / MANIFEST).name == MANIFEST

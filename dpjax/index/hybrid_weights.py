@@ -42,7 +42,7 @@ def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
   searcher = step = None
   if config.index.sparse_weight is None and not _weight_kept(config, workdir):
     searcher, step = _dense_searcher(config, workdir)
-  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(config))
+  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(config.index.dump_name))
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
   if config.index.sparse_weight is not None:
@@ -63,7 +63,7 @@ def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
 
 def _weight_kept(config, workdir: Workdir) -> bool:
   """Whether the BM25 index records a weight chosen for these settings (`_tuned_for`)."""
-  path = sparse_folder(workdir.dump(config)) / MANIFEST
+  path = sparse_folder(workdir.dump(config.index.dump_name)) / MANIFEST
   try:
     manifest = json.loads(path.read_text())
   except (OSError, ValueError):  # none, or unreadable: built (again) below

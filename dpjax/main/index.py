@@ -13,7 +13,7 @@ from dpjax.loading import checked_dump, writes_to
 def run(config, workdir: Workdir) -> list[pathlib.Path]:
   """`run.py index`: the configured faiss indexes (`index.specs`) over the dump, and with
   `index.sparse` its BM25 index and hybrid weight (`dpjax.index.hybrid_weights`)."""
-  dump = workdir.dump(config)
+  dump = workdir.dump(config.index.dump_name)
   checked_dump(config, workdir)
   built = [build_index(dump, spec, filter_threshold=config.index.filter_threshold,
                        train_size=config.index.train_size, nprobe=config.index.nprobe)
