@@ -1,5 +1,6 @@
-"""`run.py train`: trains the phrase and question encoders, evaluates RC EM/F1 on dev, validates
-on a subcorpus, checkpoints; resumes exactly from the workdir.
+"""A training run (`train_and_evaluate`, behind `run.py train` and `run.py teacher`): trains the
+phrase and question encoders (or the teacher), evaluates RC EM/F1 on dev, validates on a
+subcorpus, checkpoints; resumes exactly from the workdir.
 
 The loop is `dpjax.trainer.run_steps`: one jitted step and hooks that fire by step (`every`):
 progress, log, RC evaluation, subcorpus validation, checkpoint. A resumed run continues the same
