@@ -12,6 +12,7 @@ import ml_collections
 
 from dpjax.errors import ConfigError, DataError
 from dpjax.io import read_json, write_json
+from dpjax.settings import Settings
 from dpjax.workdir import Workdir
 
 
@@ -45,6 +46,12 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
   return config
 
 
+def load_settings(spec: str, overrides: Sequence[str] = ()) -> Settings:
+  """`load_config`'s config as its typed sections (`Settings`), what the programs and the
+  library functions read."""
+  return Settings.of(load_config(spec, overrides))
+
+
 SAVED_CONFIG = "dpjax_config.json"  # in a workdir: the resolved config of the run that made it
 # The fields a workdir's artifacts (checkpoints, data, dumps) are built with: a --config that gives
 # them other values is refused there. The rest (train.*, index.*, eval.*, serve.*, data.dir: where
@@ -68,8 +75,8 @@ def check_workdir(workdir: str) -> None:
 
 
 def run_in_workdir(mode, spec: str | None, overrides: Sequence[str], workdir: str, **kwargs):
-  """Runs `mode(config, workdir, **kwargs)` with `workdir_config`'s config, the workdir given to
-  the mode as a `Workdir` (its layout), built here once for every mode. The run that makes
+  """Runs `mode(settings, workdir, **kwargs)` with `workdir_config`'s config as typed sections
+  (`Settings`, built here once for every mode), the workdir given as a `Workdir` (its layout). The run that makes
   the workdir (absent or empty before, holding something after) saves that config there
   (SAVED_CONFIG) when it ends, also when it stops early: what it made, it made with this config.
   The API key is not saved."""
@@ -78,7 +85,7 @@ def run_in_workdir(mode, spec: str | None, overrides: Sequence[str], workdir: st
   path = Workdir(workdir)
   new = not path.is_dir() or not any(path.iterdir())
   try:
-    return mode(config, path, **kwargs)
+    return mode(Settings.of(config), path, **kwargs)
   finally:
     if new and path.is_dir() and any(path.iterdir()) and not (path / SAVED_CONFIG).exists():
       saved = ml_collections.ConfigDict(config.to_dict())

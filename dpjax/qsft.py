@@ -15,6 +15,7 @@ the full index is measured before training and after every epoch; the best check
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 import time
@@ -28,6 +29,9 @@ import numpy as np
 from dpjax.checkpoint import Checkpointer
 from dpjax.data import Tokenizer, data_files
 from dpjax.errors import ConfigError, DataError
+from dpjax.settings import (DataSettings, EvalSettings, IndexSettings, ModelSettings,
+                            QsftSettings, TrainSettings, ValidationSettings,
+                            section_dict)
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.phrase_index import PhraseIndex
@@ -101,20 +105,35 @@ class CandidateVectors:
     return vectors.reshape(*ids.shape, -1)
 
 
-def _dev_scores(index, model, tokenizer, questions, config, mesh, batch_size) -> dict:
+def _dev_scores(data: DataSettings, evaluation: EvalSettings, phrase_index, encoder, tokenizer,
+                questions, mesh, batch_size) -> dict:
   """EM@k / F1@k of the top phrases of the dev questions over the full index."""
-  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
-                                    max_query_length=config.data.max_query_length,
+  q_start, q_end = encode_questions(encoder, tokenizer, [q.question for q in questions],
+                                    max_query_length=data.max_query_length,
                                     batch_size=batch_size, mesh=mesh)
-  return retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
-                          max_answer_length=config.eval.max_answer_length, top_tokens=10,
-                          passage_k=0, regex=config.eval.regex, per_question=True)
+  return retrieval_scores(phrase_index, q_start, q_end, [q.answers for q in questions],
+                          max_answer_length=evaluation.max_answer_length, top_tokens=10,
+                          passage_k=0, regex=evaluation.regex, per_question=True)
 
 
 def workdir_lock(path: pathlib.Path):
   """One QSFT run per workdir (`<workdir>/qsft.lock`): a second one would delete the first one's
   `checkpoints_qsft` and interleave its metrics."""
   return io.workdir_lock(path, "QSFT")
+
+
+@dataclasses.dataclass(frozen=True)
+class QsftRunSettings:
+  """The config sections a QSFT run reads, built by its program (`run.py qsft`): the model it
+  restores (the checkpoint `eval.checkpoint` names, `best` by `validation.metric`), its data and
+  index, the training machinery it reuses, and the run's own `qsft`."""
+  model: ModelSettings
+  data: DataSettings
+  train: TrainSettings
+  evaluation: EvalSettings
+  validation: ValidationSettings
+  index: IndexSettings
+  qsft: QsftSettings
 
 
 @dataclasses.dataclass
@@ -152,15 +171,18 @@ def epoch_schedule(peak: float, warmup_fraction: float, epochs: int, epoch: int,
   return schedule
 
 
-def _setup(config, workdir: Workdir) -> Setup:
-  qc = config.qsft
-  paths = data_paths(config, workdir)
-  model, trained_step = restore_model(config, workdir)
-  checked_dump(config, workdir, model)
-  index = PhraseIndex(paths["dump"], qc.index, nprobe=config.index.nprobe,
-                      search_device=config.index.search_device)
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  train_file = qc.questions or str(data_files(config.data, workdir)["train"])
+def _setup(settings: QsftRunSettings, workdir: Workdir) -> Setup:
+  """The run's index, questions, tokenised questions, epoch 1's candidates and trainer (the
+  restored model under the QSFT recipe and its freezing filter)."""
+  qc, data = settings.qsft, settings.data
+  paths = data_paths(data, settings.index, workdir)
+  model, trained_step = restore_model(settings.model, data, settings.evaluation, workdir,
+                                      best_metric=settings.validation.metric)
+  checked_dump(data, settings.index, workdir, model)
+  index = PhraseIndex(paths["dump"], qc.index, nprobe=settings.index.nprobe,
+                      search_device=settings.index.search_device)
+  tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
+  train_file = qc.questions or str(data_files(data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)
   dev = sample_questions(read_questions(paths["questions"]), qc.dev_limit, qc.seed)
   if qc.level == "document" and any(not q.title for q in questions):
@@ -168,13 +190,13 @@ def _setup(config, workdir: Workdir) -> Setup:
   mesh = make_mesh()
   if qc.batch_size % mesh.size:
     raise ConfigError(f"qsft.batch_size {qc.batch_size} is not a multiple of {mesh.size} devices")
-  ids, mask = tokenizer.encode([q.question for q in questions], config.data.max_query_length)
+  ids, mask = tokenizer.encode([q.question for q in questions], data.max_query_length)
   # The training machinery with the QSFT recipe and its freezing filter.
-  tc = config.train.copy_and_resolve_references()
-  tc.update(batch_size=qc.batch_size, learning_rate=qc.learning_rate, freeze=list(qc.freeze),
-            dropout=qc.dropout)
-  tc.loss.recipe = "qsft"
-  first = _candidates(config, index, model, tokenizer, questions, mesh)
+  tc = dataclasses.replace(settings.train, batch_size=qc.batch_size,
+                           learning_rate=qc.learning_rate, freeze=tuple(qc.freeze),
+                           dropout=qc.dropout,
+                           loss=dataclasses.replace(settings.train.loss, recipe="qsft"))
+  first = _candidates(data, settings.evaluation, qc, index, model, tokenizer, questions, mesh)
   objective = make_objective(tc.loss, batch_size=qc.batch_size, length=1,
                              dim=model.config.hidden_size)
   trainer = build_trainer(model, tc, objective, mesh=mesh,
@@ -202,64 +224,67 @@ def _retrainer(run: Setup, qc, epoch: int, steps: int) -> Trainer:
   return trainer
 
 
-def _candidates(config, index: PhraseIndex, model, tokenizer, questions, mesh):
-  """The training questions' top-k candidates with `model`'s question encoders."""
-  qc = config.qsft
-  q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
-                                    max_query_length=config.data.max_query_length,
-                                    batch_size=round_to_devices(config.eval.batch_size, mesh),
+def _candidates(data: DataSettings, evaluation: EvalSettings, qsft: QsftSettings,
+                phrase_index: PhraseIndex, encoder, tokenizer, questions, mesh):
+  """The training questions' top-k candidates with `encoder`'s question encoders."""
+  q_start, q_end = encode_questions(encoder, tokenizer, [q.question for q in questions],
+                                    max_query_length=data.max_query_length,
+                                    batch_size=round_to_devices(evaluation.batch_size, mesh),
                                     mesh=mesh)
   return retrieve_candidates(
-      index, q_start, q_end, [q.answers for q in questions], k=qc.top_k,
-      max_answer_length=config.eval.max_answer_length, level=qc.level,
+      phrase_index, q_start, q_end, [q.answers for q in questions], k=qsft.top_k,
+      max_answer_length=evaluation.max_answer_length, level=qsft.level,
       gold_titles=[[q.title] for q in questions])
 
 
-def _epoch(config, run: Setup, epoch: int) -> tuple[list[float], int]:
+def _epoch(data: DataSettings, train: TrainSettings, evaluation: EvalSettings,
+           qsft: QsftSettings, run: Setup, epoch: int) -> tuple[list[float], int]:
   """Retrieves the candidates of every training question with the current question encoders
   (epoch 1: those of the setup), then one pass over the questions that have a positive.
   Returns (losses, questions used)."""
-  qc, questions = config.qsft, run.questions
+  questions = run.questions
   if epoch == 0:
     candidates, run.first = run.first, None
   else:
-    candidates = _candidates(config, run.index, run.trainer.model(), run.tokenizer, questions,
-                             run.mesh)
-    run.trainer = _retrainer(run, qc, epoch, _steps(candidates, qc))
+    candidates = _candidates(data, evaluation, qsft, run.index, run.trainer.model(),
+                             run.tokenizer, questions, run.mesh)
+    run.trainer = _retrainer(run, qsft, epoch, _steps(candidates, qsft))
   usable = np.flatnonzero(candidates.positive.any(1))
-  if len(usable) < qc.batch_size:
+  if len(usable) < qsft.batch_size:
     log.warning("QSFT epoch %d: only %d of %d questions have a positive among their top %d: "
                 "fewer than a batch, no update", epoch + 1, len(usable), len(questions),
-                qc.top_k)
-  order = np.random.default_rng([config.train.seed, epoch]).permutation(usable)
-  mine = local_rows(batch_sharding(run.mesh), qc.batch_size)
+                qsft.top_k)
+  order = np.random.default_rng([train.seed, epoch]).permutation(usable)
+  mine = local_rows(batch_sharding(run.mesh), qsft.batch_size)
 
   def batch(b: int) -> dict:
-    rows = order[b * qc.batch_size:(b + 1) * qc.batch_size][mine]
+    rows = order[b * qsft.batch_size:(b + 1) * qsft.batch_size][mine]
     local = {"question_input_ids": run.ids[rows], "question_attention_mask": run.mask[rows],
              "candidate_start": run.vectors(candidates.start[rows]),
              "candidate_end": run.vectors(candidates.end[rows]),
              "candidate_valid": candidates.valid[rows],
              "candidate_positive": candidates.positive[rows]}
-    return global_batch(local, batch_sharding(run.mesh), qc.batch_size, len(rows))
+    return global_batch(local, batch_sharding(run.mesh), qsft.batch_size, len(rows))
 
   losses = []
-  run_steps(run.trainer, range(len(order) // qc.batch_size), batch,
+  run_steps(run.trainer, range(len(order) // qsft.batch_size), batch,
             [Hook(lambda d: True, lambda d, m: losses.append(float(jax.device_get(m["loss"]))))])
   run.steps += len(losses)
   return losses, len(usable)
 
 
-def fine_tune(config, workdir: Workdir) -> dict:
-  qc = config.qsft
-  run = _setup(config, workdir)
-  eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
+def fine_tune(settings: QsftRunSettings, workdir: Workdir) -> dict:
+  """QSFT's epochs, dev EM@1 measured before and after each, the best checkpoint kept in
+  `checkpoints_qsft`; returns (and writes) `_report`'s result."""
+  qc, data, evaluation = settings.qsft, settings.data, settings.evaluation
+  run = _setup(settings, workdir)
+  eval_batch = round_to_devices(evaluation.batch_size, run.mesh)
   writer = MetricsWriter(workdir.report("qsft_metrics.jsonl"), -1)  # a QSFT run starts afresh
   if jax.process_index() == 0:
     remove(workdir.checkpoints("qsft"))
   checkpointer = Checkpointer(workdir.checkpoints("qsft"), keep=1, best_metric=QSFT_METRIC)
-  dev_scores = lambda: _dev_scores(run.index, run.trainer.model(), run.tokenizer, run.dev,
-                                   config, run.mesh, eval_batch)
+  dev_scores = lambda: _dev_scores(data, evaluation, run.index, run.trainer.model(),
+                                   run.tokenizer, run.dev, run.mesh, eval_batch)
   before = dev_scores()
   summary = lambda record: {k: v for k, v in record.items() if k != "hits"}  # metrics' lines
   writer.write({"step": 0, "split": "dev", **summary(before)})
@@ -269,7 +294,7 @@ def fine_tune(config, workdir: Workdir) -> dict:
   history, step = [], 0
   for epoch in range(qc.epochs):
     start_time = time.perf_counter()
-    losses, usable = _epoch(config, run, epoch)
+    losses, usable = _epoch(data, settings.train, evaluation, qc, run, epoch)
     step += len(losses)
     scores = dev_scores()
     record = {"step": step, "epoch": epoch + 1, "split": "dev", **scores,
@@ -281,7 +306,7 @@ def fine_tune(config, workdir: Workdir) -> dict:
     history.append(record)
     if step not in checkpointer.manager.all_steps():  # an epoch without update saves nothing
       checkpointer.save(step, run.trainer.state,
-                        {"step": step, "epoch": epoch + 1, "qsft": qc.to_json(),
+                        {"step": step, "epoch": epoch + 1, "qsft": json.dumps(section_dict(qc)),
                          "trained_step": run.trained_step},
                       metrics={QSFT_METRIC: scores[QSFT_METRIC]})
     log.info("QSFT epoch %d: %d of %d questions have a positive; loss %.3f; dev EM@1 %.2f",
@@ -290,14 +315,15 @@ def fine_tune(config, workdir: Workdir) -> dict:
   best = checkpointer.best_step()
   checkpointer.close()
   writer.close()
-  return _report(config, workdir, run, before, history, best)
+  return _report(qc, workdir, run, before, history, best)
 
 
-def _report(config, workdir: Workdir, run: Setup, before: dict, history: list,
+def _report(qsft: QsftSettings, workdir: Workdir, run: Setup, before: dict, history: list,
             best) -> dict:
-  qc = config.qsft
-  result = {"index": qc.index, "level": qc.level, "quantized": qc.quantized, "top_k": qc.top_k,
-            "learning_rate": qc.learning_rate, "batch_size": qc.batch_size,
+  """The run's result (dev EM@1 before and after each epoch, the kept epoch against the start),
+  written to `qsft_results_<index>[_quantized].json` and printed."""
+  result = {"index": qsft.index, "level": qsft.level, "quantized": qsft.quantized,
+            "top_k": qsft.top_k, "learning_rate": qsft.learning_rate, "batch_size": qsft.batch_size,
             "train_questions": len(run.questions), "dev_questions": len(run.dev),
             "schedule_steps": run.steps,
             "before": before, "epochs": history, "best_step": best,
@@ -314,10 +340,10 @@ def _report(config, workdir: Workdir, run: Setup, before: dict, history: list,
                 "encoders it started from; keep eval.checkpoint=latest", before["em@1"],
                 " / ".join(f"{h['em@1']:.2f}" for h in history), best)
   if jax.process_index() == 0:
-    name = f"qsft_results_{qc.index}{'_quantized' if qc.quantized else ''}.json"
+    name = f"qsft_results_{qsft.index}{'_quantized' if qsft.quantized else ''}.json"
     write_json(workdir.report(name), result)
   paired = result.get("best_epoch_vs_before")
-  print(f"QSFT ({qc.index}): dev EM@1 {before['em@1']:.2f} -> "
+  print(f"QSFT ({qsft.index}): dev EM@1 {before['em@1']:.2f} -> "
         + " -> ".join(f"{h['em@1']:.2f}" for h in history)
         + (f" (epoch {paired['epoch']} against the start: {paired['gained']} questions gained, "
            f"{paired['lost']} lost, McNemar p = {paired['p_value']:.3g})" if paired else ""))

@@ -34,7 +34,6 @@ import numpy as np
 
 from dpjax import metrics
 from dpjax.checkpoint import restore_params
-from dpjax.config import SAVED_CONFIG, workdir_config
 from dpjax.data import Tokenizer, data_files
 from dpjax.data.batches import cross_batch
 from dpjax.data.questions import read_questions, sample_questions
@@ -45,6 +44,7 @@ from dpjax.workdir import Workdir
 from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
 from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
+from dpjax.settings import DataSettings, EvalSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,12 @@ def _read_answer(windows: PassageWindows, passages: Sequence[Passage], w: int, s
                     char_end, start + offset, end + offset)
 
 
-def restore_reader(config, workdir: str | pathlib.Path) -> tuple[CrossEncoderReader, int]:
-  """(reader, step): `config.model`'s cross-encoder with the parameters of the latest checkpoint
-  of `run.py teacher` in `workdir` (`teacher/checkpoints`)."""
+def restore_reader(model: ModelSettings,
+                   workdir: str | pathlib.Path) -> tuple[CrossEncoderReader, int]:
+  """(reader, step): `model`'s cross-encoder with the parameters of the latest checkpoint of
+  `run.py teacher` in `workdir` (`teacher/checkpoints`)."""
   checkpoints = Workdir(workdir).teacher.checkpoints()
-  reader = create_reader(config.model)
+  reader = create_reader(model)
   step = restore_params(checkpoints, reader) if checkpoints.is_dir() else None
   if step is None:
     raise DataError(f"{checkpoints}: no reader checkpoint (train one with `run.py teacher`)")
@@ -368,43 +369,43 @@ def choose_mu(per_passage, retriever_scores, answers) -> dict:
 class Reader:
   """`eval.reader`'s reader, ready to read the passages a phrase index ranked."""
 
-  def __init__(self, config):
-    workdir = pathlib.Path(config.eval.reader)
-    # The reader's own model and windows: those its workdir saved (else this run's config).
-    self.config = (workdir_config(None, [], workdir) if (workdir / SAVED_CONFIG).is_file()
-                   else config)
-    self.model, self.step = restore_reader(self.config, workdir)
-    self.tokenizer = Tokenizer.from_pretrained(self.config.model.tokenizer)
+  def __init__(self, model: ModelSettings, data: DataSettings, evaluation: EvalSettings):
+    """Restores the reader of the workdir `evaluation.reader`; `model` and `data` are the
+    reader's own (those that workdir saved, `run.py eval` reads them), its model and windows."""
+    workdir = pathlib.Path(evaluation.reader)
+    self.data = data  # the reader's windows
+    self.model, self.step = restore_reader(model, workdir)
+    self.tokenizer = Tokenizer.from_pretrained(model.tokenizer)
     self.mesh = make_mesh()
-    self.batch_size = round_to_devices(config.eval.batch_size, self.mesh)
-    self.max_answer_length = config.eval.max_answer_length
+    self.batch_size = round_to_devices(evaluation.batch_size, self.mesh)
+    self.max_answer_length = evaluation.max_answer_length
 
   def read(self, texts, passages, rows):
     """The reader's best span in each passage of `rows` [Q][k] (`read_retrieved_passages`)."""
-    return read_retrieved_passages(self.model, self.tokenizer, self.config.data, texts, passages,
+    return read_retrieved_passages(self.model, self.tokenizer, self.data, texts, passages,
                                    rows, mesh=self.mesh, batch_size=self.batch_size,
                                    max_answer_length=self.max_answer_length)
 
 
-def check_reader_config(config, workdir) -> None:
+def check_reader_config(data: DataSettings, evaluation: EvalSettings, workdir) -> None:
   """Refuses `eval.reader` settings no run can use, before any work."""
-  mu = config.eval.reader_mu
+  mu = evaluation.reader_mu
   if mu is not None and not 0.0 <= mu <= 1.0:
     raise ConfigError(f"eval.reader_mu {mu}: the reader's weight is in [0, 1]")
-  if config.eval.passage_k < config.eval.reader_passages:
-    raise ConfigError(f"eval.reader_passages {config.eval.reader_passages} is more than "
-                      f"eval.passage_k {config.eval.passage_k}, the passages ranked")
-  if config.eval.regex:
+  if evaluation.passage_k < evaluation.reader_passages:
+    raise ConfigError(f"eval.reader_passages {evaluation.reader_passages} is more than "
+                      f"eval.passage_k {evaluation.passage_k}, the passages ranked")
+  if evaluation.regex:
     raise ConfigError("eval.reader with eval.regex: the reader's answers are scored as text "
                       "(SQuAD EM), not against regular expressions")
-  if not pathlib.Path(config.eval.reader).is_dir():
-    raise ConfigError(f"eval.reader {config.eval.reader}: no such workdir (one holding a "
+  if not pathlib.Path(evaluation.reader).is_dir():
+    raise ConfigError(f"eval.reader {evaluation.reader}: no such workdir (one holding a "
                       "`run.py teacher` reader)")
-  checkpoints = Workdir(config.eval.reader).teacher.checkpoints()
+  checkpoints = Workdir(evaluation.reader).teacher.checkpoints()
   if not checkpoints.is_dir():
-    raise ConfigError(f"eval.reader {config.eval.reader}: no reader checkpoint in {checkpoints} "
+    raise ConfigError(f"eval.reader {evaluation.reader}: no reader checkpoint in {checkpoints} "
                       "(train one with `run.py teacher`)")
-  train = data_files(config.data, workdir).get("train")
+  train = data_files(data, workdir).get("train")
   if mu is None and not (train and pathlib.Path(train).is_file()):
     raise ConfigError(f"eval.reader_mu is unset and there are no training questions ({train}) "
                       "to choose it on: set eval.reader_mu")
@@ -417,18 +418,19 @@ def ranked_passages(found_passages, k: int) -> tuple[list[list[int]], list[list[
           [[unit.score for unit, _ in units] for units in top])
 
 
-def tuned_mu(config, workdir, reader: Reader, searcher, evaluated: set[str]) -> dict:
+def tuned_mu(data: DataSettings, evaluation: EvalSettings, workdir, reader: Reader, searcher,
+             evaluated: set[str]) -> dict:
   """mu chosen on `eval.reader_tune_questions` random training questions (none of the
   `evaluated` ids), searched by `searcher` as the evaluation's are (`choose_mu`), with a record
   of the questions."""
-  path = data_files(config.data, workdir)["train"]
+  path = data_files(data, workdir)["train"]
   questions = sample_questions([q for q in read_questions(path) if q.id not in evaluated],
-                               config.eval.reader_tune_questions, TUNE_SEED)
+                               evaluation.reader_tune_questions, TUNE_SEED)
   texts = [q.question for q in questions]
   # ranked as the evaluation ranks: its passage_k, then the first reader_passages
-  found = searcher.search(texts, k=config.eval.passage_k, unit="passage",
-                          max_answer_length=config.eval.max_answer_length)
-  top = [results[:config.eval.reader_passages] for results in found]
+  found = searcher.search(texts, k=evaluation.passage_k, unit="passage",
+                          max_answer_length=evaluation.max_answer_length)
+  top = [results[:evaluation.reader_passages] for results in found]
   rows = [[r["passage_row"] for r in results] for results in top]
   scores = [[r["score"] for r in results] for results in top]
   choice = choose_mu(reader.read(texts, searcher.index.dump.passages, rows), scores,
@@ -438,17 +440,18 @@ def tuned_mu(config, workdir, reader: Reader, searcher, evaluated: set[str]) -> 
           "criterion": "EM@1, ties to the smaller mu"}
 
 
-def read_answers(config, workdir, searcher, questions, found_passages,
+def read_answers(reader: Reader, data: DataSettings, evaluation: EvalSettings, workdir, searcher,
+                 questions, found_passages,
                  search_seconds: float) -> tuple[dict, list[str | None]]:
-  """(the report's "reader" record, each question's answer) of the pipeline over the passages
-  the evaluation's search ranked (`found_passages`: its passage units per question)."""
-  reader = Reader(config)
-  k = config.eval.reader_passages
-  if config.eval.reader_mu is None:
-    tuning = tuned_mu(config, workdir, reader, searcher, {q.id for q in questions})
+  """(the report's "reader" record, each question's answer) of `reader`'s pipeline over the
+  passages the evaluation's search ranked (`found_passages`: its passage units per question);
+  mu is chosen on training questions of `data` unless `eval.reader_mu` sets it."""
+  k = evaluation.reader_passages
+  if evaluation.reader_mu is None:
+    tuning = tuned_mu(data, evaluation, workdir, reader, searcher, {q.id for q in questions})
     mu = tuning["mu"]
   else:
-    tuning, mu = {"set": "eval.reader_mu"}, config.eval.reader_mu
+    tuning, mu = {"set": "eval.reader_mu"}, evaluation.reader_mu
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
   rows, scores = ranked_passages(found_passages, k)
   start = time.perf_counter()
@@ -456,7 +459,7 @@ def read_answers(config, workdir, searcher, questions, found_passages,
   seconds = time.perf_counter() - start
   predictions = [a.text if a else None for a in found]
   hits = em_hits(predictions, answers)
-  record = {"workdir": str(config.eval.reader), "step": reader.step, "passages": k, "mu": mu,
+  record = {"workdir": str(evaluation.reader), "step": reader.step, "passages": k, "mu": mu,
             "mu_tuning": tuning,
             **metrics.open_domain_scores([[p] if p is not None else [] for p in predictions],
                                          answers, ks=(1,)),

@@ -32,41 +32,45 @@ from dpjax.models.reader import check_input_length, create_reader
 from dpjax.objectives import TEACHER_OBJECTIVE
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.reading import reader_logits
-from dpjax.training import PHRASE, Spec, features_fingerprint
+from dpjax.settings import DataSettings, ModelSettings
+from dpjax.training import PHRASE, RunSettings, Spec, features_fingerprint
 
 log = logging.getLogger(__name__)
 
 
-def _reader(config):
-  reader = create_reader(config.model)
-  check_input_length(reader, config.data)
+def _reader(model: ModelSettings, data: DataSettings):
+  """The teacher to train: `model`'s reader, refused when `data`'s rows are too long for it."""
+  reader = create_reader(model)
+  check_input_length(reader, data)
   return reader
 
 
-TEACHER = Spec("teacher", TEACHER_DIR, _reader, lambda config, model: TEACHER_OBJECTIVE,
-               lambda config, train, workdir, data: TeacherBatches(
-                   train.features, config.train.batch_size, config.train.seed))
+TEACHER = Spec("teacher", TEACHER_DIR, _reader, lambda data, train, reader: TEACHER_OBJECTIVE,
+               lambda data, train, split, workdir, fingerprint: TeacherBatches(
+                   split.features, train.batch_size, train.seed))
 
 
-def write_logits(config, workdir: Workdir) -> dict:
-  """The teacher's logits over the examples of every step of the phrase model's run."""
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  train = load_rc_split(data_files(config.data, workdir)["train"], tokenizer, config.data)
-  data = features_fingerprint(train.features)
-  batches = PHRASE.batches(config, train, workdir, data)
-  total = config.train.num_steps or config.train.epochs * batches.steps_per_epoch
+def write_logits(settings: RunSettings, workdir: Workdir) -> dict:
+  """The teacher's logits over the examples of every step of the phrase model's run (its
+  `data` and `train` sections: the same batches), from the teacher's latest checkpoint."""
+  data, train = settings.data, settings.train
+  tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
+  split = load_rc_split(data_files(data, workdir)["train"], tokenizer, data)
+  fingerprint = features_fingerprint(split.features)
+  batches = PHRASE.batches(data, train, split, workdir, fingerprint)
+  total = train.num_steps or train.epochs * batches.steps_per_epoch
   rows = np.unique(np.concatenate([batches.rows(step) for step in range(total)]))
-  reader = _reader(config)
+  reader = _reader(settings.model, data)
   step = restore_params(workdir.teacher.checkpoints(), reader)
   if step is None:
     raise DataError(f"{workdir.teacher.checkpoints()}: no teacher checkpoint")
   mesh = make_mesh()
-  batch_size = round_to_devices(config.eval.batch_size, mesh)
+  batch_size = round_to_devices(settings.evaluation.batch_size, mesh)
 
   def compute(part: np.ndarray) -> np.ndarray:
-    out = np.full((len(part), 2, config.data.max_seq_length), np.nan, np.float32)
+    out = np.full((len(part), 2, data.max_seq_length), np.nan, np.float32)
     slot = {row: i for i, row in enumerate(part.tolist())}  # batches come longest first
-    for rows, logits in reader_logits(reader, train.features, part, mesh=mesh,
+    for rows, logits in reader_logits(reader, split.features, part, mesh=mesh,
                                       batch_size=batch_size):
       out[[slot[r] for r in rows.tolist()]] = np.moveaxis(logits, 2, 1)
     bad = ~np.isfinite(out).all(axis=(1, 2))
@@ -76,7 +80,7 @@ def write_logits(config, workdir: Workdir) -> dict:
     return out
 
   params = [np.asarray(v[...]) for _, v in nnx.iter_graph(reader) if isinstance(v, nnx.Param)]
-  fingerprint = {"teacher": digest(*params), "step": step, "data": data,
-                 "length": config.data.max_seq_length}
-  return write_teacher_logits(workdir.teacher / "logits", fingerprint, rows, compute,
+  identity = {"teacher": digest(*params), "step": step, "data": fingerprint,
+              "length": data.max_seq_length}
+  return write_teacher_logits(workdir.teacher / "logits", identity, rows, compute,
                               main=distributed.is_main(), barrier=distributed.barrier)

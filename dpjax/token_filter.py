@@ -33,7 +33,8 @@ from dpjax.index.evaluate import retrieval_scores
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import save_npy_atomic
 from dpjax.models.encoders import bound, phrase_batches
-from dpjax.loading import (filter_head_digest)
+from dpjax.loading import filter_head_digest
+from dpjax.settings import DataSettings, FilterSettings
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,16 @@ def rewrite_dump_logits(dump_dir: pathlib.Path, kernel, bias, head: dict | None 
   write_manifest(dump_dir, manifest)
 
 
-def window_splits(config, workdir, model, tokenizer, mesh, batch: int):
+def window_splits(data: DataSettings, filtering: FilterSettings, workdir, model, tokenizer, mesh,
+                  batch: int):
   """Frozen vectors and targets of a seeded sample of train and dev windows holding answers:
   ({split: (vectors, mask, start, end)}, {split: rate of answer starts/ends among tokens})."""
-  fc = config.filter
-  files = data_files(config.data, workdir)
+  fc = filtering
+  files = data_files(data, workdir)
   splits, rates = {}, {}
   for name, path, limit in (("train", files["train"], fc.train_windows),
                             ("dev", files["dev"], fc.dev_windows)):
-    split = load_rc_split(path, tokenizer, config.data)
+    split = load_rc_split(path, tokenizer, data)
     windows, start, end = window_targets(split.features)
     keep = np.random.default_rng([fc.seed, len(name)]).permutation(len(windows))[:limit]
     keep.sort()

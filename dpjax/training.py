@@ -36,6 +36,8 @@ from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
 from dpjax.reading import evaluate_rc
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
+from dpjax.settings import (DataSettings, EvalSettings, ModelSettings, TrainSettings,
+                            ValidationSettings, section_dict)
 from dpjax.workdir import Workdir
 from dpjax.trainer import (Hook, MetricsWriter, Preemption, Stopwatch, Trainer, build_trainer,
                            check_finite, every, run_steps)
@@ -67,10 +69,30 @@ def resume_conflicts(stored: dict, config: dict) -> list[str]:
           for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """The config sections a training run reads, built by its program (`run.py train`, `run.py
+  teacher`): the model, its data and training, RC evaluation on dev, and the phrase model's
+  subcorpus validation (None: none)."""
+  model: ModelSettings
+  data: DataSettings
+  train: TrainSettings
+  evaluation: EvalSettings
+  validation: ValidationSettings | None = None
+
+  def to_json(self) -> str:
+    """The sections as a checkpoint's meta records them ("config"), named as in the experiment
+    config; a resume compares their model, data and train (`resume_conflicts`)."""
+    sections = {"model": self.model, "data": self.data, "train": self.train,
+                "eval": self.evaluation, "validation": self.validation}
+    return json.dumps({name: section_dict(section) for name, section in sections.items()
+                       if section is not None})
+
+
 @dataclasses.dataclass
 class Run:
   """One training run: its data, trainer, checkpoints and progress."""
-  config: Any
+  settings: RunSettings
   workdir: Workdir  # the run's own: the workdir, or the teacher's inside it
   trainer: Trainer
   batches: TrainBatches
@@ -99,67 +121,71 @@ def features_fingerprint(features) -> str:
                 f.start_position, f.end_position)
 
 
-def setup(config, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
+def setup(settings: RunSettings, workdir: pathlib.Path, spec: "Spec | None" = None) -> Run:
   """Reads the data, builds the trainer and restores the latest checkpoint of `spec`'s outputs
   (`workdir/spec.subdir`)."""
-  tc, spec = config.train, spec or PHRASE
-  mesh = make_mesh(config.get("num_devices") or None)
+  tc, spec = settings.train, spec or PHRASE
+  mesh = make_mesh()
   if tc.batch_size % mesh.size:
     raise ConfigError(f"train.batch_size {tc.batch_size} must be a multiple of the "
                      f"{mesh.size} devices")
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  files = data_files(config.data, workdir)
-  train = load_rc_split(files["train"], tokenizer, config.data)
-  dev = load_rc_split(files["dev"], tokenizer, config.data, limit=config.eval.limit or None)
+  tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
+  files = data_files(settings.data, workdir)
+  train = load_rc_split(files["train"], tokenizer, settings.data)
+  dev = load_rc_split(files["dev"], tokenizer, settings.data,
+                      limit=settings.evaluation.limit or None)
   data = features_fingerprint(train.features)
-  batches = spec.batches(config, train, workdir, data)
+  batches = spec.batches(settings.data, tc, train, workdir, data)
   total = tc.num_steps or tc.epochs * batches.steps_per_epoch
-  model = spec.model(config)
-  trainer = build_trainer(model, tc, spec.objective(config, model), total_steps=total, mesh=mesh)
+  model = spec.model(settings.model, settings.data)
+  trainer = build_trainer(model, tc, spec.objective(settings.data, tc, model), total_steps=total,
+                          mesh=mesh)
   log.info("%s: %d steps (%d per epoch, batch %d on %d devices, %d processes); %d of %d "
            "parameters frozen", spec.name, total, batches.steps_per_epoch, tc.batch_size,
            mesh.size, jax.process_count(), trainer.frozen, trainer.total)
   del model
   out = Workdir(workdir, spec.subdir)
   checkpointer = Checkpointer(out.checkpoints(), keep=tc.keep_checkpoints)
-  inputs = _inputs(config, batches)
-  meta = _restore(trainer, checkpointer, config, out, data, inputs)
+  inputs = _inputs(tc, batches)
+  meta = _restore(trainer, checkpointer, settings, out, data, inputs)
   first = int(trainer.state.step)
   # Each process builds and transfers only its own rows of every global batch.
   mine = local_rows(batch_sharding(mesh), tc.batch_size)
   to_device = lambda step: global_batch(batches(step, mine), batch_sharding(mesh), tc.batch_size,
                                        mine.stop - mine.start)
-  return Run(config, out, trainer, batches, dev, mesh, total, first, checkpointer,
+  return Run(settings, out, trainer, batches, dev, mesh, total, first, checkpointer,
              MetricsWriter(out.metrics, first), to_device, data, inputs,
              window=_restored_window(meta))
 
 
-def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | GroupedBatches:
-  """The batch source: one question per example, or passage-grouped (`questions_per_window`);
-  with the teacher's logits when `train.teacher_logits` is set."""
-  tc = config.train
+def _batches(data: DataSettings, train: TrainSettings, split, workdir: pathlib.Path,
+             fingerprint: str) -> TrainBatches | GroupedBatches:
+  """The batch source of the training RCSplit `split`: one question per example, or
+  passage-grouped (`questions_per_window`); with the teacher's logits when `train.teacher_logits`
+  is set (those of the features `fingerprint`)."""
   teacher = None
-  if tc.teacher_logits:
-    teacher = TeacherLogits(workdir / tc.teacher_logits, data=data,
-                            length=config.data.max_seq_length)
+  if train.teacher_logits:
+    teacher = TeacherLogits(workdir / train.teacher_logits, data=fingerprint,
+                            length=data.max_seq_length)
   # Question arrays cut per step to its longest question (fewer padding tokens encoded).
   multiple = question_width_multiple(jax.devices()[0].platform)
-  without_answer = tc.loss.get("windows_without_answer", False)
-  if tc.questions_per_window <= 1:
-    batches = TrainBatches(train.features, tc.batch_size, tc.seed, _hard_negatives(tc, train),
-                           teacher, question_multiple=multiple, without_answer=without_answer)
+  without_answer = train.loss.windows_without_answer
+  if train.questions_per_window <= 1:
+    batches = TrainBatches(split.features, train.batch_size, train.seed,
+                           _hard_negatives(train, split), teacher, question_multiple=multiple,
+                           without_answer=without_answer)
   else:
-    unsupported = {"train.loss.recipe (unified only)": tc.loss.recipe != "unified",
-                   "train.hard_negatives.file": bool(tc.hard_negatives.file),
-                   "train.loss.weight_filter": bool(tc.loss.weight_filter)}
+    unsupported = {"train.loss.recipe (unified only)": train.loss.recipe != "unified",
+                   "train.hard_negatives.file": bool(train.hard_negatives.file),
+                   "train.loss.weight_filter": bool(train.loss.weight_filter)}
     if any(unsupported.values()):
       raise ConfigError("train.questions_per_window > 1 (passage-grouped batches) does not go "
                         "with " + ", ".join(k for k, v in unsupported.items() if v))
-    batches = GroupedBatches(train.features, tc.batch_size, tc.questions_per_window, tc.seed,
-                             teacher, question_multiple=multiple,
+    batches = GroupedBatches(split.features, train.batch_size, train.questions_per_window,
+                             train.seed, teacher, question_multiple=multiple,
                              without_answer=without_answer)
   if teacher is not None:
-    total = tc.num_steps or tc.epochs * batches.steps_per_epoch
+    total = train.num_steps or train.epochs * batches.steps_per_epoch
     missing = teacher.missing(np.concatenate([batches.rows(s) for s in range(total)]))
     if missing:
       raise DataError(f"{teacher.directory}: no teacher logits for {missing} examples of this "
@@ -167,9 +193,10 @@ def _batches(config, train, workdir: pathlib.Path, data: str) -> TrainBatches | 
   return batches
 
 
-def _phrase_objective(config, model):
-  return make_objective(config.train.loss, batch_size=config.train.batch_size,
-                        length=config.data.max_seq_length, dim=model.config.hidden_size)
+def _phrase_objective(data: DataSettings, train: TrainSettings, phrase_model):
+  """The phrase model's objective: `train.loss`'s recipe over its batches' windows."""
+  return make_objective(train.loss, batch_size=train.batch_size, length=data.max_seq_length,
+                        dim=phrase_model.config.hidden_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,22 +205,24 @@ class Spec:
   (`dpjax.teacher.TEACHER`), with the same step, checkpoints, resume, hooks and RC evaluation."""
   name: str
   subdir: str  # checkpoints, metrics.jsonl, results.json, rc_predictions.json go here
-  model: Callable  # config -> the model to train
-  objective: Callable  # (config, model) -> Objective
-  batches: Callable  # (config, the train RCSplit, workdir, data fingerprint) -> batch source
+  model: Callable  # (model: ModelSettings, data: DataSettings) -> the model to train
+  objective: Callable  # (data, train: TrainSettings, the model) -> Objective
+  batches: Callable  # (data, train, the train RCSplit, workdir, its fingerprint) -> batch source
 
 
 PHRASE = Spec("phrase model", "", model_for_data, _phrase_objective, _batches)
 
 
-def _hard_negatives(tc, train) -> HardNegatives | None:
-  if not tc.hard_negatives.file:
+def _hard_negatives(train: TrainSettings, split) -> HardNegatives | None:
+  """The mined negatives of the training RCSplit `split` (`train.hard_negatives.file`), if any."""
+  if not train.hard_negatives.file:
     return None
-  hard = HardNegatives(read_hard_negatives(tc.hard_negatives.file, train.questions,
-                                           len(train.passages)),
-                       train.features.windows, train.questions,
-                       [p.text for p in train.passages], tc.hard_negatives.per_example, tc.seed)
-  if tc.loss.recipe != "unified":
+  hard = HardNegatives(read_hard_negatives(train.hard_negatives.file, split.questions,
+                                           len(split.passages)),
+                       split.features.windows, split.questions,
+                       [p.text for p in split.passages], train.hard_negatives.per_example,
+                       train.seed)
+  if train.loss.recipe != "unified":
     raise ConfigError("hard negatives are a term of the unified loss (train.loss.recipe=unified)")
   return hard
 
@@ -217,7 +246,7 @@ def random_with_answer(batches) -> dict:
   return {"hard_negatives_random_with_answer": count}
 
 
-def _inputs(config, batches) -> dict:
+def _inputs(train: TrainSettings, batches) -> dict:
   """Fingerprints of what a run reads besides its features and settings: the teacher's logits
   and the hard-negatives file (the same paths may hold other contents by a resume)."""
   inputs = {}
@@ -225,12 +254,12 @@ def _inputs(config, batches) -> dict:
     inputs["teacher_logits"] = digest_texts(json.dumps(batches.teacher.fingerprint,
                                                        sort_keys=True))
   if getattr(batches, "hard_negatives", None) is not None:
-    inputs["hard_negatives"] = file_digest(config.train.hard_negatives.file)
+    inputs["hard_negatives"] = file_digest(train.hard_negatives.file)
   return inputs
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir: Workdir,
-             data: str, inputs: dict) -> dict:
+def _restore(trainer: Trainer, checkpointer: Checkpointer, settings: RunSettings,
+             workdir: Workdir, data: str, inputs: dict) -> dict:
   """Resumes from the latest checkpoint, refusing one trained with other settings, data or
   inputs (`_inputs`); returns its meta ({} for a fresh run)."""
   restored = checkpointer.restore(abstract_like(trainer.state))
@@ -238,7 +267,7 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir: Work
     return {}
   trainer.state, meta = restored
   if "config" in meta:  # a resumed run must continue the same training, not another one
-    conflicts = resume_conflicts(json.loads(meta["config"]), json.loads(config.to_json()))
+    conflicts = resume_conflicts(json.loads(meta["config"]), json.loads(settings.to_json()))
     if conflicts:
       raise ConfigError(
           f"{workdir.checkpoints()} holds a run trained with other settings; resuming it "
@@ -247,7 +276,7 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir: Work
   if meta.get("data", data) != data:  # (checkpoints before fingerprints: not checked)
     raise ConfigError(
         f"{workdir.checkpoints()} holds a run trained on other data than the configured data "
-        f"(data.dir {config.data.get('dir', '-')!r}) gives now: the training features differ; "
+        f"(data.dir {settings.data.dir or '-'!r}) gives now: the training features differ; "
         "train into a new --workdir.")
   changed = sorted(k for k in set(meta.get("inputs", inputs)) | set(inputs)
                    if meta.get("inputs", inputs).get(k) != inputs.get(k))
@@ -261,11 +290,11 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, config, workdir: Work
 
 def evaluate(run: Run, step: int) -> dict:
   """RC EM/F1 on the dev split with the current parameters (metrics.jsonl, rc_predictions)."""
-  config = run.config
+  evaluation = run.settings.evaluation
   scores, predictions = evaluate_rc(
       run.trainer.model(), run.dev.features, run.dev.passages, run.dev.questions,
-      mesh=run.mesh, batch_size=round_to_devices(config.eval.batch_size, run.mesh),
-      max_answer_length=config.eval.max_answer_length)
+      mesh=run.mesh, batch_size=round_to_devices(evaluation.batch_size, run.mesh),
+      max_answer_length=evaluation.max_answer_length)
   record = {"step": step, "split": "dev", "rc_exact_match": scores["exact_match"],
             "rc_f1": scores["f1"], "count": scores["count"]}
   run.writer.write(record)
@@ -298,7 +327,7 @@ def _finished(run: Run) -> dict:
 def _meta(run: Run, done: int) -> dict:
   epoch, index = run.batches.position(done)
   return {"step": done, "epoch": epoch, "index_in_epoch": index,
-          "config": run.config.to_json(), "data": run.data, "inputs": run.inputs,
+          "config": run.settings.to_json(), "data": run.data, "inputs": run.inputs,
           "log_window": _window_record(run)}
 
 
@@ -341,7 +370,7 @@ def _log(run: Run, done: int, metrics: dict) -> None:
   values["steps_averaged"] = steps
   now = time.perf_counter()
   steps_per_sec = (done - run.clock[1]) / (now - run.clock[0])
-  values["examples_per_sec"] = steps_per_sec * run.config.train.batch_size  # windows, if grouped
+  values["examples_per_sec"] = steps_per_sec * run.settings.train.batch_size  # windows, if grouped
   if "questions" in values:  # passage-grouped batches: the questions a step trains vary
     values["questions_per_sec"] = steps_per_sec * values["questions"]
   run.clock[:] = [now, done]
@@ -373,12 +402,12 @@ def make_hooks(run: Run, stop: int, validator: Validator | None,
                preemption: Preemption | None = None) -> list[Hook]:
   """progress, log, RC evaluation, validation, checkpoint, and a stop on SIGTERM (with a
   checkpoint of that step): in this order after a step."""
-  tc, config = run.config.train, run.config
+  tc, evaluation = run.settings.train, run.settings.evaluation
   hooks = [Hook(lambda d: True, lambda d, m: run.progress.update(1)),
            Hook(lambda d: True, functools.partial(_accumulate, run)),
            Hook(lambda d: every(d, tc.log_every) or d == stop,
                 functools.partial(_log, run)),
-           Hook(lambda d: every(d, config.eval.every_steps) or d == run.total,
+           Hook(lambda d: every(d, evaluation.every_steps) or d == run.total,
                 _timed(run, "rc_eval", lambda d, m: evaluate(run, d)))]
   if validator:
     hooks.append(Hook(lambda d: every(d, validator.every_steps) or d == run.total,
@@ -436,7 +465,7 @@ def _timing_record(run: Run, step: int) -> dict:
 def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
   """A new epoch revisits the same passages: the pre-batch queue starts afresh."""
   if not (run.batches.position(step)[1] == 0 and step > 0
-          and run.config.train.loss.clear_prebatch_each_epoch):
+          and run.settings.train.loss.clear_prebatch_each_epoch):
     return
   state = trainer.state  # built from the step's leaves only here, at an epoch's start
   if state.queue:
@@ -444,34 +473,39 @@ def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
                                          "valid": jnp.zeros_like(state.queue["valid"])})
 
 
-def train_and_evaluate(config, workdir: str | pathlib.Path, spec: Spec = PHRASE) -> dict:
+def train_and_evaluate(settings: RunSettings, workdir: str | pathlib.Path,
+                       spec: Spec = PHRASE) -> dict:
   """`run.py train`: trains, evaluates RC EM/F1 on dev, checkpoints; resumes from `workdir`
   (one training run per workdir at a time: `<workdir>/train.lock`)."""
-  vc = config.get("validation") if spec is PHRASE else None
-  if vc and vc.corpus:
-    Validator.check(vc)
+  validation = settings.validation if spec is PHRASE else None
+  if validation and validation.corpus:
+    Validator.check(validation)
   workdir, run_dir = Workdir(workdir), Workdir(workdir, spec.subdir)
   run_dir.mkdir(parents=True, exist_ok=True)
   if jax.process_index() != 0:
-    return _train(config, workdir, spec, vc)
+    return _train(settings, workdir, spec, validation)
   with workdir_lock(run_dir.run_lock("train"), "training"):
-    return _train(config, workdir, spec, vc)
+    return _train(settings, workdir, spec, validation)
 
 
-def _train(config, workdir: pathlib.Path, spec: Spec, vc) -> dict:
+def _train(settings: RunSettings, workdir: pathlib.Path, spec: Spec,
+           validation: ValidationSettings | None) -> dict:
+  """The run of `train_and_evaluate`, with subcorpus validation when `validation` sets a corpus
+  and `every_steps`; its results record."""
   main = jax.process_index() == 0
   watch = Stopwatch()
   with watch("setup"):
-    run = setup(config, workdir, spec)
-    eval_batch = round_to_devices(config.eval.batch_size, run.mesh)
-    validator = (Validator(vc, config, workdir, data_files(config.data, workdir)["dev"],
-                           Tokenizer.from_pretrained(config.model.tokenizer), run.mesh,
+    run = setup(settings, workdir, spec)
+    eval_batch = round_to_devices(settings.evaluation.batch_size, run.mesh)
+    validator = (Validator(validation, settings.data, settings.evaluation, workdir,
+                           data_files(settings.data, workdir)["dev"],
+                           Tokenizer.from_pretrained(settings.model.tokenizer), run.mesh,
                            eval_batch, run.writer)
-                 if vc and vc.corpus and vc.every_steps else None)
+                 if validation and validation.corpus and validation.every_steps else None)
   run.watch = watch
-  stop = min(run.total, config.train.stop_at_step or run.total)
+  stop = min(run.total, settings.train.stop_at_step or run.total)
   run.progress = tqdm(total=run.total, initial=run.first, desc="train", dynamic_ncols=True,
-                      disable=not (config.train.progress_bar and main))
+                      disable=not (settings.train.progress_bar and main))
   run.clock = [time.perf_counter(), run.first]
   try:
     with Preemption() as preemption, watch("steps"):

@@ -34,6 +34,7 @@ from dpjax.index.evaluate import METRICS, retrieval_scores
 from dpjax.index.manifest import encoder_fingerprint, training_windows_config
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.io import read_json, write_json, write_jsonl
+from dpjax.settings import DataSettings, EvalSettings, ValidationSettings
 from dpjax.workdir import Workdir
 from dpjax.models.encoders import bound, encode_questions
 from dpjax.trainer import MetricsWriter
@@ -124,11 +125,11 @@ def select(kind: str, num_passages: int, c0: np.ndarray, retrieved=None,
 
 
 def evaluate_subcorpus(model, tokenizer, passages: Sequence[Passage],
-                       questions: Sequence[dict], *, data_config, mesh, batch_size: int,
-                       max_answer_length: int = 10) -> dict:
+                       questions: Sequence[dict], *, data: DataSettings, mesh,
+                       batch_size: int, max_answer_length: int = 10) -> dict:
   """Encodes `passages` with the model's current parameters (in memory), indexes them exactly
   and answers `questions` ([{question, answers}]); returns EM@1/EM@10 and passage Top-k."""
-  arrays = encode_shard(tokenizer, list(passages), training_windows_config(data_config, batch_size),
+  arrays = encode_shard(tokenizer, list(passages), training_windows_config(data, batch_size),
                         mesh, bound(model, "phrases_and_filter"))
   dump = Dump(directory=None, passages=list(passages),
               manifest={"fingerprint": encoder_fingerprint(model), "complete": True,
@@ -136,7 +137,7 @@ def evaluate_subcorpus(model, tokenizer, passages: Sequence[Passage],
               **arrays)
   index = PhraseIndex.over_passages(dump)
   q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
-                                    max_query_length=data_config.max_query_length,
+                                    max_query_length=data.max_query_length,
                                     batch_size=batch_size, mesh=mesh)
   report = retrieval_scores(index, q_start, q_end, [q.answers for q in questions],
                             max_answer_length=max_answer_length)
@@ -160,18 +161,22 @@ def subcorpus_questions(corpus: str | os.PathLike) -> str | None:
 
 
 class Validator:
-  """Validation on a subcorpus during training (`config.validation`, Kim et al. 2022): every
-  `every_steps` the subcorpus is encoded with the current parameters and indexed (exact, in
-  memory), the dev questions are answered over it, and the checkpoint manager of
+  """Validation on a subcorpus during training (the `validation` section, Kim et al. 2022):
+  every `every_steps` the subcorpus is encoded with the current parameters and indexed (exact,
+  in memory), the dev questions are answered over it, and the checkpoint manager of
   `workdir/checkpoints_best` keeps the checkpoint with the best `metric` (e.g. em@1)."""
 
-  def __init__(self, vc, config, workdir: pathlib.Path, dev_file, tokenizer, mesh, batch_size,
-               writer):
-    self.passages = self.check(vc)
-    self.every_steps, self.metric = vc.every_steps, vc.metric
-    questions = vc.questions or subcorpus_questions(vc.corpus) or dev_file
-    self.questions = read_questions(questions)[:vc.limit or None]
-    self.config, self.tokenizer, self.mesh = config, tokenizer, mesh
+  def __init__(self, validation: ValidationSettings, data: DataSettings,
+               evaluation: EvalSettings, workdir: pathlib.Path, dev_file, tokenizer, mesh,
+               batch_size, writer):
+    """Reads the subcorpus and its questions (`validation.questions`, else those it was built
+    for, else `dev_file`'s), encoded with `data`'s windows and answered as `evaluation` says."""
+    self.passages = self.check(validation)
+    self.every_steps, self.metric = validation.every_steps, validation.metric
+    questions = validation.questions or subcorpus_questions(validation.corpus) or dev_file
+    self.questions = read_questions(questions)[:validation.limit or None]
+    self.data, self.max_answer_length = data, evaluation.max_answer_length
+    self.tokenizer, self.mesh = tokenizer, mesh
     self.batch_size, self.writer = batch_size, writer
     self.checkpointer = Checkpointer(Workdir(workdir).checkpoints("best"), keep=1,
                                      best_metric=self.metric)
@@ -181,27 +186,28 @@ class Validator:
                                   if writer is not None and writer.path.is_file() else [])
         if r.get("split") == "validation"}
     log.info("validation every %d steps on %s (%d passages, %d questions of %s), best by %s",
-             self.every_steps, vc.corpus, len(self.passages), len(self.questions), questions,
-             self.metric)
+             self.every_steps, validation.corpus, len(self.passages), len(self.questions),
+             questions, self.metric)
 
   @staticmethod
-  def check(vc) -> list[Passage]:
+  def check(validation: ValidationSettings) -> list[Passage]:
     """Config errors surface before any work, not after the first `every_steps` of training;
     returns the subcorpus's passages."""
-    if vc.metric not in METRICS:
-      raise ConfigError(f"validation.metric {vc.metric!r} is not one of {', '.join(METRICS)}")
-    if not pathlib.Path(vc.corpus).is_file():
-      raise ConfigError(f"validation.corpus {vc.corpus}: no such file")
-    passages = read_subcorpus(vc.corpus)
+    if validation.metric not in METRICS:
+      raise ConfigError(f"validation.metric {validation.metric!r} is not one of "
+                        f"{', '.join(METRICS)}")
+    if not pathlib.Path(validation.corpus).is_file():
+      raise ConfigError(f"validation.corpus {validation.corpus}: no such file")
+    passages = read_subcorpus(validation.corpus)
     if not passages:
-      raise ConfigError(f"validation.corpus {vc.corpus}: no passage in it")
+      raise ConfigError(f"validation.corpus {validation.corpus}: no passage in it")
     return passages
 
   def __call__(self, step: int, model, state, meta: dict) -> dict:
     report = evaluate_subcorpus(model, self.tokenizer, self.passages, self.questions,
-                                data_config=self.config.data, mesh=self.mesh,
+                                data=self.data, mesh=self.mesh,
                                 batch_size=self.batch_size,
-                                max_answer_length=self.config.eval.max_answer_length)
+                                max_answer_length=self.max_answer_length)
     self.history[step] = report
     self.writer.write({"step": step, "split": "validation", **report})
     log.info("step %d: validation EM@1 %.2f EM@10 %.2f on %d passages", step, report["em@1"],

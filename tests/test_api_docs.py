@@ -22,7 +22,7 @@ from conftest import REPO
 # The modules a user imports, in docs/api.md's order (its command lists the same); the others
 # are reached through run.py.
 PUBLIC_MODULES = [
-    "dpjax.config", "dpjax.errors", "dpjax.workdir", "dpjax.loading",
+    "dpjax.config", "dpjax.settings", "dpjax.main", "dpjax.errors", "dpjax.workdir", "dpjax.loading",
     "dpjax.losses", "dpjax.metrics", "dpjax.reading",
     "dpjax.models.bert", "dpjax.models.densephrases", "dpjax.models.reader",
     "dpjax.data.squad", "dpjax.data.corpus", "dpjax.data.questions", "dpjax.data.windows",
@@ -37,7 +37,9 @@ KEY_NAMES = {
                      "unified_loss", "filter_loss", "marginal_likelihood_loss"],
     "dpjax.metrics": ["exact_match", "f1", "squad_em_f1", "has_answer", "open_domain_scores",
                       "passage_scores"],
-    "dpjax.config": ["load_config"],
+    "dpjax.config": ["load_config", "load_settings"],
+    "dpjax.settings": ["Settings", "Settings.of", "IndexSettings", "DataSettings"],
+    "dpjax.main": ["open_searcher", "restore"],
     "dpjax.loading": ["load_searcher", "restore_model"],
     "dpjax.reading": ["best_spans", "evaluate_rc", "read_retrieved"],
     "dpjax.models.bert": ["BertConfig", "BertModel"],

@@ -8,7 +8,8 @@ from flax import nnx
 
 from dpjax.config import load_config
 from dpjax.models import load_exported, load_pretrained_bert
-from dpjax.loading import restore_model
+from dpjax.main import restore
+from dpjax.settings import Settings
 
 import run
 
@@ -28,7 +29,7 @@ def exported(tmp_path_factory):
   # Any other existing folder (the workdir itself, a typo) would be replaced whole: refused.
   assert run.main(["export"] + base + ["--out", str(workdir)]) == 2
   assert (workdir / "checkpoints").is_dir() and (workdir / "metrics.jsonl").is_file()
-  model, step = restore_model(load_config("experiments/demo.py:tiny"), workdir)
+  model, step = restore(Settings.of(load_config("experiments/demo.py:tiny")), workdir)
   return model, step, out
 
 

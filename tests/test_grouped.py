@@ -12,6 +12,7 @@ from dpjax.data.batches import GroupedBatches
 from dpjax.models import create_model
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, make_mesh
+from dpjax.settings import Settings
 from dpjax.trainer import build_trainer
 
 import run
@@ -115,10 +116,11 @@ def test_grouped_unified_loss_matches_numpy_and_skips_own_passage():
 
 def _grouped_steps(config, batches, num_devices, steps=3):
   mesh = make_mesh(num_devices)
-  model = create_model(config.model)
-  objective = make_objective(config.train.loss, batch_size=4, length=config.data.max_seq_length,
+  s = Settings.of(config)
+  model = create_model(s.model)
+  objective = make_objective(s.train.loss, batch_size=4, length=s.data.max_seq_length,
                              dim=model.config.hidden_size)
-  trainer = build_trainer(model, config.train, objective, total_steps=10, mesh=mesh)
+  trainer = build_trainer(model, s.train, objective, total_steps=10, mesh=mesh)
   out = []
   for step in range(steps):
     trainer.state, metrics = trainer.step(trainer.state,

@@ -4,6 +4,7 @@ Read from the source with `ast` (nothing is imported), so a violation fails here
 """
 import ast
 import pathlib
+import re
 
 import pytest
 from conftest import REPO
@@ -14,7 +15,7 @@ PACKAGE = REPO / "dpjax"
 LAYERS = [
     # L0: no dpjax imports but each other's.
     {"dpjax.errors", "dpjax.io", "dpjax.config", "dpjax.metrics", "dpjax.losses", "dpjax.parallel",
-     "dpjax.distributed", "dpjax.model_files", "dpjax.workdir"},
+     "dpjax.distributed", "dpjax.model_files", "dpjax.workdir", "dpjax.settings"},
     # L1: data, models, checkpoints.
     {"dpjax.data", "dpjax.data.tokenization", "dpjax.data.windows", "dpjax.data.squad",
      "dpjax.data.corpus",
@@ -345,32 +346,17 @@ def test_a_private_member_read_across_modules_is_caught():
       f"dpjax.index.hits:{text.count(chr(10)) + 4} reads index._spans"]
 
 
-# Library functions below the programs (dpjax/main/) that still take the whole config (a
-# parameter `config` not typed as a section such as `DumpConfig`), issue 68's debt: the list
-# only shrinks. A function given a typed section instead leaves it.
-WHOLE_CONFIG = {
-    "dpjax.index.hybrid_weights." + name for name in (
-        "build_sparse_index", "_weight_kept", "_dense_searcher", "_tuned_for", "tune_questions",
-        "choose_weight", "_grid_scores")} | {
-    "dpjax.index.manifest.dump_windows", "dpjax.index.manifest.dump_config",
-    "dpjax.loading.writes_to.run", "dpjax.loading.data_paths", "dpjax.loading.checked_dump",
-    "dpjax.loading.restore_model", "dpjax.loading.search_options", "dpjax.loading.load_searcher",
-    "dpjax.models.densephrases.model_for_data",
-    "dpjax.qsft._dev_scores", "dpjax.qsft._setup", "dpjax.qsft._candidates", "dpjax.qsft._epoch",
-    "dpjax.qsft.fine_tune", "dpjax.qsft._report",
-    "dpjax.reading.restore_reader", "dpjax.reading.Reader.__init__",
-    "dpjax.reading.check_reader_config", "dpjax.reading.tuned_mu", "dpjax.reading.read_answers",
-    "dpjax.serve.service.make_service", "dpjax.teacher._reader", "dpjax.teacher.write_logits",
-    "dpjax.token_filter.window_splits",
-    "dpjax.training.setup", "dpjax.training._batches", "dpjax.training._phrase_objective",
-    "dpjax.training._inputs", "dpjax.training._restore", "dpjax.training.train_and_evaluate",
-    "dpjax.training._train", "dpjax.validation.Validator.__init__"}
-
-
 def whole_config_takers(sources: dict[str, tuple[str, bool]]) -> set[str]:
-  """Functions (`module.Class.name`) below the programs and the config module with a parameter
-  `config` that is not annotated with a typed section (unannotated, or a ConfigDict)."""
+  """Functions (`module.Class.name`) below the programs with a parameter that may be the whole
+  config: annotated `Settings` or a ConfigDict, or named `config` / `settings` without a type;
+  and modules there that import ml_collections or `Settings` (`module.<import>`). The programs
+  (dpjax.main), the command line, dpjax.config and dpjax.settings are the config's door."""
   found = set()
+
+  def whole(arg: ast.arg) -> bool:
+    kind = "" if arg.annotation is None else ast.unparse(arg.annotation)
+    return (re.search(r"\b(Settings|ConfigDict)\b", kind) is not None
+            or (arg.annotation is None and arg.arg in ("config", "settings")))
 
   def walk(node, prefix: str) -> None:
     for child in ast.iter_child_nodes(node):
@@ -378,30 +364,40 @@ def whole_config_takers(sources: dict[str, tuple[str, bool]]) -> set[str]:
         walk(child, f"{prefix}{child.name}.")
       elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
         args = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
-        if any(a.arg == "config" and (a.annotation is None
-                                      or "ConfigDict" in ast.unparse(a.annotation))
-               for a in args):
+        if any(whole(a) for a in args):
           found.add(f"{prefix}{child.name}")
         walk(child, f"{prefix}{child.name}.")
 
   for module, (text, _) in sources.items():
-    if not (module.startswith("dpjax.main") or module in ("dpjax.cli", "dpjax.config")):
-      walk(ast.parse(text), f"{module}.")
+    if module.startswith("dpjax.main") or module in ("dpjax.cli", "dpjax.config",
+                                                      "dpjax.settings"):
+      continue
+    tree = ast.parse(text)
+    walk(tree, f"{module}.")
+    for node in ast.walk(tree):
+      if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        continue
+      names = [a.name for a in node.names]
+      source = node.module if isinstance(node, ast.ImportFrom) else ""
+      if any(n.startswith("ml_collections") for n in names) or source == "ml_collections" or (
+          source == "dpjax.settings" and "Settings" in names):
+        found.add(f"{module}.<import>")
   return found
 
 
-def test_no_more_library_functions_take_the_whole_config():
+def test_no_library_function_takes_the_whole_config():
   found = whole_config_takers(_sources())
-  assert not found - WHOLE_CONFIG, (
-      f"new functions taking the whole config: {sorted(found - WHOLE_CONFIG)}; give them the "
-      "sections they read (a frozen dataclass built in the mode's program, like DumpConfig)")
-  assert not WHOLE_CONFIG - found, (
-      f"take these out of WHOLE_CONFIG, they no longer take the whole config: "
-      f"{sorted(WHOLE_CONFIG - found)}")
+  assert not found, (
+      f"below the programs, these take (or import) the whole config: {sorted(found)}; give "
+      "them the sections they read (`dpjax.settings`: ModelSettings, IndexSettings, ...)")
 
 
-def test_a_new_whole_config_taker_is_caught():
+def test_a_whole_config_taker_is_caught():
   sources = dict(_sources())
   text, is_package = sources["dpjax.index.hits"]
-  sources["dpjax.index.hits"] = (text + "\n\ndef f(config):\n  return config\n", is_package)
-  assert whole_config_takers(sources) - WHOLE_CONFIG == {"dpjax.index.hits.f"}
+  sources["dpjax.index.hits"] = (
+      text + "\n\ndef f(config):\n  return config\n\n\ndef g(x: 'Settings'):\n  return x\n"
+      "\n\ndef h(index: IndexSettings):\n  return index\n"
+      "\n\nfrom dpjax.settings import Settings\n", is_package)
+  assert whole_config_takers(sources) == {"dpjax.index.hits.f", "dpjax.index.hits.g",
+                                          "dpjax.index.hits.<import>"}

@@ -1,4 +1,5 @@
 """Query-side fine-tuning on the tiny pipeline."""
+import dataclasses
 import json
 
 import jax
@@ -11,6 +12,7 @@ from dpjax.config import load_config
 from dpjax.models import create_model
 from dpjax.loading import restore_model
 from dpjax.objectives import qsft_loss
+from dpjax.settings import Settings
 
 import run
 
@@ -20,8 +22,7 @@ def _leaves(module):
 
 
 def test_qsft_loss_without_positives_is_finite():
-  config = load_config("experiments/demo.py:tiny")
-  model = create_model(config.model)
+  model = create_model(Settings.of(load_config("experiments/demo.py:tiny")).model)
   rng = np.random.default_rng(0)
   b, k, d = 4, 6, model.config.hidden_size
   positive = np.zeros((b, k), bool)
@@ -80,10 +81,10 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
     assert record["last_learning_rate"] == pytest.approx(
         1e-3 * min(progress / 0.2, (2 - progress) / 1.8), rel=1e-5)
   assert np.isfinite([e["train_loss"] for e in result["epochs"]]).all()
-  config = load_config("experiments/demo.py:tiny", qsft[5::2])
-  before, _ = restore_model(config, tmp_path)
-  config.eval.checkpoint = "qsft"
-  after, step = restore_model(config, tmp_path)
+  s = Settings.of(load_config("experiments/demo.py:tiny", qsft[5::2]))
+  before, _ = restore_model(s.model, s.data, s.eval, tmp_path)
+  after, step = restore_model(s.model, s.data, dataclasses.replace(s.eval, checkpoint="qsft"),
+                              tmp_path)
   assert step == result["best_step"]
   for a, b in zip(_leaves(before.phrase_encoder), _leaves(after.phrase_encoder)):
     assert a.tobytes() == b.tobytes()  # bit-identical: the index stays valid

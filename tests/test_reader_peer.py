@@ -1,5 +1,6 @@
 """The cross-encoder reader over retrieved passages (`reading.read_retrieved`): its answer is the best
 span over every window of a question's passages, as an exhaustive numpy search finds it."""
+import dataclasses
 import json
 import re
 import shutil
@@ -19,6 +20,7 @@ from dpjax.models.reader import create_reader
 from dpjax.parallel import make_mesh
 from dpjax import reading as rc
 from dpjax.reading import read_retrieved
+from dpjax.settings import Settings
 
 import run
 from conftest import load_script
@@ -46,7 +48,7 @@ RETRIEVED = [[0, 2, 4], [1, 3, -1, 1], [2, 0, 3, 1, 4], [], [3]]
 
 @pytest.fixture(scope="module")
 def reader():
-  return create_reader(load_config("experiments/demo.py:tiny").model)
+  return create_reader(Settings.of(load_config("experiments/demo.py:tiny")).model)
 
 
 def reference(reader, tokenizer, question: str, rows: list[int]):
@@ -100,11 +102,11 @@ def test_a_span_stays_inside_one_window_and_the_answer_length(reader, tokenizer)
   """Every answer lies in one window of its passage and covers at most max_answer_length
   tokens, whatever the reader's logits (several random readers)."""
   mesh = make_mesh()
-  config = load_config("experiments/demo.py:tiny").model
+  model = Settings.of(load_config("experiments/demo.py:tiny")).model
   for seed in range(3):
-    config.seed = seed
-    answers = read_retrieved(create_reader(config), tokenizer, DATA, QUESTIONS, PASSAGES,
-                             [[0, 1, 2, 3, 4]] * len(QUESTIONS), mesh=mesh, batch_size=8,
+    answers = read_retrieved(create_reader(dataclasses.replace(model, seed=seed)), tokenizer,
+                             DATA, QUESTIONS, PASSAGES, [[0, 1, 2, 3, 4]] * len(QUESTIONS),
+                             mesh=mesh, batch_size=8,
                              max_answer_length=MAX_ANSWER_LENGTH)
     for answer in answers:
       assert 0 <= answer.token_end - answer.token_start < MAX_ANSWER_LENGTH
@@ -419,7 +421,7 @@ def test_eval_reader_reads_the_ranked_passages(tiny_pipeline, tmp_path, caplog, 
   config = load_config("experiments/demo.py:tiny")
   passages = Dump.read_passages(tmp_path / "dump")
   row_of = {p.id: row for row, p in enumerate(passages)}
-  model, step = rc.restore_reader(config, tmp_path)
+  model, step = rc.restore_reader(Settings.of(config).model, tmp_path)
   for mu in (1.0, 0.0):
     assert run.main(["eval"] + base + reader_sets + ["--set", f"eval.reader_mu={mu}"]) == 0
     printed = capsys.readouterr().out

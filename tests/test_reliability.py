@@ -362,8 +362,9 @@ def test_the_best_checkpoint_is_the_best_kept_not_the_newest(tmp_path):
   from dpjax.checkpoint import Checkpointer
   from dpjax.models.densephrases import model_for_data
   from dpjax.loading import restore_model
-  config = load_config("experiments/demo.py:tiny", ["eval.checkpoint='best'"])
-  params = nnx.to_pure_dict(nnx.state(model_for_data(config), nnx.Param))
+  from dpjax.settings import Settings
+  s = Settings.of(load_config("experiments/demo.py:tiny", ["eval.checkpoint='best'"]))
+  params = nnx.to_pure_dict(nnx.state(model_for_data(s.model, s.data), nnx.Param))
   zeros = jax.tree.map(np.zeros_like, params)
   checkpointer = Checkpointer(tmp_path / "checkpoints_best", keep=1, best_metric="em@1")
   checkpointer.save(1, {"params": jax.tree.map(lambda x: {"value": x}, params)}, {"step": 1},
@@ -374,7 +375,8 @@ def test_the_best_checkpoint_is_the_best_kept_not_the_newest(tmp_path):
   checkpointer.close()
   assert sorted(p.name for p in (tmp_path / "checkpoints_best").iterdir() if p.name.isdigit()) \
       == ["1", "2"]
-  model, step = restore_model(config, tmp_path)
+  model, step = restore_model(s.model, s.data, s.eval, tmp_path,
+                              best_metric=s.validation.metric)
   assert step == 1
   restored = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, restored, params)

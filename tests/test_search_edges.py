@@ -14,6 +14,7 @@ from dpjax.index import evaluate
 from dpjax.index.dump_reader import Dump
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.units import UNITS
+from dpjax.settings import Settings
 from test_search import ANSWERS, _toy_dump
 
 
@@ -68,9 +69,9 @@ def test_open_eval_without_passages(toy_dump, tmp_path, monkeypatch):
   config = load_config("experiments/demo.py:tiny", [f"index.questions={questions}",
                                                      "eval.passage_k=0"])
   searcher = _Searcher(PhraseIndex.over_passages(dump), q_start, q_end)
-  monkeypatch.setattr(eval_program, "load_searcher",
-                      lambda config, workdir, **kwargs: (searcher, 7))
-  report = eval_program.run(config, str(tmp_path))
+  monkeypatch.setattr(eval_program, "open_searcher",
+                      lambda settings, workdir, **kwargs: (searcher, 7))
+  report = eval_program.run(Settings.of(config), str(tmp_path))
   assert report["em@1"] == 100.0 and "top20" not in report
   assert json.loads((tmp_path / "open_eval_Flat.json").read_text())["em@1"] == 100.0
   assert (tmp_path / "open_run_Flat.trec").read_text() == ""

@@ -1,4 +1,5 @@
 """`run.py serve`: the HTTP service on the tiny config, over 127.0.0.1."""
+import dataclasses
 import http.client
 import io
 import json
@@ -16,8 +17,11 @@ import pytest
 from conftest import REPO, load_script
 from dpjax.config import load_config
 from dpjax.data.questions import read_questions
-from dpjax.serve import make_service, start_server
-from dpjax.loading import data_paths, load_searcher
+from dpjax.loading import data_paths
+from dpjax.main import open_searcher
+from dpjax.main.serve import service as serve_workdir
+from dpjax.serve import start_server
+from dpjax.settings import Settings
 
 import run
 
@@ -36,9 +40,9 @@ def service(tmp_path_factory):
   for mode in ("dump", "index"):
     assert run.main([mode, "--config", CONFIG, "--workdir", str(workdir),
                      *(f"--set={s}" for s in SETTINGS)]) == 0
-  config = load_config(CONFIG, SETTINGS)
-  questions = [q.question for q in read_questions(data_paths(config, workdir)["questions"])]
-  app, batcher = make_service(config, workdir)
+  config = Settings.of(load_config(CONFIG, SETTINGS))
+  questions = [q.question for q in read_questions(data_paths(config.data, config.index, workdir)["questions"])]
+  app, batcher = serve_workdir(config, workdir)
   server, thread, port = start_server(app)
   yield port, config, workdir, questions, batcher
   server.should_exit = True
@@ -70,7 +74,7 @@ def same(served, direct):
 
 def test_answers_equal_densephrases_search(service):
   port, config, workdir, questions, _ = service
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   for unit, k in (("phrase", 3), ("passage", 5), ("sentence", 2), ("document", 1)):
     direct = searcher.search(questions[:6], k=k, unit=unit,
                              max_answer_length=config.eval.max_answer_length)
@@ -94,10 +98,10 @@ def test_hybrid_service_answers_as_hybrid_densephrases_search(service):
                        "index.sparse_sentence_weight=0.5"]
   assert run.main(["index", "--config", CONFIG, "--workdir", str(workdir), "--set=index.specs=[]",
                    *(f"--set={s}" for s in hybrid)]) == 0
-  config = load_config(CONFIG, hybrid)
-  dense, _ = load_searcher(load_config(CONFIG, SETTINGS), workdir)
-  searcher, _ = load_searcher(config, workdir)
-  app, batcher = make_service(config, workdir)
+  config = Settings.of(load_config(CONFIG, hybrid))
+  dense, _ = open_searcher(Settings.of(load_config(CONFIG, SETTINGS)), workdir)
+  searcher, _ = open_searcher(config, workdir)
+  app, batcher = serve_workdir(config, workdir)
   server, thread, port = start_server(app)
   try:
     assert request(port, "GET", "/info")[1]["hybrid"] == {"weight": 2.0, "sentence_weight": 0.5,
@@ -291,7 +295,7 @@ def test_eval_progress_is_reported_and_changes_no_result(service, monkeypatch, c
   _, config, workdir, questions, _ = service
   monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal (pytest -s in one): logs
   from dpjax.index import evaluate
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   q_start, q_end = searcher.encode(questions)
   top = searcher.search(questions, k=1)  # half the questions answered by their top phrase
   golds = [[found[0]["answer"]] if i % 2 else ["no such answer"] for i, found in enumerate(top)]
@@ -314,7 +318,7 @@ def test_texts_retrieved_pipelined_equal_their_vectors(service, monkeypatch):
 
   _, config, workdir, questions, _ = service
   from dpjax.index import evaluate
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   chunks = [questions[lo:lo + 3] for lo in range(0, len(questions), 3)]
   assert len(chunks) >= 3
   vectors = [searcher.encode(chunk) for chunk in chunks]
@@ -348,7 +352,7 @@ def test_search_many_answers_each_request_as_its_own_search(service, monkeypatch
   a question's vector depends on the questions encoded with it, by rounding)."""
   _, config, workdir, questions, _ = service
   from dpjax.index import evaluate
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   requests = [(3, "phrase"), (2, "passage"), (2, "document")]
   chunks = [questions[lo:lo + 2] for lo in range(0, len(questions), 2)]
   alone = [sum((searcher.search(chunk, k, unit) for chunk in chunks), [])
@@ -367,7 +371,7 @@ def test_search_arguments_numpy_k_strings_and_empty_questions(service, tmp_path,
   max_answer_length 0 failed in an argmax; a question without tokens ('', a zero-width space)
   was answered; eval over a file holding one crashed at its chunk."""
   _, config, workdir, questions, _ = service
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   assert searcher.search(questions[0], k=np.int64(3)) == searcher.search(questions[0], k=3)
   assert (searcher.search_many(questions[:2], [(np.int32(2), "passage")])
           == searcher.search_many(questions[:2], [(2, "passage")]))
@@ -394,7 +398,7 @@ def test_regex_answers_and_passage_lists_shorter_than_20(service):
 
   _, config, workdir, questions, _ = service
   from dpjax.index import evaluate
-  searcher, _ = load_searcher(config, workdir)
+  searcher, _ = open_searcher(config, workdir)
   q_start, q_end = searcher.encode(questions)
   top = [found[0]["answer"] for found in searcher.search(questions, k=1)]
   plain = [[t] if i % 2 else ["no such answer"] for i, t in enumerate(top)]
@@ -699,12 +703,12 @@ def test_an_api_key_guards_every_route_but_health_and_the_pages(service, monkeyp
 def test_the_api_key_comes_from_the_config_or_the_environment(monkeypatch):
   from dpjax.errors import ConfigError
   from dpjax.serve import api_key
-  serve = load_config(CONFIG).serve
+  serve = Settings.of(load_config(CONFIG)).serve
   monkeypatch.delenv("DPJAX_API_KEY", raising=False)
   assert api_key(serve) == ""
   monkeypatch.setenv("DPJAX_API_KEY", KEY)
   assert api_key(serve) == KEY
-  serve.api_key = KEY
+  serve = dataclasses.replace(serve, api_key=KEY)
   assert api_key(serve) == KEY  # the same key twice
   for key, env, message in (("other", KEY, r"serve.api_key and \$DPJAX_API_KEY are both set and "
                                            "differ"),
@@ -713,7 +717,7 @@ def test_the_api_key_comes_from_the_config_or_the_environment(monkeypatch):
                             ("s3cret-key", "", r"^the API key \(serve.api_key\) has 10 "
                                                r"characters; give at least 16, e.g. python"),
                             ("", KEY[:15], r"^the API key \(\$DPJAX_API_KEY\) has 15 characters")):
-    serve.api_key = key
+    serve = dataclasses.replace(serve, api_key=key)
     monkeypatch.setenv("DPJAX_API_KEY", env)
     with pytest.raises(ConfigError, match=message):
       api_key(serve)

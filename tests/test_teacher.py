@@ -20,6 +20,7 @@ from dpjax.models.reader import CrossEncoderReader
 from dpjax.objectives import compute_loss, teacher_loss
 from dpjax.parallel import make_mesh
 from dpjax.reading import reader_logits
+from dpjax.settings import Settings
 
 import run
 
@@ -203,7 +204,8 @@ def test_logits_of_several_processes_have_one_writer(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_distillation_adds_lambda_times_the_kl(grouped):
-  config = load_config(CONFIG, ["train.loss.prebatch_size=0", "train.loss.lambda_distill=3.0"])
+  config = Settings.of(load_config(CONFIG, ["train.loss.prebatch_size=0",
+                                             "train.loss.lambda_distill=3.0"]))
   from dpjax.models import create_model
   rng = np.random.default_rng(2)
   model = create_model(config.model)
@@ -280,7 +282,7 @@ def _logits_are_the_teachers(workdir, manifest):
   config = load_config(CONFIG)
   train = load_rc_split(data_files(config.data, workdir)["train"],
                         Tokenizer.from_pretrained(config.model.tokenizer), config.data)
-  reader = create_reader(config.model)
+  reader = create_reader(Settings.of(config).model)
   assert restore_params(workdir / "teacher" / "checkpoints", reader) is not None
   written = TeacherLogits(workdir / "teacher" / "logits", data=manifest["fingerprint"]["data"],
                           length=config.data.max_seq_length)
@@ -379,10 +381,11 @@ def test_score_scale_is_a_temperature_of_the_phrase_scores():
            "question_input_ids": q_ids, "question_attention_mask": q_mask}
   losses_by_scale = {}
   for scale in (1.0, 0.5, 2.0):
-    config = load_config(CONFIG, ["train.loss.prebatch_size=0", f"train.loss.score_scale={scale}"])
+    config = Settings.of(load_config(CONFIG, ["train.loss.prebatch_size=0",
+                                              f"train.loss.score_scale={scale}"]))
     model = create_model(config.model)
     losses_by_scale[scale] = float(compute_loss(model, batch, {}, 0, config.train.loss)[0])
-  default = load_config(CONFIG, ["train.loss.prebatch_size=0"])
+  default = Settings.of(load_config(CONFIG, ["train.loss.prebatch_size=0"]))
   plain = float(compute_loss(create_model(default.model), batch, {}, 0, default.train.loss)[0])
   assert losses_by_scale[1.0] == plain
   assert len({round(v, 5) for v in losses_by_scale.values()}) == 3
@@ -406,11 +409,11 @@ def test_a_distillation_run_records_its_teachers_logits():
   from types import SimpleNamespace
 
   from dpjax.training import _inputs
-  config = load_config("experiments/demo.py:tiny")
+  train = Settings.of(load_config("experiments/demo.py:tiny")).train
   def teacher(step):
     return SimpleNamespace(teacher=SimpleNamespace(fingerprint={"params": "abc", "step": step}),
                            hard_negatives=None)
-  assert _inputs(config, teacher(6)) == _inputs(config, teacher(6))
-  assert _inputs(config, teacher(6)) != _inputs(config, teacher(7))
-  assert set(_inputs(config, teacher(6))) == {"teacher_logits"}
-  assert _inputs(config, SimpleNamespace()) == {}
+  assert _inputs(train, teacher(6)) == _inputs(train, teacher(6))
+  assert _inputs(train, teacher(6)) != _inputs(train, teacher(7))
+  assert set(_inputs(train, teacher(6))) == {"teacher_logits"}
+  assert _inputs(train, SimpleNamespace()) == {}

@@ -1,4 +1,6 @@
 """The jitted train step: data parallel == single device, both recipes; frozen parameters."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from dpjax.models import create_model
 from dpjax.data.batches import TrainBatches
 from dpjax.objectives import make_objective
 from dpjax.parallel import batch_sharding, make_mesh
+from dpjax.settings import Settings
 from dpjax import training as train, trainer
 
 
@@ -25,11 +28,12 @@ def tiny(tmp_path_factory):
 
 
 def _run_steps(config, batches, num_devices, steps=3):
+  s = Settings.of(config)
   mesh = make_mesh(num_devices)
-  model = create_model(config.model)
-  objective = make_objective(config.train.loss, batch_size=config.train.batch_size,
-                             length=config.data.max_seq_length, dim=model.config.hidden_size)
-  built = trainer.build_trainer(model, config.train, objective, total_steps=10, mesh=mesh)
+  model = create_model(s.model)
+  objective = make_objective(s.train.loss, batch_size=s.train.batch_size,
+                             length=s.data.max_seq_length, dim=model.config.hidden_size)
+  built = trainer.build_trainer(model, s.train, objective, total_steps=10, mesh=mesh)
   state, step_fn = built.state, built.step
   losses = []
   for step in range(steps):
@@ -62,13 +66,14 @@ def test_loop_on_flat_leaves_is_the_pytree_step(tiny):
   config, batches = tiny
   config = config.copy_and_resolve_references()
   config.train.loss.prebatch_warmup_steps = 1  # step 2 uses the queue: emptying it matters
+  s = Settings.of(config)
   mesh = make_mesh(8)
 
   def build():
-    model = create_model(config.model)
-    objective = make_objective(config.train.loss, batch_size=config.train.batch_size,
-                               length=config.data.max_seq_length, dim=model.config.hidden_size)
-    return trainer.build_trainer(model, config.train, objective, total_steps=10, mesh=mesh)
+    model = create_model(s.model)
+    objective = make_objective(s.train.loss, batch_size=s.train.batch_size,
+                               length=s.data.max_seq_length, dim=model.config.hidden_size)
+    return trainer.build_trainer(model, s.train, objective, total_steps=10, mesh=mesh)
 
   def emptied(state):
     return state.replace(queue={**state.queue, "valid": jax.numpy.zeros_like(
@@ -104,7 +109,7 @@ def test_frozen_parameters_do_not_move(tiny):
   config, batches = tiny
   config = config.copy_and_resolve_references()
   config.train.freeze = ["word_embeddings", "query_end_encoder/layers/0/"]
-  model = create_model(config.model)
+  model = create_model(Settings.of(config).model)
   _, before, _ = nnx.split(model, nnx.Param, ...)
   before = jax.device_get(before)
   _, after, _ = _run_steps(config, batches, 8, steps=2)
@@ -145,6 +150,19 @@ def test_resume_conflicts_name_what_changed():
       node = node[name]
     del node[path[-1]]
   assert train.resume_conflicts(stored, json.loads(same.to_json())) == []
+  # A run records its sections (`RunSettings.to_json`) as the whole config recorded them before:
+  # a checkpoint of either resumes with the other, and a changed setting is still named.
+  for spec in ("experiments/squad.py:cpu", "experiments/demo.py:tiny"):
+    whole = json.loads(load_config(spec).to_json())
+    s = Settings.of(load_config(spec))
+    record = json.loads(train.RunSettings(s.model, s.data, s.train, s.eval,
+                                          s.validation).to_json())
+    assert {name: whole[name] for name in record} == record
+    assert train.resume_conflicts(whole, record) == [] == train.resume_conflicts(record, whole)
+    other = dataclasses.replace(s.train, seed=s.train.seed + 1)
+    record = json.loads(train.RunSettings(s.model, s.data, other, s.eval).to_json())
+    assert train.resume_conflicts(whole, record) == [
+        f"train.seed: {s.train.seed} -> {s.train.seed + 1}"]
 
 
 def test_optimizer_settings(tiny):
@@ -153,10 +171,10 @@ def test_optimizer_settings(tiny):
   refused; grad_clip 0 clips nothing."""
   from dpjax.errors import ConfigError
   config, _ = tiny
-  model = create_model(config.model)
+  s = Settings.of(config)
+  model = create_model(s.model)
   params = nnx.state(model, nnx.Param)
-  tc = config.train.copy_and_resolve_references()
-  tc.update(weight_decay=0.1, warmup_steps=1)
+  tc = dataclasses.replace(s.train, weight_decay=0.1, warmup_steps=1)
   tx, _, _ = trainer.make_optimizer(tc, params, total_steps=10)
   state = tx.init(params)
   for _ in range(2):  # (step 0's learning rate is 0)
@@ -170,16 +188,16 @@ def test_optimizer_settings(tiny):
   with pytest.raises(ConfigError, match="'embeddings.word_embeddings.weight' matches no"):
     trainer.param_labels(params, ["embeddings.word_embeddings.weight"])
   # Without decay the state is the one checkpoints written before the decay mask hold.
-  tc.update(weight_decay=0.0)
+  tc = dataclasses.replace(tc, weight_decay=0.0)
   tx, schedule, _ = trainer.make_optimizer(tc, params, total_steps=10)
   before = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
   assert jax.tree.structure(tx.init(params)) == jax.tree.structure(
       optax.multi_transform({"train": before, "frozen": optax.set_to_zero()},
                             trainer.param_labels(params, tc.freeze)).init(params))
-  tc.update(warmup_steps=10)
+  tc = dataclasses.replace(tc, warmup_steps=10)
   with pytest.raises(ConfigError, match="warm-up of 10 steps leaves no decay"):
     trainer.make_optimizer(tc, params, total_steps=10)
-  tc.update(warmup_steps=1, grad_clip=0.0, weight_decay=0.0)
+  tc = dataclasses.replace(tc, warmup_steps=1, grad_clip=0.0, weight_decay=0.0)
   tx, _, _ = trainer.make_optimizer(tc, params, total_steps=10)
   big = jax.tree.map(lambda p: jnp.full_like(p, 1e3), params)
   state = tx.init(params)
@@ -272,13 +290,12 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
   assert not np.isin(without, batches.usable).any()
   both = TrainBatches(features, config.train.batch_size, 0, without_answer=True)
   assert len(both.usable) == len(features.start_position)
-  model = create_model(config.model)
+  s = Settings.of(config)
+  model = create_model(s.model)
   graph, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params, rows, on):
-    loss_config = config.train.loss.copy_and_resolve_references()
-    loss_config.windows_without_answer = on
-    loss_config.prebatch_size = 0
+    loss_config = dataclasses.replace(s.train.loss, windows_without_answer=on, prebatch_size=0)
     both.usable, both.steps_per_epoch = rows, 1
     batch = {k: jax.numpy.asarray(v) for k, v in both(0).items()}
     value, _ = compute_loss(nnx.merge(graph, params, rest), batch, {}, 0, loss_config)
@@ -296,8 +313,7 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
   grouped = GroupedBatches(features, 4, 2, 0, without_answer=True)
   rows = np.concatenate([grouped.rows(s) for s in range(grouped.steps_per_epoch)])
   assert set(without) <= set(rows.tolist())
-  loss_config = config.train.loss.copy_and_resolve_references()
-  loss_config.update(windows_without_answer=True, prebatch_size=0)
+  loss_config = dataclasses.replace(s.train.loss, windows_without_answer=True, prebatch_size=0)
   step = next(s for s in range(grouped.steps_per_epoch)
               if (grouped(s)["start_positions"][grouped(s)["question_valid"]] == 0).any())
   batch = {k: jax.numpy.asarray(v) for k, v in grouped(step).items()}

@@ -16,6 +16,7 @@ from dpjax.data.windows import build_windows
 from dpjax.errors import DataError
 from dpjax.data.hard_negatives import HardNegatives
 from dpjax.mining import filter_negatives
+from dpjax.settings import Settings
 from dpjax.training import random_with_answer
 from dpjax.validation import Validator
 
@@ -90,9 +91,10 @@ def test_subcorpus_mining_and_hard_negative_training(tmp_path, capsys, caplog):
   assert {p["id"] for p in c0} <= h2
   # Validating on it during training asks the sample's questions (those whose gold passages
   # it holds), not all dev questions.
-  config = load_config("experiments/demo.py:tiny", [f"validation.corpus={out / 'H2.jsonl'}"])
-  validator = Validator(config.validation, config, tmp_path / "v", tmp_path / "data" / "dev.json",
-                        None, None, 8, None)
+  s = Settings.of(load_config("experiments/demo.py:tiny",
+                              [f"validation.corpus={out / 'H2.jsonl'}"]))
+  validator = Validator(s.validation, s.data, s.eval, tmp_path / "v",
+                        tmp_path / "data" / "dev.json", None, None, 8, None)
   assert [q.id for q in validator.questions] == [q.id for q in sample]
 
   # Mining: no mined passage contains a gold answer of its question, or is its gold passage.
@@ -220,11 +222,11 @@ def test_validation_keeps_the_best_checkpoint(tmp_path):
   assert run.main(["eval_rc"] + base + ["--set", "eval.checkpoint=best"]) == 0
   # A resumed run's Validator knows the validations before the resume (metrics.jsonl): its
   # best() gave None for a best step validated before it.
-  config = load_config("experiments/demo.py:tiny", [f"validation.corpus={corpus}",
-                                                     "validation.metric=mrr@20"])
+  s = Settings.of(load_config("experiments/demo.py:tiny", [f"validation.corpus={corpus}",
+                                                          "validation.metric=mrr@20"]))
   writer = MetricsWriter(tmp_path / "metrics.jsonl", 6)
-  resumed = Validator(config.validation, config, tmp_path, tmp_path / "data" / "dev.json", None,
-                      None, 8, writer)
+  resumed = Validator(s.validation, s.data, s.eval, tmp_path, tmp_path / "data" / "dev.json",
+                      None, None, 8, writer)
   assert resumed.best() == {"best_step": results["best_step"], "best_validation_mrr@20": best}
   resumed.close()
   # A step saved into checkpoints_best before a kill and validated again by the exact resume

@@ -11,6 +11,7 @@ BM25 index's manifest with every pair's scores; ties go to the smaller weights. 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -24,6 +25,7 @@ from dpjax.index.evaluate import PROGRESS_CHUNK, found_scores, score_requests
 from dpjax.index.hybrid import Hybrid
 from dpjax.index.sparse import (MANIFEST, SparseIndex, build_sparse, record_weight,
                                 sparse_folder)
+from dpjax.settings import DataSettings, EvalSettings, IndexSettings, ModelSettings
 from dpjax.workdir import Workdir
 from dpjax.loading import load_searcher
 
@@ -34,81 +36,85 @@ SENTENCE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0)  # sentence BM25's grid
 TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are the dev split)
 
 
-def build_sparse_index(config, workdir: pathlib.Path) -> pathlib.Path:
+def build_sparse_index(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
+                       index: IndexSettings, workdir: pathlib.Path, *,
+                       best_metric: str = "em@1") -> pathlib.Path:
   """Builds the dump's BM25 index (kept if already built from this dump) and, unless
   `index.sparse_weight` is set, chooses and records its weights. The dump is loaded once: by the
-  searcher the weight is chosen with when it must be, else alone."""
+  searcher the weight is chosen with when it must be, else alone. `best_metric`: which
+  checkpoint `eval.checkpoint=best` is (`loading.restore_model`)."""
   workdir = Workdir(workdir)
   searcher = step = None
-  if config.index.sparse_weight is None and not _weight_kept(config, workdir):
-    searcher, step = _dense_searcher(config, workdir)
-  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(config.index.dump_name))
+  if index.sparse_weight is None and not _weight_kept(evaluation, index, workdir):
+    searcher, step = _dense_searcher(model, data, evaluation, index, workdir, best_metric)
+  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(index.dump_name))
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
-  if config.index.sparse_weight is not None:
-    sentence = config.index.sparse_sentence_weight or 0.0
-    record_weight(dump.directory, config.index.sparse_weight, sentence,
-                  {"set": "index.sparse_weight"})
-    log.info("hybrid weights %g, sentence %g (index.sparse_weight)", config.index.sparse_weight,
+  if index.sparse_weight is not None:
+    sentence = index.sparse_sentence_weight or 0.0
+    record_weight(dump.directory, index.sparse_weight, sentence, {"set": "index.sparse_weight"})
+    log.info("hybrid weights %g, sentence %g (index.sparse_weight)", index.sparse_weight,
              sentence)
-  elif searcher or not _weight_kept(config, workdir):  # (a rebuilt index has no weight)
+  elif searcher or not _weight_kept(evaluation, index, workdir):  # (a rebuilt index: no weight)
     if searcher is None:
-      searcher, step = _dense_searcher(config, workdir)
-    record_weight(dump.directory, *choose_weight(config, workdir, searcher, step, sparse))
+      searcher, step = _dense_searcher(model, data, evaluation, index, workdir, best_metric)
+    record_weight(dump.directory,
+                  *choose_weight(data, evaluation, index, workdir, searcher, step, sparse))
   else:
     log.info("hybrid weights %g, sentence %g, recorded in %s", sparse.weight,
              sparse.sentence_weight, folder)
   return folder
 
 
-def _weight_kept(config, workdir: Workdir) -> bool:
+def _weight_kept(evaluation: EvalSettings, index: IndexSettings, workdir: Workdir) -> bool:
   """Whether the BM25 index records a weight chosen for these settings (`_tuned_for`)."""
-  path = sparse_folder(workdir.dump(config.index.dump_name)) / MANIFEST
+  path = sparse_folder(workdir.dump(index.dump_name)) / MANIFEST
   try:
     manifest = json.loads(path.read_text())
   except (OSError, ValueError):  # none, or unreadable: built (again) below
     return False
   tuning = manifest.get("weight_tuning") or {}
-  wanted = _tuned_for(config)
+  wanted = _tuned_for(evaluation, index)
   return (manifest.get("weight") is not None and manifest.get("sentence_weight") is not None
           and wanted == {k: tuning.get(k) for k in wanted})
 
 
-def _dense_searcher(config, workdir: Workdir):
+def _dense_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
+                    index: IndexSettings, workdir: Workdir, best_metric: str):
   """(the workdir's searcher without hybrid search, its step): weights are set one by one."""
-  dense = config.copy_and_resolve_references()
-  dense.index.sparse = False
-  return load_searcher(dense, workdir)
+  return load_searcher(model, data, evaluation, dataclasses.replace(index, sparse=False),
+                       workdir, best_metric=best_metric)
 
 
-def _tuned_for(config) -> dict:
+def _tuned_for(evaluation: EvalSettings, index: IndexSettings) -> dict:
   """The settings a chosen weight holds for: another of them chooses it again."""
-  return {"passages": config.index.sparse_passages, "index": config.index.search_index,
-          "limit": config.index.sparse_tune_questions,
-          "tune_file": config.index.sparse_tune_file, "regex": config.eval.regex}
+  return {"passages": index.sparse_passages, "index": index.search_index,
+          "limit": index.sparse_tune_questions, "tune_file": index.sparse_tune_file,
+          "regex": evaluation.regex}
 
 
-def tune_questions(config, workdir: pathlib.Path) -> tuple[list, str]:
+def tune_questions(data: DataSettings, index: IndexSettings,
+                   workdir: pathlib.Path) -> tuple[list, str]:
   """The held-out questions the weight is chosen on, and their file."""
-  path = config.index.sparse_tune_file
+  path = index.sparse_tune_file
   if not path:
-    files = data_files(config.data, workdir)
+    files = data_files(data, workdir)
     if "train" not in files:
       raise ConfigError("index.sparse: no training questions to choose the weight on; set "
                         "index.sparse_weight or index.sparse_tune_file")
     path = str(files["train"])
-  questions = sample_questions(read_questions(path), config.index.sparse_tune_questions,
-                               TUNE_SEED)
+  questions = sample_questions(read_questions(path), index.sparse_tune_questions, TUNE_SEED)
   return questions, path
 
 
-def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseIndex,
+def choose_weight(data: DataSettings, evaluation: EvalSettings, index: IndexSettings,
+                  workdir: pathlib.Path, searcher, step, sparse: SparseIndex,
                   ) -> tuple[float, float, dict]:
   """(the weights of `WEIGHTS` x `SENTENCE_WEIGHTS` with the best mean of EM@1 and passage
   Top-1 on the held-out questions, a record of how they were chosen, scores by "weight,sentence
   weight"), searched by `searcher` (dense: `_dense_searcher`) with the BM25 index `sparse`."""
-  questions, path = tune_questions(config, workdir)
-  scores = _grid_scores(config, searcher, sparse, questions)
+  questions, path = tune_questions(data, index, workdir)
+  scores = _grid_scores(evaluation, index, searcher, sparse, questions)
   for key, value in scores.items():
     log.info("hybrid weights %s, sentence %s: %s", *key.split(","), value)
   best = max(itertools.product(WEIGHTS, SENTENCE_WEIGHTS), key=lambda pair: (  # (rounded: ties)
@@ -118,37 +124,38 @@ def choose_weight(config, workdir: pathlib.Path, searcher, step, sparse: SparseI
            len(questions), path)
   return *best, {"questions": len(questions), "file": path, "seed": TUNE_SEED,
                 "criterion": "mean of EM@1 and passage Top-1", "model_step": step,
-                **_tuned_for(config), "scores": scores}
+                **_tuned_for(evaluation, index), "scores": scores}
 
 
-def _grid_scores(config, searcher, sparse: SparseIndex, questions) -> dict:
+def _grid_scores(evaluation: EvalSettings, index: IndexSettings, searcher, sparse: SparseIndex,
+                 questions) -> dict:
   """{`pair_key`: EM@1, EM@10, passage Top-1 and Top-20 of `questions`} over the grid, chunk
   by chunk of questions: a chunk's index hits, BM25 scores and BM25 passages' spans are computed
   once for every pair (the index keeps the last questions' lexical results), and only the
   scores are kept (each a mean over questions: chunks add up weighted by their size)."""
-  index = searcher.index
+  phrase_index = searcher.index
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
   q_start, q_end = searcher.encode(texts)
   requests, keys = score_requests(passage_k=20), ("em@1", "em@10", "top1", "top20")
-  width = max(index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
+  width = max(phrase_index.fetch_bounds(k)[unit != "phrase"] for k, unit in requests)
   grid = list(itertools.product(WEIGHTS, SENTENCE_WEIGHTS))
   sums = {pair: dict.fromkeys(keys, 0.0) for pair in grid}
   # One searcher per pair, sharing the index, its rescoring and the last lexical results.
-  searchers = {pair: index.with_options(hybrid=Hybrid(sparse, *pair,
-                                                      config.index.sparse_passages))
+  searchers = {pair: phrase_index.with_options(hybrid=Hybrid(sparse, *pair,
+                                                             index.sparse_passages))
                for pair in grid}
-  lexical = index.with_options(hybrid=Hybrid(sparse, 1.0, 0.0, config.index.sparse_passages))
+  lexical = phrase_index.with_options(hybrid=Hybrid(sparse, 1.0, 0.0, index.sparse_passages))
   chunk = min(PROGRESS_CHUNK, lexical.lexical_rows())  # what one search scores with BM25 at once
   for lo in range(0, len(texts), chunk):
     rows = slice(lo, lo + chunk)
-    hits = index.hits(q_start[rows], q_end[rows], width)
+    hits = phrase_index.hits(q_start[rows], q_end[rows], width)
     for pair in grid:
       found = [searchers[pair].search(q_start[rows], q_end[rows], k, unit, hits=hits,
                                       texts=texts[rows],
-                                      max_answer_length=config.eval.max_answer_length)
+                                      max_answer_length=evaluation.max_answer_length)
                for k, unit in requests]
-      report = found_scores(index, found, answers[rows], passage_k=20, passage_ks=(1, 5, 20),
-                            regex=config.eval.regex)
+      report = found_scores(phrase_index, found, answers[rows], passage_k=20,
+                            passage_ks=(1, 5, 20), regex=evaluation.regex)
       for key in keys:
         sums[pair][key] += report[key] * len(found[0])
     log.info("hybrid weights: %d of %d questions searched", min(lo + chunk, len(texts)),

@@ -20,6 +20,7 @@ from flax import nnx
 from dpjax.errors import DataError, DumpError
 from dpjax.io import digest, read_json, write_json
 from dpjax.parallel import round_to_devices
+from dpjax.settings import DataSettings, IndexSettings
 
 MANIFEST = "manifest.json"
 INDEX_MANIFEST = "index_manifest.json"
@@ -68,21 +69,22 @@ def window_settings(config: DumpConfig) -> dict:
           "include_title": config.include_title, "min_context": config.min_context}
 
 
-def dump_windows(config) -> dict:
+def dump_windows(data: DataSettings, index: IndexSettings) -> dict:
   """`window_settings` as an experiment config gives them (`index.dump_*`, `data.*`)."""
-  return {"max_seq_length": config.index.dump_max_seq_length or config.data.max_seq_length,
-          "doc_stride": config.data.doc_stride, "include_title": config.data.include_title,
-          "min_context": config.index.dump_min_context}
+  return {"max_seq_length": index.dump_max_seq_length or data.max_seq_length,
+          "doc_stride": data.doc_stride, "include_title": data.include_title,
+          "min_context": index.dump_min_context}
 
 
-def dump_config(config, mesh) -> DumpConfig:
+def dump_config(data: DataSettings, index: IndexSettings, model_dtype: str, mesh) -> DumpConfig:
   """The dump settings of an experiment config (`run.py dump`; a dump made with other ones is
-  refused): its windows (`dump_windows`), batches rounded to `mesh`'s devices."""
-  return DumpConfig(**dump_windows(config),
-                    batch_size=round_to_devices(config.index.batch_size, mesh),
-                    shard_passages=config.index.shard_passages,
-                    width_multiple=config.index.dump_width_multiple,
-                    compute_dtype=config.index.dump_dtype or config.model.dtype)
+  refused): its windows (`dump_windows`), batches rounded to `mesh`'s devices, computed in
+  `index.dump_dtype` or else the model's `model_dtype`."""
+  return DumpConfig(**dump_windows(data, index),
+                    batch_size=round_to_devices(index.batch_size, mesh),
+                    shard_passages=index.shard_passages,
+                    width_multiple=index.dump_width_multiple,
+                    compute_dtype=index.dump_dtype or model_dtype)
 
 
 def training_windows_config(data_config, batch_size: int) -> DumpConfig:

@@ -10,27 +10,30 @@ from dpjax.index.dump import dump_phrases
 from dpjax.index.manifest import dump_config
 from dpjax.workdir import Workdir
 from dpjax.parallel import make_mesh
-from dpjax.loading import apply_filter_head, data_paths, restore_model, writes_to
+from dpjax.loading import apply_filter_head, data_paths
+from dpjax.main import restore, writes_to
+from dpjax.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 @writes_to
-def run(config, workdir: Workdir) -> dict:
+def run(settings: Settings, workdir: Workdir) -> dict:
   """`run.py dump`: every passage of the corpus encoded by the workdir's phrase encoder."""
   # The model first: a workdir without one is refused before the data set is written into it.
-  model, step = restore_model(config, workdir)
-  paths = data_paths(config, workdir)
+  model, step = restore(settings, workdir)
+  paths = data_paths(settings.data, settings.index, workdir)
   head = apply_filter_head(model, workdir)  # a separately trained filter, if `run.py filter` ran
   mesh = make_mesh(local=True)  # each process encodes its own shards on its own devices
   summary = SkipSummary()
   try:
-    manifest = dump_phrases(model, Tokenizer.from_pretrained(config.model.tokenizer),
+    manifest = dump_phrases(model, Tokenizer.from_pretrained(settings.model.tokenizer),
                             read_corpus(paths["corpus"], summary), paths["dump"],
-                            dump_config(config, mesh), mesh=mesh, workers=config.index.dump_workers,
+                            dump_config(settings.data, settings.index, settings.model.dtype, mesh),
+                            mesh=mesh, workers=settings.index.dump_workers,
                             model_info={"workdir": str(workdir), "step": step,
-                                        "name": config.model.name,
-                                        "tokenizer": str(config.model.tokenizer)},
+                                        "name": settings.model.name,
+                                        "tokenizer": str(settings.model.tokenizer)},
                             corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
                                                    for f in paths["corpus"]]},
                             filter_head=head)

@@ -16,43 +16,48 @@ from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests, w
 from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.workdir import Workdir
-from dpjax.reading import check_reader_config, read_answers
-from dpjax.loading import data_paths, load_searcher
+from dpjax.reading import Reader, check_reader_config, read_answers
+from dpjax.loading import data_paths
+from dpjax.main import open_searcher
+from dpjax.config import SAVED_CONFIG, workdir_config
+from dpjax.settings import DataSettings, EvalSettings, IndexSettings, ModelSettings, Settings
 
 log = logging.getLogger(__name__)
 
 
-def run(config, workdir: str) -> dict:
+def run(settings: Settings, workdir: str) -> dict:
   """`run.py eval`: the evaluation questions answered over the workdir's index; EM@k / F1@k of
   the top-10 phrases and passage Top-k / MRR / P@k (from one index search), written with the
   predictions to workdir/open_eval_<index>[_<checkpoint>].json."""
   workdir = Workdir(workdir)
-  if config.eval.reader:
-    check_reader_config(config, workdir)
-  questions = read_questions(data_paths(config, workdir)["questions"])
-  if config.eval.limit:
-    questions = questions[:config.eval.limit]
-  searcher, step = load_searcher(config, workdir, verify=config.index.verify)
+  data, evaluation = settings.data, settings.eval
+  if evaluation.reader:
+    check_reader_config(data, evaluation, workdir)
+  questions_file = data_paths(data, settings.index, workdir)["questions"]
+  questions = read_questions(questions_file)
+  if evaluation.limit:
+    questions = questions[:evaluation.limit]
+  searcher, step = open_searcher(settings, workdir, verify=settings.index.verify)
   index, texts = searcher.index, [q.question for q in questions]
   empty = searcher.empty_questions(texts)
   if empty:  # before any work (the encoder refuses them)
-    raise DataError(f"{data_paths(config, workdir)['questions']}: {len(empty)} questions hold no "
+    raise DataError(f"{questions_file}: {len(empty)} questions hold no "
                     f"token, e.g. {questions[empty[0]].id} ({texts[empty[0]][:40]!r}): only "
                     "characters the tokenizer drops (control or format characters)")
-  passage_k = config.eval.passage_k
+  passage_k = evaluation.passage_k
   start = time.perf_counter()
   # Encoding and searching pipelined: the next 256 questions encoded while these are searched.
   found = retrieve_texts(index, searcher.encode, texts, score_requests(passage_k=passage_k),
                          progress=True, shared_hits=True,
-                         max_answer_length=config.eval.max_answer_length)
+                         max_answer_length=evaluation.max_answer_length)
   scores = found_scores(index, found, [q.answers for q in questions], passage_k=passage_k,
-                        passage_ks=(1, 5, 20, 100), regex=config.eval.regex, per_question=True)
+                        passage_ks=(1, 5, 20, 100), regex=evaluation.regex, per_question=True)
   seconds = time.perf_counter() - start
-  batch64_qps, timed = _batch64_throughput(searcher, texts, config)
+  batch64_qps, timed = _batch64_throughput(evaluation, searcher, texts)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
            "(top-10 phrases)", len(texts), seconds, batch64_qps)
-  checkpoint = config.eval.checkpoint
-  report = {"index": config.index.search_index, "questions": len(questions),
+  checkpoint = evaluation.checkpoint
+  report = {"index": settings.index.search_index, "questions": len(questions),
             "checkpoint": checkpoint, "model_step": step, "fingerprint": index.fingerprint,
             **scores, "search_seconds": seconds, "questions_per_sec_batch64": batch64_qps,
             "batch64_questions": timed, "index_tokens": index.manifest["num_tokens"],
@@ -63,14 +68,15 @@ def run(config, workdir: str) -> dict:
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"],
             "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index)}
   reading = None
-  if config.eval.reader:  # the retriever-reader pipeline over the ranked passages
-    report["reader"], reading = read_answers(config, workdir, searcher, questions, found[1],
-                                             seconds)
+  if evaluation.reader:  # the retriever-reader pipeline over the ranked passages
+    reader = Reader(*_reader_sections(settings), evaluation)
+    report["reader"], reading = read_answers(reader, data, evaluation, workdir, searcher,
+                                             questions, found[1], seconds)
   phrases = [[index.result(p) for p, _ in units] for units in found[0]]
   # eval.passage_k = 0: no passage search, an empty TREC run (not a stale one of another run)
   ranked = [[(index.dump.passages[p.passage].id, p.score) for p, _ in units]
             for units in (found[1] if passage_k else [[] for _ in questions])]
-  _write_eval(config, workdir, report, questions, phrases, ranked, reading)
+  _write_eval(evaluation, settings.index, workdir, report, questions, phrases, ranked, reading)
   return report
 
 
@@ -85,13 +91,22 @@ def _hybrid_record(index) -> dict | None:
           "bm25_bytes_per_token": manifest["index_bytes"] / index.manifest["num_tokens"]}
 
 
-def _batch64_throughput(searcher, texts: list[str], config) -> tuple[float, int]:
+def _reader_sections(settings: Settings) -> tuple[ModelSettings, DataSettings]:
+  """(model, data) of `eval.reader`'s reader: those its workdir saved, else this run's."""
+  reader_workdir = pathlib.Path(settings.eval.reader)
+  if (reader_workdir / SAVED_CONFIG).is_file():
+    settings = Settings.of(workdir_config(None, [], reader_workdir))
+  return settings.model, settings.data
+
+
+def _batch64_throughput(evaluation: EvalSettings, searcher,
+                        texts: list[str]) -> tuple[float, int]:
   """Throughput as a service sees it: consecutive batches of 64 questions, encoding included."""
-  timed = texts[:max(64, config.eval.throughput_questions)]
+  timed = texts[:max(64, evaluation.throughput_questions)]
   start = time.perf_counter()
   for lo in range(0, len(timed), 64):
     searcher.search(timed[lo:lo + 64], k=10, unit="phrase",
-                    max_answer_length=config.eval.max_answer_length)
+                    max_answer_length=evaluation.max_answer_length)
   return len(timed) / (time.perf_counter() - start), len(timed)
 
 
@@ -99,28 +114,26 @@ def _spans(results: list[dict]) -> list[list]:
   return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
 
 
-def _write_eval(config, workdir: pathlib.Path, report: dict, questions, phrases,
-                ranked, reading=None) -> None:
+def _write_eval(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib.Path,
+                report: dict, questions, phrases, ranked, reading=None) -> None:
   """Writes the report, the phrase predictions (JSONL) and the passage ranking (a TREC run file,
   `qid Q0 passage_id rank score dpjax`, as Pyserini writes); for an approximate index, adds how
   often its top-1 is the Flat index's (when Flat was evaluated on the same model and dump)."""
   # Files: open_eval_[<dump>_]<index>[_<checkpoint>].json (the dump's name unless it is the
   # default `dump`; the checkpoint's unless latest): another corpus or QSFT overwrites nothing.
-  checkpoint, dump = config.eval.checkpoint, config.index.dump_name
+  checkpoint, dump = evaluation.checkpoint, index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
   # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own (and an
   # approximate index's top-1 is compared with Flat's searched the same way); hybrid weights
   # set by hand name theirs, beside the recorded ones'
-  search = ("_hybrid" if config.index.sparse else "") + (
-      "" if config.index.merge_spans else "_unmerged")
-  if config.index.sparse and config.index.sparse_weight is not None:
-    search += (f"_w{config.index.sparse_weight:g}"
-               f"_s{config.index.sparse_sentence_weight or 0.0:g}")
-  name = prefix + index_folder(config.index.search_index) + search
+  search = ("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
+  if index.sparse and index.sparse_weight is not None:
+    search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
+  name = prefix + index_folder(index.search_index) + search
   flat_report = workdir / f"open_eval_{prefix}Flat{search}{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{search}{tag}.jsonl"
-  if config.index.search_index != "Flat" and exact.is_file() and flat_report.is_file():
+  if index.search_index != "Flat" and exact.is_file() and flat_report.is_file():
     same_model = ("model_step", "fingerprint", "hybrid")
     flat_model = {k: load_json(flat_report).get(k) for k in same_model}
     if flat_model == {k: report.get(k) for k in same_model}:

@@ -9,12 +9,13 @@ from dpjax.io import write_json
 from dpjax.workdir import Workdir
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.reading import evaluate_rc
-from dpjax.loading import restore_model
+from dpjax.main import restore
+from dpjax.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def run(config, workdir: str) -> dict:
+def run(settings: Settings, workdir: str) -> dict:
   """`run.py eval_rc`: reading-comprehension EM/F1 on the dev split of the workdir's model (its
   latest checkpoint, or the best one with `eval.checkpoint=best`; the untrained configured model
   when the workdir has no checkpoint).
@@ -23,16 +24,17 @@ def run(config, workdir: str) -> dict:
   """
   workdir = Workdir(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  dev = load_rc_split(data_files(config.data, workdir)["dev"], tokenizer, config.data,
-                      limit=config.eval.limit or None)
+  data, evaluation = settings.data, settings.eval
+  tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
+  dev = load_rc_split(data_files(data, workdir)["dev"], tokenizer, data,
+                      limit=evaluation.limit or None)
   # The untrained model's RC accuracy is a baseline: a workdir without checkpoints is allowed.
-  model, step = restore_model(config, workdir, allow_untrained=True)
+  model, step = restore(settings, workdir, allow_untrained=True)
   mesh = make_mesh()
-  batch_size = round_to_devices(config.eval.batch_size, mesh)
+  batch_size = round_to_devices(evaluation.batch_size, mesh)
   scores, predictions = evaluate_rc(model, dev.features, dev.passages, dev.questions,
                                     mesh=mesh, batch_size=batch_size,
-                                    max_answer_length=config.eval.max_answer_length)
+                                    max_answer_length=evaluation.max_answer_length)
   log.info("RC dev (%s): EM %.2f F1 %.2f over %d questions", dev.path, scores["exact_match"],
            scores["f1"], scores["count"])
   write_json(workdir.report("rc_eval.json"), {**scores, "step": step})

@@ -16,21 +16,23 @@ from dpjax.workdir import Workdir
 from dpjax.models.encoders import encode_questions
 from dpjax.parallel import make_mesh, round_to_devices
 from dpjax.token_filter import rewrite_dump_logits, threshold_sweep, train_head, window_splits
-from dpjax.loading import checked_dump, data_paths, restore_model, save_filter_head, writes_to
+from dpjax.loading import checked_dump, data_paths, save_filter_head
+from dpjax.main import restore, writes_to
+from dpjax.settings import Settings
 
 
 @writes_to
-def run(config, workdir: Workdir) -> dict:
+def run(settings: Settings, workdir: Workdir) -> dict:
   """`run.py filter`: train the head, validate by AUC-PR, sweep thresholds on the dump."""
-  fc = config.filter
-  model, step = restore_model(config, workdir)
-  paths = data_paths(config, workdir)
+  fc = settings.filter
+  model, step = restore(settings, workdir)
+  paths = data_paths(settings.data, settings.index, workdir)
   # (its logits are rewritten with the head trained here, after the training)
-  checked_dump(config, workdir, model)
-  tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
+  checked_dump(settings.data, settings.index, workdir, model)
+  tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
   mesh = make_mesh()
-  batch = round_to_devices(config.eval.batch_size, mesh)
-  splits, rates = window_splits(config, workdir, model, tokenizer, mesh, batch)
+  batch = round_to_devices(settings.eval.batch_size, mesh)
+  splits, rates = window_splits(settings.data, fc, workdir, model, tokenizer, mesh, batch)
   for name, rate in rates.items():
     if not rate > 0:  # (NaN: no context token at all) AUC-PR or the loss would be undefined
       raise DataError(f"filter: the {len(splits[name][0])} {name} windows sampled hold no "
@@ -45,11 +47,11 @@ def run(config, workdir: Workdir) -> dict:
   rewrite_dump_logits(paths["dump"], kernel, bias, save_filter_head(workdir, kernel, bias))
   questions = sample_questions(read_questions(paths["questions"]), fc.sweep_questions, fc.seed)
   q_start, q_end = encode_questions(model, tokenizer, [q.question for q in questions],
-                                    max_query_length=config.data.max_query_length,
+                                    max_query_length=settings.data.max_query_length,
                                     batch_size=batch, mesh=mesh)
   sweep = threshold_sweep(Dump.load(paths["dump"]), q_start, q_end,
                           [q.answers for q in questions], fc.keep_fractions,
-                          config.eval.max_answer_length)
+                          settings.eval.max_answer_length)
   full = next(s for s in sweep if s["threshold"] is None)["em@1"] if any(
       s["threshold"] is None for s in sweep) else max(s["em@1"] for s in sweep)
   good = [s for s in sweep if s["em@1"] >= full - fc.max_em_drop]

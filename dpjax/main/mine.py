@@ -6,20 +6,21 @@ from dpjax.data import data_files
 from dpjax.data.squad import read_squad
 from dpjax.workdir import Workdir
 from dpjax.mining import mine_hard_negatives
-from dpjax.loading import load_searcher, writes_to
+from dpjax.main import open_searcher, writes_to
+from dpjax.settings import Settings
 
 
 @writes_to
-def run(config, workdir: Workdir) -> dict:
+def run(settings: Settings, workdir: Workdir) -> dict:
   """Mines hard negatives for the training questions with the model and its full index."""
-  files = data_files(config.data, workdir)
+  files = data_files(settings.data, workdir)
   passages, questions, _ = read_squad(files["train"])
-  if config.mine.limit:
-    questions = questions[:config.mine.limit]
-  searcher, _ = load_searcher(config, workdir)
-  out = workdir / config.mine.out
-  counts = mine_hard_negatives(searcher, questions, passages, out, top_k=config.mine.top_k,
-                               max_answer_length=config.eval.max_answer_length)
+  if settings.mine.limit:
+    questions = questions[:settings.mine.limit]
+  searcher, _ = open_searcher(settings, workdir)
+  out = workdir / settings.mine.out
+  counts = mine_hard_negatives(searcher, questions, passages, out, top_k=settings.mine.top_k,
+                               max_answer_length=settings.eval.max_answer_length)
   print(f"hard negatives of {counts['questions']} questions -> {out}: "
         f"{counts['negatives'] / max(counts['questions'], 1):.1f} per question, "
         f"{counts['with_negatives']} questions with at least one, "

@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Sequence
 
 from dpjax.errors import ConfigError
-from dpjax.loading import load_searcher
+from dpjax.main import open_searcher
+from dpjax.settings import Settings
 
 
-def run(config, workdir: str, queries: Sequence[str]) -> list:
+def run(settings: Settings, workdir: str, queries: Sequence[str]) -> list:
   """`run.py search`: answers questions and prints the top units."""
   if not queries or not all(q.strip() for q in queries):
     raise ConfigError("search needs one or more non-empty --query \"question\"")
-  searcher, _ = load_searcher(config, workdir, verify=config.index.verify)
-  results = searcher.search(list(queries), k=config.index.top_k, unit=config.index.unit,
-                            max_answer_length=config.eval.max_answer_length)
+  searcher, _ = open_searcher(settings, workdir, verify=settings.index.verify)
+  results = searcher.search(list(queries), k=settings.index.top_k, unit=settings.index.unit,
+                            max_answer_length=settings.eval.max_answer_length)
   for query, found in zip(queries, results):
     print(f"Q: {query}")
     for rank, r in enumerate(found, 1):

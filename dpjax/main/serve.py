@@ -8,23 +8,25 @@ import signal
 
 import uvicorn
 
+from dpjax.main import open_searcher
 from dpjax.serve import bind, make_service
 from dpjax.serve.auth import api_key, check_exposure
+from dpjax.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def run(config, workdir: str) -> None:
+def run(settings: Settings, workdir: str) -> None:
   """`run.py serve`: serves the workdir's index until SIGINT or SIGTERM (the port is taken before
   the index loads, so a port in use fails at once; `serve.port=0`: a free one, logged). A host
   other machines reach needs an API key or `serve.allow_open` (check_exposure). On a signal it
   stops accepting, answers the requests it holds (for at most `serve.shutdown_timeout_s`) and
   returns."""
-  sc = config.serve
+  sc = settings.serve
   key = api_key(sc)
   check_exposure(sc.host, key, sc.allow_open)
   with bind(sc.host, sc.port) as sock:
-    app, batcher = make_service(config, workdir)
+    app, batcher = service(settings, workdir)
     # What loading made (the model, the tokenizer, the passages) lives as long as the service:
     # moved out of the collector's generations, a full collection no longer walks it and
     # stalls every request in flight (results/serve_soak.md).
@@ -50,6 +52,15 @@ def run(config, workdir: str) -> None:
   if not server.started:  # uvicorn logged why
     raise OSError(f"the server on {url} did not start")
   log.info("stopped")
+
+
+def service(settings: Settings, workdir):
+  """(app, started batcher) of `make_service` over the workdir's index (`serve.index` or
+  `index.search_index`), loaded (and with `index.verify` checked) as the config describes it."""
+  index_name = settings.serve.index or settings.index.search_index
+  searcher, step = open_searcher(settings, workdir, index_name, verify=settings.index.verify)
+  return make_service(settings.serve, searcher, step, workdir, model_name=settings.model.name,
+                      index_name=index_name, max_answer_length=settings.eval.max_answer_length)
 
 
 def _interrupt(signum, frame):

@@ -10,16 +10,17 @@ from dpjax.errors import ConfigError
 from dpjax.io import workdir_lock
 from dpjax.workdir import Workdir
 from dpjax.teacher import TEACHER, write_logits
-from dpjax.training import train_and_evaluate
-from dpjax.loading import writes_to
+from dpjax.settings import Settings
+from dpjax.training import RunSettings, train_and_evaluate
+from dpjax.main import writes_to
 
 log = logging.getLogger(__name__)
 
 
 @writes_to
-def run(config, workdir: Workdir) -> dict:
+def run(settings: Settings, workdir: Workdir) -> dict:
   """`run.py teacher`: trains (or resumes) the teacher, then writes (or resumes) its logits."""
-  if config.train.teacher_logits:
+  if settings.train.teacher_logits:
     raise ConfigError("train.teacher_logits is set: the teacher is trained without one "
                       "(leave it empty for `run.py teacher`)")
   workdir.teacher.mkdir(parents=True, exist_ok=True)
@@ -27,8 +28,11 @@ def run(config, workdir: Workdir) -> dict:
   # write the same shards' temporary folders).
   with (workdir_lock(workdir.teacher.run_lock("teacher"), "teacher") if distributed.is_main()
         else contextlib.nullcontext()):
-    record = train_and_evaluate(config, workdir, TEACHER)
-    manifest = write_logits(config, workdir)
+    # The teacher is validated on RC only (subcorpus validation encodes phrases).
+    run_settings = RunSettings(model=settings.model, data=settings.data, train=settings.train,
+                               evaluation=settings.eval)
+    record = train_and_evaluate(run_settings, workdir, TEACHER)
+    manifest = write_logits(run_settings, workdir)
   log.info("teacher: dev RC EM %.2f F1 %.2f; logits of %d examples in %s",
            record.get("rc_exact_match", float("nan")), record.get("rc_f1", float("nan")),
            manifest["rows"], workdir.teacher / "logits")

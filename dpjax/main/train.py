@@ -2,8 +2,12 @@
 checkpoint), with RC EM/F1 on dev (`dpjax.training`)."""
 from __future__ import annotations
 
-from dpjax.training import train_and_evaluate
+from dpjax.settings import Settings
+from dpjax.training import RunSettings, train_and_evaluate
 
 
-def run(config, workdir) -> dict:
-  return train_and_evaluate(config, workdir)
+def run(settings: Settings, workdir) -> dict:
+  """Trains the phrase model with the config's model, data, train, eval and validation."""
+  return train_and_evaluate(
+      RunSettings(model=settings.model, data=settings.data, train=settings.train,
+                  evaluation=settings.eval, validation=settings.validation), workdir)

@@ -4,17 +4,18 @@ from __future__ import annotations
 import logging
 
 from dpjax.errors import DataError, DumpError
+from dpjax.settings import Settings
 from dpjax.workdir import Workdir
 from dpjax.verify import artifacts
 
 log = logging.getLogger(__name__)
 
 
-def run(config, workdir: str, allow_unverified: bool = False) -> dict:
+def run(settings: Settings, workdir: str, allow_unverified: bool = False) -> dict:
   """`run.py verify`: checks every artifact of `workdir`; returns the paths verified, unverified
   and damaged ({path: problems}). Any damaged one, or with `allow_unverified` False any
   unverified one, is a DataError naming them (exit 2)."""
-  del config  # what is checked is what the workdir holds, whatever the config names
+  del settings  # what is checked is what the workdir holds, whatever the config names
   workdir = Workdir(workdir)
   if not workdir.is_dir():
     raise DataError(f"{workdir}: no such workdir (check --workdir)")

@@ -25,6 +25,7 @@ from dpjax.errors import CheckpointError, ConfigError
 from dpjax.io import atomic_directory, write_json
 from dpjax.models.bert import BertConfig, BertModel
 from dpjax.models import pretrained
+from dpjax.settings import DataSettings, ModelSettings
 
 
 class DensePhrases(nnx.Module):
@@ -110,35 +111,35 @@ def load_dense_phrases(name: str | os.PathLike = pretrained.DEFAULT_MODEL, *,
   return model
 
 
-def create_model(model_config) -> DensePhrases:
+def create_model(model: ModelSettings) -> DensePhrases:
   """The DensePhrases model a config's `model` section describes.
 
   `model.init = 'pretrained'` loads `model.name` into all encoders; `'random'` builds the encoder
   of `model.random` (a dict of `BertConfig` fields) with random weights, for tests and debugging.
   """
-  dtype = jnp.dtype(model_config.dtype)
-  if model_config.init == "pretrained":
-    return load_dense_phrases(model_config.name, dtype=dtype, seed=model_config.seed,
-                              share_query_encoders=model_config.share_query_encoders)
-  if model_config.init == "random":
-    return DensePhrases(BertConfig(**model_config.random.to_dict()), dtype=dtype,
-                        share_query_encoders=model_config.share_query_encoders,
-                        rngs=nnx.Rngs(model_config.seed))
-  raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")
+  dtype = jnp.dtype(model.dtype)
+  if model.init == "pretrained":
+    return load_dense_phrases(model.name, dtype=dtype, seed=model.seed,
+                              share_query_encoders=model.share_query_encoders)
+  if model.init == "random":
+    return DensePhrases(BertConfig(**dataclasses.asdict(model.random)), dtype=dtype,
+                        share_query_encoders=model.share_query_encoders,
+                        rngs=nnx.Rngs(model.seed))
+  raise ConfigError(f"unknown model.init {model.init!r} (pretrained or random)")
 
 
-def model_for_data(config) -> DensePhrases:
-  """`create_model(config.model)`, refusing (a ConfigError) a `data.max_seq_length` or
+def model_for_data(model: ModelSettings, data: DataSettings) -> DensePhrases:
+  """`create_model(model)`, refusing (a ConfigError) a `data.max_seq_length` or
   `data.max_query_length` past the encoder's positions: those positions would embed as NaN
   (`jnp.take` fills out of range) and every vector of the window with them."""
-  model = create_model(config.model)
-  positions = model.config.max_position_embeddings
+  built = create_model(model)
+  positions = built.config.max_position_embeddings
   for key in ("max_seq_length", "max_query_length"):
-    if (config.data.get(key) or 0) > positions:
-      source = config.model.name if config.model.init == "pretrained" else "random"
-      raise ConfigError(f"data.{key} = {config.data[key]}: the encoder ({source}) has only "
+    if getattr(data, key) > positions:
+      source = model.name if model.init == "pretrained" else "random"
+      raise ConfigError(f"data.{key} = {getattr(data, key)}: the encoder ({source}) has only "
                         f"{positions} positions")
-  return model
+  return built
 
 
 def compute_dtype(model: DensePhrases) -> str:

@@ -6,6 +6,7 @@ the phrase model's start/end distributions are distilled towards (`losses.distil
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from dpjax.errors import ConfigError
 from dpjax.models import pretrained
 from dpjax.models.bert import BertConfig, BertModel
+from dpjax.settings import DataSettings, ModelSettings
 
 
 class CrossEncoderReader(nnx.Module):
@@ -58,27 +60,28 @@ def logits_fn(reader: CrossEncoderReader):
   return lambda *inputs: logits(state, *inputs)
 
 
-def check_input_length(reader: CrossEncoderReader, data_config) -> None:
+def check_input_length(reader: CrossEncoderReader, data: DataSettings) -> None:
   """Refuses windows and questions (`data.max_seq_length`, `max_query_length`) whose
   `[CLS] question [SEP] window [SEP]` rows can be longer than the reader has positions."""
-  longest = data_config.max_seq_length + data_config.max_query_length - 1
+  longest = data.max_seq_length + data.max_query_length - 1
   if longest > reader.config.max_position_embeddings:
     raise ConfigError(f"the reader reads question + window, up to {longest} tokens "
                       f"(data.max_seq_length + data.max_query_length - 1); the encoder has "
                       f"{reader.config.max_position_embeddings} positions")
 
 
-def create_reader(model_config) -> CrossEncoderReader:
+def create_reader(model: ModelSettings) -> CrossEncoderReader:
   """The reader a config's `model` section describes: `model.name`'s pretrained BERT (the head
   at random) or, with `model.init = 'random'`, the encoder of `model.random`."""
-  dtype = jnp.dtype(model_config.dtype)
-  rngs = nnx.Rngs(model_config.seed)
-  if model_config.init == "pretrained":
-    model_dir = pretrained.resolve_model_dir(model_config.name)
+  dtype = jnp.dtype(model.dtype)
+  rngs = nnx.Rngs(model.seed)
+  if model.init == "pretrained":
+    model_dir = pretrained.resolve_model_dir(model.name)
     reader = CrossEncoderReader(pretrained.load_config(model_dir), dtype=dtype, rngs=rngs)
     pretrained.load_bert_weights(reader.encoder, pretrained.load_tensors(model_dir),
                                  source=str(model_dir))
     return reader
-  if model_config.init == "random":
-    return CrossEncoderReader(BertConfig(**model_config.random.to_dict()), dtype=dtype, rngs=rngs)
-  raise ConfigError(f"unknown model.init {model_config.init!r} (pretrained or random)")
+  if model.init == "random":
+    return CrossEncoderReader(BertConfig(**dataclasses.asdict(model.random)), dtype=dtype,
+                              rngs=rngs)
+  raise ConfigError(f"unknown model.init {model.init!r} (pretrained or random)")

@@ -18,7 +18,8 @@ from dpjax.serve.app import create_app
 from dpjax.serve.auth import api_key, is_loopback
 from dpjax.serve.batching import Batcher
 from dpjax.serve.parsing import MAX_BODY, Limits
-from dpjax.loading import load_searcher
+from dpjax.index.search import PhraseSearcher
+from dpjax.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,15 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
   return server, thread, sock.getsockname()[1]
 
 
-def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
-  """(app, started batcher) over the workdir's index (`serve.index` or `index.search_index`),
-  the question encoder compiled ahead for every call shape a micro-batch may take; with an API
-  key (`api_key`) its data routes need it, without one on a loopback `serve.host` it answers
-  only requests to a loopback name."""
-  sc = config.serve
+def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | None, workdir, *,
+                 model_name: str, index_name: str, max_answer_length: int,
+                 ) -> tuple[FastAPI, Batcher]:
+  """(app, started batcher) over `searcher` (the workdir's index `index_name`, its model
+  `model_name` at checkpoint `step`), the question encoder compiled ahead for every call shape
+  a micro-batch may take; with an API key (`api_key`) its data routes need it, without one on a
+  loopback `serve.host` it answers only requests to a loopback name."""
+  sc = serve
   key = api_key(sc)
-  searcher, step = load_searcher(config, workdir, sc.index or None,
-                                 verify=config.index.verify)
   start = time.perf_counter()  # every shape of its calls: no compile while serving
   shapes = searcher.compile(sc.max_batch)
   log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,
@@ -73,10 +74,9 @@ def make_service(config, workdir) -> tuple[FastAPI, Batcher]:
     log.info("device search compiled for %d widths in %.1f s", widths,
              time.perf_counter() - start)
   batcher = Batcher(searcher, max_batch=sc.max_batch, max_wait_ms=sc.max_wait_ms,
-                    max_queue=sc.max_queue, max_answer_length=config.eval.max_answer_length)
+                    max_queue=sc.max_queue, max_answer_length=max_answer_length)
   index = searcher.index
-  info = {"model": config.model.name, "model_step": step,
-          "index": sc.index or config.index.search_index, "dump": str(index.dump.directory),
+  info = {"model": model_name, "model_step": step, "index": index_name, "dump": str(index.dump.directory),
           "workdir": str(workdir), "vectors": int(index.num_vectors),
           "passages": int(index.dump.manifest["num_passages"]), "units": list(UNITS),
           "max_k": sc.max_k, "max_questions": sc.max_questions,

@@ -87,13 +87,15 @@ def main(argv=None) -> int:
   from dpjax.index.manifest import training_windows_config
   from dpjax.models import encoders as encoders_module
   from dpjax.parallel import make_mesh, round_to_devices
-  from dpjax.loading import data_paths, restore_model
+  from dpjax.loading import data_paths
+  from dpjax.main import restore
+  from dpjax.settings import Settings
 
-  config = load_config(args.config, args.set)
+  config = Settings.of(load_config(args.config, args.set))
   workdir = pathlib.Path(args.workdir)
-  paths = data_paths(config, workdir)
+  paths = data_paths(config.data, config.index, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
-  model, step = restore_model(config, workdir)
+  model, step = restore(config, workdir)
   graphdef, state = nnx.split(model)
   encoders = encoders_module.make_encoders(graphdef)
   mesh = make_mesh()

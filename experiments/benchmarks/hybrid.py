@@ -90,10 +90,11 @@ def passage_only_run(dump: pathlib.Path) -> tuple[str, list[str], tuple]:
            "index.sparse_sentence_weight=0.0"], (weight, 0.0))
 
 
-def evaluated(args, config, questions: int) -> dict:
-  """Every eval row: its report (run unless `reusable` and not --rerun) and its command."""
+def evaluated(args, index, questions: int) -> dict:
+  """Every eval row: its report (run unless `reusable` and not --rerun) and its command
+  (`index`: the config's IndexSettings)."""
   rows, workdir = {}, pathlib.Path(args.workdir)
-  dump = workdir / config.index.dump_name
+  dump = workdir / index.dump_name
   for name in [*RUNS, PASSAGE_ONLY]:  # (the passage-only weight: from the hybrid's index)
     file, overrides, weights = (*RUNS[name], None) if name in RUNS else passage_only_run(dump)
     sets = overrides + args.set
@@ -108,28 +109,28 @@ def evaluated(args, config, questions: int) -> dict:
   return rows
 
 
-def bm25_row(config, workdir: pathlib.Path, answers, texts: list[str], k: int = 20) -> dict:
-  """BM25 alone over the dump's passages (the hybrid's BM25 index): passage Top-k, MRR@20,
-  questions/s, per-question top-1 / top-20 hits."""
+def bm25_row(index, workdir: pathlib.Path, answers, texts: list[str], k: int = 20) -> dict:
+  """BM25 alone over the dump's passages (the hybrid's BM25 index; `index`: the config's
+  IndexSettings): passage Top-k, MRR@20, questions/s, per-question top-1 / top-20 hits."""
   from dpjax import metrics
   from dpjax.index.dump import Dump
   from dpjax.index.hybrid import top_passages
   from dpjax.index.manifest import read_manifest
   from dpjax.index.sparse import SparseIndex
-  directory = workdir / config.index.dump_name
+  directory = workdir / index.dump_name
   manifest, passages = read_manifest(directory), Dump.read_passages(directory)
-  index = SparseIndex(directory, manifest)
+  sparse = SparseIndex(directory, manifest)
   start, ranked = time.perf_counter(), []
   for lo in range(0, len(texts), 256):
-    ranked += top_passages(index.scores(texts[lo:lo + 256]), k)
+    ranked += top_passages(sparse.scores(texts[lo:lo + 256]), k)
   seconds = time.perf_counter() - start
   docs = [[passages[row].text for row in rows] for rows in ranked]
   scores = metrics.passage_scores(docs, answers, ks=(1, 5, 20), mrr_k=20, precision_k=20)
   hits = {f"top{n}": "".join(str(int(any(metrics.has_answer(d, g) for d in ds[:n])))
                              for ds, g in zip(docs, answers)) for n in (1, 20)}
   return {**scores, "hits": hits, "questions_per_sec": len(texts) / seconds,
-          "index_bytes_per_token": index.manifest["index_bytes"] / manifest["num_tokens"],
-          "settings": index.manifest["settings"]}
+          "index_bytes_per_token": sparse.manifest["index_bytes"] / manifest["num_tokens"],
+          "settings": sparse.manifest["settings"]}
 
 
 def merging_effect(workdir: pathlib.Path) -> dict | None:
@@ -299,14 +300,15 @@ def main(argv=None) -> int:
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
-  config = load_config(args.config, args.set)
+  from dpjax.settings import Settings
+  settings = Settings.of(load_config(args.config, args.set))
   workdir = pathlib.Path(args.workdir)
-  questions = read_questions(data_paths(config, workdir)["questions"])
-  if config.eval.limit:
-    questions = questions[:config.eval.limit]
-  evals = evaluated(args, config, len(questions))
+  questions = read_questions(data_paths(settings.data, settings.index, workdir)["questions"])
+  if settings.eval.limit:
+    questions = questions[:settings.eval.limit]
+  evals = evaluated(args, settings.index, len(questions))
   rows = {name: eval_row(e["report"]) for name, e in evals.items()}
-  rows["bm25"] = bm25_row(config, workdir, [q.answers for q in questions],
+  rows["bm25"] = bm25_row(settings.index, workdir, [q.answers for q in questions],
                           [q.question for q in questions])
   commands = {name: e["command"] for name, e in evals.items()}
   commands["bm25"] = "this script (BM25 over the dump's passages, the hybrid's BM25 index)"

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
 
   from dpjax import metrics
   from dpjax.data import Tokenizer
-  from dpjax.loading import open_workdir, restore_model, search_options
+  from dpjax.loading import search_options
+  from dpjax.main import open_workdir, restore
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.search import PhraseSearcher
@@ -179,12 +180,12 @@ def main(argv=None) -> int:
                                                for r in rows], answers, ks=KS)
   systems = {}
   if "dpjax" in args.systems:
-    model, step = restore_model(config, workdir)
+    model, step = restore(config, workdir)
     tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
     for index in args.indexes:
       name = index + ("-hybrid" if config.index.sparse else "")
       phrase_index = PhraseIndex(dump, index, nprobe=config.index.nprobe,
-                                 **search_options(config, dump))
+                                 **search_options(config.index, dump))
       searcher = PhraseSearcher(model, phrase_index, tokenizer,
                               max_query_length=config.data.max_query_length, batch_size=batch,
                               mesh=mesh)

@@ -72,14 +72,14 @@ def system_row(passages, retrieved, predictions, answers, k: int, seconds: dict)
   return row
 
 
-def read(reader, tokenizer, reader_config, config, texts, passages, retrieved, mesh, batch):
+def read(reader, tokenizer, reader_data, evaluation, texts, passages, retrieved, mesh, batch):
   """(the reader's best span in each retrieved passage [Q][k] (`reading.read_retrieved_passages`),
-  seconds)."""
+  seconds), windowed as the reader's `reader_data` section says."""
   from dpjax.reading import read_retrieved_passages
   start = time.perf_counter()
-  per_passage = read_retrieved_passages(reader, tokenizer, reader_config.data, texts, passages,
+  per_passage = read_retrieved_passages(reader, tokenizer, reader_data, texts, passages,
                                         retrieved, mesh=mesh, batch_size=batch,
-                                        max_answer_length=config.eval.max_answer_length)
+                                        max_answer_length=evaluation.max_answer_length)
   return per_passage, time.perf_counter() - start
 
 
@@ -108,12 +108,12 @@ def reader_rows(name, passages, rows, retriever_scores, per_passage, answers, k:
                                                          mixing["mu"])), "mixing": mixing}}
 
 
-def dpjax_search(searcher, texts, k: int, config):
+def dpjax_search(searcher, texts, k: int, evaluation):
   """(passage rows [Q][k], their scores [Q][k] (each its best phrase's), top phrases [Q],
   seconds) of one index search."""
   start = time.perf_counter()
   passages, phrases = searcher.search_many(texts, [(k, "passage"), (1, "phrase")],
-                                           max_answer_length=config.eval.max_answer_length)
+                                           max_answer_length=evaluation.max_answer_length)
   seconds = time.perf_counter() - start
   return ([[r["passage_row"] for r in found] for found in passages],
           [[r["score"] for r in found] for found in passages],
@@ -129,22 +129,22 @@ def sample_rows(count: int, sample: int) -> list[int] | None:
   return sorted(int(i) for i in rng.choice(count, size=sample, replace=False))
 
 
-def tuning_questions(config, workdir, limit: int) -> tuple[list, dict]:
+def tuning_questions(data, workdir, limit: int) -> tuple[list, dict]:
   """`limit` random training questions (seeded; 0: all), on which mu is chosen, and a record."""
   from dpjax.data import data_files
   from dpjax.data.questions import read_questions, sample_questions
-  path = data_files(config.data, workdir)["train"]
+  path = data_files(data, workdir)["train"]
   questions = sample_questions(read_questions(path), limit, TUNE_SEED)
   return questions, {"file": str(path), "questions": len(questions), "seed": TUNE_SEED,
                      "grid": list(MU_GRID), "criterion": "EM@1, ties to the smaller mu"}
 
 
-def corpus_passages(config, workdir) -> list:
+def corpus_passages(data, index, workdir) -> list:
   """The passages of the workdir's corpus, as `run.py dump` reads them (the dump's, in its order):
   BM25's rows need no phrase model."""
   from dpjax.data.corpus import read_corpus
   from dpjax.loading import data_paths
-  return list(read_corpus(data_paths(config, workdir)["corpus"]))
+  return list(read_corpus(data_paths(data, index, workdir)["corpus"]))
 
 
 def questions_digest(questions) -> str:
@@ -180,58 +180,64 @@ def bm25_systems(read_rows, passages, texts, answers, tune_texts, tune_answers, 
           for name, row in bm25.items()}
 
 
-def dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts, tune_answers,
-                  k: int) -> dict:
+def dpjax_systems(read_rows, searcher, evaluation, index, texts, answers, tune_texts,
+                  tune_answers, k: int) -> dict:
   """dpjax's phrase row and its reader rows (`reader_rows`), named `hybrid` when the config
   searches hybrid (`index.sparse`)."""
   passages = searcher.index.dump.passages
-  name = "hybrid" if config.index.sparse else "dpjax"
-  rows, scores, phrases, search_s = dpjax_search(searcher, texts, k, config)
+  name = "hybrid" if index.sparse else "dpjax"
+  rows, scores, phrases, search_s = dpjax_search(searcher, texts, k, evaluation)
   systems = {name: system_row(passages, rows, phrases, answers, k, {"retrieval": search_s})}
   per_passage, read_s = read_rows(texts, rows)
-  tune_rows, tune_scores = dpjax_search(searcher, tune_texts, k, config)[:2]
+  tune_rows, tune_scores = dpjax_search(searcher, tune_texts, k, evaluation)[:2]
   systems.update(reader_rows(name, passages, rows, scores, per_passage, answers, k,
                              {"retrieval": search_s, "reading": read_s},
                              choose_mu(read_rows(tune_texts, tune_rows)[0], tune_scores,
                                        tune_answers)))
-  if config.index.sparse:  # the weight fused with (hybrid.py checks it is its eval's)
+  if index.sparse:  # the weight fused with (hybrid.py checks it is its eval's)
     for row in systems.values():
       row["hybrid"] = searcher.index.hybrid.record()
   return systems
 
 
-def measure(args, config, reader_config, workdir) -> dict:
+def measure(args, settings, reader_settings, workdir) -> dict:
+  """The systems' rows on the evaluation questions (`settings`: the phrase model's config's
+  `Settings`, `reader_settings` the reader's), with what they were measured on."""
   from dpjax.data import Tokenizer
   from dpjax.data.questions import read_questions
   from dpjax.parallel import make_mesh, round_to_devices
   from dpjax.reading import restore_reader
-  from dpjax.loading import data_paths, load_searcher
+  from dpjax.loading import data_paths
+  from dpjax.main import open_searcher
+  from dpjax.settings import section_dict
 
-  questions = read_questions(data_paths(config, workdir)["questions"])
-  questions = questions[:args.limit or config.eval.limit or None]
+  evaluation = settings.eval
+  questions = read_questions(data_paths(settings.data, settings.index, workdir)["questions"])
+  questions = questions[:args.limit or evaluation.limit or None]
   question_rows = sample_rows(len(questions), args.sample)
   if question_rows is not None:
     questions = [questions[i] for i in question_rows]
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
-  tune, tuning = tuning_questions(config, workdir, args.tune_questions)
+  tune, tuning = tuning_questions(settings.data, workdir, args.tune_questions)
   tune_texts, tune_answers = [q.question for q in tune], [q.answers for q in tune]
-  searcher, step = load_searcher(config, workdir, args.index) if "dpjax" in args.systems else (
-      None, None)
-  passages = searcher.index.dump.passages if searcher else corpus_passages(config, workdir)
-  reader, reader_step = restore_reader(reader_config, args.reader)
-  tokenizer = Tokenizer.from_pretrained(reader_config.model.tokenizer)
+  searcher, step = (open_searcher(settings, workdir, args.index) if "dpjax" in args.systems
+                    else (None, None))
+  passages = (searcher.index.dump.passages if searcher
+              else corpus_passages(settings.data, settings.index, workdir))
+  reader, reader_step = restore_reader(reader_settings.model, args.reader)
+  tokenizer = Tokenizer.from_pretrained(reader_settings.model.tokenizer)
   mesh = make_mesh()
-  batch = round_to_devices(config.eval.batch_size, mesh)
+  batch = round_to_devices(evaluation.batch_size, mesh)
   k = min(args.k, len(passages))
-  read_rows = lambda texts, rows: read(reader, tokenizer, reader_config, config, texts,
-                                       passages, rows, mesh, batch)
+  read_rows = lambda texts, rows: read(reader, tokenizer, reader_settings.data, evaluation,
+                                       texts, passages, rows, mesh, batch)
   warm = texts[:args.warmup]  # compiles: the searcher's and the reader's, not timed
-  read_rows(warm, dpjax_search(searcher, warm, k, config)[0] if searcher else
+  read_rows(warm, dpjax_search(searcher, warm, k, evaluation)[0] if searcher else
             [list(range(k))] * len(warm))
   systems = {}
   if searcher:
-    systems.update(dpjax_systems(read_rows, searcher, config, texts, answers, tune_texts,
-                                 tune_answers, k))
+    systems.update(dpjax_systems(read_rows, searcher, evaluation, settings.index, texts, answers,
+                                 tune_texts, tune_answers, k))
   if "bm25" in args.systems:
     systems.update(bm25_systems(read_rows, passages, texts, answers, tune_texts, tune_answers, k))
   for name, row in systems.items():
@@ -242,12 +248,12 @@ def measure(args, config, reader_config, workdir) -> dict:
           "question_rows": question_rows, "sample_seed": SAMPLE_SEED if args.sample else None,
           "passages_sha256": passages_digest(passages),
           "questions_sha256": questions_digest(questions),
-          "reader_data": reader_config.data.to_dict(),
-          "index": args.index or config.index.search_index, "workdir": str(workdir),
+          "reader_data": section_dict(reader_settings.data),
+          "index": args.index or settings.index.search_index, "workdir": str(workdir),
           "model_step": step, "reader": {"workdir": args.reader, "step": reader_step,
                                          "config": args.reader_config or args.config},
           "warmup_questions": len(warm), "batch_size": batch, "tuning": tuning,
-          "max_answer_length": config.eval.max_answer_length, "systems": systems}
+          "max_answer_length": evaluation.max_answer_length, "systems": systems}
 
 
 # What rows kept from an earlier run must share with this one's.
@@ -374,9 +380,11 @@ def main(argv=None) -> int:
   from dpjax.config import load_config, setup_logging
   setup_logging("dpjax.checkpoint", fmt="%(asctime)s %(message)s")
   import jax
-  config = load_config(args.config, args.set)
-  reader_config = load_config(args.reader_config) if args.reader_config else config
-  results = measure(args, config, reader_config, pathlib.Path(args.workdir))
+  from dpjax.settings import Settings
+  settings = Settings.of(load_config(args.config, args.set))
+  reader_settings = (Settings.of(load_config(args.reader_config)) if args.reader_config
+                     else settings)
+  results = measure(args, settings, reader_settings, pathlib.Path(args.workdir))
   results.update(commit=git_commit(), notes=args.note,
                  device=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
                  command=command_line("experiments/benchmarks/reader_peer.py", argv))

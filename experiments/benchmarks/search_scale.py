@@ -191,13 +191,13 @@ def main(argv=None) -> int:
 
   from experiments.report import save_results
   from dpjax.data import Tokenizer
-  from dpjax.loading import open_workdir, restore_model
+  from dpjax.main import open_workdir, restore
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.index.rescoring import Rescorer
   from dpjax.index.search import PhraseSearcher
 
   config, workdir, dump, questions = open_workdir(args.config, args.workdir, args.set)
-  model, step = restore_model(config, workdir)
+  model, step = restore(config, workdir)
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   questions = [q.question for q in questions][:args.questions]
   dim = dump.vectors.shape[1]

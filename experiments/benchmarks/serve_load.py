@@ -226,9 +226,11 @@ def workload(args) -> tuple:
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
-  config = load_config(args.config, args.set)
+  from dpjax.settings import Settings
+  config = Settings.of(load_config(args.config, args.set))
   questions = [q.question for q in
-               read_questions(data_paths(config, pathlib.Path(args.workdir))["questions"])]
+               read_questions(data_paths(config.data, config.index,
+                                         pathlib.Path(args.workdir))["questions"])]
   command = [sys.executable, "run.py", "serve", "--config", args.config, "--workdir",
              args.workdir] + [f"--set={s}" for s in args.set] + ["--set", "serve.port=0"]
   return config, questions, command

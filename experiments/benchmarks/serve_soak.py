@@ -68,8 +68,8 @@ def oracle(config, workdir: str, questions: list[str]) -> dict[tuple, list[dict]
   """{(question, k, unit): the results `PhraseSearcher.search` finds} for each distinct question
   and each (k, unit) of SEARCHES, over the searcher loaded as `make_service` loads it (through
   JSON, as the service sends them)."""
-  from dpjax.loading import load_searcher
-  searcher, _ = load_searcher(config, pathlib.Path(workdir), config.serve.index or None,
+  from dpjax.main import open_searcher
+  searcher, _ = open_searcher(config, pathlib.Path(workdir), config.serve.index or None,
                               verify=config.index.verify)
   distinct = list(dict.fromkeys(questions))
   expected = {}

@@ -64,9 +64,10 @@ def _compile_counter() -> dict:
 def _model(args):
   from dpjax.config import load_config
   from dpjax.data.tokenization import Tokenizer
-  from dpjax.loading import restore_model
+  from dpjax.main import restore
+  from dpjax.settings import Settings
   config = load_config(args.config)
-  model, step = restore_model(config, pathlib.Path(args.workdir))
+  model, step = restore(Settings.of(config), pathlib.Path(args.workdir))
   return config, model, Tokenizer.from_pretrained(config.model.tokenizer)
 
 

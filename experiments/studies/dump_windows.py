@@ -51,7 +51,8 @@ def window_tokens(config, tokenizer, passages, mesh, manifest: dict) -> dict:
     return {"windows": manifest["num_windows"], "tokens_encoded": manifest["encoded_tokens"]}
   from dpjax.index.manifest import dump_config
   from dpjax.index.window_maker import shard_windows
-  windows = shard_windows(tokenizer, passages, dump_config(config, mesh))
+  windows = shard_windows(tokenizer, passages, dump_config(config.data, config.index,
+                                                            config.model.dtype, mesh))
   return {"windows": len(windows.input_ids), "tokens_encoded": int(windows.attention_mask.sum())}
 
 
@@ -73,9 +74,10 @@ def vector_changes(a, b, chunk: int = 65536) -> dict:
 def load(args, *sets: str):
   """The config with `--set`, `--corpus` and then `sets` applied."""
   from dpjax.config import load_config
+  from dpjax.settings import Settings
   corpus = ([f"index.corpus={[str(pathlib.Path(c).resolve()) for c in args.corpus]!r}"]
             if args.corpus else [])
-  return load_config(args.config, [*args.set, *corpus, *sets])
+  return Settings.of(load_config(args.config, [*args.set, *corpus, *sets]))
 
 
 def measure(args, length: int, min_context: int, passages, questions, vectors, tokenizer,
@@ -91,7 +93,7 @@ def measure(args, length: int, min_context: int, passages, questions, vectors, t
                 f"index.dump_max_seq_length={length}",
                 f"index.dump_name={dump_name(length, min_context)!r}")
   manifest = dump.run(config, args.workdir)
-  dump_dir = data_paths(config, args.workdir)["dump"]
+  dump_dir = data_paths(config.data, config.index, args.workdir)["dump"]
   build_index(dump_dir, "Flat")
   index = PhraseIndex(dump_dir, "Flat")
   scores = retrieval_scores(index, *vectors, [q.answers for q in questions],
@@ -114,19 +116,20 @@ def study(args) -> dict:
   from dpjax.models.encoders import encode_questions
   from dpjax.index.manifest import dump_config
   from dpjax.parallel import make_mesh
-  from dpjax.loading import data_paths, restore_model
+  from dpjax.loading import data_paths
+  from dpjax.main import restore
   config = load(args)
-  passages = list(read_corpus(data_paths(config, args.workdir)["corpus"]))  # for the windows
-  questions = read_questions(data_paths(config, args.workdir)["questions"])
+  passages = list(read_corpus(data_paths(config.data, config.index, args.workdir)["corpus"]))  # for the windows
+  questions = read_questions(data_paths(config.data, config.index, args.workdir)["questions"])
   questions = questions[:config.eval.limit or None]
   tokenizer = Tokenizer.from_pretrained(config.model.tokenizer)
   mesh = make_mesh(local=True)
-  model, step = restore_model(config, args.workdir)
+  model, step = restore(config, args.workdir)
   vectors = encode_questions(model, tokenizer, [q.question for q in questions],  # once: one model
                              max_query_length=config.data.max_query_length,
                              batch_size=config.eval.batch_size, mesh=mesh)
   del model
-  settings = dump_config(config, mesh)  # the config's own windows
+  settings = dump_config(config.data, config.index, config.model.dtype, mesh)  # its own windows
   shipped = {"max_seq_length": settings.max_seq_length, "min_context": settings.min_context}
   lengths = args.max_seq_length or [shipped["max_seq_length"]]
   runs, first = [], None

@@ -15,6 +15,7 @@ Needs the workdir's dump, Flat index and BM25 index (`run.py index --set index.s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -39,15 +40,16 @@ def main(argv=None) -> int:
   from dpjax.index import hybrid_weights as fusion
   from dpjax.config import load_config, setup_logging
   from dpjax.index.sparse import SparseIndex
-  from dpjax.loading import load_searcher
+  from dpjax.main import open_searcher
+  from dpjax.settings import Settings
   from experiments.report import git_commit
   from experiments.report import save_results
   setup_logging("dpjax.index.hybrid_weights", fmt="%(asctime)s %(message)s")
-  config = load_config(args.config, args.set)
+  settings = Settings.of(load_config(args.config, args.set))
   workdir = pathlib.Path(args.workdir)
-  dense = config.copy_and_resolve_references()
-  dense.index.sparse = False  # the weights are set one by one
-  searcher, step = load_searcher(dense, workdir)
+  # the weights are set one by one
+  dense = dataclasses.replace(settings, index=dataclasses.replace(settings.index, sparse=False))
+  searcher, step = open_searcher(dense, workdir)
   dump = searcher.index.dump
   raw_scores = SparseIndex.scores
   weights = fusion.WEIGHTS, fusion.SENTENCE_WEIGHTS
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
       SparseIndex.scores = lambda self, texts, scale=scale: scale(raw_scores(self, texts))
       fusion.WEIGHTS, fusion.SENTENCE_WEIGHTS = grid, (0.0,)  # passage BM25 alone
       # a new SparseIndex: the searcher caches BM25 results by index object
-      weight, _, tuning = fusion.choose_weight(config, workdir, searcher, step,
+      weight, _, tuning = fusion.choose_weight(settings.data, settings.eval, settings.index,
+                                               workdir, searcher, step,
                                                SparseIndex(dump.directory, dump.manifest))
       rows[name] = {"weight": weight, **tuning["scores"][fusion.pair_key(weight, 0.0)],
                     "scores": tuning["scores"], "questions": tuning["questions"],

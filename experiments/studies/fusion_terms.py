@@ -20,6 +20,7 @@ index.sparse=True`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -119,18 +120,21 @@ def main(argv=None) -> int:
   from dpjax.data import data_files
   from dpjax.data.questions import read_questions, sample_questions
   from dpjax.index.sparse import SETTINGS, SparseIndex
-  from dpjax.loading import load_searcher
+  from dpjax.main import open_searcher
+  from dpjax.settings import Settings
   from experiments.report import git_commit, save_results
   setup_logging()
-  config = load_config(args.config, [])
-  config.index.sparse = False  # the dense search: the terms are added here
-  searcher, step = load_searcher(config, pathlib.Path(args.workdir))
+  settings = Settings.of(load_config(args.config, []))
+  # the dense search: the terms are added here
+  settings = dataclasses.replace(settings,
+                                 index=dataclasses.replace(settings.index, sparse=False))
+  searcher, step = open_searcher(settings, pathlib.Path(args.workdir))
   dump = searcher.index.dump
   sparse = SparseIndex(dump.directory, dump.manifest)
-  path = args.train_file or str(data_files(config.data, pathlib.Path(args.workdir))["train"])
+  path = args.train_file or str(data_files(settings.data, pathlib.Path(args.workdir))["train"])
   questions = sample_questions(read_questions(path), args.questions, args.seed)
   start = time.perf_counter()
-  found = collect(searcher, sparse, questions, config.eval.max_answer_length)
+  found = collect(searcher, sparse, questions, settings.eval.max_answer_length)
   texts = [q.question for q in questions]
   sentence = [[s[p["sentences"]] for p in q["passages"]]
               for s, q in zip(_sentence_scores(sparse, texts), found)]

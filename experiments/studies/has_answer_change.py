@@ -41,11 +41,13 @@ def ranked_passages(args) -> tuple[list, list, dict]:
   from dpjax.config import load_config
   from dpjax.data.questions import read_questions
   from dpjax.index.evaluate import retrieve
-  from dpjax.loading import data_paths, load_searcher
-  config = load_config(args.config, args.set)
-  questions = read_questions(data_paths(config, args.workdir)["questions"])
+  from dpjax.loading import data_paths
+  from dpjax.main import open_searcher
+  from dpjax.settings import Settings
+  config = Settings.of(load_config(args.config, args.set))
+  questions = read_questions(data_paths(config.data, config.index, args.workdir)["questions"])
   questions = questions[:config.eval.limit or None]
-  searcher, step = load_searcher(config, args.workdir)
+  searcher, step = open_searcher(config, args.workdir)
   index = searcher.index
   found = retrieve(index, *searcher.encode([q.question for q in questions]),
                    [(max(KS), "passage")], shared_hits=True,

@@ -1070,8 +1070,10 @@ def api_cases(s: Sweep) -> None:
   (scratch / "list.json").write_text("[1]")
   index = (f"from dpjax.index.phrase_index import PhraseIndex\n"
            f"index = PhraseIndex('{base}/dump', 'Flat')")
-  searcher = ("from dpjax.config import load_config\nfrom dpjax.loading import load_searcher\n"
-              f"searcher, _ = load_searcher(load_config('experiments/demo.py:tiny'), '{base}')")
+  searcher = ("from dpjax.config import load_config\nfrom dpjax.main import open_searcher\n"
+              "from dpjax.settings import Settings\n"
+              f"searcher, _ = open_searcher(Settings.of(load_config('experiments/demo.py:tiny')), "
+              f"'{base}')")
   query = "\nimport numpy as np\nq = np.ones((1, 30), 'float32')\n"
   demo = ROOT / "experiments" / "demo.py"
   cases = [
@@ -1098,8 +1100,8 @@ def api_cases(s: Sweep) -> None:
        f"read_questions('{scratch}/list.json')", [scratch],
        ("DataError", r"list\.json: expected a 'data' list$")),
       ("restore_model of an empty workdir", "from dpjax.config import load_config\n"
-       "from dpjax.loading import restore_model\nrestore_model(load_config("
-       f"'experiments/demo.py:tiny'), '{scratch}/empty')", [scratch],
+       "from dpjax.main import restore\nfrom dpjax.settings import Settings\nrestore("
+       f"Settings.of(load_config('experiments/demo.py:tiny')), '{scratch}/empty')", [scratch],
        ("DataError", r"/api/empty has no checkpoints: train into it first")),
   ]
   for what, code, unchanged, raises in cases:

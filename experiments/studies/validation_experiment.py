@@ -110,8 +110,8 @@ def cache_key(subcorpora: dict, questions: list, config) -> str:
              "rows": {k: v["rows"].tolist() for k, v in sorted(subcorpora.items())},
              "questions": [q.id for q in questions],
              "max_answer_length": config.eval.max_answer_length,
-             "data": {k: config.data[k] for k in ("max_seq_length", "doc_stride",
-                                                  "max_query_length", "include_title")}}
+             "data": {k: getattr(config.data, k) for k in ("max_seq_length", "doc_stride",
+                                                           "max_query_length", "include_title")}}
   if dump_dtype(config) != "float32":  # (float32 keys unchanged: earlier caches stay valid)
     payload["dump_dtype"] = dump_dtype(config)
   return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -119,7 +119,7 @@ def cache_key(subcorpora: dict, questions: list, config) -> str:
 
 def dump_dtype(config) -> str:
   """The compute dtype of the config's dumps (`index.dump_dtype`, else `model.dtype`)."""
-  return config.index.get("dump_dtype") or config.model.dtype
+  return config.index.dump_dtype or config.model.dtype
 
 
 def dtype_suffix(dtype: str) -> str:
@@ -164,14 +164,14 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   from dpjax.index.dump import dump_phrases
   from dpjax.index.dump_reader import Dump
   from dpjax.index.manifest import dump_config, params_fingerprint
-  from dpjax.loading import restore_model
+  from dpjax.main import restore
   from dpjax.parallel import make_mesh
   from dpjax.reading import evaluate_rc
   from dpjax.index.phrase_index import PhraseIndex
   from dpjax.models.encoders import encode_questions
   from dpjax.index.evaluate import retrieval_scores
 
-  model, step = restore_model(config, workdir, step)
+  model, step = restore(config, workdir, step)
   cache = workdir / f"validation_step{step}{dtype_suffix(dump_dtype(config))}.json"
   parameters = params_fingerprint(model)  # a retrained workdir must not reuse old figures
   if cache.is_file():
@@ -182,7 +182,8 @@ def evaluate_model(config, name, workdir, step, corpus, subcorpora, questions, r
   start = time.perf_counter()
   dump_dir = model_dump_dir(workdir, step, dump_dtype(config))
   local = make_mesh(local=True)
-  dump_phrases(model, tokenizer, corpus, dump_dir, dump_config(config, local), mesh=local,
+  dump_phrases(model, tokenizer, corpus, dump_dir,
+               dump_config(config.data, config.index, config.model.dtype, local), mesh=local,
                workers=config.index.dump_workers,
                model_info={"workdir": str(workdir), "step": step})
   dump = Dump.load(dump_dir)
@@ -385,15 +386,16 @@ def main(argv=None) -> int:
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
   from dpjax.parallel import make_mesh, round_to_devices
+  from dpjax.settings import Settings
 
-  config = load_config(args.config, args.set)
+  config = Settings.of(load_config(args.config, args.set))
   specs = [parse_model(m) for m in args.model]
   compare = [tuple(c.split(":", 1)) for c in args.compare]
   names = {name for name, _, _ in specs} | {r.rpartition(":")[2] for r in args.reference}
   for pair in compare:
     if len(pair) != 2 or not set(pair) <= names:
       raise SystemExit(f"--compare {':'.join(pair)}: expected A:B, two of {sorted(names)}")
-  paths = data_paths(config, specs[0][1])
+  paths = data_paths(config.data, config.index, specs[0][1])
   corpus = list(read_corpus(paths["corpus"]))
   subcorpora = load_subcorpora(pathlib.Path(args.subcorpora), corpus)
   dev_file = questions_file(subcorpora, paths["questions"])
