@@ -173,12 +173,12 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   encoder, step = restore_model(model, data, evaluation, workdir, best_metric=best_metric,
                                 verify=verify)
   checked_dump(data, index, workdir)
-  dump = Dump.load(workdir.dump(index.dump_name), verify=verify)
-  phrases = PhraseIndex(dump, index_name or index.search_index, nprobe=index.nprobe,
-                        search_device=index.search_device, verify=verify,
-                        **search_options(index, dump, verify=verify))
+  # From the dump's folder: a compact index reads the dump's passages only, not its vectors.
+  phrases = PhraseIndex(workdir.dump(index.dump_name), index_name or index.search_index,
+                        nprobe=index.nprobe, search_device=index.search_device, verify=verify)
+  phrases = phrases.with_options(**search_options(index, phrases.dump, verify=verify))
   log.info("search: %s over index %s of %s", describe_search(phrases), phrases.manifest["spec"],
-           dump.directory)
+           phrases.dump.directory)
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
                             max_query_length=data.max_query_length, batch_size=index.batch_size)
   return searcher, step

@@ -23,6 +23,7 @@ import numpy as np
 
 from dpjax import distributed
 from dpjax.errors import ConfigError, DumpError
+from dpjax.index import compact
 from dpjax.index.manifest import INDEX_MANIFEST as MANIFEST, read_manifest
 from dpjax.index.shards import shard_problems, shard_rerun, shard_token_offsets
 from dpjax.io import (checksum_problems, commit_directory, folder_checksums, refuse_damage, remove,
@@ -117,9 +118,13 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   (`dpjax.distributed`): process 0 trains the (empty) index on a sample of all shards, every
   process adds the vectors of its own shards (shard n: process n mod P) to a copy, and process 0
   merges the parts (faiss `merge_from`) into one index. The index is built in `<name>.tmp` and
-  renamed into place complete; a failed build removes its temporary directory.
+  renamed into place complete; a failed build removes its temporary directory. A compact
+  spec (`dpjax.index.compact`: "compact:OPQ32,PQ32") builds that kind instead.
   """
   dump_dir = pathlib.Path(dump_dir)
+  if compact.is_compact(spec):
+    return _build_compact(dump_dir, spec, name=name, filter_threshold=filter_threshold,
+                          train_size=train_size, seed=seed)
   plan = _plan(dump_dir, spec, filter_threshold, train_size)
   name = name or index_folder(spec, filter_threshold)
   final = dump_dir / "indexes" / name
@@ -170,26 +175,34 @@ def _trained(plan: dict, tmp: pathlib.Path, name: str, size: int, seed: int):
     remove(tmp)
     tmp.mkdir(parents=True)
     resolved = plan["resolved"]
-    try:
-      # Labels are token ids: an index without ids of its own (all but IVF) is wrapped in IDMap.
-      index = faiss.index_factory(plan["dump"]["dim"],
-                                  resolved if "IVF" in resolved else "IDMap," + resolved,
-                                  faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as e:
-      raise ConfigError(f"index.specs: {resolved!r} is not a faiss index factory string "
-                        f"for {plan['dump']['dim']}-d vectors ({_faiss_message(e)})") from None
-    if not index.is_trained:
-      try:
-        index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
-                       plan["kept_counts"], plan["filter_threshold"], size, seed)
-      except RuntimeError as e:
-        raise ConfigError(f"index.specs: {resolved!r} cannot be trained on {size} vectors "
-                          f"({_faiss_message(e)})") from None
+    # Labels are token ids: an index without ids of its own (all but IVF) is wrapped in IDMap.
+    index = _new_index(plan, resolved if "IVF" in resolved else "IDMap," + resolved, size, seed)
     if jax.process_count() > 1:
       _write_index(index, tmp / "trained.faiss")
   distributed.barrier(f"index-{name}-trained")
   if jax.process_count() > 1:  # every part read back from the file: types match for merging
     index = faiss.read_index(str(tmp / "trained.faiss"))
+  return index
+
+
+def _new_index(plan: dict, factory: str, size: int, seed: int, check=None):
+  """The index of a faiss factory string over the dump's vectors (inner product), trained on
+  `size` kept tokens if it needs training; `check(index)` refuses one before its training."""
+  resolved, dim = plan["resolved"], plan["dump"]["dim"]
+  try:
+    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+  except RuntimeError as e:
+    raise ConfigError(f"index.specs: {resolved!r} is not a faiss index factory string "
+                      f"for {dim}-d vectors ({_faiss_message(e)})") from None
+  if check is not None:
+    check(index)
+  if not index.is_trained:
+    try:
+      index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
+                     plan["kept_counts"], plan["filter_threshold"], size, seed)
+    except RuntimeError as e:
+      raise ConfigError(f"index.specs: {resolved!r} cannot be trained on {size} vectors "
+                        f"({_faiss_message(e)})") from None
   return index
 
 
@@ -231,21 +244,101 @@ def _write(index, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: s
     raise DumpError(f"{final}: the index holds {index.ntotal} vectors, expected "
                     f"{plan['total_kept']}")
   _write_index(index, tmp / "index.faiss")
-  manifest = {"spec": spec, "resolved_spec": plan["resolved"], "notes": plan["notes"],
-              "labels": "token_id", "num_tokens": int(plan["total_kept"]),
-              "dump_tokens": int(plan["offsets"][-1]),
-              "filter_threshold": plan["filter_threshold"], "nprobe": nprobe,
-              # the head whose logits the threshold kept tokens by (`run.py filter` rewrites)
-              "filter_head": plan["dump"].get("filter_head"),
-              "fingerprint": plan["dump"]["fingerprint"],
-              "dump_id": plan["dump"].get("dump_id", ""), "build_seconds": seconds,
-              "processes": jax.process_count(),
+  manifest = {**_record(plan, spec, seconds), "resolved_spec": plan["resolved"],
+              "labels": "token_id", "nprobe": nprobe, "processes": jax.process_count(),
               "index_bytes": (tmp / "index.faiss").stat().st_size,
               "files": folder_checksums(tmp, skip=[MANIFEST])}  # (`check_index`)
   write_json(tmp / MANIFEST, manifest)
   commit_directory(tmp, final)
   log.info("index %s: %d vectors, %s, %.1f s, %.1f bytes/token", final, plan["total_kept"],
            plan["resolved"], seconds, manifest["index_bytes"] / plan["total_kept"])
+
+
+def _record(plan: dict, spec: str, seconds: float) -> dict:
+  """An index manifest's fields of every kind: what it was built from and how."""
+  return {"spec": spec, "notes": plan["notes"], "num_tokens": int(plan["total_kept"]),
+          "dump_tokens": int(plan["offsets"][-1]), "filter_threshold": plan["filter_threshold"],
+          # the head whose logits the threshold kept tokens by (`run.py filter` rewrites)
+          "filter_head": plan["dump"].get("filter_head"),
+          "fingerprint": plan["dump"]["fingerprint"],
+          "dump_id": plan["dump"].get("dump_id", ""), "build_seconds": seconds}
+
+
+def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
+                   filter_threshold: float | None, train_size: int, seed: int) -> pathlib.Path:
+  """Builds a compact index (`dpjax.index.compact`) in `<name>.tmp`, renamed complete: its
+  codec trained on a sample of the kept tokens, then every shard's kept tokens encoded, one
+  shard at a time (memory mapped). Process 0 builds it; the others wait."""
+  codec = compact.codec_spec(spec, read_manifest(dump_dir)["dim"])
+  plan = _plan(dump_dir, codec, filter_threshold, train_size)  # (no kept token: refused here)
+  final = dump_dir / "indexes" / (name or index_folder(spec, filter_threshold))
+  tmp = final.with_name(final.name + ".tmp")
+  if distributed.is_main():
+    start = time.perf_counter()
+    try:
+      remove(tmp)
+      tmp.mkdir(parents=True)
+      index = _new_index(plan, plan["resolved"], min(train_size, plan["total_kept"]), seed,
+                         check=compact.flat_codes)
+      _encode_shards(index, plan, tmp)
+      _write_compact(index, plan, tmp, final, spec=spec, seconds=time.perf_counter() - start)
+    except BaseException:
+      remove(tmp)
+      raise
+  distributed.barrier(f"index-{final.name}-done")
+  return final
+
+
+def _encode_shards(codec, plan: dict, tmp: pathlib.Path) -> None:
+  """Writes the compact index's token parts into `tmp`: codes and character spans of the kept
+  tokens (written into memory-mapped files shard by shard), passage offsets, kept bits."""
+  dump_dir, shards, offsets = plan["dump_dir"], plan["shards"], plan["offsets"]
+  last_char = max(int(np.max(_shard_arrays(dump_dir, s, "char_spans"), initial=0))
+                  for s in shards)
+  shape = (plan["total_kept"],)
+  codes = np.lib.format.open_memmap(tmp / "codes.npy", "w+", np.uint8,
+                                    shape + (compact.flat_codes(codec).code_size,))
+  spans = np.lib.format.open_memmap(tmp / "char_spans.npy", "w+", compact.span_dtype(last_char),
+                                    shape + (2,))
+  kept = None if plan["filter_threshold"] is None else np.zeros(offsets[-1], bool)
+  counts, at = [], 0
+  for number, shard in enumerate(shards):
+    rows = _kept(dump_dir, shard, plan["filter_threshold"])
+    vectors = _shard_arrays(dump_dir, shard, "vectors")
+    for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
+      part = rows[lo:lo + (1 << 16)]
+      codes[at + lo:at + lo + len(part)] = codec.sa_encode(np.asarray(vectors[part], np.float32))
+    spans[at:at + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
+    if kept is not None:
+      kept[rows + offsets[number]] = True
+    counts.append(np.bincount(_shard_arrays(dump_dir, shard, "token_passage"),
+                              minlength=shard["passages"]))
+    at += len(rows)
+  codes.flush(), spans.flush()
+  del codes, spans
+  np.save(tmp / "passage_offsets.npy",
+          np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64))
+  if kept is not None:
+    np.save(tmp / "kept.npy", np.packbits(kept))
+
+
+def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: str,
+                   seconds: float) -> None:
+  """Writes the compact index's codec and manifest (the bytes of each part) into `tmp` and
+  renames it to `final`."""
+  _write_index(codec, tmp / "codec.faiss")
+  tokens = int(plan["offsets"][-1])
+  parts = compact.part_bytes(tmp, tokens)
+  size = sum(p["bytes"] for p in parts.values())
+  manifest = {**_record(plan, spec, seconds), "kind": "compact",
+              "resolved_spec": compact.PREFIX + plan["resolved"], "codec": plan["resolved"],
+              "code_size": int(compact.flat_codes(codec).code_size), "labels": "kept_rank",
+              "processes": 1, "index_bytes": size, "bytes_per_token": size / tokens,
+              "parts": parts, "files": folder_checksums(tmp, skip=[MANIFEST])}
+  write_json(tmp / MANIFEST, manifest)
+  commit_directory(tmp, final)
+  log.info("compact index %s: %d of %d tokens, %s, %.1f s, %.2f bytes per dump token", final,
+           plan["total_kept"], tokens, plan["resolved"], seconds, size / tokens)
 
 
 def index_problems(directory: pathlib.Path, manifest: dict, *, contents: bool,

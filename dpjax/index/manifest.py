@@ -194,7 +194,7 @@ def check_index_of_dump(directory: pathlib.Path, index: dict, dump_directory: pa
     raise DumpError(f"{directory} was built from another dump than the one in "
                     f"{dump_directory} (or an older dump of it): rebuild it with "
                     "`run.py index`")
-  if index.get("labels") != "token_id":
+  if index.get("labels") not in ("token_id", "kept_rank"):  # (kept_rank: a compact index's)
     raise DumpError(f"{directory} was built by an older dpjax (faiss labels are not token ids); "
                     "rebuild it with `run.py index`")
   if index.get("filter_threshold") is not None and (index.get("filter_head")

@@ -1,6 +1,6 @@
 """A complete dump with one of its faiss indexes (`PhraseIndex`): the index searched, its hits
-rescored exactly from the stored token vectors (`rescoring.Rescorer`), and the best phrase of
-each retrieved unit.
+rescored exactly from the stored token vectors (`rescoring.Rescorer`) or a compact index's codes
+(`compact`), and the best phrase of each retrieved unit.
 
 A `PhraseIndex` is built from its search options, merged spans and hybrid search
 (`hybrid.Hybrid`); `with_options` gives the same index with others, sharing what it loaded.
@@ -8,7 +8,10 @@ A `PhraseIndex` is built from its search options, merged spans and hybrid search
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
+import pathlib
 from typing import Sequence
 
 import faiss
@@ -16,6 +19,7 @@ import numpy as np
 
 from dpjax.errors import DumpError
 from dpjax.index import hybrid, scoring
+from dpjax.index.compact import CompactIndex
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump_reader import Dump
 from dpjax.index.faiss_index import check_index, index_folder
@@ -30,6 +34,19 @@ from dpjax.io import read_json
 _LEXICAL_ELEMENTS = 1 << 25
 
 
+def _is_compact_index(dump_dir: pathlib.Path, index_name: str) -> bool:
+  """Whether the dump's index `index_name` (a folder or a spec naming one) is a compact one,
+  by its manifest (one unreadable: not; the index's own check names it)."""
+  for name in (index_name, index_folder(index_name)):
+    path = dump_dir / "indexes" / name / INDEX_MANIFEST
+    if path.is_file():
+      try:
+        return json.loads(path.read_text(encoding="utf-8")).get("kind") == "compact"
+      except (OSError, ValueError, AttributeError):
+        return False
+  return False
+
+
 class PhraseIndex:
   """A complete dump with one of its faiss indexes.
 
@@ -42,8 +59,10 @@ class PhraseIndex:
                nprobe: int | None = None, search_device: str = "auto", *,
                merge_spans: bool = True, hybrid: Hybrid | None = None, verify: bool = False):
     """The dump's index `index_name`; the sizes of its and the dump's files are checked against
-    those recorded when written, and with `verify` their contents (`index.verify`)."""
-    self.dump = dump if isinstance(dump, Dump) else Dump.load(dump, verify=verify)
+    those recorded when written, and with `verify` their contents (`index.verify`). A compact
+    index (`compact`) over a dump's directory reads the dump's passages only."""
+    self.dump = dump if isinstance(dump, Dump) else Dump.load(
+        dump, verify=verify, tokens=not _is_compact_index(pathlib.Path(dump), index_name))
     if not (self.dump.directory / "indexes" / index_name).is_dir():
       index_name = index_folder(index_name)  # a factory string ("IVFauto,SQ4") names its folder
     directory = self.dump.directory / "indexes" / index_name
@@ -58,10 +77,14 @@ class PhraseIndex:
     check_index_of_dump(directory, self.manifest, self.dump.directory, self.dump.manifest)
     if nprobe is not None and nprobe < 1:
       raise ValueError(f"nprobe must be >= 1, got {nprobe}")
-    threshold = self.manifest.get("filter_threshold")
-    self.kept_mask = (None if threshold is None else
-                      self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
-    self.index = self._device_index(search_device)
+    self.compact = None
+    if self.manifest.get("kind") == "compact":
+      self._load_compact(directory)
+    else:
+      threshold = self.manifest.get("filter_threshold")
+      self.kept_mask = (None if threshold is None else
+                        self.dump.filter_logits.astype(np.float32).max(1) >= threshold)
+      self.index = self._device_index(search_device)
     if self.index is None:
       try:
         self.index = faiss.read_index(str(directory / "index.faiss"))
@@ -72,6 +95,17 @@ class PhraseIndex:
         faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                    nprobe or self.manifest["nprobe"])
     self._setup(merge_spans, hybrid)
+
+  def _load_compact(self, directory: pathlib.Path) -> None:
+    """A compact index: its codes searched in place, the dump seen through it (its kept tokens
+    only, numbered by rank: `CompactIndex`), no dump vector read."""
+    self.compact = CompactIndex.load(directory, self.manifest, len(self.dump.passages))
+    self.dump = dataclasses.replace(
+        self.dump, vectors=np.zeros((0, self.dump.manifest["dim"]), np.float16),
+        filter_logits=np.zeros((0, 2), np.float16), token_passage=self.compact.token_passage,
+        char_spans=self.compact.char_spans)
+    self.kept_mask = None
+    self.index = self.compact.searcher()
 
   def _device_index(self, search_device: str) -> DeviceFlat | None:
     """The exact index searched on the accelerator (`use_device_search`): its vectors are the
@@ -120,6 +154,7 @@ class PhraseIndex:
       num_passages = len(np.unique(dump.token_passage[tokens]))
     self.kept_mask = np.zeros(len(dump.vectors), bool)
     self.kept_mask[tokens] = True
+    self.compact = None
     self.manifest = {"spec": "Flat", "resolved_spec": "Flat", "labels": "token_id",
                      "num_tokens": int(len(tokens)), "num_passages": int(num_passages),
                      "fingerprint": dump.manifest["fingerprint"], "build_seconds": 0.0,
@@ -133,7 +168,9 @@ class PhraseIndex:
     # The last questions' lexical results (`_lexical`), shared with `with_options` copies.
     self._lexical_cache: list = [None]
     vectors = self._exact_vectors()
-    if vectors is None:
+    if vectors is None and self.compact is not None:
+      vectors = self.compact.vectors  # (decoded by the rescoring)
+    elif vectors is None:
       vectors = self.dump.vectors
       if self.num_vectors and vectors.dtype != np.float32:
         # the rescoring converts the dump's rows (`scoring.token_scores`): compiled now, not
@@ -141,7 +178,8 @@ class PhraseIndex:
         scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]),
                                          vectors.dtype))
     self.rescorer = Rescorer(vectors, self.dump.token_passage, len(self.dump.passages),
-                             self.kept_mask)
+                             self.kept_mask, None if self.compact is None
+                             else self.compact.positions)
     self._set_options(merge_spans, hybrid)
 
   def _set_options(self, merge_spans: bool, hybrid: Hybrid | None) -> None:

@@ -23,17 +23,22 @@ class Rescorer:
 
   Args:
     vectors: [N, D] token vectors, row = token id: the dump's (float16, converted a chunk at a
-      time) or an exact index's float32 storage.
+      time), an exact index's float32 storage or a compact index's codes
+      (`compact.CodedVectors`, decoded a chunk at a time).
     token_passage: [N] the passage row of each token (sorted: a passage's tokens are
       contiguous).
     num_passages: the passage rows (passages without tokens included).
     kept_mask: [N] the tokens a filtered index keeps (phrases start and end only there), or
       None for every token.
+    positions: [N] the dump token id of each row, where the rows are a filter's kept tokens
+      only (a compact index's): a phrase spans max_answer_length of the dump's tokens at most,
+      as over the dump. None: the rows are the dump's tokens.
   """
 
   def __init__(self, vectors, token_passage: np.ndarray, num_passages: int,
-               kept_mask: np.ndarray | None = None):
+               kept_mask: np.ndarray | None = None, positions: np.ndarray | None = None):
     self.vectors, self.token_passage, self.kept_mask = vectors, token_passage, kept_mask
+    self.positions = positions
     rows = np.arange(num_passages)
     self.passage_start = np.searchsorted(token_passage, rows, "left")
     self.passage_end = np.searchsorted(token_passage, rows, "right")
@@ -79,6 +84,9 @@ class Rescorer:
     partners = np.clip(partners, 0, self.num_tokens - 1)
     if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
       ok &= self.kept_mask[partners]
+    if self.positions is not None:  # rows of kept tokens: the span's length in dump tokens
+      ok &= (np.abs(self.positions[partners] - self.positions[anchor][..., None])
+             < max_answer_length)
     span_start = np.where(forward[:, None], anchor[..., None], partners)
     span_end = np.where(forward[:, None], partners, anchor[..., None])
     # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.

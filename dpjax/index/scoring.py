@@ -1,7 +1,7 @@
 """The token scoring of the exact rescoring (`Rescorer.rescore`): each distinct (question,
-token) its hits reach scored once, from an exact index's float32 rows or the dump's float16 rows
-converted a chunk at a time (`half_to_float32`), the questions split over threads with BLAS and
-faiss held at one thread each.
+token) its hits reach scored once, from an exact index's float32 rows, the dump's float16 rows
+converted a chunk at a time (`half_to_float32`) or a compact index's codes decoded so, the
+questions split over threads with BLAS and faiss held at one thread each.
 """
 from __future__ import annotations
 
@@ -106,8 +106,9 @@ def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
   each question's distinct tokens' vectors (float32, from an exact index's own storage when it
   holds every token) gathered into a buffer reused across its questions, then one [U_q, D] x
   [D, 2] product. The rows stay in cache for their product: no [U, D] copy of every question's
-  vectors goes through memory. Other sources (the dump's float16): `_score_converted`."""
-  if source.dtype != np.float32:
+  vectors goes through memory. Other sources (the dump's float16, a compact index's codes):
+  `_score_converted`."""
+  if not isinstance(source, np.ndarray) or source.dtype != np.float32:
     _score_converted(source, token, queries, bounds, scores, first, last)
     return
   sizes = np.diff(bounds[first:last + 1])
@@ -122,10 +123,12 @@ def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
 
 def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
                      bounds: np.ndarray, scores: np.ndarray, first: int, last: int) -> None:
-  """`_score_questions` from rows to convert (the dump's float16): the rows of consecutive
-  questions, up to `CONVERT_ROWS`, are gathered into one buffer and converted by one call of
-  one shape (`half_to_float32`); a question with more rows is converted alone, in such pieces.
-  Each question's product is the same [max(U_q, 2), D] x [D, 2] one, bit for bit."""
+  """`_score_questions` from rows to convert (the dump's float16, a compact index's codes:
+  `_stored`): the rows of consecutive questions, up to `CONVERT_ROWS`, are gathered into one
+  buffer and converted by one call (float16: of one shape, `half_to_float32`); a question with
+  more rows is converted alone, in such pieces. Each question's product is the same
+  [max(U_q, 2), D] x [D, 2] one, bit for bit."""
+  source, convert, dim = _stored(source)
   half = np.zeros((CONVERT_ROWS, source.shape[1]), source.dtype)
   q = first
   while q < last:
@@ -136,24 +139,34 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
     hi = bounds[end]
     if hi - lo < CONVERT_ROWS:
       np.take(source, token[lo:hi], axis=0, out=half[:hi - lo], mode="clip")
-      rows = half_to_float32(half)
+      rows = convert(half, hi - lo + 1)  # (one row spare: see above)
     else:  # one question of more rows than a chunk
-      rows = np.empty((hi - lo, source.shape[1]), np.float32)
+      rows = np.empty((hi - lo, dim), np.float32)
       for at in range(0, hi - lo, CONVERT_ROWS):
         n = min(CONVERT_ROWS, hi - lo - at)
         np.take(source, token[lo + at:lo + at + n], axis=0, out=half[:n], mode="clip")
-        rows[at:at + n] = half_to_float32(half)[:n]
+        rows[at:at + n] = convert(half, n)[:n]
     for p in range(q, end):
       a, b = bounds[p] - lo, bounds[p + 1] - lo
       scores[lo + a:lo + b] = (rows[a:max(b, a + 2)] @ queries[p])[:b - a]
     q = end
 
 
+def _stored(source) -> tuple:
+  """(the stored rows, their conversion `convert(buffer, n)` -> float32 [>= n, D] of the
+  buffer's first n rows, D) of a rescoring's source: the dump's float16 rows (the whole buffer
+  converted: one shape, compiled once) or a compact index's codes (`compact.CodedVectors`:
+  those n rows decoded)."""
+  if isinstance(source, np.ndarray):
+    return source, lambda half, n: half_to_float32(half), source.shape[1]
+  return source.codes, lambda codes, n: source.decode(codes[:n]), source.dim
+
+
 def token_scores(source: np.ndarray, tokens: np.ndarray, q_start: np.ndarray,
                  q_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(start scores, end scores) of token ids [Q, ...] under their question's vectors, from
   `source` [N, D] (row = token id): an exact index's own float32 storage when it holds every
-  token (`PhraseIndex._exact_vectors`), else the dump's rows.
+  token (`PhraseIndex._exact_vectors`), a compact index's codes, else the dump's rows.
 
   Hits of one question crowd into few passages, so each distinct (question, token) is scored
   once, a question at a time (`_score_questions`). The questions are split into contiguous

@@ -105,12 +105,15 @@ def shard_problems(shard: pathlib.Path, entry: dict, *, contents: bool,
                                    if n in files}, contents=contents)
 
 
-def check_shards(directory: pathlib.Path, manifest: dict, *, contents: bool = False) -> None:
-  """Refuses a dump whose shard files are missing, of other sizes or (`contents`) of other
-  bytes than when written: one DumpError naming the first such file and what to rerun. A dump
-  from before digests were recorded is used, with a warning that it is unverified."""
+def check_shards(directory: pathlib.Path, manifest: dict, *, contents: bool = False,
+                 names: Iterable[str] | None = None) -> None:
+  """Refuses a dump whose shard files (`names`: those only) are missing, of other sizes or
+  (`contents`) of other bytes than when written: one DumpError naming the first such file and
+  what to rerun. A dump from before digests were recorded is used, with a warning that it is
+  unverified."""
   for shard in manifest["shards"]:
-    refuse_damage(shard_problems(directory / shard["name"], shard, contents=contents),
+    refuse_damage(shard_problems(directory / shard["name"], shard, contents=contents,
+                                 names=names),
                   DumpError, "dump", shard_rerun(directory / shard["name"]))
   if any("files" not in shard for shard in manifest["shards"]):
     log.warning("%s: a dump made before digests were recorded: its shards are unverified",
