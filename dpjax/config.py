@@ -249,8 +249,20 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if get("index.sparse_sentence_weight") is not None and get("index.sparse_weight") is None:
     raise ConfigError("index.sparse_sentence_weight is set without index.sparse_weight: set both, "
                       "or neither (`run.py index` chooses both)")
+  if get("index.dump_vectors") is False and not get("index.dump_codec"):
+    raise ConfigError("index.dump_vectors = False without an index.dump_codec: the dump would "
+                      "store no vector; set index.dump_codec (e.g. \"compact\")")
+  if get("index.dump_codec") and not _is_codec(get("index.dump_codec")):
+    raise ConfigError(f"index.dump_codec = {get('index.dump_codec')!r}: must be \"compact\" or a "
+                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, SQ8, SQfp16)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
+
+
+def _is_codec(codec) -> bool:
+  """Whether `index.dump_codec` reads as a codec (its training checks the rest)."""
+  return isinstance(codec, str) and (codec == "compact" or bool(
+      re.fullmatch(r"(OPQ\d+(_\d+)?,)?(PQ\d+(x\d+)?|SQ(4|6|8|fp16|bf16)|Flat)", codec)))
 
 
 # Pieces shared by the experiment configs in experiments/.
@@ -502,6 +514,22 @@ def mine_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def _dump_kept_defaults() -> dict:
+  """`index_config`'s dump-time filtering and coding (`dpjax.index.dump_codes`)."""
+  return {
+      # Tokens kept at dump time: those whose start or end filter logit (the workdir's head,
+      # `run.py filter`) reaches it; None: every token. Dropped tokens never reach the disk.
+      "dump_filter_threshold": ml_collections.config_dict.placeholder(float),
+      # A compact codec ("OPQ32,PQ32", "compact": compact.default_codec) the dump trains on its
+      # first train_size kept tokens and codes every shard with ("": none): `run.py index`
+      # then assembles the compact index from the codes, nothing re-encoded.
+      "dump_codec": "",
+      # Whether the dump stores float16 vectors (768 B/token for MiniLM); False needs a
+      # dump_codec, and leaves out what reads vectors (Flat/IVF, qsft, filter, subcorpora).
+      "dump_vectors": True,
+  }
+
+
 def index_config(**overrides) -> ml_collections.ConfigDict:
   """Dump / index / search settings."""
   config = ml_collections.ConfigDict({
@@ -529,6 +557,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # The dump's call widths: its calls' longest window rounded up to this; 0 = the
       # platform's (32 on an accelerator, 16 on a CPU). Each width compiles once.
       "dump_width_multiple": 0,
+      **_dump_kept_defaults(),  # dump-time filtering and coding
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
       "nprobe": 256,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers

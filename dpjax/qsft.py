@@ -34,6 +34,7 @@ from dpjax.settings import (DataSettings, EvalSettings, IndexSettings, ModelSett
                             section_dict)
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.index.evaluate import retrieval_scores
+from dpjax.index.dump_reader import require_vectors
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax import io, metrics
 from dpjax.io import remove, write_json
@@ -178,7 +179,8 @@ def _setup(settings: QsftRunSettings, workdir: Workdir) -> Setup:
   paths = data_paths(data, settings.index, workdir)
   model, trained_step = restore_model(settings.model, data, settings.evaluation, workdir,
                                       best_metric=settings.validation.metric)
-  checked_dump(data, settings.index, workdir, model)
+  require_vectors(checked_dump(data, settings.index, workdir, model), paths["dump"],
+                  "run.py qsft")  # (its candidates' exact vectors)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=settings.index.nprobe,
                       search_device=settings.index.search_device)
   tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)

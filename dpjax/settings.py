@@ -212,6 +212,9 @@ class IndexSettings:
   dump_workers: int
   dump_dtype: str
   dump_width_multiple: int
+  dump_filter_threshold: float | None
+  dump_codec: str
+  dump_vectors: bool
   specs: tuple[str, ...]
   nprobe: int
   train_size: int

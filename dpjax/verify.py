@@ -22,10 +22,10 @@ from dpjax.checkpoint import CHECKSUMS, checkpoint_problems, checkpoint_rerun
 from dpjax.data.teacher_logits import logits_problems
 from dpjax.errors import DumpError
 from dpjax.index.faiss_index import index_problems
-from dpjax.index.manifest import INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
+from dpjax.index.manifest import DUMP_CODEC, INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
 from dpjax.index.shards import SHARD_INFO, shard_rerun
 from dpjax.index.sparse import BUILD_HINT, MANIFEST as SPARSE_MANIFEST
-from dpjax.io import checksum_problems, read_json
+from dpjax.io import checksum_problems, file_digest, read_json
 from dpjax.workdir import CHECKPOINTS, Workdir
 from dpjax.loading import read_filter_head
 
@@ -142,6 +142,15 @@ def _dump_shards(dump_dir: pathlib.Path, *,
     entries = [(info.parent, None) for info in sorted(dump_dir.glob(f"shard_*/{SHARD_INFO}"))]
   for shard, entry in entries:
     yield shard, functools.partial(_shard, shard, entry)
+  if "codec" in manifest:  # the codec its shards' codes were made with (`dump_codes`)
+    yield dump_dir / DUMP_CODEC, functools.partial(_codec, dump_dir / DUMP_CODEC,
+                                                   manifest["codec"]["sha"])
+
+
+def _codec(path: pathlib.Path, sha: str) -> tuple:
+  problem = ("missing" if not path.is_file() else
+             "other bytes than when written" if file_digest(path) != sha else None)
+  return [f"{path}: {problem}"] if problem else [], DUMP_AGAIN
 
 
 def _shard(shard: pathlib.Path, entry: dict | None) -> tuple:

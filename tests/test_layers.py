@@ -28,7 +28,7 @@ LAYERS = [
      "dpjax.models.encoders", "dpjax.checkpoint"},
     # L2: the index, a workdir's services, the shared training machinery.
     {"dpjax.index", "dpjax.index.manifest", "dpjax.index.shards", "dpjax.index.window_maker",
-     "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump",
+     "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump_codes", "dpjax.index.dump",
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
      "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
      "dpjax.index.phrase_index", "dpjax.index.compact",

@@ -110,7 +110,8 @@ class CompactIndex:
     spans = _array(directory, "char_spans.npy", (kept, 2))
     offsets = np.asarray(_array(directory, "passage_offsets.npy", (num_passages + 1,)))
     positions = None
-    if manifest.get("filter_threshold") is not None:
+    # (kept bits: an index-time filter's, or a dump-time one's: `dump_codes`)
+    if manifest.get("filter_threshold") is not None or manifest.get("kept_bits"):
       bits = _array(directory, "kept.npy", ((tokens + 7) // 8,))
       positions = np.flatnonzero(np.unpackbits(bits, count=tokens))
       if len(positions) != kept:

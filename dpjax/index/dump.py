@@ -23,17 +23,20 @@ import pathlib
 import time
 from typing import Iterable, Iterator
 
+import faiss
 import jax
 
 from dpjax import distributed
 from dpjax.data.squad import Passage
 from dpjax.data.tokenization import Tokenizer
-from dpjax.errors import DumpError
+from dpjax.errors import ConfigError, DumpError
 # Importable from here too: the benchmarks, which also measure trees from before `dump_reader`.
 from dpjax.index.dump_reader import Dump  # noqa: F401
-from dpjax.index.encode import encode_pipelined, first_shards_ahead
-from dpjax.index.manifest import (MANIFEST, DumpConfig, encoder_fingerprint, existing_manifest,
-                                  read_manifest, write_manifest)
+from dpjax.index import compact
+from dpjax.index.dump_codes import is_kept_layout, write_shards
+from dpjax.index.encode import first_shards_ahead
+from dpjax.index.manifest import (KEPT_DEFAULTS, MANIFEST, DumpConfig, encoder_fingerprint,
+                                  existing_manifest, read_manifest, write_manifest)
 from dpjax.index.shards import SHARD_INFO, check_shard_passages, shard_name
 from dpjax.index.window_maker import WindowMaker
 from dpjax.io import Progress, digest_texts, read_json, remove
@@ -68,12 +71,12 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   With several processes (`dpjax.distributed`) every process runs this with the same corpus:
   shard n is encoded by process n mod P on its own devices (`mesh` should be the process's local
   mesh), and process 0 writes the manifest once all shards exist. A shard is done when its
-  directory exists (it is renamed into place complete), so a rerun resumes with the missing ones.
-  Every shard records a hash of its passages (ids, titles, texts): a dump, finished or not, is
-  refused for a corpus that is not the one it holds (`corpus_info`, e.g. the files, is recorded).
-  `workers` processes tokenize the shards ahead of the encoder (0: one thread; `WindowMaker`).
-  `filter_head`: what identifies a separately trained filter head put into `model` (None: its
-  own); it and the tokenizer are recorded, and a dump of another one is not resumed or redone.
+  directory exists (renamed into place complete), so a rerun resumes with the missing ones. Every
+  shard records a hash of its passages: a dump is refused for another corpus (`corpus_info`, e.g.
+  the files, recorded). `workers` processes tokenize the shards ahead of the encoder (0: one
+  thread; `WindowMaker`). `filter_head`: what identifies a separately trained filter head put
+  into `model` (None: its own); it and the tokenizer are recorded, and a dump of another one is
+  not resumed or redone.
   """
   model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
@@ -86,9 +89,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   out_dir.mkdir(parents=True, exist_ok=True)
   chunks = itertools.chain(head, chunks)
   with WindowMaker(tokenizer, config, workers) as maker:
-    # Shard 0's windows are made while the encoder's parameters are hashed: a fresh dump's
-    # first job, whose tokenizing nothing else would overlap (unused when shard 0 is done); in
-    # blocks, so that encoding starts after 64 passages, not the whole shard.
+    # Shard 0's windows are made (in blocks: encoding starts after 64 passages) while the
+    # encoder is hashed: a fresh dump's first job, which nothing else would overlap.
     made = {0: maker.submit_blocks(head[0])} if head and distributed.process_share(0) else {}
     manifest = _new_manifest(model, tokenizer, config, model_info, corpus_info, filter_head)
     encode = bound(model, "phrases_and_filter")
@@ -110,8 +112,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     timings: dict[str, float] = {}  # map_batches': dispatching, waiting for the encoder, fetching
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
-    encode_pipelined(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker,
-                     made, pipeline, model.config.hidden_size)
+    write_shards(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker, made,
+                 pipeline, manifest, model.config.hidden_size)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -127,7 +129,8 @@ def _new_manifest(model, tokenizer: Tokenizer, config: DumpConfig, model_info: d
   them)."""
   # The width multiple is speed only (the vectors differ by rounding at most): recorded, but
   # not a setting a dump is refused or resumed by.
-  settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"}
+  settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "width_multiple"
+              and not (k in KEPT_DEFAULTS and v == KEPT_DEFAULTS[k])}
   return {"complete": False, "fingerprint": encoder_fingerprint(model),
           "model": model_info or {}, "settings": settings,
           "tokenizer": tokenizer.fingerprint, "filter_head": filter_head,
@@ -195,10 +198,32 @@ def _checked_settings(model, config: DumpConfig, mesh) -> tuple[object, DumpConf
   if config.max_seq_length > positions:  # positions past the table embed as NaN (jnp.take)
     raise DumpError(f"dump windows of {config.max_seq_length} tokens (index.dump_max_seq_length "
                     f"or data.max_seq_length) exceed the model's {positions} positions")
+  if not config.vectors and not config.codec:
+    raise DumpError("index.dump_vectors = False without an index.dump_codec: the dump would "
+                    "store no vector; set index.dump_codec")
+  if is_kept_layout(config) and jax.process_count() > 1:
+    raise DumpError("index.dump_filter_threshold / dump_codec / dump_vectors=False dump in one "
+                    "process: unset them, or run the dump with one process")
   model = with_compute_dtype(model, config.compute_dtype or compute_dtype(model))
+  codec = config.codec and compact.codec_spec(
+      compact.PREFIX + ("" if config.codec == "compact" else config.codec),
+      model.config.hidden_size)
+  if codec:
+    _check_codec(codec, model.config.hidden_size)
   return model, dataclasses.replace(
-      config, compute_dtype=compute_dtype(model),
+      config, compute_dtype=compute_dtype(model), codec=codec,
       width_multiple=phrase_calls(config.batch_size, mesh, config.width_multiple)[1])
+
+
+def _check_codec(codec: str, dim: int) -> None:
+  """Refuses (one ConfigError line) a codec faiss cannot make for `dim`-d vectors or that
+  stores no flat codes, before anything is encoded."""
+  try:
+    compact.flat_codes(faiss.index_factory(dim, codec, faiss.METRIC_INNER_PRODUCT))
+  except RuntimeError as e:
+    message = next((line for line in str(e).splitlines() if "rror" in line), str(e)[:200])
+    raise ConfigError(f"index.dump_codec: {codec!r} is not a faiss codec for {dim}-d vectors "
+                      f"({message.strip()})") from None
 
 
 def _shards_to_encode(out_dir: pathlib.Path, chunks: Iterable[list], counts: dict):
@@ -230,7 +255,10 @@ def _check_corpus(out_dir: pathlib.Path, shards: list[dict], chunks: Iterable[li
 def _prepare(out_dir: pathlib.Path, manifest: dict, old: dict | None) -> None:
   """Removes what a killed run left unfinished and marks a new dump incomplete. An incomplete
   dump's manifest (`old`, of the same model and settings) is left as it is until the dump
-  completes: a resume refused for another corpus (its shards checked next) changes nothing."""
+  completes: a resume refused for another corpus (its shards checked next) changes nothing.
+  The codec a killed run trained (`dump_codes`) is kept in `manifest`, to be reused."""
+  if old is not None and "codec" in old:
+    manifest["codec"] = old["codec"]
   if distributed.is_main():
     for leftover in out_dir.glob("*.tmp"):  # a shard a killed run did not finish
       remove(leftover)
@@ -250,10 +278,17 @@ def _finish(out_dir: pathlib.Path, manifest: dict, num_shards: int, seconds: flo
     manifest.update(complete=True,
                     num_passages=sum(s["passages"] for s in manifest["shards"]),
                     num_tokens=sum(s["tokens"] for s in manifest["shards"]),
+                    # the tokens encoded, before a dump-time filter (`dump_codes`)
+                    context_tokens=sum(s.get("context_tokens", s["tokens"])
+                                       for s in manifest["shards"]),
                     # the windows' real tokens (None: a shard made before they were counted)
                     encoded_tokens=_total(manifest["shards"], "encoded_tokens"),
                     num_windows=_total(manifest["shards"], "windows"),
                     seconds=seconds, processes=jax.process_count())
+    # the shards' bytes on disk per context token, before a dump-time filter (what a corpus
+    # costs per token: issue 69 asks <= 16 for Wikipedia)
+    manifest["bytes_per_token"] = sum(f["bytes"] for s in manifest["shards"] for f in s.get(
+        "files", {}).values()) / max(manifest["context_tokens"], 1)
     # What an index built from this dump records, to be refused against any other dump.
     manifest["dump_id"] = digest_texts(manifest["fingerprint"], json.dumps(manifest["settings"]),
                                        *(s.get("passages_sha", "") for s in manifest["shards"]))

@@ -10,8 +10,8 @@ import numpy as np
 
 from dpjax.data.squad import Passage
 from dpjax.errors import DumpError
-from dpjax.index.manifest import read_manifest
-from dpjax.index.shards import check_shards
+from dpjax.index.manifest import kept_settings, read_manifest
+from dpjax.index.shards import check_shards, shard_context_offsets, shard_token_layout
 
 TOKEN_ARRAYS = ("vectors", "filter_logits", "token_passage", "char_spans")
 
@@ -27,6 +27,9 @@ class Dump:
   token_passage: np.ndarray  # [T] int32, global passage row
   char_spans: np.ndarray  # [T, 2] int32
   passages: list[Passage]
+  # [T] int64 each token's id among the encoded tokens, where a dump-time filter kept only some
+  # (`dump_codes`): a phrase spans max_answer_length of those at most (None: every one kept)
+  positions: np.ndarray | None = None
 
   @classmethod
   def load(cls, directory: str | os.PathLike, *, verify: bool = False,
@@ -36,16 +39,23 @@ class Dump:
     arrays are empty (a compact index carries its own; the dump's need not be there)."""
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
+    if tokens:
+      require_vectors(manifest, directory)
     check_shards(directory, manifest, contents=verify,
                  names=None if tokens else ["passages.jsonl"])
     keys = TOKEN_ARRAYS if tokens else ()
-    arrays = {k: [] for k in keys}
+    filtered = kept_settings(manifest["settings"])["filter_threshold"] is not None
+    arrays = {k: [] for k in keys + (("positions",) if tokens and filtered else ())}
     passages, offset = [], 0
-    for shard in manifest["shards"]:
+    for shard, context in zip(manifest["shards"], shard_context_offsets(manifest)):
       path = directory / shard["name"]
       try:
+        if tokens:
+          token_passage, ids, _ = shard_token_layout(path, shard)
+          if filtered:
+            arrays["positions"].append(ids + context)
         for key in keys:
-          value = np.load(path / f"{key}.npy")
+          value = token_passage if key == "token_passage" else np.load(path / f"{key}.npy")
           arrays[key].append(value + offset if key == "token_passage" else value)
         passages.extend(_shard_passages(path))
       except (OSError, ValueError, TypeError) as e:
@@ -54,6 +64,8 @@ class Dump:
       offset = len(passages)
     joined = ({k: np.concatenate(v) for k, v in arrays.items()} if tokens
               else _no_tokens(manifest["dim"]))
+    if tokens:  # (uint16 in a shard of kept tokens)
+      joined["char_spans"] = joined["char_spans"].astype(np.int32, copy=False)
     if (tokens and len(joined["vectors"]) != manifest["num_tokens"]) or len(
         passages) != manifest["num_passages"]:
       raise DumpError(f"{directory}: shard contents do not match the manifest counts")
@@ -75,6 +87,17 @@ class Dump:
       raise DumpError(f"{directory}: {len(passages)} passages in the shards, "
                       f"{manifest['num_passages']} in the manifest")
     return passages
+
+
+def require_vectors(manifest: dict, directory: pathlib.Path, what: str = "") -> None:
+  """Refuses (one DumpError line) a dump made without float16 vectors (`index.dump_vectors`)
+  for what needs them (`what`: its name; Flat/IVF indexes, qsft, the filter, subcorpora,
+  mining)."""
+  if not kept_settings(manifest.get("settings", {}))["vectors"]:
+    raise DumpError(f"{directory}: {what or 'this mode'} needs the dump's float16 token "
+                    "vectors, and the dump has none (index.dump_vectors=False, its codes only): "
+                    "dump again with index.dump_vectors=True into a new index.dump_name, or use "
+                    "a compact index")
 
 
 def _no_tokens(dim: int) -> dict[str, np.ndarray]:

@@ -24,10 +24,13 @@ import numpy as np
 from dpjax import distributed
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import compact
-from dpjax.index.manifest import INDEX_MANIFEST as MANIFEST, read_manifest
-from dpjax.index.shards import shard_problems, shard_rerun, shard_token_offsets
-from dpjax.io import (checksum_problems, commit_directory, folder_checksums, refuse_damage, remove,
-                      write_json)
+from dpjax.index.dump_reader import require_vectors
+from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFEST, kept_settings,
+                                  read_manifest)
+from dpjax.index.shards import (shard_context_offsets, shard_problems, shard_rerun,
+                                shard_token_layout, shard_token_offsets)
+from dpjax.io import (checksum_problems, commit_directory, file_digest, folder_checksums,
+                      refuse_damage, remove, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   if compact.is_compact(spec):
     return _build_compact(dump_dir, spec, name=name, filter_threshold=filter_threshold,
                           train_size=train_size, seed=seed)
+  require_vectors(read_manifest(dump_dir), dump_dir, f"index.specs {spec!r}")
   plan = _plan(dump_dir, spec, filter_threshold, train_size)
   name = name or index_folder(spec, filter_threshold)
   final = dump_dir / "indexes" / name
@@ -269,8 +273,9 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   """Builds a compact index (`dpjax.index.compact`) in `<name>.tmp`, renamed complete: its
   codec trained on a sample of the kept tokens, then every shard's kept tokens encoded, one
   shard at a time (memory mapped). Process 0 builds it; the others wait."""
-  codec = compact.codec_spec(spec, read_manifest(dump_dir)["dim"])
-  plan = _plan(dump_dir, codec, filter_threshold, train_size)  # (no kept token: refused here)
+  codec = _dump_codec(dump_dir, spec)
+  plan = _plan(dump_dir, codec or compact.codec_spec(spec, read_manifest(dump_dir)["dim"]),
+               filter_threshold, train_size)  # (no kept token: refused here)
   final = dump_dir / "indexes" / (name or index_folder(spec, filter_threshold))
   tmp = final.with_name(final.name + ".tmp")
   if distributed.is_main():
@@ -278,9 +283,12 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
     try:
       remove(tmp)
       tmp.mkdir(parents=True)
-      index = _new_index(plan, plan["resolved"], min(train_size, plan["total_kept"]), seed,
-                         check=compact.flat_codes)
-      _encode_shards(index, plan, tmp)
+      if codec:  # the dump's own codes: assembled, nothing trained or encoded
+        index, plan["resolved"], plan["notes"] = _read_codec(dump_dir), codec, []
+      else:
+        index = _new_index(plan, plan["resolved"], min(train_size, plan["total_kept"]), seed,
+                           check=compact.flat_codes)
+      _encode_shards(index, plan, tmp, coded=bool(codec))
       _write_compact(index, plan, tmp, final, spec=spec, seconds=time.perf_counter() - start)
     except BaseException:
       remove(tmp)
@@ -289,10 +297,38 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   return final
 
 
-def _encode_shards(codec, plan: dict, tmp: pathlib.Path) -> None:
-  """Writes the compact index's token parts into `tmp`: codes and character spans of the kept
-  tokens (written into memory-mapped files shard by shard), passage offsets, kept bits."""
-  dump_dir, shards, offsets = plan["dump_dir"], plan["shards"], plan["offsets"]
+def _dump_codec(dump_dir: pathlib.Path, spec: str) -> str:
+  """The codec of a dump coded at dump time (`index.dump_codec`; "": none) that the compact
+  `spec` assembles its index from; a ConfigError when the spec names another codec."""
+  dump = read_manifest(dump_dir)
+  codec = kept_settings(dump["settings"])["codec"]
+  if not codec:
+    return ""
+  resolved = dump.get("codec", {}).get("spec", codec)
+  wanted = compact.codec_spec(spec, dump["dim"])
+  if spec != compact.PREFIX[:-1] and wanted not in (codec, resolved):
+    raise ConfigError(f"index.specs: {spec!r} codes with {wanted}, the dump's codes are "
+                      f"{resolved} (index.dump_codec {codec!r}): use \"compact\", or dump again "
+                      "with that index.dump_codec")
+  return resolved
+
+
+def _read_codec(dump_dir: pathlib.Path):
+  """The dump's trained codec (`dump_codes.CODEC`), its digest checked against the manifest."""
+  path, record = dump_dir / CODEC, read_manifest(dump_dir).get("codec", {})
+  if not path.is_file() or file_digest(path) != record.get("sha"):
+    raise DumpError(f"{path}: missing or not the codec the dump's codes were made with; "
+                    "delete the dump and run it again")
+  return faiss.read_index(str(path))
+
+
+def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False) -> None:
+  """Writes the compact index's token parts into `tmp`: codes (the dump's, when `coded`) and
+  character spans of the kept tokens (written into memory-mapped files shard by shard), passage
+  offsets and kept bits, both over the encoded tokens (a dump-time filter's dropped ones too)."""
+  dump_dir, shards = plan["dump_dir"], plan["shards"]
+  offsets = shard_context_offsets(plan["dump"])
+  filtered = kept_settings(plan["dump"]["settings"])["filter_threshold"] is not None
   last_char = max(int(np.max(_shard_arrays(dump_dir, s, "char_spans"), initial=0))
                   for s in shards)
   shape = (plan["total_kept"],)
@@ -300,19 +336,21 @@ def _encode_shards(codec, plan: dict, tmp: pathlib.Path) -> None:
                                     shape + (compact.flat_codes(codec).code_size,))
   spans = np.lib.format.open_memmap(tmp / "char_spans.npy", "w+", compact.span_dtype(last_char),
                                     shape + (2,))
-  kept = None if plan["filter_threshold"] is None else np.zeros(offsets[-1], bool)
+  bits = plan["filter_threshold"] is not None or filtered
+  kept = np.zeros(offsets[-1], bool) if bits else None
   counts, at = [], 0
   for number, shard in enumerate(shards):
     rows = _kept(dump_dir, shard, plan["filter_threshold"])
-    vectors = _shard_arrays(dump_dir, shard, "vectors")
+    _, ids, encoded = shard_token_layout(dump_dir / shard["name"], shard)
+    source = _shard_arrays(dump_dir, shard, "codes" if coded else "vectors")
     for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
       part = rows[lo:lo + (1 << 16)]
-      codes[at + lo:at + lo + len(part)] = codec.sa_encode(np.asarray(vectors[part], np.float32))
+      codes[at + lo:at + lo + len(part)] = (source[part] if coded else codec.sa_encode(
+          np.asarray(source[part], np.float32)))
     spans[at:at + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
     if kept is not None:
-      kept[rows + offsets[number]] = True
-    counts.append(np.bincount(_shard_arrays(dump_dir, shard, "token_passage"),
-                              minlength=shard["passages"]))
+      kept[ids[rows] + offsets[number]] = True
+    counts.append(encoded)
     at += len(rows)
   codes.flush(), spans.flush()
   del codes, spans
@@ -327,10 +365,11 @@ def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *,
   """Writes the compact index's codec and manifest (the bytes of each part) into `tmp` and
   renames it to `final`."""
   _write_index(codec, tmp / "codec.faiss")
-  tokens = int(plan["offsets"][-1])
+  tokens = int(shard_context_offsets(plan["dump"])[-1])  # encoded, a dump-time filter's too
   parts = compact.part_bytes(tmp, tokens)
   size = sum(p["bytes"] for p in parts.values())
-  manifest = {**_record(plan, spec, seconds), "kind": "compact",
+  manifest = {**_record(plan, spec, seconds), "kind": "compact", "dump_tokens": tokens,
+              "kept_bits": (tmp / "kept.npy").is_file(),
               "resolved_spec": compact.PREFIX + plan["resolved"], "codec": plan["resolved"],
               "code_size": int(compact.flat_codes(codec).code_size), "labels": "kept_rank",
               "processes": 1, "index_bytes": size, "bytes_per_token": size / tokens,

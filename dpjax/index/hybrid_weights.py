@@ -47,7 +47,8 @@ def build_sparse_index(model: ModelSettings, data: DataSettings, evaluation: Eva
   searcher = step = None
   if index.sparse_weight is None and not _weight_kept(evaluation, index, workdir):
     searcher, step = _dense_searcher(model, data, evaluation, index, workdir, best_metric)
-  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(index.dump_name))
+  dump = searcher.index.dump if searcher else Dump.load(workdir.dump(index.dump_name),
+                                                        tokens=False)  # (its passages only)
   folder = build_sparse(dump.directory, dump.passages, dump.manifest)
   sparse = SparseIndex(dump.directory, dump.manifest)
   if index.sparse_weight is not None:

@@ -24,6 +24,7 @@ from dpjax.settings import DataSettings, IndexSettings
 
 MANIFEST = "manifest.json"
 INDEX_MANIFEST = "index_manifest.json"
+DUMP_CODEC = "codec.faiss"  # a dump's codec, trained at dump time (`dpjax.index.dump_codes`)
 # The manifests' format, written with every dump manifest: 2 records every setting. A manifest
 # without one is of format 1, whose missing settings are what they were before they were
 # recorded: doc_stride windows (no min_context), a float32 encoder. They are filled in once, when
@@ -61,6 +62,24 @@ class DumpConfig:
   # differ by rounding at most, so a dump resumes at another multiple (the manifest's
   # `width_multiple` is that of the run that made it or finished it).
   width_multiple: int = 0
+  # Dump-time filtering and coding (`dpjax.index.dump_codes`): tokens kept when a filter logit
+  # reaches `filter_threshold` (None: all); `codec` ("": none) trained on `train_size` kept
+  # tokens codes them; `vectors` False stores no float16 vectors (a codec's codes only).
+  filter_threshold: float | None = None
+  codec: str = ""
+  vectors: bool = True
+  train_size: int = 0
+
+
+# The settings above that older dumps predate, at the values those dumps had: a manifest records
+# them only when they differ (`kept_settings`), so that a dump of the defaults is unchanged.
+KEPT_DEFAULTS = {"filter_threshold": None, "codec": "", "vectors": True, "train_size": 0}
+
+
+def kept_settings(settings: dict) -> dict:
+  """A dump's manifest settings with the dump-time filtering and coding ones at their defaults
+  filled in (`KEPT_DEFAULTS`)."""
+  return {**KEPT_DEFAULTS, **settings}
 
 
 def window_settings(config: DumpConfig) -> dict:
@@ -84,7 +103,11 @@ def dump_config(data: DataSettings, index: IndexSettings, model_dtype: str, mesh
                     batch_size=round_to_devices(index.batch_size, mesh),
                     shard_passages=index.shard_passages,
                     width_multiple=index.dump_width_multiple,
-                    compute_dtype=index.dump_dtype or model_dtype)
+                    compute_dtype=index.dump_dtype or model_dtype,
+                    filter_threshold=index.dump_filter_threshold, codec=index.dump_codec,
+                    vectors=index.dump_vectors,
+                    # (a setting of the codec only: a dump without one is not refused by it)
+                    train_size=index.train_size if index.dump_codec else 0)
 
 
 def training_windows_config(data_config, batch_size: int) -> DumpConfig:
@@ -189,7 +212,8 @@ def check_index_of_dump(directory: pathlib.Path, index: dict, dump_directory: pa
   """Refuses the index in `directory` (its manifest `index`) unless it was built from the dump
   of manifest `dump` as it is now (a DumpError saying to rebuild it)."""
   if (index["fingerprint"] != dump["fingerprint"]
-      or index.get("dump_tokens") != dump["num_tokens"]
+      # (a compact index counts the tokens encoded, before a dump-time filter)
+      or index.get("dump_tokens") not in (dump["num_tokens"], dump.get("context_tokens"))
       or index.get("dump_id", "") != dump.get("dump_id", "")):
     raise DumpError(f"{directory} was built from another dump than the one in "
                     f"{dump_directory} (or an older dump of it): rebuild it with "

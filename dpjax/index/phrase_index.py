@@ -178,7 +178,7 @@ class PhraseIndex:
         scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]),
                                          vectors.dtype))
     self.rescorer = Rescorer(vectors, self.dump.token_passage, len(self.dump.passages),
-                             self.kept_mask, None if self.compact is None
+                             self.kept_mask, self.dump.positions if self.compact is None
                              else self.compact.positions)
     self._set_options(merge_spans, hybrid)
 

@@ -8,6 +8,9 @@ A shard holds, for `shard_passages` passages:
   char_spans.npy     [T, 2] int32    characters [start, end) of each token in its passage text
   passages.jsonl                     {"id", "title", "text"} of the shard's passages
 
+(A dump filtered or coded at dump time keeps other arrays, of its kept tokens only:
+`dpjax.index.dump_codes`.)
+
   shard.json                         {"name", "passages", "tokens", "passages_sha", "files"}
 
 Shards are written into `<name>.tmp` and renamed when complete (`write_shard`, or batch by batch
@@ -51,12 +54,15 @@ def passages_digest(passages: Iterable[Passage]) -> str:
 
 
 def write_shard(directory: pathlib.Path, name: str, arrays: dict[str, np.ndarray],
-                passages: list[Passage]) -> dict:
-  """Writes one shard atomically (temporary directory, then rename); returns its manifest entry.
-  An unfinished shard of an older layout in its place is replaced."""
+                passages: list[Passage], info: dict | None = None, *,
+                tokens: int | None = None) -> dict:
+  """Writes one shard atomically (temporary directory, then rename); returns its manifest entry
+  (with `info`'s fields; `tokens`: its token count, else its vectors'). An unfinished shard of
+  an older layout in its place is replaced."""
+  tokens = len(arrays["vectors"]) if tokens is None else tokens
   try:
     with atomic_directory(directory / name) as tmp:
-      return seal_shard(tmp, write_shard_files(tmp, name, arrays, passages, len(arrays["vectors"])))
+      return seal_shard(tmp, write_shard_files(tmp, name, arrays, passages, tokens, info))
   except OSError as e:  # disk full, read-only, quota: name the place and the cause
     raise write_error(directory / name, e) from None
 
@@ -72,6 +78,34 @@ def write_shard_files(tmp: pathlib.Path, name: str, arrays: dict[str, np.ndarray
   write_jsonl(tmp / "passages.jsonl", map(dataclasses.asdict, passages))
   write_json(tmp / SHARD_INFO, entry, indent=None)
   return entry
+
+
+def is_kept_shard(entry: dict) -> bool:
+  """Whether a shard is of the kept-token layout (`dpjax.index.dump_codes`)."""
+  return entry.get("layout") == "kept"
+
+
+def shard_context_offsets(manifest: dict) -> np.ndarray:
+  """Global id, counted in encoded tokens (before a dump-time filter), of each shard's first
+  token (and the total at the end), [num_shards + 1]: `shard_token_offsets` of an unfiltered
+  dump."""
+  return np.concatenate([[0], np.cumsum([s.get("context_tokens", s["tokens"])
+                                         for s in manifest["shards"]])]).astype(np.int64)
+
+
+def shard_token_layout(shard_dir: pathlib.Path, entry: dict) -> tuple[np.ndarray, np.ndarray,
+                                                                      np.ndarray]:
+  """(token_passage [K] int32 shard-local passage row of each stored token, its id among the
+  shard's encoded tokens [K] int64, each passage's encoded tokens [P] int64), of either layout."""
+  if not is_kept_shard(entry):
+    token_passage = np.load(shard_dir / "token_passage.npy")
+    encoded = np.bincount(token_passage, minlength=entry["passages"])
+    return token_passage, np.arange(len(token_passage), dtype=np.int64), encoded
+  counts = np.load(shard_dir / "passage_tokens.npy").astype(np.int64)  # [P, 2] kept, encoded
+  token_passage = np.repeat(np.arange(len(counts), dtype=np.int32), counts[:, 0])
+  first = np.concatenate([[0], np.cumsum(counts[:, 1])[:-1]])
+  ids = first[token_passage] + np.load(shard_dir / "positions.npy").astype(np.int64)
+  return token_passage, ids, counts[:, 1]
 
 
 def seal_shard(shard: pathlib.Path, entry: dict) -> dict:

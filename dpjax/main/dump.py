@@ -41,8 +41,13 @@ def run(settings: Settings, workdir: Workdir) -> dict:
     if summary.total:
       log.warning("%s", summary)
   encoded = manifest.get("encoded_tokens")
-  log.info("dump %s: %d passages, %d tokens%s", paths["dump"], manifest["num_passages"],
+  context = manifest.get("context_tokens", manifest["num_tokens"])
+  log.info("dump %s: %d passages, %d tokens%s%s%s", paths["dump"], manifest["num_passages"],
            manifest["num_tokens"],
+           f" of {context} (index.dump_filter_threshold)" if context != manifest["num_tokens"]
+           else "",
+           f", {manifest['bytes_per_token']:.1f} bytes per token on disk"
+           if "bytes_per_token" in manifest else "",
            f" (encoded {encoded / max(manifest['num_tokens'], 1):.3f} tokens per stored one: "
            "titles, [CLS]/[SEP] and overlapping windows' contexts)" if encoded else "")
   return manifest

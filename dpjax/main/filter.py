@@ -9,7 +9,7 @@ from flax import nnx
 from dpjax.data import Tokenizer
 from dpjax.data.questions import read_questions, sample_questions
 from dpjax.errors import DataError
-from dpjax.index.dump_reader import Dump
+from dpjax.index.dump_reader import Dump, require_vectors
 from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json
 from dpjax.workdir import Workdir
@@ -28,7 +28,9 @@ def run(settings: Settings, workdir: Workdir) -> dict:
   model, step = restore(settings, workdir)
   paths = data_paths(settings.data, settings.index, workdir)
   # (its logits are rewritten with the head trained here, after the training)
-  checked_dump(settings.data, settings.index, workdir, model)
+  # (the filter rewrites its logits from its vectors, and sweeps over them)
+  require_vectors(checked_dump(settings.data, settings.index, workdir, model), paths["dump"],
+                  "run.py filter")
   tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
   mesh = make_mesh()
   batch = round_to_devices(settings.eval.batch_size, mesh)
