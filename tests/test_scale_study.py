@@ -1,0 +1,91 @@
+"""The scale study (experiments/benchmarks/scale.py): its corpus, its fits, and a run end to end
+at two tiny sizes."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import load_script
+
+from dpjax.data import Tokenizer
+from dpjax.data.corpus import read_corpus
+from dpjax.data.questions import read_questions
+
+scale = load_script("experiments/benchmarks/scale.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return Tokenizer.from_pretrained("minilm-l6")
+
+
+def test_corpus_is_deterministic_with_its_answers_in_it(tokenizer, tmp_path):
+  maker = scale.CorpusMaker(tokenizer, seed=3)
+  record = scale.write_corpus(tmp_path, 7_919, maker, tokenizer, questions=11)
+  lines = (tmp_path / "corpus.jsonl").read_text().splitlines()
+  again = scale.CorpusMaker(tokenizer, seed=3)
+  assert [json.loads(line) for line in lines] == [again.passage(i) for i in range(len(lines))]
+  assert scale.CorpusMaker(tokenizer, seed=4).passage(0) != again.passage(0)
+  passages = list(read_corpus(tmp_path / "corpus.jsonl"))  # the dump's reader takes every one
+  assert len(passages) == record["passages"] == len(lines)
+  stored = sum(len(ids) for ids, _ in tokenizer.tokenize([p.text for p in passages]))
+  assert abs(stored - 7_919) < 0.2 * 7_919
+  assert 100 <= stored / len(passages) <= 160  # Wikipedia-like paragraphs
+  questions = read_questions(tmp_path / "questions.jsonl")
+  texts = {int(p.id[1:]): p.text for p in passages}
+  assert len(questions) == 11
+  for q in questions:
+    assert q.answers[0] in texts[int(q.id[1:])]
+  # Written once: the same request reuses the corpus.
+  written = (tmp_path / "corpus.jsonl").stat().st_mtime_ns
+  assert scale.write_corpus(tmp_path, 7_919, maker, tokenizer, questions=11) == record
+  assert (tmp_path / "corpus.jsonl").stat().st_mtime_ns == written
+
+
+def test_linear_fit_and_one_point():
+  assert scale.linear_fit([1e6, 2e6, 4e6], [3 + 2e6 * 5, 3 + 4e6 * 5, 3 + 8e6 * 5]) == \
+      pytest.approx((3.0, 10.0), rel=1e-6)
+  assert scale.linear_fit([2e6], [8e6]) == (0.0, 4.0)
+
+
+@pytest.mark.slow
+def test_two_tiny_sizes_end_to_end(tmp_path, monkeypatch):
+  """Dump, compact index, serve and search at 20k and 40k tokens (~30 s on one core)."""
+  monkeypatch.setenv("XLA_FLAGS", "")  # run.py's children: one CPU device, quicker to start
+  out = tmp_path / "scale.json"
+  args = ["--root", str(tmp_path / "root"), "--sizes", "20000", "40000", "--spec",
+          "compact:SQ8", "--questions", "64", "--batch1", "8", "--batches64", "1",
+          "--set", "serve.max_batch=1", "--encode-rate", "1e5", "--out", str(out),
+          "--note", "a note"]
+  assert scale.main(args) == 0
+  results = json.loads(out.read_text())
+  rows = results["rows"]
+  assert [r["tokens_requested"] for r in rows] == [20000, 40000]
+  for row in rows:
+    assert abs(row["tokens"] - row["tokens_requested"]) < 0.2 * row["tokens_requested"]
+    assert row["dump"]["wall_s"] > 0 and row["dump"]["peak_rss_bytes"] > 0
+    index = row["index"]["compact:SQ8"]
+    assert index["wall_s"] > 0 and index["peak_rss_bytes"] > 0
+    per = row["bytes_per_token"]
+    assert per["dump"]["vectors.npy"] == pytest.approx(2 * row["dim"], rel=0.01)
+    assert per["compact"]["codes.npy"] == pytest.approx(row["dim"], rel=0.01)  # SQ8: a byte
+    assert per["served"] > per["compact_total"] > 0
+    assert row["serve"]["vmrss_bytes"] > 0 and row["serve"]["exit"] == 0
+    for batch in ("batch1", "batch64"):
+      assert row["search"][batch]["questions_per_s"] > 0
+      assert row["search"][batch]["p50_ms"] > 0
+    assert row["search"]["mapped_vs_loaded"]["identical"]
+  projected = results["projection"]
+  assert projected["tokens"] == 3e9
+  assert projected["disk_bytes"]["compact_index"] > 0
+  assert projected["hours"]["dump"] == pytest.approx(3e9 / 1e5 / 3600)
+  assert projected["questions_per_s_batch64"]["projected"] > 0
+  report = out.with_suffix(".md").read_text()
+  assert f"| {rows[1]['tokens']:,} |" in report and "Projected to 3.0e+09" in report
+  assert "a note" in report and "--note ..." in report
+  # Run again: both sizes come from the results file, nothing is measured again.
+  stages = (tmp_path / "root" / "tokens_20000" / "stages.json").read_text()
+  monkeypatch.setattr(scale, "measure_size", lambda *a: pytest.fail("measured again"))
+  assert scale.main(args) == 0
+  assert json.loads(out.read_text())["rows"] == rows
+  assert (tmp_path / "root" / "tokens_20000" / "stages.json").read_text() == stages
