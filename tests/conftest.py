@@ -22,6 +22,21 @@ SHARED_DATA = pathlib.Path(os.environ.get("DPJAX_SHARED_DATA", REPO.parent / "sh
 FIXTURES = REPO / "tests" / "fixtures"
 
 
+def phrase_questions(vectors, count: int, seed: int):
+  """(q_start, q_end) [count, D] made of a dump's own token vectors [N, D]: a token's start half
+  and the end half of a token up to 3 after it (phrases an exact index knows the answers of)."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  vectors = np.asarray(vectors, np.float32)
+  n, dim = vectors.shape
+  starts = rng.choice(n - 4, count, replace=False)
+  ends = starts + rng.integers(0, 4, count)
+  q_start, q_end = np.zeros((count, dim), np.float32), np.zeros((count, dim), np.float32)
+  q_start[:, :dim // 2] = vectors[starts, :dim // 2]
+  q_end[:, dim // 2:] = vectors[ends, dim // 2:]
+  return q_start, q_end
+
+
 def load_script(relative: str):
   """An experiment script (not a package module), e.g. `experiments/studies/report_qsft_filter.py`."""
   import importlib.util

@@ -7,6 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import phrase_questions
+
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import hybrid
 from dpjax.index.dump_reader import TOKEN_ARRAYS
@@ -46,17 +48,8 @@ def _random_filter_logits(directory) -> None:
 
 
 def _questions(flat: PhraseIndex):
-  """Question vectors made of the dump's own token vectors: a token's start half and the end
-  half of a token up to 3 after it (phrases whose answers the Flat index knows)."""
-  rng = np.random.default_rng(7)
-  vectors = flat.dump.vectors.astype(np.float32)
-  n, dim = vectors.shape
-  starts = rng.choice(n - 4, QUESTIONS, replace=False)
-  ends = starts + rng.integers(0, 4, QUESTIONS)
-  q_start, q_end = np.zeros((QUESTIONS, dim), np.float32), np.zeros((QUESTIONS, dim), np.float32)
-  q_start[:, :dim // 2] = vectors[starts, :dim // 2]
-  q_end[:, dim // 2:] = vectors[ends, dim // 2:]
-  return q_start, q_end
+  """Question vectors made of the dump's own token vectors (`phrase_questions`)."""
+  return phrase_questions(flat.dump.vectors, QUESTIONS, 7)
 
 
 def _vectorless(directory, tmp_path):

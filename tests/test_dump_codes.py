@@ -8,6 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import phrase_questions
+
 import run
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import dump_codes
@@ -60,17 +62,8 @@ def _threshold(workdir) -> float:
 
 
 def _questions(workdir):
-  """Question vectors made of the full dump's token vectors: a token's start half and the end
-  half of a token up to 3 after it."""
-  vectors = Dump.load(workdir / "full").vectors.astype(np.float32)
-  rng = np.random.default_rng(11)
-  n, dim = vectors.shape
-  starts = rng.choice(n - 4, QUESTIONS, replace=False)
-  ends = starts + rng.integers(0, 4, QUESTIONS)
-  q_start, q_end = np.zeros((QUESTIONS, dim), np.float32), np.zeros((QUESTIONS, dim), np.float32)
-  q_start[:, :dim // 2] = vectors[starts, :dim // 2]
-  q_end[:, dim // 2:] = vectors[ends, dim // 2:]
-  return q_start, q_end
+  """Question vectors made of the full dump's token vectors (`phrase_questions`)."""
+  return phrase_questions(Dump.load(workdir / "full").vectors, QUESTIONS, 11)
 
 
 def _top(index: PhraseIndex, q_start, q_end, k: int = 5):
