@@ -520,8 +520,9 @@ def _dump_kept_defaults() -> dict:
       # Tokens kept at dump time: those whose start or end filter logit (the workdir's head,
       # `run.py filter`) reaches it; None: every token. Dropped tokens never reach the disk.
       "dump_filter_threshold": ml_collections.config_dict.placeholder(float),
-      # A compact codec ("OPQ32,PQ32", "compact": compact.default_codec) the dump trains on its
-      # first train_size kept tokens and codes every shard with ("": none): `run.py index`
+      # A compact codec ("OPQ32,PQ32", "compact": compact.default_codec) the dump trains on
+      # train_size kept tokens of passages drawn across the corpus and codes every shard with
+      # ("": none): `run.py index`
       # then assembles the compact index from the codes, nothing re-encoded.
       "dump_codec": "",
       # Whether the dump stores float16 vectors (768 B/token for MiniLM); False needs a

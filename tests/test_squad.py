@@ -450,3 +450,36 @@ def test_corpus_command_line_names_the_file_it_cannot_read(tmp_path, capsys):
   out = blocker / "o.jsonl"
   assert corpus.main(["squad", str(good), "--out", str(out)]) == 2
   assert capsys.readouterr().err.startswith(f"error: {out}: cannot write ({blocker}): ")
+
+
+def test_corpus_repeats_are_counted_by_digest_and_a_corpus_reads_again(tmp_path):
+  """Repeated passages (same title and text) and duplicate ids are skipped and counted as
+  before, though only 16-byte digests of them are kept; a second read of the corpus gives the
+  same passages and counts nothing again; the digest table keeps every member as it grows."""
+  from dpjax.data import corpus
+  from dpjax.data.squad import SkipSummary
+  rows = [{"id": "a", "title": "T", "text": "one"}, {"id": "b", "title": "T", "text": "one"},
+          {"id": "c", "title": "U", "text": "one"}, {"id": "a", "title": "V", "text": "two"},
+          {"title": "T", "text": "three"}, {"id": "d", "title": "T\u00e9", "text": "one"}]
+  path = _write(tmp_path, "".join(json.dumps(r) + "\n" for r in rows), "rep.jsonl")
+  summary = SkipSummary()
+  passages = corpus.read_corpus(path, summary)
+  first = [(p.id, p.title, p.text) for p in passages]
+  assert first == [("a", "T", "one"), ("c", "U", "one"), ("rep-5", "T", "three"),
+                   ("d", "T\u00e9", "one")]
+  assert summary.counts == {"repeated passage (same title and text)": 1,
+                            "duplicate passage id": 1}
+  assert [(p.id, p.title, p.text) for p in passages] == first
+  assert summary.counts == {"repeated passage (same title and text)": 1,
+                            "duplicate passage id": 1}
+  # the parts of a digest cannot run into each other
+  assert corpus.digest("ab", "c") != corpus.digest("a", "bc")
+  table = corpus.DigestTable(value_bytes=4, slots=8)
+  keys = [corpus.digest(str(i)) for i in range(5003)]
+  for i, key in enumerate(keys):
+    at, value = table.find(key)
+    assert value is None
+    table.insert(at, key, i % 7)
+  assert len(table) == 5003 and table.slots * 3 >= 5003 * 4
+  assert [table.find(key)[1] for key in keys] == [i % 7 for i in range(5003)]
+  assert table.find(corpus.digest("absent"))[1] is None

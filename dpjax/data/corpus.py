@@ -12,7 +12,9 @@ Accepted inputs:
   (give every record an id). A file that cannot be read is an error naming it.
 Bad records (invalid JSON line, no text, empty text, an id that is neither a string nor a number,
 duplicate id) are skipped and counted, and so are exact repeats of a passage (same title and
-text), which would only duplicate index entries.
+text), which would only duplicate index entries. These checks remember a 16-byte digest of each
+id and of each passage (`DigestTable`), not the strings: what a read of the corpus holds grows by
+a fixed-size slot per passage, not by its text.
 
 `python -m dpjax.data.corpus squad FILE [FILE ...] --out corpus.jsonl` writes the unique
 paragraphs of SQuAD files as a JSONL corpus (train + dev v1.1: 20,963 paragraphs, 5 of them verbatim
@@ -24,11 +26,14 @@ import argparse
 import codecs
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
 import sys
 from typing import Iterable, Iterator
+
+import numpy as np
 
 from dpjax.data.squad import (JSON_ERRORS, Passage, SkipSummary, json_problem, load_json,
                               title_text, valid_unicode)
@@ -55,37 +60,126 @@ def is_jsonl(path: pathlib.Path) -> bool:
 
 
 def read_corpus(paths: str | os.PathLike | Iterable[str | os.PathLike],
-                summary: SkipSummary | None = None) -> Iterator[Passage]:
-  """Streams passages from one or more corpus files; skips and counts bad records in `summary`."""
+                summary: SkipSummary | None = None) -> "Corpus":
+  """The passages of one or more corpus files, streamed (`Corpus`: each iteration reads the
+  files again); skips and counts bad records in `summary`."""
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-  summary = summary if summary is not None else SkipSummary()
-  summary.path = ", ".join(map(str, paths))
-  seen: set[str] = set()
-  made: dict[str, int] = {}  # the ids made for records without one: the index of their file
-  texts: set[tuple[str, str]] = set()
-  paths = list(map(pathlib.Path, paths))
-  twice = [path for path, n in collections.Counter(p.resolve() for p in paths).items() if n > 1]
-  if twice:
-    raise DataError(f"{twice[0]}: corpus file given more than once")
-  for index, (path, prefix) in enumerate(zip(paths, _id_prefixes(paths))):
-    for passage, where, generated in _records(path, prefix, summary):
-      if not valid_unicode(passage.id, passage.title, passage.text):
-        summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
-        continue
-      if passage.id in seen:
-        if generated or passage.id in made:
-          made_in = paths[made[passage.id]] if passage.id in made else None
-          raise DataError(_id_clash(passage.id, where, generated, made_in))
-        summary.skip("duplicate passage id", where)
-        continue
-      if (passage.title, passage.text) in texts:
-        summary.skip("repeated passage (same title and text)", where)
-        continue
-      seen.add(passage.id)
-      if generated:
-        made[passage.id] = index
-      texts.add((passage.title, passage.text))
-      yield passage
+  return Corpus([pathlib.Path(path) for path in paths],
+                summary if summary is not None else SkipSummary())
+
+
+@dataclasses.dataclass
+class Corpus:
+  """Corpus files' passages: every iteration reads the files from the start (a dump reads a
+  corpus more than once: its codec's sample, then its shards). The first iteration counts the
+  records it skips in `summary`; later ones skip the same records and count nothing. What an
+  iteration remembers of the passages read (their ids, their title and text, for the repeat
+  checks) is a fixed-size digest of each (`DigestTable`), not the strings."""
+  paths: list[pathlib.Path]
+  summary: SkipSummary
+  _counted: bool = dataclasses.field(default=False, init=False, repr=False)
+
+  def __iter__(self) -> Iterator[Passage]:
+    paths, summary = self.paths, self.summary if not self._counted else SkipSummary()
+    self._counted = True
+    summary.path = ", ".join(map(str, paths))
+    twice = [path for path, n in collections.Counter(p.resolve() for p in paths).items() if n > 1]
+    if twice:
+      raise DataError(f"{twice[0]}: corpus file given more than once")
+    # each id seen: 0 for a record's own, 1 + the index of its file for one made for a record
+    # without an id
+    ids, texts = DigestTable(value_bytes=4), DigestTable()
+    for index, (path, prefix) in enumerate(zip(paths, _id_prefixes(paths))):
+      for passage, where, generated in _records(path, prefix, summary):
+        if not valid_unicode(passage.id, passage.title, passage.text):
+          summary.skip("invalid Unicode (a lone surrogate) in id, title or text", where)
+          continue
+        key = digest(passage.id)
+        id_slot, made = ids.find(key)
+        if made is not None:
+          if generated or made:
+            raise DataError(_id_clash(passage.id, where, generated,
+                                      paths[made - 1] if made else None))
+          summary.skip("duplicate passage id", where)
+          continue
+        text_key = digest(passage.title, passage.text)
+        text_slot, repeated = texts.find(text_key)
+        if repeated is not None:
+          summary.skip("repeated passage (same title and text)", where)
+          continue
+        ids.insert(id_slot, key, index + 1 if generated else 0)
+        texts.insert(text_slot, text_key)
+        yield passage
+
+
+DIGEST_BYTES = 16
+_EMPTY = bytes(DIGEST_BYTES)
+
+
+def digest(*texts: str) -> bytes:
+  """A 16-byte blake2b digest of strings (each length-prefixed: the parts cannot run into each
+  other); never all zero bytes (`DigestTable`'s empty slot)."""
+  h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+  for text in texts:
+    data = text.encode("utf-8", "surrogatepass")
+    h.update(len(data).to_bytes(8, "little") + data)
+  key = h.digest()
+  return key if key != _EMPTY else b"\x01" * DIGEST_BYTES
+
+
+class DigestTable:
+  """A set of `digest`s, each with a number of `value_bytes` bytes, in one bytearray (open
+  addressing, linear probing, kept at most 3/4 full): what it holds per member is a slot of
+  16 + `value_bytes` bytes whatever the strings digested, where a set of the strings holds them
+  all (a corpus read for a dump would grow by its text)."""
+
+  def __init__(self, value_bytes: int = 0, slots: int = 1 << 12):
+    self.width = DIGEST_BYTES + value_bytes
+    self.slots, self.size = slots, 0
+    self.table = bytearray(slots * self.width)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def find(self, key: bytes) -> tuple[int, int | None]:
+    """(the byte offset of `key`'s slot, or of the empty one where `insert` puts it; the
+    number stored with it, None when it is not there)."""
+    table, width, mask = self.table, self.width, self.slots - 1
+    slot = int.from_bytes(key[:8], "little") & mask
+    while True:
+      at = slot * width
+      stored = table[at:at + DIGEST_BYTES]
+      if stored == key:
+        return at, int.from_bytes(table[at + DIGEST_BYTES:at + width], "little")
+      if stored == _EMPTY:
+        return at, None
+      slot = (slot + 1) & mask
+
+  def insert(self, at: int, key: bytes, value: int = 0) -> None:
+    """Stores `key` (not there) with `value` at `find`'s offset for it (no insert since)."""
+    self.table[at:at + self.width] = key + value.to_bytes(self.width - DIGEST_BYTES, "little")
+    self.size += 1
+    if self.size * 4 > self.slots * 3:
+      self._grow()
+
+  def _grow(self) -> None:
+    """Twice the slots, the members placed again (in rounds, all at once: a member moves on
+    from its slot only when another holds it, as a probe would)."""
+    width, old = self.width, np.frombuffer(self.table, np.uint8).reshape(self.slots, self.width)
+    members = old[(old[:, :DIGEST_BYTES] != 0).any(1)]
+    self.slots *= 2
+    table = np.zeros((self.slots, width), np.uint8)
+    slots = members[:, :8].copy().view("<u8")[:, 0] & np.uint64(self.slots - 1)
+    waiting = np.arange(len(members))
+    while len(waiting):
+      free = ~table[slots[waiting], :DIGEST_BYTES].any(1)
+      taken, first = np.unique(slots[waiting[free]], return_index=True)
+      table[taken] = members[waiting[free][first]]
+      placed = np.zeros(len(waiting), bool)
+      placed[np.flatnonzero(free)[first]] = True
+      waiting = waiting[~placed]
+      slots[waiting] = (slots[waiting] + np.uint64(1)) & np.uint64(self.slots - 1)
+    self.table = bytearray(table.tobytes())
 
 
 def _records(path: pathlib.Path, prefix: str, summary: SkipSummary):

@@ -14,6 +14,7 @@ own shards (see `dump_phrases`). A complete dump is loaded by `dpjax.index.dump_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -76,8 +77,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   the files, recorded). `workers` processes tokenize the shards ahead of the encoder (0: one
   thread; `WindowMaker`). `filter_head`: what identifies a separately trained filter head put
   into `model` (None: its own); it and the tokenizer are recorded, and a dump of another one is
-  not resumed or redone.
-  """
+  not resumed or redone. A dump with a codec reads `passages` again for its sample
+  (`dump_codes.codec_sample`): a list or `read_corpus`'s corpus, not a one-pass iterator."""
   model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
   chunks = _batches(passages, config.shard_passages)
@@ -86,9 +87,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   head = list(itertools.islice(chunks, 1))
   if not head and not (out_dir / MANIFEST).is_file():
     raise DumpError(f"{out_dir}: the corpus is empty")
-  out_dir.mkdir(parents=True, exist_ok=True)
   chunks = itertools.chain(head, chunks)
-  with WindowMaker(tokenizer, config, workers) as maker:
+  with _undone_if_refused(out_dir), WindowMaker(tokenizer, config, workers) as maker:
     # Shard 0's windows are made (in blocks: encoding starts after 64 passages) while the
     # encoder is hashed: a fresh dump's first job, which nothing else would overlap.
     made = {0: maker.submit_blocks(head[0])} if head and distributed.process_share(0) else {}
@@ -113,7 +113,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     write_shards(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker, made,
-                 pipeline, manifest, model.config.hidden_size)
+                 pipeline, manifest, model.config.hidden_size, passages)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -121,6 +121,25 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     raise DumpError(f"{out_dir}: the corpus is empty")
   manifest.update(_host_times(start, cpu_start, compiled, timings, pipeline, ahead, ahead_compile))
   return _finish(out_dir, manifest, counts["shards"], time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _undone_if_refused(out_dir: pathlib.Path):
+  """Makes the dump's folder; a refusal (DumpError, ConfigError) before any shard is written
+  takes back what this run wrote there (its manifest, a codec), so that nothing half-written
+  stays behind for a later run to resume or be refused by."""
+  before = set(os.listdir(out_dir)) if out_dir.is_dir() else None
+  out_dir.mkdir(parents=True, exist_ok=True)
+  try:
+    yield
+  except (DumpError, ConfigError):
+    if not any(out_dir.glob("shard_*")):
+      if before is None:
+        remove(out_dir)
+      else:
+        for name in set(os.listdir(out_dir)) - before:
+          remove(out_dir / name)
+    raise
 
 
 def _new_manifest(model, tokenizer: Tokenizer, config: DumpConfig, model_info: dict | None,
