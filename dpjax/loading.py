@@ -173,7 +173,8 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   encoder, step = restore_model(model, data, evaluation, workdir, best_metric=best_metric,
                                 verify=verify)
   checked_dump(data, index, workdir)
-  # From the dump's folder: a compact index reads the dump's passages only, not its vectors.
+  # From the dump's folder: a compact index reads the dump's manifest only (it holds its own
+  # passages and codes).
   phrases = PhraseIndex(workdir.dump(index.dump_name), index_name or index.search_index,
                         nprobe=index.nprobe, search_device=index.search_device, verify=verify)
   phrases = phrases.with_options(**search_options(index, phrases.dump, verify=verify))

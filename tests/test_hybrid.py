@@ -43,14 +43,16 @@ def _sentences(passages):
 
 def _bm25_reference(passages, question, k1=0.9, b=0.4, texts=None):
   """Lucene's BM25 (Pyserini's; since Lucene 8 without the (k1 + 1) factor of Robertson's
-  formula), spelled out over the index's terms (of `texts` instead of the passages if given)."""
-  texts = [sparse.passage_text(p) for p in passages] if texts is None else texts
-  docs = [Counter(terms) for terms in sparse.tokenize(texts)]
+  formula), spelled out over the index's terms: of the passages, or of `texts` (their
+  sentences) with the passages' idf and the texts' mean length."""
+  passage_docs = [Counter(terms) for terms in
+                  sparse.tokenize([sparse.passage_text(p) for p in passages])]
+  docs = passage_docs if texts is None else [Counter(terms) for terms in sparse.tokenize(texts)]
   lengths = np.array([sum(d.values()) for d in docs], float)
   scores = np.zeros(len(docs))
   for term in sparse.tokenize([question])[0]:
-    df = sum(term in d for d in docs)
-    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+    df = sum(term in d for d in passage_docs)
+    idf = math.log(1 + (len(passage_docs) - df + 0.5) / (df + 0.5))
     for row, d in enumerate(docs):
       tf = d[term]
       scores[row] += idf * tf / (tf + k1 * (1 - b + b * lengths[row] / lengths.mean()))
@@ -68,22 +70,68 @@ def test_bm25_scores_are_lucenes(toy):
   assert not sparse.SparseIndex(directory, dump.manifest).scores(["zzz qqq"]).any()
   sentences = _sentences(PASSAGES)
   assert index.num_sentences == len(sentences) > len(PASSAGES)
-  got = index.sentence_scores(QUESTIONS)
-  for row, question in enumerate(QUESTIONS):
-    np.testing.assert_allclose(got[row], _bm25_reference(
-        PASSAGES, question, texts=[text for _, _, text in sentences]), rtol=1e-5)
+  rows = np.array([row for row, _, _ in sentences])
+  chars = np.array([a for _, a, _ in sentences])
+  for question, terms in zip(QUESTIONS, index.question_terms(QUESTIONS)):
+    np.testing.assert_allclose(index.sentence_scores(terms, rows, chars, PASSAGES),
+                               _bm25_reference(PASSAGES, question,
+                                               texts=[text for _, _, text in sentences]),
+                               rtol=1e-5)
 
 
-def test_every_token_maps_to_the_sentence_unit_sentence(toy):
+def test_every_token_scores_its_sentence_unit_sentence(toy):
   directory = toy[0]
   index = PhraseIndex(directory, "Flat")
   bm25 = sparse.SparseIndex(directory, index.dump.manifest)
-  tokens = np.arange(index.num_vectors)
-  rows = bm25.sentence_rows(index.dump.token_passage, index.dump.char_spans[:, 0])
   sentences = _sentences(PASSAGES)
-  for token, row in zip(tokens, rows):
-    phrase = index.phrase(int(token), int(token), 0.0)
-    assert sentences[row][:2] == (phrase.passage, index.sentence_of(phrase)[0])
+  first = {(row, a): i for i, (row, a, _) in enumerate(sentences)}
+  tokens = np.arange(index.num_vectors)[::-1]  # (any order)
+  for question, terms in zip(QUESTIONS, bm25.question_terms(QUESTIONS)):
+    expected = _bm25_reference(PASSAGES, question, texts=[t for _, _, t in sentences])
+    got = bm25.sentence_scores(terms, index.dump.token_passage[tokens],
+                               index.dump.char_spans[tokens, 0], index.dump.passages)
+    phrases = [index.phrase(int(token), int(token), 0.0) for token in tokens]
+    np.testing.assert_allclose(got, [expected[first[(p.passage, index.sentence_of(p)[0])]]
+                                     for p in phrases], rtol=1e-5)
+
+
+def test_sentence_scores_are_bm25_by_hand(tmp_path):
+  """A small corpus of words the stemmer keeps, scored by hand: idf over the passages, length
+  over the mean sentence length; the BM25 folder holds the passages' index alone."""
+  from dpjax.data.squad import Passage
+  texts = ["cat dog. Bird cat cat fish.", "dog tree. Tree tree.", "fish"]
+  passages = [Passage(f"p{i}", "zoo", t) for i, t in enumerate(texts)]
+  manifest = {"dump_id": "x", "fingerprint": "f", "num_passages": len(passages)}
+  folder = sparse.build_sparse(tmp_path, passages, manifest)
+  assert sorted(p.name for p in folder.iterdir() if p.name != ".dpjax_verified.json") == [
+      "data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
+      "params.index.json", sparse.MANIFEST, "vocab.index.json"]
+  index = sparse.SparseIndex(tmp_path, manifest)
+  words = [["zoo", "cat", "dog"], ["zoo", "bird", "cat", "cat", "fish"], ["zoo", "dog", "tree"],
+           ["zoo", "tree", "tree"], ["zoo", "fish"]]  # each "title sentence"'s terms
+  assert sparse.tokenize([t for p in passages for t in sparse.sentence_texts(p)[1]]) == words
+  passage_words = [set(f"zoo {t}".replace(".", "").lower().split()) for t in texts]
+  mean = np.mean([len(w) for w in words])
+  assert index.manifest["sentence_length"] == pytest.approx(mean)
+  question = "Which cat, cat or fish, is not a unicorn?"  # (cat twice, unicorn in no passage)
+  expected = []
+  for sentence in words:
+    score = 0.0
+    for term, count in (("cat", 2), ("fish", 1)):
+      df = sum(term in p for p in passage_words)
+      idf = math.log(1 + (3 - df + 0.5) / (df + 0.5))
+      tf = sentence.count(term)
+      score += count * idf * tf / (tf + 0.9 * (1 - 0.4 + 0.4 * len(sentence) / mean))
+    expected.append(score)
+  terms = index.question_terms([question])[0]
+  got = index.sentence_scores(terms, np.array([0, 0, 1, 1, 2]), np.array([0, 9, 0, 10, 0]),
+                              passages)
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert got[1] > got[0] > 0 and got[2] == got[3] == 0
+  # Any character of a sentence maps to it; an order of rows and characters of our own.
+  got = index.sentence_scores(terms, np.array([2, 0, 0, 0, 1]), np.array([3, 25, 8, 2, 19]),
+                              passages)
+  np.testing.assert_allclose(got, np.array(expected)[[4, 1, 0, 0, 3]], rtol=1e-6)
 
 
 def test_passages_read_without_the_vectors(toy, tmp_path):
@@ -221,16 +269,21 @@ def test_missing_damaged_or_foreign_bm25_index_refused(toy, tmp_path):
   damaged.write_text(damaged.read_text() + " ")
   with pytest.raises(DumpError, match=r"vocab.index.json: .*bytes.*BM25 index is damaged"):
     sparse.SparseIndex(other, manifest)
-  # One built before the sentences were (its manifest names none): refused, and built again.
+  # One of an older dpjax, with an index of the sentences in a folder of its own: refused, and
+  # built again without it.
   shutil.rmtree(sparse.sparse_folder(other))
   shutil.copytree(sparse.sparse_folder(directory), sparse.sparse_folder(other))
+  shutil.copytree(sparse.sparse_folder(directory), sparse.sparse_folder(other) / "sentences",
+                  ignore=shutil.ignore_patterns(sparse.MANIFEST))
   record = json.loads((sparse.sparse_folder(other) / sparse.MANIFEST).read_text())
-  del record["num_sentences"]
+  record["settings"]["sentences"] = "title sentence (units.sentence_bounds), in folder sentences/"
   (sparse.sparse_folder(other) / sparse.MANIFEST).write_text(json.dumps(record))
-  with pytest.raises(DumpError, match=r"without its sentences .*run.py index --set index.sparse"):
+  with pytest.raises(DumpError, match=r"a BM25 index of other settings .*in folder sentences/"
+                                      r".*run.py index --set index.sparse=True"):
     sparse.SparseIndex(other, manifest)
   sparse.build_sparse(other, Dump.load(other).passages, manifest)
   assert sparse.SparseIndex(other, manifest).num_sentences == len(_sentences(PASSAGES))
+  assert not (sparse.sparse_folder(other) / "sentences").exists()
   bm25 = sparse.SparseIndex(directory, Dump.load(directory).manifest)
   index = PhraseIndex(directory, "Flat", hybrid=Hybrid(bm25, 1.0))
   with pytest.raises(ValueError, match="needs the text of every question"):
@@ -403,21 +456,20 @@ def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
     sparse.SparseIndex(small, {**dump.manifest, "num_passages": 3})
 
 
-def test_sentence_rows_out_of_order_are_refused(toy, tmp_path):
-  """Damage that keeps the sentence table's size (unchecked unless verified): one line."""
-  directory = toy[0]
+def test_document_frequencies_out_of_order_are_refused(toy, tmp_path):
+  """Damage to the columns the idf is read from, keeping their size (unchecked unless
+  verified): one line."""
   copy = tmp_path / "copy"
-  shutil.copytree(directory, copy)
-  path = sparse.sparse_folder(copy) / "sentence_rows.npy"
-  rows = np.load(path)
-  np.save(path, rows[::-1].copy())
-  with pytest.raises(DumpError, match=r"sentence_rows.npy: not the index's sentences in order"):
+  shutil.copytree(toy[0], copy)
+  path = sparse.sparse_folder(copy) / "indptr.csc.index.npy"
+  np.save(path, np.load(path)[::-1].copy())
+  with pytest.raises(DumpError, match=r"unreadable .*columns do not match the vocabulary"):
     sparse.SparseIndex(copy, Dump.load(copy).manifest)
 
 
-def test_sentence_rows_of_awkward_passages(tmp_path):
-  """Empty passages, leading whitespace, no sentence end, abbreviations: every character maps to
-  the sentence `units.sentence_bounds` puts it in, and the table is accepted."""
+def test_sentences_of_awkward_passages(tmp_path):
+  """Empty passages, leading whitespace, no sentence end, abbreviations: every character scores
+  the sentence `units.sentence_bounds` puts it in."""
   from dpjax.data.squad import Passage
   texts = ["", "  Leading space. Then more words here.", "no sentence end at all",
            "Dr. Smith went home. He slept! Did he? Yes.", ""]
@@ -425,15 +477,48 @@ def test_sentence_rows_of_awkward_passages(tmp_path):
   manifest = {"dump_id": "x", "fingerprint": "f", "num_passages": len(passages)}
   sparse.build_sparse(tmp_path, passages, manifest)
   index = sparse.SparseIndex(tmp_path, manifest)
-  starts = [(row, a) for row, p in enumerate(passages)
-            for a in units.sentence_bounds(p.text)[:-1]]
-  assert index.num_sentences == len(starts)
-  for row, text in enumerate(texts):
-    bounds = units.sentence_bounds(text)
-    for char in range(len(text)):
-      first = max(a for a in bounds[:-1] if a <= char)
-      got = index.sentence_rows(np.array([row]), np.array([char]))[0]
-      assert starts[got] == (row, first), (row, char)
+  sentences = _sentences(passages)
+  assert index.num_sentences == len(sentences)
+  question = "Did Smith sleep, leading words, then more at the end?"
+  expected = _bm25_reference(passages, question, texts=[t for _, _, t in sentences])
+  assert len(set(expected.round(6))) > 4  # (the sentences score apart)
+  rows = np.array([row for row, text in enumerate(texts) for _ in text])
+  chars = np.array([char for text in texts for char in range(len(text))])
+  got = index.sentence_scores(index.question_terms([question])[0], rows, chars, passages)
+  first = {(row, a): i for i, (row, a, _) in enumerate(sentences)}
+  for score, row, char in zip(got, rows, chars):
+    bounds = units.sentence_bounds(texts[row])
+    start = max(a for a in bounds[:-1] if a <= char)
+    assert score == pytest.approx(expected[first[(row, start)]], rel=1e-5), (row, char)
+
+
+def test_sentences_tokenized_once_while_cached(toy, monkeypatch):
+  """The searches of one question (requests, weights) score a passage's sentences once; other
+  questions reuse its tokenized sentences; a cache of two passages gives the same answers."""
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  tokenized, scored = [], []
+  monkeypatch.setattr(bm25, "_tokenize_passages", lambda passages, real=bm25._tokenize_passages:
+                      tokenized.extend(p.id for p in passages) or real(passages))
+  monkeypatch.setattr(bm25, "_score", lambda terms, found, real=bm25._score:
+                      scored.append(len(found)) or real(terms, found))
+
+  def answers(hybrid_index, texts):
+    return [[(p.start_token, p.end_token, p.score) for p, _ in u] for unit in ("phrase", "passage")
+            for u in hybrid_index.search(q_start, q_end, k=3, unit=unit, texts=texts)]
+
+  first = answers(index.with_options(hybrid=Hybrid(bm25, 0.5, 1.0, passages=3)), QUESTIONS)
+  answers(index.with_options(hybrid=Hybrid(bm25, 0.0, 2.0, passages=3)), QUESTIONS)
+  assert tokenized and len(tokenized) == len(set(tokenized)) <= len(PASSAGES)
+  assert sum(scored) <= len(QUESTIONS) * len(PASSAGES)  # (each question's passages once)
+  answers(index.with_options(hybrid=Hybrid(bm25, 0.5, 1.0, passages=3)), QUESTIONS[::-1])
+  assert len(tokenized) == len(set(tokenized))  # (other questions: the cached passages)
+  monkeypatch.setattr(sparse, "SENTENCE_CACHE_PASSAGES", 2)
+  small = sparse.SparseIndex(directory, index.dump.manifest)
+  assert answers(index.with_options(hybrid=Hybrid(small, 0.5, 1.0, passages=3)),
+                 QUESTIONS) == first
+  assert len(small._sentences) == 2
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The compact index kind (`compact:<codec>` in `index.specs`): a dump's kept tokens encoded once
-by a faiss codec, searched and rescored from those codes alone, without the dump's token arrays.
+by a faiss codec, searched and rescored from those codes alone, without the dump's token arrays
+or its passages.
 
 `<codec>` is a faiss factory string whose index stores flat codes (`IndexFlatCodes`, after an
 optional transform): `PQ<m>`, `OPQ<m>,PQ<m>`, `SQ4`, `SQ8`, `SQfp16` (the dump's float16
@@ -8,16 +9,23 @@ values, exactly), `Flat`. The index folder (`faiss_index.build_index` writes it)
   codec.faiss          the trained codec, empty
   codes.npy            [K, C] uint8   each kept token's code (`sa_encode`), in token order
   char_spans.npy       [K, 2] uint16  (int32 where a passage is longer) characters of each token
+  positions.npy        [K] uint16     (int32 where a passage has more tokens) each kept token's
+                                      place among its passage's dump tokens; only where some
+                                      are not kept (a filter threshold, at index or dump time)
   passage_offsets.npy  [P + 1] int64  each passage row's first token id in the dump
-  kept.npy             [ceil(T / 8)] uint8  which dump tokens are kept (`np.packbits`); only
-                                      with a filter threshold (else every token is)
+  kept_offsets.npy     [P + 1] int64  each passage row's first kept token (rank)
+  passages.bin, passage_blocks.npy, passage_documents.npy
+                                      the passages (`passage_store`)
   index_manifest.json  `"kind": "compact"`, the codec, the bytes of each part
 
 Its tokens are numbered by rank among the kept ones (faiss labels, the `Phrase` token ids of a
-search), so that every per-token array holds kept tokens only. The codes are stored once: the
-faiss index that searches them (exhaustively, by the codec's own asymmetric distance) views the
-memory-mapped `codes.npy` (`searcher`), and the rescoring decodes the rows it needs from it
-(`CodedVectors`).
+search), so that every per-token array holds kept tokens only; a passage's kept tokens are
+contiguous ranks, so the offsets give the passage of a rank (`TokenPassages`) and the positions
+its dump token id (`token_ids`). Every part is memory mapped: loading reads the offsets, builds
+no array of one entry per token, and a search reads the codes, spans, positions and passages it
+needs. The codes are stored once: the faiss index that searches them (exhaustively, by the
+codec's own asymmetric distance) views the memory-mapped `codes.npy` (`searcher`), and the
+rescoring decodes the rows it needs from it (`CodedVectors`).
 """
 from __future__ import annotations
 
@@ -28,12 +36,15 @@ import faiss
 import numpy as np
 
 from dpjax.errors import ConfigError, DumpError
+from dpjax.index import passage_store
+from dpjax.index.rescoring import Rescorer, TokenPassages
 
 PREFIX = "compact:"
 # The codec of a bare "compact": 16-dimensional PQ sub-vectors after an OPQ rotation, the ratio
 # of DensePhrases' own OPQ96 over 1,536 dimensions; `default_codec` fills in the dimension.
 DEFAULT_SUBVECTOR_DIMS = 16
-PARTS = ("codes.npy", "char_spans.npy", "passage_offsets.npy", "kept.npy", "codec.faiss")
+PARTS = ("codes.npy", "char_spans.npy", "positions.npy", "passage_offsets.npy",
+         "kept_offsets.npy", *passage_store.FILES, "codec.faiss")
 REBUILD = "build the index again with `run.py index`"
 
 
@@ -85,21 +96,25 @@ class CodedVectors:
 
 @dataclasses.dataclass
 class CompactIndex:
-  """A compact index folder, loaded: its arrays memory mapped, the kept tokens' passages and dump
-  token ids (`positions`, None when every token is kept) derived."""
+  """A compact index folder, loaded: its arrays memory mapped, its passages a `PassageStore`."""
 
   directory: pathlib.Path
   manifest: dict
   codec: object  # the trained, empty faiss codec
-  codes: np.ndarray  # [K, C] uint8, memory mapped
-  char_spans: np.ndarray  # [K, 2], memory mapped
-  token_passage: np.ndarray  # [K] int32, passage row of each kept token
-  positions: np.ndarray | None  # [K] int64 dump token id of each kept token
+  codes: np.ndarray  # [K, C] uint8
+  char_spans: np.ndarray  # [K, 2]
+  positions: np.ndarray | None  # [K] each kept token's place in its passage (None: all kept)
+  passage_offsets: np.ndarray  # [P + 1] int64 each passage row's first dump token id
+  kept_offsets: np.ndarray  # [P + 1] int64 each passage row's first kept rank
+  passages: passage_store.PassageStore
 
   @classmethod
   def load(cls, directory: pathlib.Path, manifest: dict, num_passages: int) -> "CompactIndex":
     """The index in `directory` (its files' sizes and digests checked before: `check_index`);
     a DumpError when a part is unreadable or of other shapes than the manifest records."""
+    if passage_store.DATA not in manifest.get("parts", {}):
+      raise DumpError(f"{directory}: a compact index of an older layout (the dump's passages, "
+                      f"kept bits); {REBUILD}")
     try:
       codec = faiss.read_index(str(directory / "codec.faiss"))
     except RuntimeError as e:
@@ -108,25 +123,29 @@ class CompactIndex:
     kept, tokens = manifest["num_tokens"], manifest["dump_tokens"]
     codes = _array(directory, "codes.npy", (kept, flat_codes(codec).code_size))
     spans = _array(directory, "char_spans.npy", (kept, 2))
-    offsets = np.asarray(_array(directory, "passage_offsets.npy", (num_passages + 1,)))
     positions = None
-    # (kept bits: an index-time filter's, or a dump-time one's: `dump_codes`)
-    if manifest.get("filter_threshold") is not None or manifest.get("kept_bits"):
-      bits = _array(directory, "kept.npy", ((tokens + 7) // 8,))
-      positions = np.flatnonzero(np.unpackbits(bits, count=tokens))
-      if len(positions) != kept:
-        raise DumpError(f"{directory / 'kept.npy'}: {len(positions)} tokens kept, {kept} in the "
-                        f"manifest; {REBUILD}")
-    if offsets[-1] != tokens or (np.diff(offsets) < 0).any():
-      raise DumpError(f"{directory / 'passage_offsets.npy'}: not the offsets of the dump's "
-                      f"{tokens} tokens; {REBUILD}")
-    ids = np.arange(kept) if positions is None else positions
-    token_passage = (np.searchsorted(offsets, ids, "right") - 1).astype(np.int32)
-    return cls(directory, manifest, codec, codes, spans, token_passage, positions)
+    if manifest.get("positions"):
+      positions = _array(directory, "positions.npy", (kept,))
+    elif kept != tokens:
+      raise DumpError(f"{directory / 'positions.npy'}: missing, and {kept} of {tokens} tokens "
+                      f"are kept; {REBUILD}")
+    return cls(directory, manifest, codec, codes, spans, positions,
+               _offsets(directory, "passage_offsets.npy", num_passages, tokens),
+               _offsets(directory, "kept_offsets.npy", num_passages, kept),
+               passage_store.PassageStore(directory, num_passages))
 
   @property
   def vectors(self) -> CodedVectors:
     return CodedVectors(self.codes, self.codec)
+
+  @property
+  def token_passage(self) -> TokenPassages:
+    """The passage row of kept-token ranks (`token_passage[ranks]`), from the kept offsets."""
+    return TokenPassages(self.kept_offsets)
+
+  def rescorer(self) -> Rescorer:
+    """The exact rescoring of the kept tokens from their codes (`Rescorer.over_offsets`)."""
+    return Rescorer.over_offsets(self.vectors, self.kept_offsets, self.positions)
 
   def searcher(self) -> "CodeSearch":
     """A faiss index of the codec whose codes are `codes.npy`'s memory, not a copy (labels:
@@ -141,9 +160,13 @@ class CompactIndex:
     return CodeSearch(index, (self.codes, empty, inner))
 
   def token_ids(self, ranks: np.ndarray) -> np.ndarray:
-    """The dump token ids of kept-token ranks (search results' `start_token` / `end_token`)."""
+    """The dump token ids of kept-token ranks (search results' `start_token` / `end_token`):
+    their passage's first dump token id plus their place in it."""
     ranks = np.asarray(ranks, np.int64)
-    return ranks if self.positions is None else self.positions[ranks]
+    if self.positions is None:
+      return ranks
+    return self.passage_offsets[self.token_passage[ranks]] + np.asarray(self.positions[ranks],
+                                                                        np.int64)
 
 
 class CodeSearch:
@@ -171,6 +194,15 @@ def _array(directory: pathlib.Path, name: str, shape: tuple) -> np.ndarray:
   if array.shape != shape:
     raise DumpError(f"{path}: of shape {array.shape}, {shape} expected; {REBUILD}")
   return array
+
+
+def _offsets(directory: pathlib.Path, name: str, num_passages: int, total: int) -> np.ndarray:
+  """Passages' first tokens [P + 1], memory mapped, refused (DumpError) unless they rise from 0
+  to `total`."""
+  offsets = _array(directory, name, (num_passages + 1,))
+  if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
+    raise DumpError(f"{directory / name}: not the offsets of {total} tokens; {REBUILD}")
+  return offsets
 
 
 def span_dtype(last_char: int) -> np.dtype:

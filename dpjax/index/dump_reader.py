@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from typing import Sequence
 
 import numpy as np
 
@@ -26,27 +27,28 @@ class Dump:
   filter_logits: np.ndarray  # [T, 2] float16
   token_passage: np.ndarray  # [T] int32, global passage row
   char_spans: np.ndarray  # [T, 2] int32
-  passages: list[Passage]
+  passages: Sequence[Passage]  # a list, or a compact index's `PassageStore`
   # [T] int64 each token's id among the encoded tokens, where a dump-time filter kept only some
   # (`dump_codes`): a phrase spans max_answer_length of those at most (None: every one kept)
   positions: np.ndarray | None = None
 
   @classmethod
-  def load(cls, directory: str | os.PathLike, *, verify: bool = False,
-           tokens: bool = True) -> "Dump":
+  def load(cls, directory: str | os.PathLike, *, verify: bool = False, tokens: bool = True,
+           passages: bool = True) -> "Dump":
     """The dump in `directory`; its shards' file sizes checked against those recorded, and with
-    `verify` their contents (`check_shards`). Without `tokens`, its passages only: the token
-    arrays are empty (a compact index carries its own; the dump's need not be there)."""
+    `verify` their contents (`check_shards`). Without `tokens`, the token arrays are empty, and
+    without `passages` the passages (a compact index carries its own of both; the dump's need
+    not be there)."""
     directory = pathlib.Path(directory)
     manifest = read_manifest(directory)
     if tokens:
       require_vectors(manifest, directory)
     check_shards(directory, manifest, contents=verify,
-                 names=None if tokens else ["passages.jsonl"])
+                 names=None if tokens else ["passages.jsonl"] if passages else [])
     keys = TOKEN_ARRAYS if tokens else ()
     filtered = kept_settings(manifest["settings"])["filter_threshold"] is not None
     arrays = {k: [] for k in keys + (("positions",) if tokens and filtered else ())}
-    passages, offset = [], 0
+    rows, offset = [], 0
     for shard, context in zip(manifest["shards"], shard_context_offsets(manifest)):
       path = directory / shard["name"]
       try:
@@ -57,19 +59,20 @@ class Dump:
         for key in keys:
           value = token_passage if key == "token_passage" else np.load(path / f"{key}.npy")
           arrays[key].append(value + offset if key == "token_passage" else value)
-        passages.extend(_shard_passages(path))
+        if passages:
+          rows.extend(shard_passages(path))
       except (OSError, ValueError, TypeError) as e:
         raise DumpError(f"{path}: shard is missing or damaged ({type(e).__name__}: {e}); "
                         "delete the dump and run it again") from None
-      offset = len(passages)
+      offset = len(rows) if passages else offset + shard["passages"]
     joined = ({k: np.concatenate(v) for k, v in arrays.items()} if tokens
               else _no_tokens(manifest["dim"]))
     if tokens:  # (uint16 in a shard of kept tokens)
       joined["char_spans"] = joined["char_spans"].astype(np.int32, copy=False)
-    if (tokens and len(joined["vectors"]) != manifest["num_tokens"]) or len(
-        passages) != manifest["num_passages"]:
+    if (tokens and len(joined["vectors"]) != manifest["num_tokens"]) or (
+        passages and len(rows) != manifest["num_passages"]):
       raise DumpError(f"{directory}: shard contents do not match the manifest counts")
-    return cls(directory, manifest, passages=passages, **joined)
+    return cls(directory, manifest, passages=rows, **joined)
 
   @staticmethod
   def read_passages(directory: str | os.PathLike) -> list[Passage]:
@@ -79,7 +82,7 @@ class Dump:
     passages = []
     for shard in manifest["shards"]:
       try:
-        passages.extend(_shard_passages(directory / shard["name"]))
+        passages.extend(shard_passages(directory / shard["name"]))
       except (OSError, ValueError, TypeError) as e:
         raise DumpError(f"{directory / shard['name']}: passages missing or damaged "
                         f"({type(e).__name__}: {e}); delete the dump and run it again") from None
@@ -107,6 +110,7 @@ def _no_tokens(dim: int) -> dict[str, np.ndarray]:
           "token_passage": np.zeros(0, np.int32), "char_spans": np.zeros((0, 2), np.int32)}
 
 
-def _shard_passages(path: pathlib.Path) -> list[Passage]:
+def shard_passages(path: pathlib.Path) -> list[Passage]:
+  """The passages of the shard in folder `path`, in row order (its `passages.jsonl`)."""
   with (path / "passages.jsonl").open(encoding="utf-8") as f:
     return [Passage(**json.loads(line)) for line in f]

@@ -24,9 +24,10 @@ import numpy as np
 from dpjax import distributed
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import compact
-from dpjax.index.dump_reader import require_vectors
+from dpjax.index.dump_reader import require_vectors, shard_passages
 from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFEST, kept_settings,
                                   read_manifest)
+from dpjax.index.passage_store import PassageWriter
 from dpjax.index.shards import (shard_context_offsets, shard_problems, shard_rerun,
                                 shard_token_layout, shard_token_offsets)
 from dpjax.io import (checksum_problems, commit_directory, file_digest, folder_checksums,
@@ -288,8 +289,9 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
       else:
         index = _new_index(plan, plan["resolved"], min(train_size, plan["total_kept"]), seed,
                            check=compact.flat_codes)
-      _encode_shards(index, plan, tmp, coded=bool(codec))
-      _write_compact(index, plan, tmp, final, spec=spec, seconds=time.perf_counter() - start)
+      positions = _encode_shards(index, plan, tmp, coded=bool(codec))
+      _write_compact(index, plan, tmp, final, spec=spec, positions=positions,
+                     seconds=time.perf_counter() - start)
     except BaseException:
       remove(tmp)
       raise
@@ -322,46 +324,82 @@ def _read_codec(dump_dir: pathlib.Path):
   return faiss.read_index(str(path))
 
 
-def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False) -> None:
-  """Writes the compact index's token parts into `tmp`: codes (the dump's, when `coded`) and
-  character spans of the kept tokens (written into memory-mapped files shard by shard), passage
-  offsets and kept bits, both over the encoded tokens (a dump-time filter's dropped ones too)."""
-  dump_dir, shards = plan["dump_dir"], plan["shards"]
-  offsets = shard_context_offsets(plan["dump"])
-  filtered = kept_settings(plan["dump"]["settings"])["filter_threshold"] is not None
-  last_char = max(int(np.max(_shard_arrays(dump_dir, s, "char_spans"), initial=0))
-                  for s in shards)
-  shape = (plan["total_kept"],)
-  codes = np.lib.format.open_memmap(tmp / "codes.npy", "w+", np.uint8,
-                                    shape + (compact.flat_codes(codec).code_size,))
-  spans = np.lib.format.open_memmap(tmp / "char_spans.npy", "w+", compact.span_dtype(last_char),
-                                    shape + (2,))
-  bits = plan["filter_threshold"] is not None or filtered
-  kept = np.zeros(offsets[-1], bool) if bits else None
-  counts, at = [], 0
-  for number, shard in enumerate(shards):
-    rows = _kept(dump_dir, shard, plan["filter_threshold"])
-    _, ids, encoded = shard_token_layout(dump_dir / shard["name"], shard)
-    source = _shard_arrays(dump_dir, shard, "codes" if coded else "vectors")
-    for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
-      part = rows[lo:lo + (1 << 16)]
-      codes[at + lo:at + lo + len(part)] = (source[part] if coded else codec.sa_encode(
-          np.asarray(source[part], np.float32)))
-    spans[at:at + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
-    if kept is not None:
-      kept[ids[rows] + offsets[number]] = True
-    counts.append(encoded)
-    at += len(rows)
-  codes.flush(), spans.flush()
-  del codes, spans
-  np.save(tmp / "passage_offsets.npy",
-          np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64))
-  if kept is not None:
-    np.save(tmp / "kept.npy", np.packbits(kept))
+def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False) -> bool:
+  """Writes the compact index's parts into `tmp` a shard at a time: the kept tokens' codes (the
+  dump's, when `coded`), spans and places in their passages, both passage offsets (over the
+  encoded tokens, a dump-time filter's dropped ones too) and the passage store. The arrays are
+  files of the sizes the dump's manifest gives, mapped again for each shard's rows and unmapped
+  after, so that memory holds one shard's arrays and pages whatever the corpus's size. Returns
+  whether positions were written (only where some tokens are not kept)."""
+  dump_dir, dump = plan["dump_dir"], plan["dump"]
+  filtered = (plan["filter_threshold"] is not None
+              or kept_settings(dump["settings"])["filter_threshold"] is not None)
+  last_char, longest = _compact_widths(dump_dir, plan["shards"])
+  kept, passages = (plan["total_kept"],), (dump["num_passages"] + 1,)
+  parts = {"codes": (np.uint8, kept + (compact.flat_codes(codec).code_size,)),
+           "char_spans": (compact.span_dtype(last_char), kept + (2,)),
+           "passage_offsets": (np.int64, passages), "kept_offsets": (np.int64, passages)}
+  if filtered:
+    parts["positions"] = (compact.span_dtype(longest), kept)
+  for name, (dtype, shape) in parts.items():
+    np.lib.format.open_memmap(tmp / f"{name}.npy", "w+", dtype, shape).flush()  # (zeros)
+  at = {"kept": 0, "row": 0, "token": 0}
+  with PassageWriter(tmp, dump["num_passages"]) as passages_out:
+    for shard in plan["shards"]:
+      _encode_shard(codec, plan, shard, {name: tmp / f"{name}.npy" for name in parts}, at,
+                    coded)
+      for passage in shard_passages(dump_dir / shard["name"]):
+        passages_out.add(passage)
+  if at["kept"] != plan["total_kept"] or at["token"] != shard_context_offsets(dump)[-1]:
+    raise DumpError(f"{dump_dir}: its shards hold {at['kept']} kept of {at['token']} tokens, "
+                    f"not the {plan['total_kept']} its manifest counts; delete the dump and run "
+                    "it again")
+  return filtered
+
+
+def _compact_widths(dump_dir: pathlib.Path, shards: list) -> tuple[int, int]:
+  """(the last character a token ends at, the most tokens a passage encodes) of the dump: the
+  widths of a compact index's spans and positions."""
+  last_char = longest = 0
+  for shard in shards:
+    last_char = max(last_char, int(np.max(_shard_arrays(dump_dir, shard, "char_spans"),
+                                          initial=0)))
+    longest = max(longest, int(np.max(shard_token_layout(dump_dir / shard["name"], shard)[2],
+                                      initial=0)))
+  return last_char, longest
+
+
+def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: bool) -> None:
+  """Writes one shard's kept tokens and passage offsets into the compact index's array files
+  `paths` (by part), from the ranks, passage rows and token ids `at` (moved past them)."""
+  dump_dir = plan["dump_dir"]
+  out = {name: np.lib.format.open_memmap(path, "r+") for name, path in paths.items()}
+  rows = _kept(dump_dir, shard, plan["filter_threshold"])
+  token_passage, ids, encoded = shard_token_layout(dump_dir / shard["name"], shard)
+  source = _shard_arrays(dump_dir, shard, "codes" if coded else "vectors")
+  first = at["kept"]
+  for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
+    part = rows[lo:lo + (1 << 16)]
+    out["codes"][first + lo:first + lo + len(part)] = (source[part] if coded else codec.sa_encode(
+        np.asarray(source[part], np.float32)))
+  out["char_spans"][first:first + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
+  passage = token_passage[rows]
+  if "positions" in out:  # each kept token's id among its passage's encoded ones
+    starts = np.concatenate([[0], np.cumsum(encoded)[:-1]]).astype(np.int64)
+    out["positions"][first:first + len(rows)] = ids[rows] - starts[passage]
+  row = at["row"]
+  out["passage_offsets"][row + 1:row + len(encoded) + 1] = at["token"] + np.cumsum(encoded)
+  out["kept_offsets"][row + 1:row + len(encoded) + 1] = first + np.cumsum(
+      np.bincount(passage, minlength=len(encoded)))
+  for array in out.values():
+    array.flush()
+  at["kept"] += len(rows)
+  at["row"] += len(encoded)
+  at["token"] += int(np.sum(encoded))
 
 
 def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: str,
-                   seconds: float) -> None:
+                   positions: bool, seconds: float) -> None:
   """Writes the compact index's codec and manifest (the bytes of each part) into `tmp` and
   renames it to `final`."""
   _write_index(codec, tmp / "codec.faiss")
@@ -369,7 +407,7 @@ def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *,
   parts = compact.part_bytes(tmp, tokens)
   size = sum(p["bytes"] for p in parts.values())
   manifest = {**_record(plan, spec, seconds), "kind": "compact", "dump_tokens": tokens,
-              "kept_bits": (tmp / "kept.npy").is_file(),
+              "positions": positions, "num_passages": int(plan["dump"]["num_passages"]),
               "resolved_spec": compact.PREFIX + plan["resolved"], "codec": plan["resolved"],
               "code_size": int(compact.flat_codes(codec).code_size), "labels": "kept_rank",
               "processes": 1, "index_bytes": size, "bytes_per_token": size / tokens,

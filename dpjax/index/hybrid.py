@@ -13,8 +13,9 @@ with raw BM25 scores (not normalised: the terms are sums of evidence on scales f
 and model, so weights chosen on held-out questions fit them, as Pyserini's dense-sparse fusion
 adds raw scores). The sentence's score tells apart the passages of one article, which share
 most of the question's words, by where the words sit (its effect on held-out training
-questions: `results/fusion_terms.md`). Weights of 0 are the dense search itself, without BM25's
-candidates.
+questions: `results/fusion_terms.md`); it is BM25 over the sentence's terms with the passages'
+idf (`SparseIndex.sentence_scores`), computed for the candidates' sentences only. Weights of 0
+are the dense search itself, without BM25's candidates.
 """
 from __future__ import annotations
 
@@ -133,15 +134,16 @@ def lexical_spans(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray,
 
 
 def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: np.ndarray,
-         token_passage: np.ndarray, weight: float, sentence_bm25: np.ndarray | None = None,
-         sentence_of: Callable[[np.ndarray], np.ndarray] | None = None,
+         token_passage: np.ndarray, weight: float,
+         sentence_bm25: Callable[[np.ndarray], np.ndarray] | None = None,
          sentence_weight: float = 0.0) -> tuple[np.ndarray, ...]:
   """One question's distinct candidate spans, (starts, ends, fused scores) best first.
 
   dense / lexical: (starts, ends, dense scores) of the phrase index's spans and of the BM25
-  passages' spans; bm25: [P] the question's BM25 score of every passage; sentence_bm25: [S] of
-  every sentence, and sentence_of maps start tokens to its rows (with a sentence_weight). A span
-  both found is kept once (at its dense place: ties in rank keep the dense search's order first).
+  passages' spans; bm25: [P] the question's BM25 score of every passage; sentence_bm25 (with a
+  sentence_weight): start tokens [N] -> [N] the question's BM25 of the sentence each starts in.
+  A span both found is kept once (at its dense place: ties in rank keep the dense search's order
+  first).
   """
   starts = np.concatenate([dense[0], lexical[0]]).astype(np.int64)
   ends = np.concatenate([dense[1], lexical[1]]).astype(np.int64)
@@ -151,7 +153,7 @@ def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: n
   starts, ends, scores = starts[first], ends[first], scores[first]
   fused = scores + np.float32(weight) * bm25[token_passage[starts]]
   if sentence_weight:
-    fused = fused + np.float32(sentence_weight) * sentence_bm25[sentence_of(starts)]
+    fused = fused + np.float32(sentence_weight) * sentence_bm25(starts)
   order = np.argsort(-fused, kind="stable")
   return starts[order], ends[order], fused[order]
 

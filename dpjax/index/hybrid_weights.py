@@ -131,9 +131,9 @@ def choose_weight(data: DataSettings, evaluation: EvalSettings, index: IndexSett
 def _grid_scores(evaluation: EvalSettings, index: IndexSettings, searcher, sparse: SparseIndex,
                  questions) -> dict:
   """{`pair_key`: EM@1, EM@10, passage Top-1 and Top-20 of `questions`} over the grid, chunk
-  by chunk of questions: a chunk's index hits, BM25 scores and BM25 passages' spans are computed
-  once for every pair (the index keeps the last questions' lexical results), and only the
-  scores are kept (each a mean over questions: chunks add up weighted by their size)."""
+  by chunk of questions: a chunk's index hits, BM25 scores, BM25 passages' spans and sentence
+  scores (each candidate passage's once) are computed once for every pair (the index keeps the
+  last questions' lexical results), and only the scores are kept (each a mean over questions: chunks add up weighted by their size)."""
   phrase_index = searcher.index
   texts, answers = [q.question for q in questions], [q.answers for q in questions]
   q_start, q_end = searcher.encode(texts)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import faiss
 import numpy as np
@@ -30,7 +30,7 @@ from dpjax.index.rescoring import Rescorer
 from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
 from dpjax.io import read_json
 
-# Bounds the [questions, passages + sentences] BM25 scores of a hybrid search.
+# Bounds the [questions, passages] BM25 scores of a hybrid search.
 _LEXICAL_ELEMENTS = 1 << 25
 
 
@@ -60,9 +60,12 @@ class PhraseIndex:
                merge_spans: bool = True, hybrid: Hybrid | None = None, verify: bool = False):
     """The dump's index `index_name`; the sizes of its and the dump's files are checked against
     those recorded when written, and with `verify` their contents (`index.verify`). A compact
-    index (`compact`) over a dump's directory reads the dump's passages only."""
-    self.dump = dump if isinstance(dump, Dump) else Dump.load(
-        dump, verify=verify, tokens=not _is_compact_index(pathlib.Path(dump), index_name))
+    index (`compact`) over a dump's directory reads the dump's manifest only: its passages are
+    the index's own."""
+    if not isinstance(dump, Dump):
+      full = not _is_compact_index(pathlib.Path(dump), index_name)
+      dump = Dump.load(dump, verify=verify, tokens=full, passages=full)
+    self.dump = dump
     if not (self.dump.directory / "indexes" / index_name).is_dir():
       index_name = index_folder(index_name)  # a factory string ("IVFauto,SQ4") names its folder
     directory = self.dump.directory / "indexes" / index_name
@@ -98,12 +101,13 @@ class PhraseIndex:
 
   def _load_compact(self, directory: pathlib.Path) -> None:
     """A compact index: its codes searched in place, the dump seen through it (its kept tokens
-    only, numbered by rank: `CompactIndex`), no dump vector read."""
-    self.compact = CompactIndex.load(directory, self.manifest, len(self.dump.passages))
+    only, numbered by rank: `CompactIndex`, and its passages), no dump vector or passage read."""
+    self.compact = CompactIndex.load(directory, self.manifest,
+                                     self.dump.manifest["num_passages"])
     self.dump = dataclasses.replace(
         self.dump, vectors=np.zeros((0, self.dump.manifest["dim"]), np.float16),
         filter_logits=np.zeros((0, 2), np.float16), token_passage=self.compact.token_passage,
-        char_spans=self.compact.char_spans)
+        char_spans=self.compact.char_spans, passages=self.compact.passages, positions=None)
     self.kept_mask = None
     self.index = self.compact.searcher()
 
@@ -167,20 +171,21 @@ class PhraseIndex:
     self._sentences: dict[int, np.ndarray] = {}
     # The last questions' lexical results (`_lexical`), shared with `with_options` copies.
     self._lexical_cache: list = [None]
+    self.rescorer = (self.compact.rescorer() if self.compact is not None else  # (its codes)
+                     Rescorer(self._rescored_vectors(), self.dump.token_passage,
+                              len(self.dump.passages), self.kept_mask, self.dump.positions))
+    self._set_options(merge_spans, hybrid)
+
+  def _rescored_vectors(self):
+    """The [N, D] vectors the rescoring reads: the exact index's float32 storage, or the dump's
+    float16 vectors (converted by the rescoring, its convert compiled now, not searching)."""
     vectors = self._exact_vectors()
-    if vectors is None and self.compact is not None:
-      vectors = self.compact.vectors  # (decoded by the rescoring)
-    elif vectors is None:
+    if vectors is None:
       vectors = self.dump.vectors
       if self.num_vectors and vectors.dtype != np.float32:
-        # the rescoring converts the dump's rows (`scoring.token_scores`): compiled now, not
-        # searching
         scoring.half_to_float32(np.zeros((scoring.CONVERT_ROWS, vectors.shape[1]),
                                          vectors.dtype))
-    self.rescorer = Rescorer(vectors, self.dump.token_passage, len(self.dump.passages),
-                             self.kept_mask, self.dump.positions if self.compact is None
-                             else self.compact.positions)
-    self._set_options(merge_spans, hybrid)
+    return vectors
 
   def _set_options(self, merge_spans: bool, hybrid: Hybrid | None) -> None:
     if hybrid is not None:
@@ -333,16 +338,15 @@ class PhraseIndex:
     more splits them, and only the last part's lexical results are kept for the next search."""
     if self.hybrid is None or not self.hybrid.active:
       return None
-    width = self.hybrid.sparse.num_passages + self.hybrid.sparse.num_sentences
-    return max(1, _LEXICAL_ELEMENTS // max(width, 1))
+    return max(1, _LEXICAL_ELEMENTS // max(self.hybrid.sparse.num_passages, 1))
 
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
                max_answer_length: int):
-    """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`,
-    sentence BM25 scores [Q, S] or None without a sentence weight) for hybrid search, or None
-    for a dense search. They depend on neither k, unit nor the weights: the last questions' are
-    kept for the next search of them (the sentence scores added when a weight first needs
-    them)."""
+    """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`, the
+    questions' terms `SparseIndex.question_terms` for their sentence scores) for hybrid search,
+    or None for a dense search. They depend on neither k, unit nor the weights: the last
+    questions' are kept for the next search of them (with the sentence scores computed so
+    far)."""
     if self.lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
@@ -357,16 +361,17 @@ class PhraseIndex:
       bm25 = sparse.scores(list(texts))
       top = hybrid.top_passages(bm25, passages)
       found = (bm25, top,
-               hybrid.lexical_spans(self.rescorer, q_start, q_end, top, max_answer_length), None)
-    if found[3] is None and self.hybrid.sentence_weight:
-      found = (*found[:3], sparse.sentence_scores(list(texts)))
+               hybrid.lexical_spans(self.rescorer, q_start, q_end, top, max_answer_length),
+               sparse.question_terms(list(texts)))
     self._lexical_cache[0] = (key, (np.array(q_start), np.array(q_end)), found)
     return found
 
-  def _sentence_of(self, starts: np.ndarray) -> np.ndarray:
-    """The BM25 index's sentence rows of the sentences that tokens `starts` begin in."""
-    return self.hybrid.sparse.sentence_rows(self.dump.token_passage[starts],
-                                     self.dump.char_spans[starts, 0])
+  def _sentence_of(self, terms) -> Callable[[np.ndarray], np.ndarray]:
+    """start tokens [N] -> [N] the BM25 of the question of `terms` (`SparseIndex.question_terms`)
+    against the sentence each token begins in: `hybrid.fuse`'s sentence term."""
+    return lambda starts: self.hybrid.sparse.sentence_scores(
+        terms, self.dump.token_passage[starts], self.dump.char_spans[starts, 0],
+        self.dump.passages)
 
   def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
     """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
@@ -383,11 +388,15 @@ class PhraseIndex:
     return np.sort(np.unique(np.asarray(keys, np.int64), return_index=True)[1])
 
   def _documents(self) -> np.ndarray:
-    """A document number of every passage row (`document_key`)."""
+    """A document number of every passage row (`document_key`): a compact index's stored
+    digests of them (memory mapped), else numbered from the passages once."""
     if not hasattr(self, "_document_of"):
-      names: dict = {}
-      self._document_of = np.array([names.setdefault(document_key(p), len(names))
-                                    for p in self.dump.passages], np.int64)
+      if self.compact is not None:
+        self._document_of = self.compact.passages.documents
+      else:
+        names: dict = {}
+        self._document_of = np.array([names.setdefault(document_key(p), len(names))
+                                      for p in self.dump.passages], np.int64)
     return self._document_of
 
   def fetch_bounds(self, k: int, *, top_tokens: int | None = None,
@@ -449,9 +458,8 @@ class PhraseIndex:
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
         ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
         if lexical is not None:
-          sentences = None if lexical[3] is None else lexical[3][q]
           ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
-                               self.hybrid.weight, sentences, self._sentence_of,
+                               self.hybrid.weight, self._sentence_of(lexical[3][q]),
                                self.hybrid.sentence_weight)
         units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
         if len(units[q]) < k and fetch < max_fetch:

@@ -26,22 +26,35 @@ class Rescorer:
       time), an exact index's float32 storage or a compact index's codes
       (`compact.CodedVectors`, decoded a chunk at a time).
     token_passage: [N] the passage row of each token (sorted: a passage's tokens are
-      contiguous).
+      contiguous), or a `TokenPassages` of the passages' offsets.
     num_passages: the passage rows (passages without tokens included).
     kept_mask: [N] the tokens a filtered index keeps (phrases start and end only there), or
       None for every token.
     positions: [N] the dump token id of each row, where the rows are a filter's kept tokens
-      only (a compact index's): a phrase spans max_answer_length of the dump's tokens at most,
-      as over the dump. None: the rows are the dump's tokens.
+      only: a phrase spans max_answer_length of the dump's tokens at most, as over the dump.
+      Only differences within a passage count, so a row's place among its passage's dump tokens
+      serves as well (a compact index's, `over_offsets`). None: the rows are the dump's tokens.
   """
 
   def __init__(self, vectors, token_passage: np.ndarray, num_passages: int,
                kept_mask: np.ndarray | None = None, positions: np.ndarray | None = None):
     self.vectors, self.token_passage, self.kept_mask = vectors, token_passage, kept_mask
     self.positions = positions
-    rows = np.arange(num_passages)
-    self.passage_start = np.searchsorted(token_passage, rows, "left")
-    self.passage_end = np.searchsorted(token_passage, rows, "right")
+    if isinstance(token_passage, TokenPassages):  # the bounds are its offsets
+      self.passage_start, self.passage_end = token_passage.offsets[:-1], token_passage.offsets[1:]
+    else:
+      rows = np.arange(num_passages)
+      self.passage_start = np.searchsorted(token_passage, rows, "left")
+      self.passage_end = np.searchsorted(token_passage, rows, "right")
+
+  @classmethod
+  def over_offsets(cls, vectors, offsets: np.ndarray,
+                   positions: np.ndarray | None = None) -> "Rescorer":
+    """The rescorer of rows numbered passage by passage, from the passages' first rows
+    `offsets` [P + 1] alone (`TokenPassages`): no [N] array of passage rows is built, so
+    memory-mapped offsets and `positions` (see the class) stay on disk but for what a rescoring
+    reads (a compact index's)."""
+    return cls(vectors, TokenPassages(offsets), len(offsets) - 1, positions=positions)
 
   @property
   def num_tokens(self) -> int:
@@ -85,7 +98,9 @@ class Rescorer:
     if self.kept_mask is not None:  # filtered tokens are neither starts nor ends
       ok &= self.kept_mask[partners]
     if self.positions is not None:  # rows of kept tokens: the span's length in dump tokens
-      ok &= (np.abs(self.positions[partners] - self.positions[anchor][..., None])
+      # (signed: a compact index's places are unsigned 16-bit where they fit)
+      ok &= (np.abs(np.asarray(self.positions[partners], np.int64)
+                    - np.asarray(self.positions[anchor], np.int64)[..., None])
              < max_answer_length)
     span_start = np.where(forward[:, None], anchor[..., None], partners)
     span_end = np.where(forward[:, None], partners, anchor[..., None])
@@ -98,3 +113,19 @@ class Rescorer:
     all_start = np.take_along_axis(span_start, best, -1)[..., 0]
     all_end = np.take_along_axis(span_end, best, -1)[..., 0]
     return scores, all_start, all_end
+
+
+class TokenPassages:
+  """The passage row of each row id where a passage's rows are contiguous, from the passages'
+  first rows `offsets` [P + 1]: what the rescoring and the phrase index read of a
+  `token_passage` array (its length, indexing by row ids) without its N entries."""
+
+  def __init__(self, offsets: np.ndarray):
+    self.offsets = offsets
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def __getitem__(self, rows):
+    """The passage rows of row ids `rows` (an int or an array of any shape)."""
+    return np.searchsorted(self.offsets, rows, "right") - 1

@@ -2,20 +2,28 @@
 
 BM25 as the project's BM25 peer computes it (experiments/benchmarks/passage_retrieval.py):
 bm25s with k1 0.9 and b 0.4 (Pyserini's defaults), English stop words and the Snowball English
-stemmer of PyStemmer, over "title text" of each passage; and the same BM25 over "title sentence"
-of each sentence of each passage (`units.sentence_bounds`, the sentence unit's sentences), whose
-score hybrid search adds for the sentence a phrase starts in. It is written into
-`<dump>/indexes/bm25/` beside the faiss indexes, through a temporary folder renamed when
-complete, with a manifest that names the dump it was built from (refused against any other),
-each file's size and digest, and the hybrid weights chosen for it (`record_weight`).
+stemmer of PyStemmer, over "title text" of each passage. It is written into `<dump>/indexes/bm25/`
+beside the faiss indexes, through a temporary folder renamed when complete, with a manifest that
+names the dump it was built from (refused against any other), each file's size and digest, the
+sentences' count and mean length, and the hybrid weights chosen for it (`record_weight`).
+
+Hybrid search also adds the BM25 of the sentence a phrase starts in: "title sentence" of each
+sentence of its passage (`units.sentence_bounds`, the sentence unit's sentences), scored at query
+time with the passages' idf (their document frequencies are the index's columns) and the
+sentence's length over the mean sentence length. No index of the sentences is stored, so the BM25
+folder costs what the passages' index does; only the sentences of the passages a question's
+candidates come from are tokenized, each passage once while it stays in a bounded cache.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import pathlib
+import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -30,11 +38,11 @@ FOLDER = "bm25"
 MANIFEST = "sparse_manifest.json"
 SETTINGS = {"method": "bm25 (bm25s, lucene idf)", "k1": 0.9, "b": 0.4, "stopwords": "en",
             "stemmer": "snowball english (PyStemmer)", "text": "title text",
-            "sentences": "title sentence (units.sentence_bounds), in folder sentences/"}
-SENTENCES = "sentences"  # the sentences' BM25, a subfolder
-_SENTENCE_ROWS = "sentence_rows.npy"  # [S, 2]: each sentence's passage row and first character
-_CHAR_SHIFT = np.int64(1) << 32  # passage row x shift + character: a sentence's sort key
+            "sentences": "title sentence (units.sentence_bounds), scored at query time with the "
+                         "passages' idf and the mean sentence length"}
 BUILD_HINT = "build it with `run.py index --set index.sparse=True`"
+# Passages whose tokenized sentences a SparseIndex keeps (least recently used dropped first).
+SENTENCE_CACHE_PASSAGES = 1 << 14
 
 
 def sparse_folder(dump_dir: str | os.PathLike) -> pathlib.Path:
@@ -65,6 +73,14 @@ def passage_text(passage) -> str:
   return f"{passage.title} {passage.text}"
 
 
+def sentence_texts(passage) -> tuple[list[int], list[str]]:
+  """(first character of each sentence of the passage (`units.sentence_bounds`), "title
+  sentence" of each): what the sentence term scores."""
+  bounds = sentence_bounds(passage.text)
+  return bounds[:-1], [f"{passage.title} {passage.text[a:b]}"
+                       for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def bm25_of(texts: Sequence[str], k1: float = SETTINGS["k1"], b: float = SETTINGS["b"]):
   """A bm25s BM25 of `texts` with `SETTINGS` (this index's and the BM25 peer's, one place;
   another k1 or b for a study of them)."""
@@ -89,17 +105,17 @@ def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest:
   start = time.perf_counter()
   texts = [passage_text(p) for p in passages]
   retriever = bm25_of(texts)
-  sentences, rows = _sentences(passages)
+  sentences = [text for p in passages for text in sentence_texts(p)[1]]
+  lengths = [len(terms) for terms in tokenize(sentences, ids=True).ids]
   tmp = final.with_name(final.name + ".tmp")
   remove(tmp)
   tmp.mkdir(parents=True)
   try:
     retriever.save(str(tmp), show_progress=False)
-    bm25_of(sentences).save(str(tmp / SENTENCES), show_progress=False)
-    np.save(tmp / _SENTENCE_ROWS, rows)
     files = folder_checksums(tmp)
     manifest = {"kind": "bm25", "settings": SETTINGS, "num_passages": len(texts),
                 "num_sentences": len(sentences),
+                "sentence_length": float(np.mean(lengths)) if lengths else 0.0,
                 "fingerprint": dump_manifest["fingerprint"],
                 "dump_id": dump_manifest.get("dump_id", ""),
                 "index_bytes": sum(f["bytes"] for f in files.values()),
@@ -116,18 +132,6 @@ def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest:
   return final
 
 
-def _sentences(passages: Sequence) -> tuple[list[str], np.ndarray]:
-  """("title sentence" of every sentence of every passage, in order; [S, 2] int64 rows of
-  (passage row, first character))."""
-  texts, rows = [], []
-  for row, passage in enumerate(passages):
-    bounds = sentence_bounds(passage.text)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-      texts.append(f"{passage.title} {passage.text[start:end]}")
-      rows.append((row, start))
-  return texts, np.array(rows, np.int64).reshape(-1, 2)
-
-
 def record_weight(dump_dir: str | os.PathLike, weight: float, sentence_weight: float,
                   tuning: dict) -> None:
   """Records the hybrid weights (passage and sentence BM25) and how they were chosen in the BM25
@@ -139,9 +143,37 @@ def record_weight(dump_dir: str | os.PathLike, weight: float, sentence_weight: f
   write_json(path, manifest)
 
 
+@dataclasses.dataclass
+class QuestionTerms:
+  """A question's stemmed terms that the passages hold, for its sentence scores.
+
+  ids: [m] their ids in the index's vocabulary, ascending; weights: [m] float32, each term's
+  idf over the passages times its count in the question. The sentences scored so far for it are
+  kept (`scored`, the passage rows; `keys`: passage row << 32 | first character, ascending;
+  `values`: their scores), so the searches of one question (its requests, every weight tried)
+  score a passage once.
+  """
+  ids: np.ndarray
+  weights: np.ndarray
+  scored: set = dataclasses.field(default_factory=set, repr=False, compare=False)
+  keys: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64),
+                                       repr=False, compare=False)
+  values: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32),
+                                         repr=False, compare=False)
+
+
+class _Sentences(NamedTuple):
+  """One passage's sentences, tokenized: first characters [n], lengths in terms [n] and the
+  terms of all of them in order [sum of lengths] (vocabulary ids, -1 for a term the passages
+  lack)."""
+  starts: np.ndarray
+  lengths: np.ndarray
+  terms: np.ndarray
+
+
 class SparseIndex:
   """A dump's BM25 index, checked against the dump: `scores(texts)` gives every passage's BM25
-  score for each question, `sentence_scores(texts)` every sentence's."""
+  score for each question, `sentence_scores` the BM25 of the sentences of given characters."""
 
   def __init__(self, dump_dir: str | os.PathLike, dump_manifest: dict, *, verify: bool = False):
     self.directory = sparse_folder(dump_dir)
@@ -153,38 +185,37 @@ class SparseIndex:
     if problems:
       raise DumpError(f"{problems[0]}: the BM25 index is damaged; {BUILD_HINT}")
     self.check_of(dump_dir, dump_manifest)
-    if "num_sentences" not in self.manifest:
-      raise DumpError(f"{self.directory}: a BM25 index without its sentences (made by an older "
-                      f"dpjax); {BUILD_HINT}")
     if self.manifest.get("settings") != SETTINGS:
       raise DumpError(f"{self.directory}: a BM25 index of other settings "
                       f"({self.manifest.get('settings')}); {BUILD_HINT}")
     bm25s, _ = _bm25s()
     try:
-      self.retriever = bm25s.BM25.load(str(self.directory), show_progress=False)
-      self.sentence_retriever = bm25s.BM25.load(str(self.directory / SENTENCES),
-                                                show_progress=False)
-      rows = np.load(self.directory / _SENTENCE_ROWS)
-    except (OSError, ValueError, KeyError, EOFError) as e:  # damaged, its sizes unchanged
+      # Memory-mapped: the scores are read where a question's terms point.
+      self.retriever = bm25s.BM25.load(str(self.directory), mmap=True, show_progress=False)
+      self._idf = self._idf_of(self.retriever)
+      self.sentence_length = float(self.manifest["sentence_length"]) or 1.0
+      self.num_sentences = int(self.manifest["num_sentences"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:  # damaged, same sizes
       reason = (str(e).splitlines() or [""])[0][:200]
       raise DumpError(f"{self.directory}: the BM25 index is unreadable ({type(e).__name__}: "
                       f"{reason}); {BUILD_HINT}") from None
     self.num_passages = int(self.manifest["num_passages"])
-    self.num_sentences = int(self.manifest["num_sentences"])
-    self._sentence_keys = self._keys_of(rows)  # by passage, then first character
+    self._sentences: collections.OrderedDict[int, _Sentences] = collections.OrderedDict()
+    self._lock = threading.Lock()  # (the cache: searches may run in threads)
 
-  def _keys_of(self, rows: np.ndarray) -> np.ndarray:
-    """The sort keys of the sentence table's rows (`sentence_rows`), refused unless it holds
-    `num_sentences` rows in order, each passage's first sentence at its character 0."""
-    ok = rows.shape == (self.num_sentences, 2)
-    if ok:
-      keys = rows[:, 0] * _CHAR_SHIFT + rows[:, 1]
-      ok = bool((np.diff(keys) > 0).all()) and np.array_equal(rows[rows[:, 1] == 0, 0],
-                                                             np.arange(self.num_passages))
-    if not ok:
-      raise DumpError(f"{self.directory / _SENTENCE_ROWS}: not the index's sentences in order; "
-                      f"{BUILD_HINT}")
-    return keys
+  @staticmethod
+  def _idf_of(retriever) -> np.ndarray:
+    """[V] float32 Lucene idf of each vocabulary term over the passages: its document frequency
+    is its column's length in bm25s's [passages, V] CSC scores (an entry per passage holding
+    it; bm25s's empty term, last in the vocabulary, may have no column)."""
+    indptr = np.asarray(retriever.scores["indptr"], np.int64)
+    frequency = np.diff(indptr)
+    vocab = len(retriever.vocab_dict)
+    if (len(frequency) not in (vocab, vocab - 1) or (frequency < 0).any()
+        or indptr[-1] != len(retriever.scores["indices"])):
+      raise ValueError("the score matrix's columns do not match the vocabulary")
+    count = float(retriever.scores["num_docs"])
+    return np.log1p((count - frequency + 0.5) / (frequency + 0.5)).astype(np.float32)
 
   def check_of(self, dump_dir: str | os.PathLike, dump_manifest: dict) -> None:
     """Refuses this BM25 index for a dump it was not built from (its id, model, passages)."""
@@ -209,22 +240,94 @@ class SparseIndex:
 
   def scores(self, texts: Sequence[str]) -> np.ndarray:
     """BM25 score of every passage for each text, [Q, passages] float32 (0: no shared term)."""
-    return _scores(self.retriever, self.num_passages, texts)
+    out = np.zeros((len(texts), self.num_passages), np.float32)
+    for row, terms in enumerate(tokenize(texts)):
+      if terms:
+        out[row] = self.retriever.get_scores(terms)
+    return out
 
-  def sentence_scores(self, texts: Sequence[str]) -> np.ndarray:
-    """BM25 score of every sentence for each text, [Q, sentences] float32."""
-    return _scores(self.sentence_retriever, self.num_sentences, texts)
+  def question_terms(self, texts: Sequence[str]) -> list[QuestionTerms]:
+    """Each text's terms for `sentence_scores` (a term no passage holds is in no sentence)."""
+    vocab, out = self.retriever.vocab_dict, []
+    for terms in tokenize(texts):
+      ids, counts = np.unique(np.array([vocab[t] for t in terms if t in vocab], np.int64),
+                              return_counts=True)
+      out.append(QuestionTerms(ids, self._idf[ids] * counts.astype(np.float32)))
+    return out
 
-  def sentence_rows(self, passages: np.ndarray, chars: np.ndarray) -> np.ndarray:
-    """The sentence (row of `sentence_scores`) holding character `chars` of passage rows
-    `passages`, as `units.sentence_bounds` splits the passage."""
-    keys = np.asarray(passages, np.int64) * _CHAR_SHIFT + np.asarray(chars, np.int64)
-    return np.searchsorted(self._sentence_keys, keys, "right") - 1
+  def sentence_scores(self, terms: QuestionTerms, rows: np.ndarray, chars: np.ndarray,
+                      passages: Sequence) -> np.ndarray:
+    """[N] float32 BM25 of a question (`question_terms`) against the sentence holding character
+    `chars` [N] of each passage row `rows` [N] ("title sentence", `units.sentence_bounds`);
+    `passages`: the dump's passages, which this index was built from."""
+    rows, chars = np.asarray(rows, np.int64), np.asarray(chars, np.int64)
+    if not len(terms.ids) or not len(rows):
+      return np.zeros(len(rows), np.float32)
+    # Candidates come in runs of one passage: the runs' first rows name every passage.
+    heads = np.flatnonzero(np.concatenate([[True], rows[1:] != rows[:-1]]))
+    missing = sorted(set(rows[heads].tolist()) - terms.scored)
+    if missing:
+      tokenized = self._tokenized(missing, passages)
+      keys = np.concatenate([terms.keys] + [(row << 32) + sentences.starts
+                                            for row, sentences in zip(missing, tokenized)])
+      values = np.concatenate([terms.values, self._score(terms, tokenized)])
+      order = np.argsort(keys, kind="stable")
+      terms.keys, terms.values = keys[order], values[order]
+      terms.scored.update(missing)
+    # A character's sentence is the last of its passage starting at or before it.
+    return terms.values[np.searchsorted(terms.keys, (rows << 32) + chars, "right") - 1]
 
+  def _score(self, terms: QuestionTerms, tokenized: Sequence[_Sentences]) -> np.ndarray:
+    """[sentences] float32 BM25 of the question against each sentence of `tokenized`, in
+    order: sum over its terms of weight x tf / (tf + k1 (1 - b + b length / mean length))."""
+    lengths = np.concatenate([s.lengths for s in tokenized])
+    words = np.concatenate([s.terms for s in tokenized])
+    sentence = np.repeat(np.arange(len(lengths)), lengths)
+    at = np.minimum(np.searchsorted(terms.ids, words), len(terms.ids) - 1)
+    hit = terms.ids[at] == words
+    tf = np.bincount(sentence[hit] * len(terms.ids) + at[hit],
+                     minlength=len(lengths) * len(terms.ids)).reshape(len(lengths), -1)
+    k1, b = np.float32(SETTINGS["k1"]), np.float32(SETTINGS["b"])
+    norm = k1 * (1 - b + b * lengths.astype(np.float32) / np.float32(self.sentence_length))
+    out = np.zeros(len(lengths), np.float32)
+    for j, weight in enumerate(terms.weights):  # term by term: one order, whatever the batch
+      counts = tf[:, j].astype(np.float32)
+      out += weight * (counts / (counts + norm))
+    return out
 
-def _scores(retriever, width: int, texts: Sequence[str]) -> np.ndarray:
-  out = np.zeros((len(texts), width), np.float32)
-  for row, terms in enumerate(tokenize(texts)):
-    if terms:
-      out[row] = retriever.get_scores(terms)
-  return out
+  def _tokenized(self, rows: Sequence[int], passages: Sequence) -> list[_Sentences]:
+    """The tokenized sentences of passage rows `rows`: from the cache, the others tokenized in
+    one call and cached."""
+    with self._lock:
+      found = {row: self._sentences.get(row) for row in rows}
+      for row, sentences in found.items():
+        if sentences is not None:
+          self._sentences.move_to_end(row)
+    new = [row for row, sentences in found.items() if sentences is None]
+    if new:
+      found.update(zip(new, self._tokenize_passages([passages[row] for row in new])))
+      with self._lock:
+        for row in new:
+          self._sentences[row] = found[row]
+        while len(self._sentences) > SENTENCE_CACHE_PASSAGES:
+          self._sentences.popitem(last=False)
+    return [found[row] for row in rows]
+
+  def _tokenize_passages(self, passages: Sequence) -> list[_Sentences]:
+    """Each passage's sentences tokenized as the passages were, terms as vocabulary ids."""
+    split = [sentence_texts(p) for p in passages]
+    tokenized = tokenize([text for _, texts in split for text in texts], ids=True)
+    vocab = self.retriever.vocab_dict
+    to_index = np.full(len(tokenized.vocab), -1, np.int32)  # the call's ids -> the index's
+    for term, i in tokenized.vocab.items():
+      to_index[i] = vocab.get(term, -1)
+    lengths = np.array([len(ids) for ids in tokenized.ids], np.int32)
+    words = to_index[np.fromiter((i for ids in tokenized.ids for i in ids), np.int64,
+                                 count=int(lengths.sum()))]
+    out, sentence, word = [], 0, 0
+    for starts, texts in split:
+      mine = lengths[sentence:sentence + len(texts)]
+      out.append(_Sentences(np.array(starts, np.int64), mine.copy(),
+                            words[word:word + int(mine.sum())].copy()))
+      sentence, word = sentence + len(texts), word + int(mine.sum())
+    return out
