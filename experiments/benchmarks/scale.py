@@ -52,11 +52,13 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments" / "benchmarks"))
-from experiments.report import elide_notes, git_commit, save_results, with_notes  # noqa: E402
+from experiments.report import (  # noqa: E402
+    command_line, elide_notes, git_commit, save_results, with_notes)
 
 log = logging.getLogger("scale")
 
 SIZES = [3_125_000, 12_500_000, 50_000_000]  # 16x
+KEYS_SQUAD = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
 WIKIPEDIA_TOKENS = 3.0e9  # English Wikipedia's word-piece tokens (DensePhrases' 3B phrase dump)
 # The random encoder: 64-d token vectors (D = hidden_size), so PQ16 codes 4-d sub-vectors.
 MODEL_SETS = ["model.random.hidden_size=64", "model.random.num_attention_heads=4",
@@ -232,8 +234,8 @@ def dump_complete(dump: pathlib.Path) -> bool:
 
 def disk_bytes(dump: pathlib.Path, index: pathlib.Path, corpus: pathlib.Path) -> dict:
   """Bytes on disk per stored token: the corpus file, the dump's files by kind, the compact
-  index's parts (its manifest), and the dump without its token arrays plus the compact index
-  (what a compact index's search reads)."""
+  index's parts (its manifest, passages included), and what a compact index's search reads:
+  the compact index and the dump's manifest."""
   manifest = json.loads((dump / "manifest.json").read_text())
   tokens = manifest["num_tokens"]
   dump_parts = dict.fromkeys(DUMP_PARTS, 0)
@@ -246,7 +248,7 @@ def disk_bytes(dump: pathlib.Path, index: pathlib.Path, corpus: pathlib.Path) ->
          "compact": {name: part["per_token"] for name, part in compact["parts"].items()}}
   per["dump_total"] = sum(per["dump"].values())
   per["compact_total"] = compact["bytes_per_token"]
-  per["served"] = per["compact_total"] + per["dump"]["passages.jsonl"]
+  per["served"] = per["compact_total"] + (dump / "manifest.json").stat().st_size / tokens
   return per
 
 
@@ -453,7 +455,60 @@ def render(results: dict, command: str) -> str:
             "codes loaded into memory, for 64 questions."]
   lines += _bytes_table(results)
   lines += _projection_lines(results)
-  return with_notes(lines, results.get("notes", []))
+  text = with_notes(lines, results.get("notes", []))
+  if results.get("squad_open"):
+    text += "\n" + squad_section(results["squad_open"])
+  return text
+
+
+def render_all(results: dict) -> str:
+  """The whole report of a results file (the synthetic sizes' command as recorded)."""
+  return render(results, results.get("command", "experiments/benchmarks/scale.py"))
+
+
+def squad_section(s: dict) -> str:
+  """The SQuAD-open section (experiments/benchmarks/compact_squad.py writes it)."""
+  from experiments.report import p_text
+  lines = ["## SQuAD-open small: the compact index against Flat", "",
+           f"Command: `{s['command']}` at {s['commit'][:12]}; model step {s['model_step']} of "
+           f"`{s['config']}`; codec `{s['codec']}`, filter threshold {s['filter_threshold']}; "
+           f"{s['questions']:,} dev questions.", "",
+           "| search | tokens searched | " + " | ".join(KEYS_SQUAD) + " | q/s (eval) |",
+           "|---" * (len(KEYS_SQUAD) + 3) + "|"]
+  for name, row in s["rows"].items():
+    lines.append(f"| {name} | {row['index_tokens']:,} | "
+                 + " | ".join(_f(row.get(k), ".2f") for k in KEYS_SQUAD)
+                 + f" | {row['questions_per_s_eval']:.1f} |")
+  lines += ["", "McNemar's exact test (questions right only in the first / only in the second, "
+            "two-sided p):", ""]
+  for pair, tests in s["paired"].items():
+    lines.append(f"- {pair}: " + "; ".join(
+        f"{k} {a} / {b}, p = {p_text(p)}" for k, (a, b, p) in tests.items()))
+  if s.get("speed"):
+    lines += ["", "Hybrid search timed in one process, the indexes alternating (question "
+              "encoding included, top-10 phrases):", "",
+              "| search | p50 ms batch 1 | p90 ms batch 1 | q/s batch 64 (median batch) |",
+              "|---|---|---|---|"]
+    for name, t in s["speed"].items():
+      lines.append(f"| {name} | {t['batch1_p50_ms']:.1f} | {t['batch1_p90_ms']:.1f} | "
+                   f"{t['batch64_questions_per_s']:.1f} |")
+  b = s["served_bytes"]
+  lines += ["", f"Bytes on disk per corpus token ({b['corpus_tokens']:,} tokens) of everything "
+            "the compact hybrid search reads:", "", "| part | bytes | per token |", "|---|---|---|"]
+  for name, size in b["bytes"].items():
+    lines.append(f"| {name} | {size:,} | {b['per_token'][name]:.3f} |")
+  verdict = "met" if b["total_per_token"] <= s["bytes_budget"] else "**not met**"
+  lines.append(f"| all | {sum(b['bytes'].values()):,} | {b['total_per_token']:.2f} "
+               f"(bound {s['bytes_budget']:g}: {verdict}) |")
+  wikipedia = b["total_per_token"] * WIKIPEDIA_TOKENS
+  lines += ["", f"Projected to English Wikipedia ({WIKIPEDIA_TOKENS:.0e} tokens) at these bytes "
+            f"per token: **{wikipedia / 1e9:.1f} GB** on disk (bound 48 GB: "
+            f"{'met' if wikipedia <= 48e9 else '**not met**'}). Assumed: Wikipedia's passages "
+            "keep as many tokens through the filter, hold as many distinct BM25 terms per token "
+            "and compress as well as SQuAD-open's (its paragraphs are Wikipedia's); the BM25 "
+            "vocabulary and the codec, fixed costs here, are counted per token as if they grew "
+            "with the corpus (an overstatement)."]
+  return with_notes(lines, s.get("notes", []))
 
 
 def _bytes_table(results: dict) -> list[str]:
@@ -468,7 +523,7 @@ def _bytes_table(results: dict) -> list[str]:
   parts = dict.fromkeys(n for r in rows for n in r["bytes_per_token"]["compact"])
   names += [(f"compact {n}", lambda b, n=n: b["compact"].get(n, 0.0)) for n in parts]
   names += [("compact, all", lambda b: b["compact_total"]),
-            ("served (compact + passages.jsonl)", lambda b: b["served"])]
+            ("served (compact + the dump's manifest)", lambda b: b["served"])]
   for label, get in names:
     lines.append(f"| {label} | " + " | ".join(f"{get(r['bytes_per_token']):.2f}" for r in rows)
                  + " |")
@@ -484,7 +539,7 @@ def _projection_lines(results: dict) -> list[str]:
            f"| dump on disk (D = {p['measured_dim']}) | {_gb(disk['dump'])} GiB | |",
            f"| dump on disk (D = {p['project_dim']}) | {_gb(disk['dump_at_project_dim'])} GiB | |",
            f"| compact index on disk | {_gb(disk['compact_index'])} GiB | |",
-           f"| served from disk (compact + passages) | {_gb(disk['served'])} GiB | |"]
+           f"| served from disk (compact, passages included) | {_gb(disk['served'])} GiB | |"]
   for key, label in (("serve_rss_bytes", "serve resident memory"),
                      ("serve_anon_bytes", "serve anonymous memory"),
                      ("dump_peak_rss_bytes", "dump peak resident memory"),
@@ -580,6 +635,9 @@ def main(argv=None) -> int:
              "model_sets": [*MODEL_SETS, *args.set], "spec": args.spec, "seed": args.seed,
              "notes": earlier.get("notes", []) if args.note is None else args.note, "rows": []}
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
+  results["command"] = command_line("experiments/benchmarks/scale.py", argv)
+  if earlier.get("squad_open"):  # (compact_squad.py's section, kept)
+    results["squad_open"] = earlier["squad_open"]
   for tokens in sorted(args.sizes):
     if tokens not in done:
       done[tokens] = {**setup, "commit": results["commit"],

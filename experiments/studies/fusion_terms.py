@@ -10,8 +10,8 @@ best span (a passage's own terms are the same for all its spans) under each vari
   passage   a passage's dense evidence: its best span (what hybrid search uses), log-sum-exp of
             its spans' scores at temperature T, the best plus half the second best;
   bm25      passage BM25 with other Lucene k1 / b than the index's 0.9 / 0.4;
-  sentence  + a sentence weight x the BM25 of the sentence a span starts in (the BM25 index's
-            sentences), over each passage's top 10 spans.
+  sentence  + a sentence weight x the BM25 of the sentence a span starts in (as hybrid search
+            scores it from the passage index's statistics), over each passage's top 10 spans.
 Each variant's weights are the best of a grid by the mean of phrase EM@1 (the top passage's best
 span) and passage Top-1, the way `dpjax.index.hybrid_weights.choose_weight` picks them; every grid
 point is in the JSON. Needs the workdir's dump, Flat index and BM25 index (`run.py index --set
@@ -43,7 +43,7 @@ K1_B = ((0.9, 0.4), (0.6, 0.3), (0.9, 0.6), (1.2, 0.4), (1.2, 0.75), (1.5, 0.5),
 
 def collect(searcher, sparse, questions, max_answer_length: int) -> list[dict]:
   """Per question: its candidate passages, each with its spans' dense scores (best first), its
-  top spans' EM, sentence rows and whether its text holds an answer."""
+  top spans' EM, their sentences' BM25 and whether its text holds an answer."""
   from dpjax import metrics
   from dpjax.index import hybrid
   index, dump = searcher.index, searcher.index.dump
@@ -55,7 +55,8 @@ def collect(searcher, sparse, questions, max_answer_length: int) -> list[dict]:
                 for found, top in zip(dense, lexical)]
   spans = hybrid.lexical_spans(index.rescorer, q_start, q_end, candidates, max_answer_length)
   out = []
-  for question, rows, (starts, ends, scores) in zip(questions, candidates, spans):
+  for question, terms, rows, (starts, ends, scores) in zip(
+      questions, sparse.question_terms(texts), candidates, spans):
     of = dump.token_passage[starts]
     keep = [row for row in rows if (of == row).any()]
     passages = []
@@ -67,7 +68,8 @@ def collect(searcher, sparse, questions, max_answer_length: int) -> list[dict]:
           "scores": scores[mine].astype(np.float32),
           "em": [metrics.max_over_gold(metrics.exact_match, p.text, question.answers) > 0
                  for p in top],
-          "sentences": sparse.sentence_rows(np.full(len(top), row), [p.start_char for p in top]),
+          "sentences": sparse.sentence_scores(terms, np.full(len(top), row),
+                                              [p.start_char for p in top], dump.passages),
           "has": metrics.has_answer(dump.passages[row].text, question.answers)})
     out.append({"rows": np.array(keep, np.int64), "passages": passages})
   return out
@@ -136,8 +138,7 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   found = collect(searcher, sparse, questions, settings.eval.max_answer_length)
   texts = [q.question for q in questions]
-  sentence = [[s[p["sentences"]] for p in q["passages"]]
-              for s, q in zip(_sentence_scores(sparse, texts), found)]
+  sentence = [[p["sentences"] for p in q["passages"]] for q in found]
   grids = {}
   index_bm25 = passage_bm25(texts, found, dump.passages, SETTINGS["k1"], SETTINGS["b"])
   for name, aggregate in AGGREGATES.items():
@@ -156,12 +157,6 @@ def main(argv=None) -> int:
                       for name, grid in grids.items()}}
   save_results(args.out, results, table, "experiments/studies/fusion_terms.py", argv)
   return 0
-
-
-def _sentence_scores(sparse, texts: list[str], chunk: int = 256):
-  """Each question's BM25 scores of every sentence, a chunk of questions at a time."""
-  for at in range(0, len(texts), chunk):
-    yield from sparse.sentence_scores(texts[at:at + chunk])
 
 
 def table(results: dict, command: str) -> str:

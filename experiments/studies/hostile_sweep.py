@@ -1339,8 +1339,65 @@ def render(results: dict, command: str) -> str:
   return "\n".join(lines) + "\n"
 
 
+def compact_cases(s: Sweep) -> None:
+  """Compact indexes and codes dumps: a filter or a codec that leaves nothing to build, another
+  dump's compact index, and its parts damaged on disk; each refused in one line, nothing
+  written."""
+  compact = "index.specs=['compact:SQ8']"
+  folder = "compact_SQ8"
+  w = s.scratch / "compact_empty"
+  s.case("compact", "a compact index whose filter keeps no token", lambda: cli(
+      "index", *TINY, "--workdir", str(w), "--set", compact, "--set",
+      "index.filter_threshold=10000.0"),
+      error=r"no token passes the filter threshold", unchanged=[w], setup=s.make("compact_empty"))
+  w = s.scratch / "codes_empty"
+  s.case("compact", "a codes dump whose filter keeps no sampled token", lambda: cli(
+      "dump", *TINY, "--workdir", str(w), "--set", "index.dump_name=codes", "--set",
+      "index.dump_codec=SQ8", "--set", "index.dump_filter_threshold=60000.0"),
+      error=r"index\.dump_filter_threshold", unchanged=[w], setup=s.make("codes_empty"))
+  w = s.scratch / "codec_untrainable"
+  # (a codec of more bits than the sample can train is clamped, as any index's: `resolve_spec`)
+  s.case("compact", "a codec faiss cannot make of these vectors (7 sub-vectors)", lambda: cli(
+      "index", *TINY, "--workdir", str(w), "--set", "index.specs=['compact:PQ7']"),
+      error=r"PQ7", unchanged=[w], setup=s.make("codec_untrainable"))
+
+  def build(w: pathlib.Path, *sets: str):
+    return lambda: cli("index", *TINY, "--workdir", str(w), "--set", compact, *sets)
+  w = s.scratch / "compact_foreign"
+  other = s.scratch / "compact_other.jsonl"
+  other.write_text(json.dumps({"id": "z", "title": "Z", "text": "Zed was here long ago."}) + "\n")
+
+  def foreign():
+    build(w)()
+    cli("dump", *TINY, "--workdir", str(w), "--set", "index.dump_name=d2", "--set",
+        f"index.corpus=['{other}']")
+    shutil.copytree(w / "dump" / "indexes" / folder, w / "d2" / "indexes" / folder)
+  s.case("compact", "a compact index of another dump", lambda: cli(
+      "eval", *TINY, "--workdir", str(w), "--set", "index.dump_name=d2", "--set",
+      f"index.corpus=['{other}']", "--set", f"index.search_index={folder}"),
+      error=rf"/d2/indexes/{folder} was built from another dump than the one in",
+      unchanged=[w, other], setup=s.make("compact_foreign", then=foreign))
+  w = s.scratch / "compact_damaged"
+  for what, name, damage, error in [
+      ("a compact index's codes truncated", "codes.npy",
+       lambda p: p.write_bytes(p.read_bytes()[:p.stat().st_size // 2]),
+       r"codes\.npy: \d+ bytes, \d+ when it was written"),
+      ("a compact index's codes zeroed", "codes.npy",
+       lambda p: p.write_bytes(b"\0" * p.stat().st_size), r"codes\.npy: its bytes differ"),
+      ("a compact index's passages zeroed", "passages.bin",
+       lambda p: p.write_bytes(b"\0" * p.stat().st_size), r"passages\.bin: its bytes differ")]:
+
+    def built_then_damaged(name=name, damage=damage) -> None:
+      build(w)()
+      damage(w / "dump" / "indexes" / folder / name)
+    s.case("compact", what, lambda: cli("eval", *TINY, "--workdir", str(w), "--set",
+                                        f"index.search_index={folder}"),
+           error=rf"/indexes/{folder}/{error}", unchanged=[w],
+           setup=s.make("compact_damaged", then=built_then_damaged))
+
+
 GROUPS = (config_cases, data_cases, corpus_cases, state_cases, lock_and_verify_cases, api_cases,
-          audit_cases)
+          audit_cases, compact_cases)
 
 
 def dirty_files() -> list[str]:

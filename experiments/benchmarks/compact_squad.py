@@ -1,0 +1,251 @@
+"""The compact index against the Flat one on SQuAD-open small: every dev question, dense and
+hybrid, the bytes per corpus token by part, and the speed of hybrid search.
+
+  taskset -c 1 python experiments/benchmarks/compact_squad.py --config experiments/squad.py:cpu \\
+      --workdir workdirs/squad-cpu --codec OPQ24,PQ24 --out results/scale.json
+
+It needs the workdir's complete float16 dump and, for `--threshold filter`, `run.py filter`'s
+filter_results.json (its chosen threshold). Through run.py (what is missing is run, everything
+with --rerun): `index` of Flat with the BM25 index (its hybrid weights chosen on training
+questions), `index` of `compact:<codec>` at the threshold, then `eval` of each index dense
+(`index.sparse=False`) and hybrid. McNemar's exact test pairs each compact row with the Flat row
+of the same search (EM@1, passage Top-1, Top-20). Then, in this process, one searcher per index
+is timed on the same questions: batch 1 (p50 / p90 latency) and batch 64 (questions/s), question
+encoding included, alternating the two indexes batch by batch so that both see the same machine.
+Bytes per corpus token (the dump's tokens, before filtering) by part: the compact index's files,
+the BM25 index's files, and what else a search over them reads (the dump's manifest).
+
+The section is written into `--out` under "squad_open" (the scale study's other figures kept) and
+its Markdown re-rendered by experiments/benchmarks/scale.py's `render`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "experiments" / "benchmarks"))
+from experiments.report import command_line, elide_notes, git_commit  # noqa: E402
+
+log = logging.getLogger("compact_squad")
+KEYS = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
+PAIRED = ("em@1", "top1", "top20")
+BYTES_BUDGET = 16.0  # the issue's bound on served bytes per corpus token
+
+
+def run_py(mode: str, args, overrides: list[str]) -> str:
+  """Runs `python run.py MODE` over the workdir (an error stops the study); its command."""
+  import subprocess
+  argv = [sys.executable, "run.py", mode, "--config", args.config, "--workdir", args.workdir]
+  for value in [*overrides, *args.set]:
+    argv += ["--set", value]
+  log.info("running %s", shlex.join(argv[1:]))
+  subprocess.run(argv, cwd=REPO, check=True)
+  return shlex.join(["python", *argv[1:]])
+
+
+def threshold_of(args) -> float | None:
+  """The filter threshold: a number, "none", or "filter" (run.py filter's choice)."""
+  if args.threshold == "none":
+    return None
+  if args.threshold == "filter":
+    path = pathlib.Path(args.workdir) / "filter_results.json"
+    if not path.is_file():
+      raise SystemExit(f"{path}: no filter results; run `run.py filter` first or give "
+                       "--threshold")
+    return json.loads(path.read_text())["chosen"]["threshold"]
+  return float(args.threshold)
+
+
+def systems(args, threshold: float | None) -> dict:
+  """{row: (index spec, search_index, eval overrides)} of the four evaluated searches."""
+  from dpjax.index.faiss_index import index_folder
+  compact = f"compact:{args.codec}"
+  folder = index_folder(compact, threshold)
+  flat = ["index.search_index=Flat"]
+  return {
+      "Flat, dense": ("Flat", "Flat", flat + ["index.sparse=False"]),
+      "Flat, hybrid": ("Flat", "Flat", flat + ["index.sparse=True"]),
+      f"compact {args.codec}, dense": (compact, folder, [f"index.search_index={folder}",
+                                                        "index.sparse=False"]),
+      f"compact {args.codec}, hybrid": (compact, folder, [f"index.search_index={folder}",
+                                                         "index.sparse=True"]),
+  }
+
+
+def eval_file(workdir: pathlib.Path, folder: str, hybrid: bool) -> pathlib.Path:
+  return workdir / f"open_eval_{folder}{'_hybrid' if hybrid else ''}.json"
+
+
+def build_and_evaluate(args, threshold, rows: dict) -> dict:
+  """Each row's eval report and commands (the indexes built first where missing)."""
+  from dpjax.index.faiss_index import index_folder
+  workdir = pathlib.Path(args.workdir)
+  dump = workdir / "dump"
+  commands, out = {}, {}
+  for spec, extra in (("Flat", []), (f"compact:{args.codec}",
+                                     [] if threshold is None else
+                                     [f"index.filter_threshold={threshold}"])):
+    folder = index_folder(spec, threshold if spec != "Flat" else None)
+    if args.rerun or not (dump / "indexes" / folder / "index_manifest.json").is_file() or not (
+        dump / "indexes" / "bm25" / "sparse_manifest.json").is_file():
+      commands[f"index {spec}"] = run_py(
+          "index", args, [f"index.specs=['{spec}']", "index.sparse=True", *extra])
+  for name, (spec, folder, overrides) in rows.items():
+    path = eval_file(workdir, folder, "index.sparse=True" in overrides)
+    if args.rerun or not path.is_file() or not _complete(path, args.questions):
+      commands[f"eval {name}"] = run_py("eval", args, overrides)
+    out[name] = json.loads(path.read_text())
+  return {"reports": out, "commands": commands}
+
+
+def _complete(path: pathlib.Path, questions: int) -> bool:
+  """Whether an eval report holds per-question hits of all `questions` (not a limited run's)."""
+  report = json.loads(path.read_text())
+  return report["questions"] == questions and all(
+      len(report.get("hits", {}).get(k, "")) == questions for k in PAIRED)
+
+
+def served_bytes(dump: pathlib.Path, folder: str) -> dict:
+  """Bytes per corpus token of everything a search over the compact index and the BM25 index
+  reads: each file of the two index folders, and the dump's manifest."""
+  from dpjax.index.manifest import read_manifest
+  tokens = read_manifest(dump)["num_tokens"]
+  parts = {}
+  for name in (folder, "bm25"):
+    base = dump / "indexes" / name
+    for path in sorted(p for p in base.rglob("*") if p.is_file()):
+      parts[f"{name}/{path.relative_to(base)}"] = path.stat().st_size
+  parts["dump manifest"] = (dump / "manifest.json").stat().st_size
+  per_token = {k: v / tokens for k, v in parts.items()}
+  return {"corpus_tokens": tokens, "bytes": parts, "per_token": per_token,
+          "total_per_token": sum(per_token.values())}
+
+
+def timed(args, rows: dict) -> dict:
+  """Batch-1 latency and batch-64 throughput of each hybrid search, alternating the indexes."""
+  import numpy as np
+  from dpjax.config import load_settings
+  from dpjax.data.questions import read_questions
+  from dpjax.loading import data_paths
+  from dpjax.main import open_searcher
+  from dpjax.workdir import Workdir
+  hybrid = {name: r for name, r in rows.items() if name.endswith("hybrid")}
+  searchers, texts = {}, None
+  for name, (_, folder, overrides) in hybrid.items():
+    settings = load_settings(args.config, [*overrides, *args.set])
+    workdir = Workdir(args.workdir)
+    searchers[name] = open_searcher(settings, workdir, folder)[0]
+    if texts is None:
+      path = data_paths(settings.data, settings.index, workdir)["questions"]
+      texts = [q.question for q in read_questions(path)]
+  max_len = load_settings(args.config, args.set).eval.max_answer_length
+  single = {name: [] for name in searchers}
+  batches = {name: [] for name in searchers}
+  for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
+    searcher.search(texts[:64], k=10, max_answer_length=max_len)
+    searcher.search(texts[0], k=10, max_answer_length=max_len)
+  # (the questions after the warm-up's 64, wrapping around a short file)
+  pick = lambda first, n: [texts[(first + j) % len(texts)] for j in range(n)]  # noqa: E731
+  for i in range(args.batch1):
+    for name, searcher in searchers.items():
+      start = time.perf_counter()
+      searcher.search(pick(64 + i, 1)[0], k=10, max_answer_length=max_len)
+      single[name].append(time.perf_counter() - start)
+  for b in range(args.batches64):
+    chunk = pick(64 + args.batch1 + 64 * b, 64)
+    for name, searcher in searchers.items():
+      start = time.perf_counter()
+      searcher.search(chunk, k=10, max_answer_length=max_len)
+      batches[name].append(time.perf_counter() - start)
+  out = {}
+  for name in searchers:
+    ms = np.array(single[name]) * 1e3
+    out[name] = {"batch1_p50_ms": float(np.median(ms)), "batch1_p90_ms": float(
+        np.percentile(ms, 90)), "batch1_questions": len(ms),
+                 "batch64_questions_per_s": 64 / statistics.median(batches[name]),
+                 "batch64_batches": len(batches[name])}
+  return out
+
+
+def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict:
+  from dpjax import metrics
+  reports = evaluated["reports"]
+  table = {}
+  for name, report in reports.items():
+    table[name] = {**{k: report[k] for k in KEYS if k in report},
+                   "index_tokens": report["index_tokens"],
+                   "questions_per_s_eval": report["questions"] / report["search_seconds"],
+                   "questions_per_sec_batch64_eval": report["questions_per_sec_batch64"],
+                   "hybrid": report.get("hybrid") and {
+                       k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")}}
+  paired = {}
+  for name in reports:
+    if name.startswith("compact"):
+      flat = "Flat, " + name.rsplit(", ", 1)[1]
+      paired[f"{name} vs {flat}"] = {
+          k: metrics.mcnemar_p(reports[name]["hits"][k], reports[flat]["hits"][k])
+          for k in PAIRED}
+  folder = next(f for s, f, _ in rows.values() if s != "Flat")
+  served = served_bytes(pathlib.Path(args.workdir) / "dump", folder)
+  return {"commit": git_commit(), "config": args.config, "workdir": str(args.workdir),
+          "codec": args.codec, "filter_threshold": threshold,
+          "questions": next(iter(reports.values()))["questions"],
+          "model_step": next(iter(reports.values()))["model_step"], "rows": table,
+          "paired": paired, "speed": speed, "served_bytes": served,
+          "bytes_budget": BYTES_BUDGET, "commands": evaluated["commands"],
+          "notes": args.note}
+
+
+def parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--codec", default="OPQ24,PQ24", help="the compact index's faiss codec")
+  parser.add_argument("--threshold", default="filter",
+                      help="filter threshold: a number, none, or filter (run.py filter's)")
+  parser.add_argument("--set", action="append", default=[], help="for every run.py")
+  parser.add_argument("--rerun", action="store_true")
+  parser.add_argument("--questions", type=int, default=10570,
+                      help="the evaluation questions an eval report must hold to be reused")
+  parser.add_argument("--batch1", type=int, default=200, help="questions timed one at a time")
+  parser.add_argument("--batches64", type=int, default=8, help="batches of 64 timed")
+  parser.add_argument("--no-timing", dest="timing", action="store_false")
+  parser.add_argument("--out", default="results/scale.json")
+  parser.add_argument("--note", action="append", default=[])
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  from dpjax.config import setup_logging
+  setup_logging(fmt="%(asctime)s %(name)s: %(message)s")
+  threshold = threshold_of(args)
+  rows = systems(args, threshold)
+  evaluated = build_and_evaluate(args, threshold, rows)
+  speed = timed(args, rows) if args.timing else {}
+  section = summarise(args, threshold, evaluated, speed, rows)
+  argv = elide_notes(sys.argv[1:] if argv is None else argv)
+  section["command"] = command_line("experiments/benchmarks/compact_squad.py", argv)
+  import scale
+  from dpjax.io import write_json, write_text_atomic
+  out = pathlib.Path(args.out)
+  results = json.loads(out.read_text()) if out.is_file() else {}
+  results["squad_open"] = section
+  write_json(out, results)
+  write_text_atomic(out.with_suffix(".md"), scale.render_all(results))
+  print(out.with_suffix(".md").read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
