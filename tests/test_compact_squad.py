@@ -2,6 +2,8 @@
 served bytes, which eval reports it reuses, and the section it renders into results/scale.md."""
 import json
 
+import pytest
+
 from conftest import load_script
 
 study = load_script("experiments/benchmarks/compact_squad.py")
@@ -61,3 +63,51 @@ def test_the_section_states_the_bounds_met_or_not():
   assert "17.00 (bound 16: **not met**)" in missed
   assert "51.0 GB** on disk (bound 48 GB: **not met**)" in missed
   assert "em@1 3 / 4, p = 1" in met
+
+
+codec_choice = load_script("experiments/benchmarks/codec_choice.py")
+
+
+def _index(dump, name, manifest, files):
+  folder = dump / "indexes" / name
+  folder.mkdir(parents=True)
+  (folder / "index_manifest.json").write_text(json.dumps(manifest))
+  for file, size in files.items():
+    (folder / file).write_bytes(b"x" * size)
+
+
+def _report(index, em, step=7):
+  return {"index": index, "questions": 4, "fingerprint": "f", "model_step": step, "em@1": em,
+          "em@10": em, "top1": em, "top5": em, "top20": em}
+
+
+def test_codec_choice_lists_each_index_with_its_bytes_and_refuses_mixed_reports(tmp_path):
+  dump = tmp_path / "w" / "dump"
+  dump.mkdir(parents=True)
+  (dump / "manifest.json").write_text(json.dumps({"num_tokens": 100, "complete": True,
+                                                  "shards": []}))
+  _index(dump, "Flat", {"resolved_spec": "Flat", "num_tokens": 100, "dim": 8},
+         {"index.faiss": 3300})
+  _index(dump, "compact_PQ4_filter1", {"resolved_spec": "compact:PQ4", "num_tokens": 40,
+                                       "kind": "compact", "code_size": 4,
+                                       "filter_threshold": 1.0}, {"codes.npy": 160})
+  reports = []
+  for name, em in (("compact_PQ4_filter1", 10.0), ("Flat", 30.0)):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(_report(name, em)))
+    reports.append(str(path))
+  out = tmp_path / "choice.json"
+  codec_choice.main(["--workdir", str(tmp_path / "w"), "--measured-at", "abc", "--reports",
+                     *reports, "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["index"] for r in rows] == ["Flat", "compact_PQ4_filter1"]  # Flat first
+  assert rows[1]["kept"] == 0.4 and rows[1]["code_bytes_per_kept_token"] == 4
+  manifest_bytes = len(json.dumps({"resolved_spec": "compact:PQ4", "num_tokens": 40,
+                                   "kind": "compact", "code_size": 4, "filter_threshold": 1.0}))
+  assert rows[1]["index_bytes_per_corpus_token"] == (160 + manifest_bytes) / 100
+  assert rows[0]["code_bytes_per_kept_token"] == 32  # float32 x 8
+  other = tmp_path / "other.json"
+  other.write_text(json.dumps(_report("Flat", 30.0, step=8)))
+  with pytest.raises(SystemExit, match="not of the same questions and model"):
+    codec_choice.main(["--workdir", str(tmp_path / "w"), "--measured-at", "abc", "--reports",
+                       reports[0], str(other), "--out", str(out)])
