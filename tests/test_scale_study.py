@@ -1,6 +1,8 @@
 """The scale study (experiments/benchmarks/scale.py): its corpus, its fits, and a run end to end
 at two tiny sizes."""
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -89,3 +91,14 @@ def test_two_tiny_sizes_end_to_end(tmp_path, monkeypatch):
   assert scale.main(args) == 0
   assert json.loads(out.read_text())["rows"] == rows
   assert (tmp_path / "root" / "tokens_20000" / "stages.json").read_text() == stages
+
+
+@pytest.mark.skipif(not os.access(scale.TIME, os.X_OK), reason="no GNU time here")
+def test_a_stage_peak_is_the_commands_not_this_processs(tmp_path):
+  """A child forked from a big process would report that process's peak as its own."""
+  ballast = np.ones(64 << 20)  # 512 MiB touched in this process
+  run = scale.timed_run([sys.executable, "-c", "import numpy; numpy.ones(1 << 24)"],
+                        tmp_path / "small.log")  # ~128 MiB in the child
+  assert run["peak_rss_source"] == "GNU time %M"
+  assert 128 << 20 < run["peak_rss_bytes"] < 400 << 20, run
+  assert ballast.sum() > 0

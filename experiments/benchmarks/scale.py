@@ -171,19 +171,34 @@ def _write_lines(path: pathlib.Path, rows) -> None:
   os.replace(tmp, path)
 
 
+TIME = "/usr/bin/time"  # GNU time: a small process whose child's peak is the command's own
+
+
 def timed_run(command: list[str], log_path: pathlib.Path) -> dict:
-  """Runs `command` (output to `log_path`); its wall seconds, peak resident memory (the
-  child's rusage, from wait4) and exit status. A failure stops the study, naming the log."""
+  """Runs `command` (output to `log_path`); its wall seconds, peak resident memory and exit
+  status. A failure stops the study, naming the log.
+
+  The peak is GNU time's (`%M`) where it is installed: a child forked from this process would
+  carry this process's own peak into its rusage (Linux keeps a process's high-water mark across
+  fork and exec), and this process grows with the corpus it writes. Without GNU time, the
+  child's wait4 rusage (`peak_rss_source` says which)."""
+  peak_file = log_path.with_suffix(".peak")
+  wrapped = ([TIME, "-f", "%M", "-o", str(peak_file), *command] if os.access(TIME, os.X_OK)
+             else command)
   with log_path.open("w") as out:
     start = time.perf_counter()
-    child = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(wrapped, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
   child.returncode = rc = os.waitstatus_to_exitcode(status)  # (reaped here, not by Popen)
   if rc:
     tail = log_path.read_text(errors="replace").splitlines()[-15:]
     raise SystemExit(f"{' '.join(command[:3])} failed (exit {rc}); {log_path}:\n" + "\n".join(tail))
-  return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024,
+  peak, source = usage.ru_maxrss, "wait4 rusage (this process's peak included)"
+  if wrapped is not command:
+    peak, source = int(peak_file.read_text().split()[-1]), "GNU time %M"
+    peak_file.unlink()
+  return {"wall_s": wall, "peak_rss_bytes": peak * 1024, "peak_rss_source": source,
           "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
