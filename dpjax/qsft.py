@@ -5,7 +5,8 @@ The phrase encoder and the index stay frozen (freezing by the config's parameter
 optimizer and jitted step as training, loss recipe `qsft`). At the start of every epoch the
 current question encoders retrieve the top-k phrases of every training question from the index;
 their start/end vectors are taken from the dump (exact) or reconstructed by the index's quantizer
-(`qsft.quantized`: quantisation-aware training for IVF-SQ / (O)PQ indexes). The loss is the
+(`qsft.quantized`: quantisation-aware training for IVF-SQ / (O)PQ indexes, and the only kind a
+compact index, which holds codes alone, allows: its codes decoded). The loss is the
 marginal likelihood of the candidates whose text matches a gold answer (`level=phrase`) or whose
 document (title) is a gold document (`level=document`, L_doc), plus the same on start-only and
 end-only scores. Questions without any positive candidate are left out of the epoch. Dev EM@1 over
@@ -82,11 +83,17 @@ def retrieve_candidates(index, q_start: np.ndarray, q_end: np.ndarray, answers, 
 
 
 class CandidateVectors:
-  """Token vectors of candidates: stored in the dump, or as the index's quantizer reconstructs."""
+  """Token vectors of candidates: stored in the dump, or as the index's quantizer reconstructs
+  them (an IVF index's `reconstruct`, a compact index's codes decoded: its search scores)."""
 
   def __init__(self, index, quantized: bool):
     self.index, self.quantized = index, quantized
-    if quantized:
+    if index.compact is not None:
+      if not quantized:
+        raise ConfigError(f"qsft.index {index.manifest['spec']!r} is a compact index: it holds "
+                          "codes, not the dump's vectors; set qsft.quantized=True to train on "
+                          "the vectors its codes decode to")
+    elif quantized:
       ivf = faiss.try_extract_index_ivf(index.index)
       if ivf is None:
         raise ConfigError(f"qsft.quantized: quantisation-aware QSFT needs an IVF index, not "
@@ -97,7 +104,11 @@ class CandidateVectors:
     """[..., D] float32 vectors of token ids (zeros for -1)."""
     flat = ids.reshape(-1)
     safe = np.maximum(flat, 0)
-    if self.quantized:
+    if self.index.compact is not None:  # ids: kept-token ranks, rows of its codes
+      unique, inverse = np.unique(safe, return_inverse=True)
+      compact = self.index.compact
+      vectors = compact.vectors.decode(np.asarray(compact.codes[unique]))[inverse]
+    elif self.quantized:
       unique, inverse = np.unique(safe, return_inverse=True)
       vectors = self.index.index.reconstruct_batch(unique)[inverse]
     else:
@@ -179,10 +190,11 @@ def _setup(settings: QsftRunSettings, workdir: Workdir) -> Setup:
   paths = data_paths(data, settings.index, workdir)
   model, trained_step = restore_model(settings.model, data, settings.evaluation, workdir,
                                       best_metric=settings.validation.metric)
-  require_vectors(checked_dump(data, settings.index, workdir, model), paths["dump"],
-                  "run.py qsft")  # (its candidates' exact vectors)
+  manifest = checked_dump(data, settings.index, workdir, model)
   index = PhraseIndex(paths["dump"], qc.index, nprobe=settings.index.nprobe,
                       search_device=settings.index.search_device)
+  if index.compact is None:  # (its candidates' exact vectors; a compact index decodes codes)
+    require_vectors(manifest, paths["dump"], "run.py qsft")
   tokenizer = Tokenizer.from_pretrained(settings.model.tokenizer)
   train_file = qc.questions or str(data_files(data, workdir)["train"])
   questions = sample_questions(read_questions(train_file), qc.limit, qc.seed)

@@ -47,7 +47,7 @@ def test_qsft_loss_without_positives_is_finite():
 
 def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
   base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path),
-          "--set", "index.specs=['Flat','IVFauto,SQ8']"]
+          "--set", "index.specs=['Flat','IVFauto,SQ8','compact:PQ6']"]
   for mode in ("train", "dump", "index"):
     assert run.main([mode] + base) == 0
   # Document level (L_doc: phrases of the gold article are positives), so that the barely trained
@@ -98,6 +98,26 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
                                      "qsft.quantized=True", "--set", "qsft.epochs=1"]) == 0
   quantized = json.loads((tmp_path / "qsft_results_IVFauto_SQ8_quantized.json").read_text())
   assert quantized["quantized"] and len(quantized["epochs"]) == 1
+  # A compact index: candidates are its codes decoded (it holds nothing else).
+  from dpjax.errors import ConfigError
+  from dpjax.index.phrase_index import PhraseIndex
+  from dpjax.qsft import CandidateVectors
+  compact = PhraseIndex(tmp_path / "dump", "compact_PQ6")
+  with pytest.raises(ConfigError, match="compact index.*qsft.quantized=True"):
+    CandidateVectors(compact, quantized=False)
+  ranks = np.array([[0, 5, -1], [compact.num_vectors - 1, 5, 2]])
+  got = CandidateVectors(compact, quantized=True)(ranks)
+  decoded = compact.compact.codec.sa_decode(np.asarray(compact.compact.codes[[0, 5, 2]]))
+  assert got.shape == (2, 3, decoded.shape[1]) and not got[0, 2].any()
+  np.testing.assert_array_equal(got[0, :2], decoded[:2])
+  np.testing.assert_array_equal(got[1, 1:], decoded[1:])
+  last = compact.compact.codec.sa_decode(np.asarray(compact.compact.codes[-1:]))
+  np.testing.assert_array_equal(got[1, 0], last[0])
+  assert run.main(["qsft"] + qsft + ["--set", "qsft.index=compact_PQ6", "--set",
+                                     "qsft.quantized=True", "--set", "qsft.epochs=1"]) == 0
+  coded = json.loads((tmp_path / "qsft_results_compact_PQ6_quantized.json").read_text())
+  assert coded["quantized"] and len(coded["epochs"]) == 1
+  assert coded["epochs"][0]["questions_with_positive"] >= 8
   # The report of results/qsft.md, from this workdir: one row per run.
   report = load_script("experiments/studies/report_qsft_filter.py")
   assert report.main(["--workdir", str(tmp_path), "--out-dir", str(tmp_path / "results")]) == 0
