@@ -563,3 +563,27 @@ def test_squad_configs_search_hybrid_by_default(tmp_path, caplog):
   assert json.loads((workdir / "open_eval_Flat.json").read_text())["hybrid"] is None
   assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("search: ")] == [
       f"search: dense phrase search over index Flat of {workdir / 'dump'}"]
+
+
+def test_hybrid_weights_are_chosen_again_for_another_checkpoint(tmp_path):
+  """A recorded weight holds for the settings it was chosen with, the checkpoint among them: the
+  question encoders of QSFT (`eval.checkpoint=qsft`) choose it again."""
+  import dataclasses
+
+  from dpjax.config import load_config
+  from dpjax.index import hybrid_weights
+  from dpjax.settings import Settings
+  from dpjax.workdir import Workdir
+  settings = Settings.of(load_config("experiments/demo.py:tiny"))
+  evaluation, index = settings.eval, settings.index
+  folder = sparse.sparse_folder(Workdir(tmp_path).dump(index.dump_name))
+  folder.mkdir(parents=True)
+  record = {"weight": 1.0, "sentence_weight": 0.5,
+            "weight_tuning": hybrid_weights._tuned_for(evaluation, index)}
+  (folder / sparse.MANIFEST).write_text(json.dumps(record))
+  assert record["weight_tuning"]["checkpoint"] == evaluation.checkpoint == "latest"
+  assert hybrid_weights._weight_kept(evaluation, index, Workdir(tmp_path))
+  qsft = dataclasses.replace(evaluation, checkpoint="qsft")
+  assert not hybrid_weights._weight_kept(qsft, index, Workdir(tmp_path))
+  other = dataclasses.replace(index, search_index="compact")
+  assert not hybrid_weights._weight_kept(evaluation, other, Workdir(tmp_path))

@@ -88,8 +88,11 @@ def _dense_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSe
 
 
 def _tuned_for(evaluation: EvalSettings, index: IndexSettings) -> dict:
-  """The settings a chosen weight holds for: another of them chooses it again."""
+  """The settings a chosen weight holds for: another of them chooses it again (the checkpoint
+  too: a weight chosen with a model's question encoders is kept for its QSFT ones only by
+  choosing it again with them)."""
   return {"passages": index.sparse_passages, "index": index.search_index,
+          "checkpoint": evaluation.checkpoint,
           "limit": index.sparse_tune_questions, "tune_file": index.sparse_tune_file,
           "regex": evaluation.regex}
 

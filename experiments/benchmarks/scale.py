@@ -11,7 +11,7 @@ birth year and city; deterministic by `--seed`, written as a stream) and questio
 of its people (`questions.jsonl`); then `run.py dump` and `run.py index` (one run per spec:
 the compact `--spec`, then `--specs`) as subprocesses with the random encoder of
 `experiments/demo.py:tiny` (`eval.allow_untrained`: no training), each timed with its peak
-resident memory (the child's `wait4` rusage). Then `run.py serve` over the compact index is
+resident memory (GNU time's `%M`: `timed_run`). Then `run.py serve` over the compact index is
 started and its resident memory read once /health answers (then SIGTERM); then an in-process
 `dpjax.PhraseSearcher` over the compact index is timed at batch 1 (p50 latency) and batch 64
 (top-10 phrases; questions encoded by the random encoder, so the answers are not right, only
