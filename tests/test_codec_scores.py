@@ -1,0 +1,44 @@
+"""experiments/benchmarks/codec_scores.py's measures, on random vectors."""
+import numpy as np
+import pytest
+from conftest import load_script
+
+scores = load_script("experiments/benchmarks/codec_scores.py")
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = (rng.standard_normal((3000, 16)) + 4.0).astype(np.float32)  # a large mean vector
+  queries = rng.standard_normal((60, 16)).astype(np.float32)
+  return rng, tokens, queries
+
+
+def test_exact_codes_agree_fully_and_noise_lowers_agreement():
+  rng, tokens, queries = _data()
+  ids, values = scores.exact_top(queries, tokens, k=100)
+  np.testing.assert_allclose(values[:, 0], (queries @ tokens.T).max(1), rtol=1e-6)
+  same = scores.agreement(queries, tokens, ids, values)
+  assert same["top1_at1"] == same["recall10_at100"] == 1.0
+  assert same["rel_score_err"] == pytest.approx(0.0, abs=1e-5)
+  noisy = tokens + 0.5 * rng.standard_normal(tokens.shape).astype(np.float32)
+  worse = scores.agreement(queries, noisy, ids, values)
+  assert worse["top1_at1"] < 1.0 and worse["recall10_at100"] < 1.0
+  assert worse["rel_score_err"] > 0.1
+  pq, _, _, size = scores.coded("PQ4", tokens[:2000], tokens)
+  assert size == 4 and pq.shape == tokens.shape
+  assert 0 < scores.agreement(queries, pq, ids, values)["top1_at1"] < 1.0
+
+
+def test_question_weighting_keeps_every_score():
+  rng, tokens, queries = _data(1)
+  to_codes, to_queries = scores.question_weighting(rng.standard_normal((500, 16)) * np.arange(
+      1, 17))
+  np.testing.assert_allclose(to_queries(queries) @ to_codes(tokens).T, queries @ tokens.T,
+                             rtol=1e-3, atol=1e-3)
+
+
+def test_energy_finds_the_mean():
+  _, tokens, queries = _data(2)
+  e = scores.energy(tokens, queries, rows=2000)
+  assert e["mean_share_of_energy"] == pytest.approx(256 / 272, abs=0.02)  # |mean|^2 / E|x|^2
+  assert 0 < e["token_variance_top"][1] < e["token_variance_top"][10] <= 1.0
