@@ -44,6 +44,18 @@ def test_only_an_eval_of_every_question_is_reused(tmp_path):
   assert not study._complete(path, 10)
 
 
+def test_compact_rows_read_the_reports_of_their_own_overrides(tmp_path):
+  args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                      "--codec", "OPQ24,PQ24", "--compact-set", "eval.checkpoint=qsft"])
+  rows = study.systems(args, -2.9140625)
+  names = {name: study.eval_file(args, overrides).name for name, (_, _, overrides) in rows.items()}
+  folder = "compact_OPQ24_PQ24_filter-2.91406"
+  assert names == {"Flat, dense": "open_eval_Flat.json",
+                   "Flat, hybrid": "open_eval_Flat_hybrid.json",
+                   "compact OPQ24,PQ24, dense": f"open_eval_{folder}_qsft.json",
+                   "compact OPQ24,PQ24, hybrid": f"open_eval_{folder}_hybrid_qsft.json"}
+
+
 def _section(total_bytes: int) -> dict:
   row = {"em@1": 30.0, "top1": 60.0, "index_tokens": 7, "questions_per_s_eval": 20.0}
   return {"command": "python x", "commit": "a" * 40, "model_step": 2000, "config": "c",
@@ -63,6 +75,12 @@ def test_the_section_states_the_bounds_met_or_not():
   assert "17.00 (bound 16: **not met**)" in missed
   assert "51.0 GB** on disk (bound 48 GB: **not met**)" in missed
   assert "em@1 3 / 4, p = 1" in met
+  section = _section(15_000)
+  section["rows"]["compact OPQ24,PQ24, hybrid"] = {
+      **section["rows"]["Flat, hybrid"], "checkpoint": "qsft", "model_step": 2794,
+      "hybrid": {"weight": 2.0, "sentence_weight": 0.25, "passages": 20}}
+  assert "| compact OPQ24,PQ24, hybrid | 7 | qsft (step 2794) | 2, 0.25 | 30.00 |" in (
+      scale.squad_section(section))
 
 
 codec_choice = load_script("experiments/benchmarks/codec_choice.py")

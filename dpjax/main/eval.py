@@ -114,22 +114,36 @@ def _spans(results: list[dict]) -> list[list]:
   return [[r["passage_id"], r["start_char"], r["end_char"]] for r in results]
 
 
+def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, str, str]:
+  """(prefix, search, tag) of an evaluation's files, open_eval_<prefix><index><search><tag>.json:
+  the dump's name unless it is the default `dump`, the search's kind, the checkpoint's name
+  unless latest: another corpus, search or QSFT overwrites nothing."""
+  checkpoint, dump = evaluation.checkpoint, index.dump_name
+  tag = "" if checkpoint == "latest" else f"_{checkpoint}"
+  prefix = "" if dump == "dump" else f"{dump}_"
+  # Hybrid search's and unmerged spans' their own (and an approximate index's top-1 is compared
+  # with Flat's searched the same way); hybrid weights set by hand name theirs, beside the
+  # recorded ones'.
+  search = ("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
+  if index.sparse and index.sparse_weight is not None:
+    search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
+  return prefix, search, tag
+
+
+def report_file(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib.Path
+                ) -> pathlib.Path:
+  """The report `run.py eval` writes for these settings ("IVFauto,SQ4": IVFauto_SQ4's)."""
+  prefix, search, tag = _name_parts(evaluation, index)
+  return pathlib.Path(workdir) / (f"open_eval_{prefix}{index_folder(index.search_index)}"
+                                  f"{search}{tag}.json")
+
+
 def _write_eval(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib.Path,
                 report: dict, questions, phrases, ranked, reading=None) -> None:
   """Writes the report, the phrase predictions (JSONL) and the passage ranking (a TREC run file,
   `qid Q0 passage_id rank score dpjax`, as Pyserini writes); for an approximate index, adds how
   often its top-1 is the Flat index's (when Flat was evaluated on the same model and dump)."""
-  # Files: open_eval_[<dump>_]<index>[_<checkpoint>].json (the dump's name unless it is the
-  # default `dump`; the checkpoint's unless latest): another corpus or QSFT overwrites nothing.
-  checkpoint, dump = evaluation.checkpoint, index.dump_name
-  tag = "" if checkpoint == "latest" else f"_{checkpoint}"
-  prefix = "" if dump == "dump" else f"{dump}_"
-  # "IVFauto,SQ4": IVFauto_SQ4's files; hybrid search's and unmerged spans' their own (and an
-  # approximate index's top-1 is compared with Flat's searched the same way); hybrid weights
-  # set by hand name theirs, beside the recorded ones'
-  search = ("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
-  if index.sparse and index.sparse_weight is not None:
-    search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
+  prefix, search, tag = _name_parts(evaluation, index)
   name = prefix + index_folder(index.search_index) + search
   flat_report = workdir / f"open_eval_{prefix}Flat{search}{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{search}{tag}.jsonl"
@@ -153,7 +167,7 @@ def _write_eval(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib
   skipped = write_trec(workdir / f"open_run_{name}{tag}.trec", questions, ranked)
   if skipped:
     report["trec_run_not_written"] = skipped
-  write_json(workdir / f"open_eval_{name}{tag}.json", report)
+  write_json(report_file(evaluation, index, workdir), report)
   # passage Top-k as far as eval.passage_k reaches (0: none)
   summary = "  ".join([f"EM@1 {report['em@1']:.2f}", f"EM@10 {report['em@10']:.2f}"] + [
       f"passage Top-{k} {report[f'top{k}']:.2f}" for k in (1, 5, 20) if f"top{k}" in report])

@@ -2,7 +2,8 @@
 hybrid, the bytes per corpus token by part, and the speed of hybrid search.
 
   taskset -c 1 python experiments/benchmarks/compact_squad.py --config experiments/squad.py:cpu \\
-      --workdir workdirs/squad-cpu --codec OPQ24,PQ24 --out results/scale.json
+      --workdir workdirs/squad-cpu --codec OPQ24,PQ24 --out results/scale.json \\
+      [--compact-set eval.checkpoint=qsft]
 
 It needs the workdir's complete float16 dump and, for `--threshold filter`, `run.py filter`'s
 filter_results.json (its chosen threshold). Through run.py (what is missing is run, everything
@@ -66,23 +67,27 @@ def threshold_of(args) -> float | None:
 
 
 def systems(args, threshold: float | None) -> dict:
-  """{row: (index spec, search_index, eval overrides)} of the four evaluated searches."""
+  """{row: (index spec, search_index, eval overrides)} of the four evaluated searches (the
+  compact rows with `--compact-set` too, e.g. QSFT's question encoders)."""
   from dpjax.index.faiss_index import index_folder
   compact = f"compact:{args.codec}"
   folder = index_folder(compact, threshold)
   flat = ["index.search_index=Flat"]
+  coded = [f"index.search_index={folder}", *args.compact_set]
   return {
       "Flat, dense": ("Flat", "Flat", flat + ["index.sparse=False"]),
       "Flat, hybrid": ("Flat", "Flat", flat + ["index.sparse=True"]),
-      f"compact {args.codec}, dense": (compact, folder, [f"index.search_index={folder}",
-                                                        "index.sparse=False"]),
-      f"compact {args.codec}, hybrid": (compact, folder, [f"index.search_index={folder}",
-                                                         "index.sparse=True"]),
+      f"compact {args.codec}, dense": (compact, folder, coded + ["index.sparse=False"]),
+      f"compact {args.codec}, hybrid": (compact, folder, coded + ["index.sparse=True"]),
   }
 
 
-def eval_file(workdir: pathlib.Path, folder: str, hybrid: bool) -> pathlib.Path:
-  return workdir / f"open_eval_{folder}{'_hybrid' if hybrid else ''}.json"
+def eval_file(args, overrides: list[str]) -> pathlib.Path:
+  """The report `run.py eval` writes with these overrides (`dpjax.main.eval.report_file`)."""
+  from dpjax.config import load_settings
+  from dpjax.main.eval import report_file
+  settings = load_settings(args.config, [*overrides, *args.set])
+  return report_file(settings.eval, settings.index, pathlib.Path(args.workdir))
 
 
 def build_and_evaluate(args, threshold, rows: dict) -> dict:
@@ -100,7 +105,7 @@ def build_and_evaluate(args, threshold, rows: dict) -> dict:
       commands[f"index {spec}"] = run_py(
           "index", args, [f"index.specs=['{spec}']", "index.sparse=True", *extra])
   for name, (spec, folder, overrides) in rows.items():
-    path = eval_file(workdir, folder, "index.sparse=True" in overrides)
+    path = eval_file(args, overrides)
     if args.rerun or not path.is_file() or not _complete(path, args.questions):
       commands[f"eval {name}"] = run_py("eval", args, overrides)
     out[name] = json.loads(path.read_text())
@@ -183,6 +188,8 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
   for name, report in reports.items():
     table[name] = {**{k: report[k] for k in KEYS if k in report},
                    "index_tokens": report["index_tokens"],
+                   "checkpoint": report.get("checkpoint", "latest"),
+                   "model_step": report["model_step"],
                    "questions_per_s_eval": report["questions"] / report["search_seconds"],
                    "questions_per_sec_batch64_eval": report["questions_per_sec_batch64"],
                    "hybrid": report.get("hybrid") and {
@@ -197,7 +204,7 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
   folder = next(f for s, f, _ in rows.values() if s != "Flat")
   served = served_bytes(pathlib.Path(args.workdir) / "dump", folder)
   return {"commit": git_commit(), "config": args.config, "workdir": str(args.workdir),
-          "codec": args.codec, "filter_threshold": threshold,
+          "codec": args.codec, "filter_threshold": threshold, "compact_set": args.compact_set,
           "questions": next(iter(reports.values()))["questions"],
           "model_step": next(iter(reports.values()))["model_step"], "rows": table,
           "paired": paired, "speed": speed, "served_bytes": served,
@@ -214,6 +221,9 @@ def parse(argv):
   parser.add_argument("--threshold", default="filter",
                       help="filter threshold: a number, none, or filter (run.py filter's)")
   parser.add_argument("--set", action="append", default=[], help="for every run.py")
+  parser.add_argument("--compact-set", action="append", default=[],
+                      help="for the compact index's evals and searcher only (e.g. "
+                           "eval.checkpoint=qsft)")
   parser.add_argument("--rerun", action="store_true")
   parser.add_argument("--questions", type=int, default=10570,
                       help="the evaluation questions an eval report must hold to be reused")

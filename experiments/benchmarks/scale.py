@@ -488,10 +488,15 @@ def squad_section(s: dict) -> str:
            f"Command: `{s['command']}` at {s['commit'][:12]}; model step {s['model_step']} of "
            f"`{s['config']}`; codec `{s['codec']}`, filter threshold {s['filter_threshold']}; "
            f"{s['questions']:,} dev questions.", "",
-           "| search | tokens searched | " + " | ".join(KEYS_SQUAD) + " | q/s (eval) |",
-           "|---" * (len(KEYS_SQUAD) + 3) + "|"]
+           "| search | tokens searched | question encoders | hybrid weights (passage, "
+           "sentence) | " + " | ".join(KEYS_SQUAD) + " | q/s (eval) |",
+           "|---" * (len(KEYS_SQUAD) + 5) + "|"]
   for name, row in s["rows"].items():
+    weights = row.get("hybrid") and f"{row['hybrid']['weight']:g}, " \
+        f"{row['hybrid']['sentence_weight']:g}"
     lines.append(f"| {name} | {row['index_tokens']:,} | "
+                 f"{row.get('checkpoint', 'latest')} (step {row.get('model_step', '?')}) | "
+                 f"{weights or '-'} | "
                  + " | ".join(_f(row.get(k), ".2f") for k in KEYS_SQUAD)
                  + f" | {row['questions_per_s_eval']:.1f} |")
   lines += ["", "McNemar's exact test (questions right only in the first / only in the second, "
