@@ -42,3 +42,16 @@ def test_energy_finds_the_mean():
   e = scores.energy(tokens, queries, rows=2000)
   assert e["mean_share_of_energy"] == pytest.approx(256 / 272, abs=0.02)  # |mean|^2 / E|x|^2
   assert 0 < e["token_variance_top"][1] < e["token_variance_top"][10] <= 1.0
+
+
+def test_passage_residuals_and_the_codec_grammar():
+  rng = np.random.default_rng(3)
+  passages = np.repeat(np.arange(4), [3, 1, 5, 2])
+  tokens = rng.standard_normal((11, 8)).astype(np.float32) + 10 * passages[:, None]
+  means = scores.passage_means(tokens, passages)
+  for p in range(4):
+    np.testing.assert_allclose(means[passages == p], np.broadcast_to(
+        tokens[passages == p].mean(0), ((passages == p).sum(), 8)), rtol=1e-5)
+  assert scores.parse_codec("OPQ24,PQ24") == (set(), "OPQ24,PQ24")
+  assert scores.parse_codec("qw:PQ4") == ({"qw"}, "PQ4")
+  assert scores.parse_codec("qw+pr:OPQ8,PQ8") == ({"qw", "pr"}, "OPQ8,PQ8")

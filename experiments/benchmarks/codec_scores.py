@@ -15,8 +15,12 @@ error on the exact top 100 tokens (its spread, each query's mean error removed) 
 spread of their exact scores (rel_score_err: 1 means the error is as wide as the differences it
 must rank). `qw:<codec>` codes the tokens after the question-weighted map x -> C^1/2 x (C the
 second moment of `--train-questions` training questions' vectors) and maps queries by C^-1/2,
-so that the codec's squared error is the expected squared score error. The dump's energy is
-described too: the share of the mean vector in E|x|^2, the token and question spectra.
+so that the codec's squared error is the expected squared score error. `pr:<codec>` codes each
+token's residual from its passage's mean kept vector, the means kept exact (float32: the bound
+of coding them, as IVF codes residuals from its centroids, with a passage a list), and decodes
+mean + residual; `qw+pr:<codec>` does both. The dump's energy is described too: the share of the
+mean vector in E|x|^2, the token and question spectra, and the share of the tokens' variance
+left within their passages.
 """
 from __future__ import annotations
 
@@ -103,6 +107,23 @@ def coded(spec: str, sample: np.ndarray, tokens: np.ndarray):
   return decoded, trained, time.perf_counter() - start, int(codec.sa_code_size())
 
 
+def passage_means(tokens: np.ndarray, passages: np.ndarray) -> np.ndarray:
+  """[N, D] each token's passage's mean token (the tokens in passage order, as a dump's)."""
+  starts = np.flatnonzero(np.r_[True, passages[1:] != passages[:-1]])
+  sums = np.add.reduceat(tokens.astype(np.float64), starts, axis=0)
+  counts = np.diff(np.r_[starts, len(tokens)])
+  return np.repeat((sums / counts[:, None]).astype(np.float32), counts, axis=0)
+
+
+def parse_codec(spec: str) -> tuple[set[str], str]:
+  """({"qw", "pr"} modifiers, the faiss factory string) of "[qw|pr|qw+pr:]<codec>"."""
+  head, _, codec = spec.partition(":")
+  mods = set(head.split("+")) if codec else set()
+  if not codec or not mods <= {"qw", "pr"}:
+    return set(), spec
+  return mods, codec
+
+
 def energy(tokens: np.ndarray, queries: np.ndarray, rows: int = 100_000, seed: int = 0) -> dict:
   """Where the tokens' and the queries' energy lies (a seeded sample of `rows` tokens)."""
   rng = np.random.default_rng(seed)
@@ -145,6 +166,10 @@ def render(results: dict, command: str) -> str:
             + "% of the queries' score variance over tokens; the queries' top 1/10/32 directions "
             "hold " + "/".join(f"{100 * v:.0f}" for v in e["question_energy_top"].values())
             + "% of their energy."]
+  if "within_passage_variance_share" in e:
+    lines[-1] += (f" Within their passages the tokens keep "
+                  f"{100 * e['within_passage_variance_share']:.0f}% of their variance (about "
+                  "their passages' means).")
   return with_notes(lines, results.get("notes", []))
 
 
@@ -192,14 +217,22 @@ def main(argv=None) -> int:
              "seed": args.seed, "energy": energy(tokens, queries, seed=args.seed),
              "notes": args.note, "rows": []}
   shown = elide_notes(sys.argv[1:] if argv is None else argv)
+  passages = np.asarray(dump.token_passage[kept])
+  centered = tokens - tokens.mean(0)
+  within = tokens - passage_means(tokens, passages)
+  results["energy"]["within_passage_variance_share"] = float(
+      (within ** 2).sum(1).mean() / (centered ** 2).sum(1).mean())
+  del centered, within
   for spec in args.codecs:
-    weighted = spec.startswith("qw:")
-    to_codes, to_queries = (question_weighting(train_queries) if weighted
+    mods, codec = parse_codec(spec)
+    to_codes, to_queries = (question_weighting(train_queries) if "qw" in mods
                             else (lambda x: x, lambda q: q))
-    space = to_codes(tokens)
-    decoded, trained, encoded, size = coded(spec[3:] if weighted else spec,
-                                            space[sample_rows], space)
-    del space
+    space = to_codes(tokens)  # (the tokens themselves when not weighted: not changed here)
+    means = passage_means(space, passages) if "pr" in mods else np.float32(0.0)
+    space = space - means
+    decoded, trained, encoded, size = coded(codec, space[sample_rows], space)
+    decoded += means
+    del space, means
     row = {"codec": spec, "code_bytes": size, "train_s": trained, "encode_s": encoded,
            **agreement(queries, decoded, exact_ids, exact_scores, to_queries(queries))}
     results["rows"].append(row)
