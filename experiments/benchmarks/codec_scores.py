@@ -147,8 +147,8 @@ def energy(tokens: np.ndarray, queries: np.ndarray, rows: int = 100_000, seed: i
 def render(results: dict, command: str) -> str:
   e = results["energy"]
   lines = ["# How well each code keeps the token scores (SQuAD-open small, dense)", "",
-           f"Rendered by `{command}` at {results['commit']}; {results['kept_tokens']:,} kept tokens "
-           f"(filter threshold {results['threshold']}), {results['questions']:,} dev questions' "
+           f"Rendered by `{command}` at {results['commit']}; {results['kept_tokens']:,} kept "
+           f"tokens (filter threshold {results['threshold']}), {results['questions']:,} dev questions' "
            f"start and end vectors ({2 * results['questions']:,} queries), model step "
            f"{results['model_step']}; codecs trained on {results['sample']:,} kept tokens.", "",
            "| codec | bytes | exact best = decoded best | in decoded top 10 | in decoded top 100 "

@@ -27,9 +27,7 @@ import logging
 import os
 import pathlib
 import shlex
-import statistics
 import sys
-import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -137,7 +135,8 @@ def served_bytes(dump: pathlib.Path, folder: str) -> dict:
 
 def timed(args, rows: dict) -> dict:
   """Batch-1 latency and batch-64 throughput of each hybrid search, alternating the indexes."""
-  import numpy as np
+  from timing import time_searches
+
   from dpjax.config import load_settings
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
@@ -153,32 +152,19 @@ def timed(args, rows: dict) -> dict:
       path = data_paths(settings.data, settings.index, workdir)["questions"]
       texts = [q.question for q in read_questions(path)]
   max_len = load_settings(args.config, args.set).eval.max_answer_length
-  single = {name: [] for name in searchers}
-  batches = {name: [] for name in searchers}
   for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
     searcher.search(texts[:64], k=10, max_answer_length=max_len)
-    searcher.search(texts[0], k=10, max_answer_length=max_len)
-  # (the questions after the warm-up's 64, wrapping around a short file)
-  pick = lambda first, n: [texts[(first + j) % len(texts)] for j in range(n)]  # noqa: E731
-  for i in range(args.batch1):
-    for name, searcher in searchers.items():
-      start = time.perf_counter()
-      searcher.search(pick(64 + i, 1)[0], k=10, max_answer_length=max_len)
-      single[name].append(time.perf_counter() - start)
-  for b in range(args.batches64):
-    chunk = pick(64 + args.batch1 + 64 * b, 64)
-    for name, searcher in searchers.items():
-      start = time.perf_counter()
-      searcher.search(chunk, k=10, max_answer_length=max_len)
-      batches[name].append(time.perf_counter() - start)
-  out = {}
-  for name in searchers:
-    ms = np.array(single[name]) * 1e3
-    out[name] = {"batch1_p50_ms": float(np.median(ms)), "batch1_p90_ms": float(
-        np.percentile(ms, 90)), "batch1_questions": len(ms),
-                 "batch64_questions_per_s": 64 / statistics.median(batches[name]),
-                 "batch64_batches": len(batches[name])}
-  return out
+    searcher.search(texts[:1], k=10, max_answer_length=max_len)
+  # The questions after the warm-up's 64 (wrapping around a short file), each batch searched by
+  # every searcher in turn.
+  single = time_searches(searchers, texts, 1, args.batch1, first=64, wrap=True, k=10,
+                         max_answer_length=max_len)
+  batched = time_searches(searchers, texts, 64, args.batches64, first=64 + args.batch1,
+                          wrap=True, k=10, max_answer_length=max_len)
+  return {name: {"batch1_p50_ms": single[name]["p50_ms"], "batch1_p90_ms": single[name]["p90_ms"],
+                 "batch1_questions": single[name]["questions"],
+                 "batch64_questions_per_s": batched[name]["questions_per_s_median_batch"],
+                 "batch64_batches": batched[name]["batches"]} for name in searchers}
 
 
 def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict:

@@ -290,18 +290,11 @@ def serve_memory(run: SizeRun, index_name: str) -> dict:
 
 
 def timed_search(searcher, questions: list[str], batch: int, batches: int) -> dict:
-  """Questions/s and latency percentiles of `searcher.search` (top-10 phrases) in batches."""
-  latencies = []
-  for lo in range(0, min(len(questions), batch * batches), batch):
-    chunk = questions[lo:lo + batch]
-    start = time.perf_counter()
-    searcher.search(chunk, k=10, unit="phrase")
-    latencies.append(time.perf_counter() - start)
-  latencies = np.array(latencies)
-  asked = min(len(questions), batch * batches)
-  return {"batch": batch, "questions": asked, "questions_per_s": asked / latencies.sum(),
-          "p50_ms": 1000 * float(np.percentile(latencies, 50)),
-          "p99_ms": 1000 * float(np.percentile(latencies, 99))}
+  """Questions/s and latency percentiles of `searcher.search` (top-10 phrases) in batches
+  (`timing.time_searches`)."""
+  from timing import time_searches
+  return time_searches({"searcher": searcher}, questions, batch, batches, k=10,
+                       unit="phrase")["searcher"]
 
 
 def mapped_matches_loaded(phrase_index, q_start: np.ndarray, q_end: np.ndarray) -> dict:

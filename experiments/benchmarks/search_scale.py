@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 WIKIPEDIA_TOKENS = {"before filtering": 3.0e9, "after filtering": 0.8e9}
 EXACT_CHUNK = 1 << 18  # vectors per brute-force chunk (recall's exact top-10)
@@ -139,16 +140,13 @@ def exact_top(vectors: TiledVectors, queries: np.ndarray, k: int) -> np.ndarray:
 
 
 def timed_search(searcher, questions: list[str], batch: int, repeats: int) -> dict:
-  latencies = []
-  for lo in range(0, min(len(questions), batch * repeats), batch):
-    chunk = questions[lo:lo + batch]
-    start = time.perf_counter()
-    searcher.search(chunk, k=10, unit="phrase")
-    latencies.append(time.perf_counter() - start)
-  latencies = np.array(latencies)
-  return {"batch": batch, "questions_per_sec": batch * len(latencies) / latencies.sum(),
-          "p50_ms": 1000 * float(np.percentile(latencies, 50)),
-          "p99_ms": 1000 * float(np.percentile(latencies, 99)), "batches": len(latencies)}
+  """Questions/s and p50 / p99 latency of `searcher.search` (top-10 phrases) over `repeats`
+  batches (`timing.time_searches`)."""
+  from timing import time_searches
+  t = time_searches({"searcher": searcher}, questions, batch, repeats, k=10,
+                    unit="phrase")["searcher"]
+  return {"batch": batch, "questions_per_sec": t["questions_per_s"], "p50_ms": t["p50_ms"],
+          "p99_ms": t["p99_ms"], "batches": t["batches"]}
 
 
 def main(argv=None) -> int:
