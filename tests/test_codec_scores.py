@@ -55,3 +55,14 @@ def test_passage_residuals_and_the_codec_grammar():
   assert scores.parse_codec("OPQ24,PQ24") == (set(), "OPQ24,PQ24")
   assert scores.parse_codec("qw:PQ4") == ({"qw"}, "PQ4")
   assert scores.parse_codec("qw+pr:OPQ8,PQ8") == ({"qw", "pr"}, "OPQ8,PQ8")
+
+
+def test_passage_recall_ranks_the_best_tokens_passage_by_its_mean():
+  passages = np.array([0, 0, 1, 1, 2])
+  tokens = np.array([[1, 0], [1, 0], [0, 1], [0, 3], [2, 2]], np.float32)  # means: e1, 2 e2, 2,2
+  queries = np.array([[1, 0], [0, 1], [1, 1]], np.float32)
+  best = np.array([0, 3, 4])  # passages 0, 1, 2
+  # query e1 ranks passage 0 (mean 1) second after passage 2 (2); e2 ranks passage 1 (2) first
+  # with passage 2 (2) tied, not above it; (1, 1) ranks passage 2 (4) first.
+  r = scores.passage_recall(queries, tokens, passages, best, depths=(1, 2))
+  assert r == {"passages": 3, "1": 2 / 3, "2": 1.0}

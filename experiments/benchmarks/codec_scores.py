@@ -20,11 +20,15 @@ token's residual from its passage's mean kept vector, the means kept exact (floa
 of coding them, as IVF codes residuals from its centroids, with a passage a list), and decodes
 mean + residual; `qw+pr:<codec>` does both. The dump's energy is described too: the share of the
 mean vector in E|x|^2, the token and question spectra, and the share of the tokens' variance
-left within their passages.
+left within their passages; and how often each query's exact best token lies in one of the
+top-N passages by the query's score of the passages' mean kept vectors (`passage_recall`: what
+a search that scores only the tokens of its best passages by mean would keep). A codec already
+in `--out` with the same setup is kept, not measured again (each row names its commit).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -115,6 +119,22 @@ def passage_means(tokens: np.ndarray, passages: np.ndarray) -> np.ndarray:
   return np.repeat((sums / counts[:, None]).astype(np.float32), counts, axis=0)
 
 
+def passage_recall(queries: np.ndarray, tokens: np.ndarray, passages: np.ndarray,
+                   best: np.ndarray, depths=(1, 10, 100, 200, 1000)) -> dict:
+  """{N: share of queries whose best token (`best`, a row of `tokens`) is in one of their top-N
+  passages by the query's score of each passage's mean token}."""
+  starts = np.flatnonzero(np.r_[True, passages[1:] != passages[:-1]])
+  counts = np.diff(np.r_[starts, len(tokens)])
+  means = (np.add.reduceat(tokens.astype(np.float64), starts, axis=0)
+           / counts[:, None]).astype(np.float32)
+  own = np.searchsorted(starts, best, side="right") - 1  # each best token's passage (its row)
+  ranks = np.concatenate([
+      ((s := queries[lo:lo + CHUNK] @ means.T) > s[np.arange(len(s)), own[lo:lo + CHUNK], None]
+       ).sum(1) for lo in range(0, len(queries), CHUNK)])
+  return {"passages": int(len(starts)),
+          **{str(n): float(np.mean(ranks < n)) for n in depths}}
+
+
 def parse_codec(spec: str) -> tuple[set[str], str]:
   """({"qw", "pr"} modifiers, the faiss factory string) of "[qw|pr|qw+pr:]<codec>"."""
   head, _, codec = spec.partition(":")
@@ -170,6 +190,17 @@ def render(results: dict, command: str) -> str:
     lines[-1] += (f" Within their passages the tokens keep "
                   f"{100 * e['within_passage_variance_share']:.0f}% of their variance (about "
                   "their passages' means).")
+  if "passage_recall" in results:
+    r = results["passage_recall"]
+    lines += ["", f"The query's exact best token lies in one of its top-N passages (of "
+              f"{r['passages']:,}) by its score of the passages' mean kept vectors: "
+              + ", ".join(f"N = {n}: {100 * v:.1f}%" for n, v in r.items() if n != "passages")
+              + "."]
+  commits = sorted({row.get("commit", results["commit"]) for row in results["rows"]})
+  if commits != [results["commit"]]:
+    lines += ["", "Rows measured at " + ", ".join(c[:12] for c in commits) + " (kept from "
+              "the earlier run of the same setup; the energy and passage figures at "
+              f"{results['commit'][:12]})."]
   return with_notes(lines, results.get("notes", []))
 
 
@@ -211,10 +242,15 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(args.seed)
   sample_rows = np.sort(rng.choice(len(tokens), min(args.sample, len(tokens)), replace=False))
   exact_ids, exact_scores = exact_top(queries, tokens)
-  results = {"commit": git_commit(), "config": args.config, "model_step": step,
-             "threshold": args.threshold, "kept_tokens": int(len(kept)),
-             "questions": args.questions, "train_questions": len(train), "sample": len(sample_rows),
-             "seed": args.seed, "energy": energy(tokens, queries, seed=args.seed),
+  setup = {"config": args.config, "model_step": step, "threshold": args.threshold,
+           "kept_tokens": int(len(kept)), "questions": args.questions,
+           "train_questions": len(train), "sample": len(sample_rows), "seed": args.seed}
+  out = pathlib.Path(args.out)
+  earlier = json.loads(out.read_text()) if out.is_file() else {}
+  done = {r["codec"]: r for r in earlier.get("rows", [])
+          if {k: earlier.get(k) for k in setup} == setup}
+  commit = git_commit()
+  results = {"commit": commit, **setup, "energy": energy(tokens, queries, seed=args.seed),
              "notes": args.note, "rows": []}
   shown = elide_notes(sys.argv[1:] if argv is None else argv)
   passages = np.asarray(dump.token_passage[kept])
@@ -223,7 +259,12 @@ def main(argv=None) -> int:
   results["energy"]["within_passage_variance_share"] = float(
       (within ** 2).sum(1).mean() / (centered ** 2).sum(1).mean())
   del centered, within
+  results["passage_recall"] = passage_recall(queries, tokens, passages, exact_ids[:, 0])
   for spec in args.codecs:
+    if spec in done:
+      results["rows"].append({"commit": earlier["commit"], **done[spec]})
+      save_results(args.out, results, render, "experiments/benchmarks/codec_scores.py", shown)
+      continue
     mods, codec = parse_codec(spec)
     to_codes, to_queries = (question_weighting(train_queries) if "qw" in mods
                             else (lambda x: x, lambda q: q))
@@ -233,7 +274,8 @@ def main(argv=None) -> int:
     decoded, trained, encoded, size = coded(codec, space[sample_rows], space)
     decoded += means
     del space, means
-    row = {"codec": spec, "code_bytes": size, "train_s": trained, "encode_s": encoded,
+    row = {"codec": spec, "commit": commit, "code_bytes": size, "train_s": trained,
+           "encode_s": encoded,
            **agreement(queries, decoded, exact_ids, exact_scores, to_queries(queries))}
     results["rows"].append(row)
     save_results(args.out, results, render, "experiments/benchmarks/codec_scores.py", shown)
