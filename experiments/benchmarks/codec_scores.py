@@ -168,7 +168,8 @@ def render(results: dict, command: str) -> str:
   e = results["energy"]
   lines = ["# How well each code keeps the token scores (SQuAD-open small, dense)", "",
            f"Rendered by `{command}` at {results['commit']}; {results['kept_tokens']:,} kept "
-           f"tokens (filter threshold {results['threshold']}), {results['questions']:,} dev questions' "
+           f"tokens (filter threshold {results['threshold']}), {results['questions']:,} dev "
+           "questions' "
            f"start and end vectors ({2 * results['questions']:,} queries), model step "
            f"{results['model_step']}; codecs trained on {results['sample']:,} kept tokens.", "",
            "| codec | bytes | exact best = decoded best | in decoded top 10 | in decoded top 100 "
