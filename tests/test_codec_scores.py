@@ -66,3 +66,28 @@ def test_passage_recall_ranks_the_best_tokens_passage_by_its_mean():
   # with passage 2 (2) tied, not above it; (1, 1) ranks passage 2 (4) first.
   r = scores.passage_recall(queries, tokens, passages, best, depths=(1, 2))
   assert r == {"passages": 3, "1": 2 / 3, "2": 1.0}
+
+
+def test_dense_scores_over_decoded_tokens_and_the_weighting_undone(tmp_path):
+  import dataclasses
+  import types
+
+  from test_search import ANSWERS, PASSAGES, _toy_dump
+
+  from dpjax.index.dump_reader import Dump
+  q_start, q_end = _toy_dump(tmp_path)
+  dump = Dump.load(tmp_path)
+  answers = [[answer] for _, answer in ANSWERS]
+  evaluation = types.SimpleNamespace(max_answer_length=10, regex=False)  # (EvalSettings' two)
+  kept = np.arange(len(dump.vectors))
+  queries = np.concatenate([q_start, q_end])
+  exact = scores.search_scores(dump, kept, queries, answers, evaluation)
+  assert exact["em@1"] == 100.0 and exact["top1"] == 100.0
+  # Zeroed vectors rank nothing right: the figures come from the vectors given.
+  blank = dataclasses.replace(dump, vectors=np.zeros(dump.vectors.shape, np.float32))
+  assert scores.search_scores(blank, kept, queries, answers, evaluation)["em@1"] < 100.0
+  rng = np.random.default_rng(4)
+  train = rng.standard_normal((300, 8)) * np.arange(1, 9)
+  to_codes, _ = scores.question_weighting(train)
+  x = rng.standard_normal((5, 8)).astype(np.float32)
+  np.testing.assert_allclose(scores.to_original(to_codes(x), train), x, rtol=1e-3, atol=1e-4)

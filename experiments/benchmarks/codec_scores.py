@@ -22,12 +22,17 @@ mean + residual; `qw+pr:<codec>` does both. The dump's energy is described too: 
 mean vector in E|x|^2, the token and question spectra, and the share of the tokens' variance
 left within their passages; and how often each query's exact best token lies in one of the
 top-N passages by the query's score of the passages' mean kept vectors (`passage_recall`: what
-a search that scores only the tokens of its best passages by mean would keep). A codec already
-in `--out` with the same setup is kept, not measured again (each row names its commit).
+a search that scores only the tokens of its best passages by mean would keep). With `--em`,
+each codec's dense EM@1 and passage Top-k of the same questions: an exact in-memory index over
+its decoded kept tokens (what an exhaustive search of the codes ranks by), rescored from them
+(codec `Flat`: the dump's own vectors of the kept tokens). A codec already in `--out` with the
+same setup (and, for `--em`, its figures) is kept, not measured again (each row names its
+commit).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -135,6 +140,26 @@ def passage_recall(queries: np.ndarray, tokens: np.ndarray, passages: np.ndarray
           **{str(n): float(np.mean(ranks < n)) for n in depths}}
 
 
+def to_original(decoded: np.ndarray, train_queries: np.ndarray) -> np.ndarray:
+  """Decoded question-weighted tokens mapped back (x C^1/2 -> x): their scores are the
+  queries' scores of the decoded tokens (q C^-1/2 . x^ C^1/2 = q . x^ C^-1/2 C^1/2)."""
+  _, to_queries = question_weighting(train_queries)
+  return to_queries(decoded)  # (C^-1/2 is symmetric: x' C^-1/2 = x)
+
+
+def search_scores(dump, kept: np.ndarray, queries: np.ndarray, answers, evaluation) -> dict:
+  """Dense EM@1 / EM@10 and passage Top-1/5/20 of the questions (`queries`: their start then
+  end vectors) over an exact in-memory index of the dump's `kept` tokens."""
+  from dpjax.index.evaluate import retrieval_scores
+  from dpjax.index.phrase_index import PhraseIndex
+  index = PhraseIndex.over_tokens(dump, kept, search_device="faiss")
+  n = len(answers)
+  report = retrieval_scores(index, queries[:n], queries[n:], answers,
+                            max_answer_length=evaluation.max_answer_length, passage_k=20,
+                            regex=evaluation.regex)
+  return {k: report[k] for k in ("em@1", "em@10", "top1", "top5", "top20")}
+
+
 def parse_codec(spec: str) -> tuple[set[str], str]:
   """({"qw", "pr"} modifiers, the faiss factory string) of "[qw|pr|qw+pr:]<codec>"."""
   head, _, codec = spec.partition(":")
@@ -173,12 +198,14 @@ def render(results: dict, command: str) -> str:
            f"start and end vectors ({2 * results['questions']:,} queries), model step "
            f"{results['model_step']}; codecs trained on {results['sample']:,} kept tokens.", "",
            "| codec | bytes | exact best = decoded best | in decoded top 10 | in decoded top 100 "
-           "| exact top 10 in decoded top 100 | score error / top-100 spread | train s | "
-           "encode s |", "|---" * 9 + "|"]
+           "| exact top 10 in decoded top 100 | score error / top-100 spread | dense EM@1 | "
+           "passage Top-1 | Top-20 | train s | encode s |", "|---" * 12 + "|"]
   for r in results["rows"]:
     lines.append(f"| {r['codec']} | {r['code_bytes']} | {r['top1_at1']:.3f} | "
                  f"{r['top1_at10']:.3f} | {r['top1_at100']:.3f} | {r['recall10_at100']:.3f} | "
-                 f"{r['rel_score_err']:.2f} | {r['train_s']:.0f} | {r['encode_s']:.0f} |")
+                 f"{r['rel_score_err']:.2f} | "
+                 + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("em@1", "top1", "top20"))
+                 + f" | {r['train_s']:.0f} | {r['encode_s']:.0f} |")
   lines += ["", f"The mean token vector holds {100 * e['mean_share_of_energy']:.1f}% of E|x|^2; "
             "the tokens' top 1/10/32/96 principal directions hold "
             + "/".join(f"{100 * v:.0f}" for v in e["token_variance_top"].values())
@@ -217,6 +244,8 @@ def main(argv=None) -> int:
   parser.add_argument("--train-questions", type=int, default=4000)
   parser.add_argument("--sample", type=int, default=100_000)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--em", action="store_true",
+                      help="each codec's dense EM@1 / passage Top-k over its decoded tokens")
   parser.add_argument("--out", required=True)
   parser.add_argument("--note", action="append", default=[])
   args = parser.parse_args(argv)
@@ -261,8 +290,16 @@ def main(argv=None) -> int:
       (within ** 2).sum(1).mean() / (centered ** 2).sum(1).mean())
   del centered, within
   results["passage_recall"] = passage_recall(queries, tokens, passages, exact_ids[:, 0])
+  if args.em:
+    answers = [q.answers for q in questions[:args.questions]]
+    full = np.zeros(dump.vectors.shape, np.float32)  # decoded kept rows, zeros elsewhere
+
+    def dense_scores(decoded: np.ndarray) -> dict:
+      full[kept] = decoded
+      return search_scores(dataclasses.replace(dump, vectors=full), kept, queries, answers,
+                           settings.eval)
   for spec in args.codecs:
-    if spec in done:
+    if spec in done and (not args.em or "em@1" in done[spec]):
       results["rows"].append({"commit": earlier["commit"], **done[spec]})
       save_results(args.out, results, render, "experiments/benchmarks/codec_scores.py", shown)
       continue
@@ -278,6 +315,9 @@ def main(argv=None) -> int:
     row = {"codec": spec, "commit": commit, "code_bytes": size, "train_s": trained,
            "encode_s": encoded,
            **agreement(queries, decoded, exact_ids, exact_scores, to_queries(queries))}
+    if args.em:
+      row.update(dense_scores(to_original(decoded, train_queries) if "qw" in mods
+                              else decoded))
     results["rows"].append(row)
     save_results(args.out, results, render, "experiments/benchmarks/codec_scores.py", shown)
   return 0
