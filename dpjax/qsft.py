@@ -104,13 +104,12 @@ class CandidateVectors:
     """[..., D] float32 vectors of token ids (zeros for -1)."""
     flat = ids.reshape(-1)
     safe = np.maximum(flat, 0)
-    if self.index.compact is not None:  # ids: kept-token ranks, rows of its codes
+    if self.quantized:  # (always, for a compact index: its ids are ranks, rows of its codes)
       unique, inverse = np.unique(safe, return_inverse=True)
       compact = self.index.compact
-      vectors = compact.vectors.decode(np.asarray(compact.codes[unique]))[inverse]
-    elif self.quantized:
-      unique, inverse = np.unique(safe, return_inverse=True)
-      vectors = self.index.index.reconstruct_batch(unique)[inverse]
+      rows = (compact.vectors.decode(np.asarray(compact.codes[unique])) if compact is not None
+              else self.index.index.reconstruct_batch(unique))
+      vectors = rows[inverse]
     else:
       vectors = self.index.dump.vectors[safe].astype(np.float32)
     vectors[flat < 0] = 0.0
