@@ -226,9 +226,10 @@ def render(results: dict, command: str) -> str:
               + "."]
   commits = sorted({row.get("commit", results["commit"]) for row in results["rows"]})
   if commits != [results["commit"]]:
-    lines += ["", "Rows measured at " + ", ".join(c[:12] for c in commits) + " (kept from "
+    short = lambda c: c[:12] + c[40:]  # (a "-dirty" suffix kept)  # noqa: E731
+    lines += ["", "Rows measured at " + ", ".join(map(short, commits)) + " (kept from "
               "the earlier run of the same setup; the energy and passage figures at "
-              f"{results['commit'][:12]})."]
+              f"{short(results['commit'])})."]
   return with_notes(lines, results.get("notes", []))
 
 
