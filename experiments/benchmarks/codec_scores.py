@@ -291,14 +291,15 @@ def main(argv=None) -> int:
       (within ** 2).sum(1).mean() / (centered ** 2).sum(1).mean())
   del centered, within
   results["passage_recall"] = passage_recall(queries, tokens, passages, exact_ids[:, 0])
-  if args.em:
-    answers = [q.answers for q in questions[:args.questions]]
-    full = np.zeros(dump.vectors.shape, np.float32)  # decoded kept rows, zeros elsewhere
+  answers = [q.answers for q in questions[:args.questions]]
 
-    def dense_scores(decoded: np.ndarray) -> dict:
-      full[kept] = decoded
-      return search_scores(dataclasses.replace(dump, vectors=full), kept, queries, answers,
-                           settings.eval)
+  def dense_scores(decoded: np.ndarray) -> dict:
+    """The dense figures over the decoded kept rows (zeros elsewhere; the [T, D] float32 array
+    made only when a codec is measured, not when every row is kept)."""
+    full = np.zeros(dump.vectors.shape, np.float32)
+    full[kept] = decoded
+    return search_scores(dataclasses.replace(dump, vectors=full), kept, queries, answers,
+                         settings.eval)
   for spec in args.codecs:
     if spec in done and (not args.em or "em@1" in done[spec]):
       results["rows"].append({"commit": earlier["commit"], **done[spec]})
