@@ -107,7 +107,7 @@ class CandidateVectors:
     if self.quantized:  # (always, for a compact index: its ids are ranks, rows of its codes)
       unique, inverse = np.unique(safe, return_inverse=True)
       compact = self.index.compact
-      rows = (compact.vectors.decode(np.asarray(compact.codes[unique])) if compact is not None
+      rows = (compact.vectors.original(unique) if compact is not None
               else self.index.index.reconstruct_batch(unique))
       vectors = rows[inverse]
     else:

@@ -16,6 +16,9 @@ values, exactly), `Flat`. The index folder (`faiss_index.build_index` writes it)
   kept_offsets.npy     [P + 1] int64  each passage row's first kept token (rank)
   passages.bin, passage_blocks.npy, passage_documents.npy
                                       the passages (`passage_store`)
+  passage_means.npy    [P, Cm] uint8  each passage's mean kept vector, coded (`residual`: a
+  means_codec.faiss                   codec "pr:<codec>" codes the tokens' residuals from them)
+  weighting.npy        [D, D] float32 the question weighting ("qw:<codec>", `residual`)
   index_manifest.json  `"kind": "compact"`, the codec, the bytes of each part
 
 Its tokens are numbered by rank among the kept ones (faiss labels, the `Phrase` token ids of a
@@ -25,7 +28,8 @@ its dump token id (`token_ids`). Every part is memory mapped: loading reads the 
 no array of one entry per token, and a search reads the codes, spans, positions and passages it
 needs. The codes are stored once: the faiss index that searches them (exhaustively, by the
 codec's own asymmetric distance) views the memory-mapped `codes.npy` (`searcher`), and the
-rescoring decodes the rows it needs from it (`CodedVectors`).
+rescoring decodes the rows it needs from it (`CodedVectors`). A residual index ("pr:") is
+searched passage first (`residual.PassageFirstSearch`).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import faiss
 import numpy as np
 
 from dpjax.errors import ConfigError, DumpError
-from dpjax.index import passage_store
+from dpjax.index import passage_store, residual
 from dpjax.index.rescoring import Rescorer, TokenPassages
 
 PREFIX = "compact:"
@@ -44,7 +48,8 @@ PREFIX = "compact:"
 # of DensePhrases' own OPQ96 over 1,536 dimensions; `default_codec` fills in the dimension.
 DEFAULT_SUBVECTOR_DIMS = 16
 PARTS = ("codes.npy", "char_spans.npy", "positions.npy", "passage_offsets.npy",
-         "kept_offsets.npy", *passage_store.FILES, "codec.faiss")
+         "kept_offsets.npy", *passage_store.FILES, "codec.faiss", residual.MEANS,
+         residual.MEANS_CODEC, residual.WEIGHTING)
 REBUILD = "build the index again with `run.py index`"
 
 
@@ -62,9 +67,11 @@ def default_codec(dim: int) -> str:
 
 
 def codec_spec(spec: str, dim: int) -> str:
-  """The codec's factory string of a compact spec."""
+  """The codec of a compact spec: "[qw|pr|qw+pr:]<faiss factory string>" (`residual.parse`)."""
   codec = spec[len(PREFIX):] if spec.startswith(PREFIX) else ""
-  return codec or default_codec(dim)
+  mods, factory = residual.parse(codec)
+  return "+".join(m for m in residual.MODIFIERS if m in mods) + ":" * bool(mods) + (
+      factory or default_codec(dim))
 
 
 def flat_codes(codec):
@@ -81,17 +88,41 @@ def flat_codes(codec):
 
 class CodedVectors:
   """[K, D] token vectors held as codes [K, C], rows decoded on demand (the rescoring's
-  `scoring.token_scores` gathers code rows and calls `decode`)."""
+  `scoring.token_scores` gathers code rows and calls `decode`), in the codes' space: a residual
+  index's rows add their passage's decoded mean, a weighted index's are x W and its queries
+  map by W^-1 (`queries`), so that scores are the original ones."""
 
-  def __init__(self, codes: np.ndarray, codec):
+  def __init__(self, codes: np.ndarray, codec, *, passages: TokenPassages | None = None,
+               means: np.ndarray | None = None, means_codec=None,
+               weighting: residual.Weighting | None = None):
     self.codes, self.codec, self.dim = codes, codec, codec.d
+    self.passages, self.means, self.means_codec = passages, means, means_codec
+    self.weighting = weighting
 
   def __len__(self) -> int:
     return len(self.codes)
 
-  def decode(self, codes: np.ndarray) -> np.ndarray:
-    """[n, D] float32 vectors of `codes` [n, C]."""
-    return self.codec.sa_decode(np.ascontiguousarray(codes))
+  def decode(self, codes: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """[n, D] float32 vectors (the codes' space) of `codes` [n, C], the rows of kept ranks `ids`
+    (a residual index: their passages' means added; rows past len(ids) get none)."""
+    rows = self.codec.sa_decode(np.ascontiguousarray(codes))
+    if self.means is not None and len(rows):
+      passages = self.passages[np.asarray(ids, np.int64)]
+      unique, inverse = np.unique(passages, return_inverse=True)
+      decoded = self.means_codec.sa_decode(np.ascontiguousarray(self.means[unique]))
+      rows[:len(passages)] += decoded[inverse]
+    return rows
+
+  def queries(self, q: np.ndarray) -> np.ndarray:
+    """Query vectors [n, D] mapped into the codes' space (weighted: q W^-1)."""
+    return q if self.weighting is None else self.weighting.queries(q)
+
+  def original(self, ids: np.ndarray) -> np.ndarray:
+    """[n, D] float32 decoded vectors of kept ranks `ids` in the dump's space (QSFT's
+    candidates: a weighted index's rows mapped back, x W W^-1)."""
+    ids = np.asarray(ids, np.int64)
+    rows = self.decode(np.asarray(self.codes[ids]), ids)
+    return rows if self.weighting is None else rows @ self.weighting.inverse
 
 
 @dataclasses.dataclass
@@ -107,6 +138,9 @@ class CompactIndex:
   passage_offsets: np.ndarray  # [P + 1] int64 each passage row's first dump token id
   kept_offsets: np.ndarray  # [P + 1] int64 each passage row's first kept rank
   passages: passage_store.PassageStore
+  means: np.ndarray | None = None  # [P, Cm] uint8 the passages' coded means (a residual index)
+  means_codec: object = None
+  weighting: residual.Weighting | None = None
 
   @classmethod
   def load(cls, directory: pathlib.Path, manifest: dict, num_passages: int) -> "CompactIndex":
@@ -132,11 +166,13 @@ class CompactIndex:
     return cls(directory, manifest, codec, codes, spans, positions,
                _offsets(directory, "passage_offsets.npy", num_passages, tokens),
                _offsets(directory, "kept_offsets.npy", num_passages, kept),
-               passage_store.PassageStore(directory, num_passages))
+               passage_store.PassageStore(directory, num_passages),
+               *_residual_parts(directory, manifest, num_passages, codec.d))
 
   @property
   def vectors(self) -> CodedVectors:
-    return CodedVectors(self.codes, self.codec)
+    return CodedVectors(self.codes, self.codec, passages=self.token_passage, means=self.means,
+                        means_codec=self.means_codec, weighting=self.weighting)
 
   @property
   def token_passage(self) -> TokenPassages:
@@ -147,17 +183,16 @@ class CompactIndex:
     """The exact rescoring of the kept tokens from their codes (`Rescorer.over_offsets`)."""
     return Rescorer.over_offsets(self.vectors, self.kept_offsets, self.positions)
 
-  def searcher(self) -> "CodeSearch":
-    """A faiss index of the codec whose codes are `codes.npy`'s memory, not a copy (labels:
-    kept-token ranks)."""
-    index = faiss.clone_index(self.codec)
-    inner = flat_codes(index)
-    # A view needs an owner argument: a null one (the memory map is `CodeSearch`'s to keep).
-    empty = faiss.MaybeOwnedVectorUInt8()
-    inner.codes = faiss.MaybeOwnedVectorUInt8.create_view(faiss.swig_ptr(self.codes),
-                                                          self.codes.size, empty.owner)
-    inner.ntotal = index.ntotal = len(self.codes)
-    return CodeSearch(index, (self.codes, empty, inner))
+  def searcher(self, nprobe: int | None = None):
+    """The search of the codes (labels: kept-token ranks): a faiss index of the codec whose
+    codes are `codes.npy`'s memory, not a copy (`CodeSearch`, its queries weighted where the
+    codes are); a residual index's passage-first search of `nprobe` passages (default: the
+    manifest's)."""
+    if self.means is not None:
+      return residual.PassageFirstSearch(
+          CodeSearch.over(self.means_codec, self.means), self.codec, self.codes,
+          self.kept_offsets, self.weighting, nprobe or self.manifest["nprobe"])
+    return CodeSearch.over(self.codec, self.codes, self.weighting)
 
   def token_ids(self, ranks: np.ndarray) -> np.ndarray:
     """The dump token ids of kept-token ranks (search results' `start_token` / `end_token`):
@@ -170,10 +205,25 @@ class CompactIndex:
 
 
 class CodeSearch:
-  """A faiss index over codes it views but does not own, and what keeps them alive."""
+  """A faiss index over codes it views but does not own, and what keeps them alive; queries
+  mapped by `weighting` first (None: as given)."""
 
-  def __init__(self, index, keep: tuple):
-    self.index, self._keep = index, keep
+  def __init__(self, index, keep: tuple, weighting: residual.Weighting | None = None):
+    self.index, self._keep, self.weighting = index, keep, weighting
+
+  @classmethod
+  def over(cls, codec, codes: np.ndarray,
+           weighting: residual.Weighting | None = None) -> "CodeSearch":
+    """The exhaustive search of `codes` [n, C] (memory mapped, viewed) by `codec`'s own
+    asymmetric distance (labels: rows)."""
+    index = faiss.clone_index(codec)
+    inner = flat_codes(index)
+    # A view needs an owner argument: a null one (the memory map is `CodeSearch`'s to keep).
+    empty = faiss.MaybeOwnedVectorUInt8()
+    inner.codes = faiss.MaybeOwnedVectorUInt8.create_view(faiss.swig_ptr(codes), codes.size,
+                                                          empty.owner)
+    inner.ntotal = index.ntotal = len(codes)
+    return cls(index, (codes, empty, inner), weighting)
 
   @property
   def ntotal(self) -> int:
@@ -181,7 +231,9 @@ class CodeSearch:
 
   def search(self, queries: np.ndarray, k: int):
     """faiss's (scores, labels) [Q, k] of the codes' exhaustive search (labels: ranks)."""
-    return self.index.search(queries, k)
+    if self.weighting is not None:
+      queries = self.weighting.queries(queries)
+    return self.index.search(np.ascontiguousarray(queries, np.float32), k)
 
 
 def _array(directory: pathlib.Path, name: str, shape: tuple) -> np.ndarray:
@@ -203,6 +255,24 @@ def _offsets(directory: pathlib.Path, name: str, num_passages: int, total: int) 
   if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
     raise DumpError(f"{directory / name}: not the offsets of {total} tokens; {REBUILD}")
   return offsets
+
+
+def _residual_parts(directory: pathlib.Path, manifest: dict, num_passages: int,
+                    dim: int) -> tuple:
+  """(coded means [P, Cm], their codec, the weighting) of a residual / weighted index (Nones
+  where it has none)."""
+  means = means_codec = weighting = None
+  if manifest.get("residual"):
+    path = directory / residual.MEANS_CODEC
+    try:
+      means_codec = faiss.read_index(str(path))
+    except RuntimeError as e:
+      raise DumpError(f"{path}: unreadable ({str(e).splitlines()[0]}); {REBUILD}") from None
+    means = _array(directory, residual.MEANS,
+                   (num_passages, flat_codes(means_codec).code_size))
+  if manifest.get("weighted"):
+    weighting = residual.Weighting.of_root(_array(directory, residual.WEIGHTING, (dim, dim)))
+  return means, means_codec, weighting
 
 
 def span_dtype(last_char: int) -> np.dtype:

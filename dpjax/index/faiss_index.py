@@ -23,7 +23,7 @@ import numpy as np
 
 from dpjax import distributed
 from dpjax.errors import ConfigError, DumpError
-from dpjax.index import compact
+from dpjax.index import compact, residual
 from dpjax.index.dump_reader import require_vectors, shard_passages
 from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFEST, kept_settings,
                                   read_manifest)
@@ -114,7 +114,8 @@ def _kept(dump_dir: pathlib.Path, shard: dict, filter_threshold: float | None) -
 
 def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | None = None,
                 filter_threshold: float | None = None, train_size: int = 1_000_000,
-                nprobe: int = 256, seed: int = 0) -> pathlib.Path:
+                nprobe: int = 256, seed: int = 0,
+                weighting: residual.Weighting | None = None) -> pathlib.Path:
   """Builds and writes a faiss index over a complete dump; returns the index directory.
 
   The index's labels are the dump's global token ids. Shards are read one at a time (memory
@@ -123,12 +124,13 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   process adds the vectors of its own shards (shard n: process n mod P) to a copy, and process 0
   merges the parts (faiss `merge_from`) into one index. The index is built in `<name>.tmp` and
   renamed into place complete; a failed build removes its temporary directory. A compact
-  spec (`dpjax.index.compact`: "compact:OPQ32,PQ32") builds that kind instead.
+  spec (`dpjax.index.compact`: "compact:OPQ32,PQ32") builds that kind instead; a question-weighted
+  one ("compact:qw+pr:OPQ32,PQ32", `dpjax.index.residual`) codes in the space of `weighting`.
   """
   dump_dir = pathlib.Path(dump_dir)
   if compact.is_compact(spec):
     return _build_compact(dump_dir, spec, name=name, filter_threshold=filter_threshold,
-                          train_size=train_size, seed=seed)
+                          train_size=train_size, seed=seed, nprobe=nprobe, weighting=weighting)
   require_vectors(read_manifest(dump_dir), dump_dir, f"index.specs {spec!r}")
   plan = _plan(dump_dir, spec, filter_threshold, train_size)
   name = name or index_folder(spec, filter_threshold)
@@ -190,9 +192,10 @@ def _trained(plan: dict, tmp: pathlib.Path, name: str, size: int, seed: int):
   return index
 
 
-def _new_index(plan: dict, factory: str, size: int, seed: int, check=None):
+def _new_index(plan: dict, factory: str, size: int, seed: int, check=None, train: bool = True):
   """The index of a faiss factory string over the dump's vectors (inner product), trained on
-  `size` kept tokens if it needs training; `check(index)` refuses one before its training."""
+  `size` kept tokens if it needs training (and `train`); `check(index)` refuses one before its
+  training."""
   resolved, dim = plan["resolved"], plan["dump"]["dim"]
   try:
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -201,7 +204,7 @@ def _new_index(plan: dict, factory: str, size: int, seed: int, check=None):
                       f"for {dim}-d vectors ({_faiss_message(e)})") from None
   if check is not None:
     check(index)
-  if not index.is_trained:
+  if train and not index.is_trained:
     try:
       index = _train(index, plan["dump_dir"], plan["shards"], plan["offsets"],
                      plan["kept_counts"], plan["filter_threshold"], size, seed)
@@ -270,13 +273,23 @@ def _record(plan: dict, spec: str, seconds: float) -> dict:
 
 
 def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
-                   filter_threshold: float | None, train_size: int, seed: int) -> pathlib.Path:
+                   filter_threshold: float | None, train_size: int, seed: int, nprobe: int,
+                   weighting: residual.Weighting | None) -> pathlib.Path:
   """Builds a compact index (`dpjax.index.compact`) in `<name>.tmp`, renamed complete: its
   codec trained on a sample of the kept tokens, then every shard's kept tokens encoded, one
   shard at a time (memory mapped). Process 0 builds it; the others wait."""
-  codec = _dump_codec(dump_dir, spec)
-  plan = _plan(dump_dir, codec or compact.codec_spec(spec, read_manifest(dump_dir)["dim"]),
-               filter_threshold, train_size)  # (no kept token: refused here)
+  dump = read_manifest(dump_dir)
+  mods, factory = residual.parse(compact.codec_spec(spec, dump["dim"]))
+  if mods:  # residuals or weighting: coded from the dump's vectors
+    require_vectors(dump, dump_dir, f"index.specs {spec!r}")
+    if "qw" in mods and weighting is None:
+      raise ConfigError(f"index.specs {spec!r}: question weighting needs the model's question "
+                        "vectors; build it with `run.py index` (it encodes the training "
+                        "questions of index.sparse_tune_questions)")
+  codec = "" if mods else _dump_codec(dump_dir, spec)
+  plan = _plan(dump_dir, codec or factory, filter_threshold, train_size)  # (none kept: refused)
+  plan["modifiers"] = [m for m in residual.MODIFIERS if m in mods]
+  plan["nprobe"] = nprobe
   final = dump_dir / "indexes" / (name or index_folder(spec, filter_threshold))
   tmp = final.with_name(final.name + ".tmp")
   if distributed.is_main():
@@ -284,14 +297,19 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
     try:
       remove(tmp)
       tmp.mkdir(parents=True)
+      coder = None
       if codec:  # the dump's own codes: assembled, nothing trained or encoded
         index, plan["resolved"], plan["notes"] = _read_codec(dump_dir), codec, []
+      elif mods:
+        coder = _trained_residual(plan, mods, weighting, min(train_size, plan["total_kept"]),
+                                  seed)
+        index = coder.codec
       else:
         index = _new_index(plan, plan["resolved"], min(train_size, plan["total_kept"]), seed,
                            check=compact.flat_codes)
-      positions = _encode_shards(index, plan, tmp, coded=bool(codec))
+      positions = _encode_shards(index, plan, tmp, coded=bool(codec), coder=coder)
       _write_compact(index, plan, tmp, final, spec=spec, positions=positions,
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, coder=coder)
     except BaseException:
       remove(tmp)
       raise
@@ -324,13 +342,15 @@ def _read_codec(dump_dir: pathlib.Path):
   return faiss.read_index(str(path))
 
 
-def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False) -> bool:
+def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False,
+                   coder: residual.ResidualCodes | None = None) -> bool:
   """Writes the compact index's parts into `tmp` a shard at a time: the kept tokens' codes (the
   dump's, when `coded`), spans and places in their passages, both passage offsets (over the
   encoded tokens, a dump-time filter's dropped ones too) and the passage store. The arrays are
   files of the sizes the dump's manifest gives, mapped again for each shard's rows and unmapped
   after, so that memory holds one shard's arrays and pages whatever the corpus's size. Returns
-  whether positions were written (only where some tokens are not kept)."""
+  whether positions were written (only where some tokens are not kept). A residual index's
+  `coder` codes them (`_encode_shard`) and its passages' means (`passage_means.npy`)."""
   dump_dir, dump = plan["dump_dir"], plan["dump"]
   filtered = (plan["filter_threshold"] is not None
               or kept_settings(dump["settings"])["filter_threshold"] is not None)
@@ -341,13 +361,16 @@ def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False) ->
            "passage_offsets": (np.int64, passages), "kept_offsets": (np.int64, passages)}
   if filtered:
     parts["positions"] = (compact.span_dtype(longest), kept)
+  if coder is not None and coder.means_codec is not None:
+    parts[residual.MEANS[:-4]] = (np.uint8, (dump["num_passages"],
+                                             compact.flat_codes(coder.means_codec).code_size))
   for name, (dtype, shape) in parts.items():
     np.lib.format.open_memmap(tmp / f"{name}.npy", "w+", dtype, shape).flush()  # (zeros)
   at = {"kept": 0, "row": 0, "token": 0}
   with PassageWriter(tmp, dump["num_passages"]) as passages_out:
     for shard in plan["shards"]:
       _encode_shard(codec, plan, shard, {name: tmp / f"{name}.npy" for name in parts}, at,
-                    coded)
+                    coded, coder)
       for passage in shard_passages(dump_dir / shard["name"]):
         passages_out.add(passage)
   if at["kept"] != plan["total_kept"] or at["token"] != shard_context_offsets(dump)[-1]:
@@ -369,21 +392,94 @@ def _compact_widths(dump_dir: pathlib.Path, shards: list) -> tuple[int, int]:
   return last_char, longest
 
 
-def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: bool) -> None:
+def _trained_residual(plan: dict, mods: frozenset, weighting: residual.Weighting | None,
+                      size: int, seed: int) -> residual.ResidualCodes:
+  """The coding of a residual / weighted compact index (`residual.ResidualCodes`), its codecs
+  trained on a seeded sample of the kept tokens (at most `residual.TRAIN_SAMPLE`) and of the
+  passages' means."""
+  dim = plan["dump"]["dim"]
+  codec = _new_index(plan, plan["resolved"], size, seed, check=compact.flat_codes, train=False)
+  means_codec = None
+  if "pr" in mods:
+    plan["means_codec"] = residual.means_codec_spec(plan["dump"]["num_passages"], dim)
+    means_codec = faiss.index_factory(dim, plan["means_codec"], faiss.METRIC_INNER_PRODUCT)
+  coder = residual.ResidualCodes(codec, means_codec, weighting if "qw" in mods else None)
+  size = min(size, residual.TRAIN_SAMPLE)
+  try:
+    coder.train(*_residual_sample(plan, coder, size, seed))
+  except RuntimeError as e:
+    raise ConfigError(f"index.specs: {plan['resolved']!r} (residual codes) cannot be trained on "
+                      f"{size} vectors ({_faiss_message(e)})") from None
+  return coder
+
+
+def _residual_sample(plan: dict, coder: residual.ResidualCodes, size: int, seed: int) -> tuple:
+  """(a seeded draw of `size` kept tokens [n, D], their passages' means [n, D] or None, a
+  draw of the passages' means [m, D] or None), all in the codes' space, one shard at a time."""
+  dump_dir, shards = plan["dump_dir"], plan["shards"]
+  rng = np.random.default_rng(seed)
+  picks = np.sort(rng.choice(plan["total_kept"], size=size, replace=False))
+  bounds = np.concatenate([[0], np.cumsum(plan["kept_counts"])])
+  share = min(1.0, residual.TRAIN_SAMPLE / max(plan["dump"]["num_passages"], 1))
+  tokens, token_means, means_sample = [], [], []
+  for number, shard in enumerate(shards):
+    mine = picks[(picks >= bounds[number]) & (picks < bounds[number + 1])] - bounds[number]
+    if not len(mine) and coder.means_codec is None:
+      continue
+    rows = _kept(dump_dir, shard, plan["filter_threshold"])
+    token_passage, _, encoded = shard_token_layout(dump_dir / shard["name"], shard)
+    passage = token_passage[rows]
+    tokens.append(coder.space(_shard_arrays(dump_dir, shard, "vectors")[rows[mine]]))
+    if coder.means_codec is not None:
+      means = _shard_means(plan, shard, rows, passage, len(encoded), coder)
+      token_means.append(means[passage[mine]])
+      held = np.flatnonzero(np.bincount(passage, minlength=len(encoded)))  # passages with tokens
+      means_sample.append(means[held[rng.random(len(held)) < share]])
+  if coder.means_codec is None:
+    return np.concatenate(tokens), None, None
+  return np.concatenate(tokens), np.concatenate(token_means), np.concatenate(means_sample)
+
+
+def _shard_means(plan: dict, shard: dict, rows: np.ndarray, passage: np.ndarray,
+                 num_passages: int, coder: residual.ResidualCodes) -> np.ndarray:
+  """[num_passages, D] the mean kept vector (the codes' space) of each of a shard's passages
+  (zeros for one without kept tokens), from its kept `rows` of shard-local passages
+  `passage`, a bounded chunk at a time."""
+  vectors = _shard_arrays(plan["dump_dir"], shard, "vectors")
+  sums = np.zeros((num_passages, vectors.shape[1]), np.float64)
+  for lo in range(0, len(rows), 1 << 16):
+    residual.add_passage_sums(sums, coder.space(vectors[rows[lo:lo + (1 << 16)]]),
+                              passage[lo:lo + (1 << 16)])
+  return residual.means_of(sums, np.bincount(passage, minlength=num_passages))
+
+
+def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: bool,
+                  coder: residual.ResidualCodes | None = None) -> None:
   """Writes one shard's kept tokens and passage offsets into the compact index's array files
-  `paths` (by part), from the ranks, passage rows and token ids `at` (moved past them)."""
+  `paths` (by part), from the ranks, passage rows and token ids `at` (moved past them); with
+  a residual `coder`, its passages' coded means too, and the tokens' residuals from them."""
   dump_dir = plan["dump_dir"]
   out = {name: np.lib.format.open_memmap(path, "r+") for name, path in paths.items()}
   rows = _kept(dump_dir, shard, plan["filter_threshold"])
   token_passage, ids, encoded = shard_token_layout(dump_dir / shard["name"], shard)
+  passage = token_passage[rows]
   source = _shard_arrays(dump_dir, shard, "codes" if coded else "vectors")
-  first = at["kept"]
+  first, means = at["kept"], None
+  if coder is not None and coder.means_codec is not None:
+    codes = coder.encode_means(_shard_means(plan, shard, rows, passage, len(encoded), coder))
+    out[residual.MEANS[:-4]][at["row"]:at["row"] + len(encoded)] = codes
+    means = coder.decode_means(codes)
   for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
     part = rows[lo:lo + (1 << 16)]
-    out["codes"][first + lo:first + lo + len(part)] = (source[part] if coded else codec.sa_encode(
-        np.asarray(source[part], np.float32)))
+    if coded:
+      codes = source[part]
+    elif coder is not None:
+      codes = coder.encode(coder.space(source[part]),
+                           None if means is None else means[passage[lo:lo + len(part)]])
+    else:
+      codes = codec.sa_encode(np.asarray(source[part], np.float32))
+    out["codes"][first + lo:first + lo + len(part)] = codes
   out["char_spans"][first:first + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
-  passage = token_passage[rows]
   if "positions" in out:  # each kept token's id among its passage's encoded ones
     starts = np.concatenate([[0], np.cumsum(encoded)[:-1]]).astype(np.int64)
     out["positions"][first:first + len(rows)] = ids[rows] - starts[passage]
@@ -399,16 +495,26 @@ def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: 
 
 
 def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *, spec: str,
-                   positions: bool, seconds: float) -> None:
-  """Writes the compact index's codec and manifest (the bytes of each part) into `tmp` and
-  renames it to `final`."""
+                   positions: bool, seconds: float,
+                   coder: residual.ResidualCodes | None = None) -> None:
+  """Writes the compact index's codec (a residual one's means codec and weighting too) and
+  manifest (the bytes of each part) into `tmp` and renames it to `final`."""
   _write_index(codec, tmp / "codec.faiss")
+  mods = plan.get("modifiers", [])
+  if coder is not None and coder.means_codec is not None:
+    _write_index(coder.means_codec, tmp / residual.MEANS_CODEC)
+  if coder is not None and coder.weighting is not None:
+    np.save(tmp / residual.WEIGHTING, coder.weighting.root)
   tokens = int(shard_context_offsets(plan["dump"])[-1])  # encoded, a dump-time filter's too
   parts = compact.part_bytes(tmp, tokens)
   size = sum(p["bytes"] for p in parts.values())
   manifest = {**_record(plan, spec, seconds), "kind": "compact", "dump_tokens": tokens,
               "positions": positions, "num_passages": int(plan["dump"]["num_passages"]),
-              "resolved_spec": compact.PREFIX + plan["resolved"], "codec": plan["resolved"],
+              "resolved_spec": compact.PREFIX + "+".join(mods) + ":" * bool(mods)
+              + plan["resolved"], "codec": plan["resolved"],
+              "residual": "pr" in mods, "weighted": "qw" in mods, "nprobe": plan.get("nprobe"),
+              "means_codec": None if coder is None or coder.means_codec is None
+              else plan["means_codec"],
               "code_size": int(compact.flat_codes(codec).code_size), "labels": "kept_rank",
               "processes": 1, "index_bytes": size, "bytes_per_token": size / tokens,
               "parts": parts, "files": folder_checksums(tmp, skip=[MANIFEST])}

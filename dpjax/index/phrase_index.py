@@ -82,7 +82,7 @@ class PhraseIndex:
       raise ValueError(f"nprobe must be >= 1, got {nprobe}")
     self.compact = None
     if self.manifest.get("kind") == "compact":
-      self._load_compact(directory)
+      self._load_compact(directory, nprobe)
     else:
       threshold = self.manifest.get("filter_threshold")
       self.kept_mask = (None if threshold is None else
@@ -99,9 +99,10 @@ class PhraseIndex:
                                                    nprobe or self.manifest["nprobe"])
     self._setup(merge_spans, hybrid)
 
-  def _load_compact(self, directory: pathlib.Path) -> None:
-    """A compact index: its codes searched in place, the dump seen through it (its kept tokens
-    only, numbered by rank: `CompactIndex`, and its passages), no dump vector or passage read."""
+  def _load_compact(self, directory: pathlib.Path, nprobe: int | None) -> None:
+    """A compact index: its codes searched in place (a residual one's `nprobe` passages first),
+    the dump seen through it (its kept tokens only, numbered by rank: `CompactIndex`, and its
+    passages), no dump vector or passage read."""
     self.compact = CompactIndex.load(directory, self.manifest,
                                      self.dump.manifest["num_passages"])
     self.dump = dataclasses.replace(
@@ -109,7 +110,7 @@ class PhraseIndex:
         filter_logits=np.zeros((0, 2), np.float16), token_passage=self.compact.token_passage,
         char_spans=self.compact.char_spans, passages=self.compact.passages, positions=None)
     self.kept_mask = None
-    self.index = self.compact.searcher()
+    self.index = self.compact.searcher(nprobe)
 
   def _device_index(self, search_device: str) -> DeviceFlat | None:
     """The exact index searched on the accelerator (`use_device_search`): its vectors are the

@@ -139,13 +139,13 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
     hi = bounds[end]
     if hi - lo < CONVERT_ROWS:
       np.take(source, token[lo:hi], axis=0, out=half[:hi - lo], mode="clip")
-      rows = convert(half, hi - lo + 1)  # (one row spare: see above)
+      rows = convert(half, hi - lo + 1, token[lo:hi])  # (one row spare: see above)
     else:  # one question of more rows than a chunk
       rows = np.empty((hi - lo, dim), np.float32)
       for at in range(0, hi - lo, CONVERT_ROWS):
         n = min(CONVERT_ROWS, hi - lo - at)
         np.take(source, token[lo + at:lo + at + n], axis=0, out=half[:n], mode="clip")
-        rows[at:at + n] = convert(half, n)[:n]
+        rows[at:at + n] = convert(half, n, token[lo + at:lo + at + n])[:n]
     for p in range(q, end):
       a, b = bounds[p] - lo, bounds[p + 1] - lo
       scores[lo + a:lo + b] = (rows[a:max(b, a + 2)] @ queries[p])[:b - a]
@@ -153,13 +153,13 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
 
 
 def _stored(source) -> tuple:
-  """(the stored rows, their conversion `convert(buffer, n)` -> float32 [>= n, D] of the
-  buffer's first n rows, D) of a rescoring's source: the dump's float16 rows (the whole buffer
-  converted: one shape, compiled once) or a compact index's codes (`compact.CodedVectors`:
-  those n rows decoded)."""
+  """(the stored rows, their conversion `convert(buffer, n, ids)` -> float32 [>= n, D] of the
+  buffer's first n rows, those of row ids `ids`, D) of a rescoring's source: the dump's float16
+  rows (the whole buffer converted: one shape, compiled once) or a compact index's codes
+  (`compact.CodedVectors`: those n rows decoded, in its coded space)."""
   if isinstance(source, np.ndarray):
-    return source, lambda half, n: half_to_float32(half), source.shape[1]
-  return source.codes, lambda codes, n: source.decode(codes[:n]), source.dim
+    return source, lambda half, n, ids: half_to_float32(half), source.shape[1]
+  return source.codes, lambda codes, n, ids: source.decode(codes[:n], ids[:n]), source.dim
 
 
 def token_scores(source: np.ndarray, tokens: np.ndarray, q_start: np.ndarray,
@@ -174,6 +174,8 @@ def token_scores(source: np.ndarray, tokens: np.ndarray, q_start: np.ndarray,
   (OpenMP) held at one thread: their idle threads would spin on the cores the others need. A
   question's scores come from the same product, bit for bit, whichever thread computes it."""
   num_q, n = len(q_start), len(source)
+  if not isinstance(source, np.ndarray):  # a compact index's codes: its queries' space
+    q_start, q_end = source.queries(q_start), source.queries(q_end)
   keys = np.arange(num_q)[:, None] * n + tokens.reshape(num_q, -1)
   unique, inverse = np.unique(keys, return_inverse=True)
   question, token = np.divmod(unique, n)

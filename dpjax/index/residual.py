@@ -1,0 +1,240 @@
+"""Passage-residual and question-weighted codes of a compact index, and their passage-first search.
+
+`compact:pr:<codec>` stores each passage's mean kept vector once, coded by a second codec
+(`passage_means.npy`, `means_codec.faiss`), and each kept token's residual from its passage's
+decoded mean, coded by `<codec>` (`codes.npy`): the mean holds most of a token's energy (91% on
+SQuAD-open, results/codec_scores.md), so the token codes spend their bytes on what tells a
+passage's tokens apart. `qw+pr:` codes both in the question-weighted space x -> x W (W = C^1/2,
+C the second moment of training questions' vectors, `weighting.npy`) and maps queries
+q -> q W^-1, so that a code's squared error is the expected squared error of a question's
+score; `qw:` weights without residuals.
+
+A residual index is searched passage first (`PassageFirstSearch`): the queries score every
+passage's coded mean, then the kept tokens of their top `nprobe` passages by mean plus residual
+(`q . m_p + q . r_t`, lookup tables of the residual codec's PQ centroids): an IVF index whose
+lists are the passages, each list a passage's contiguous kept ranks, so no id is stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import faiss
+import numpy as np
+
+from dpjax.errors import ConfigError
+
+MODIFIERS = ("qw", "pr")
+MEANS = "passage_means.npy"
+MEANS_CODEC = "means_codec.faiss"
+WEIGHTING = "weighting.npy"
+# PQ's 256-centroid codebooks want about 39 x 256 training vectors: fewer passages keep their
+# means exactly (float16); more code them with OPQ and 12-dimensional PQ sub-vectors (32 bytes
+# at D = 384). The means' coding error shifts every token of a passage alike, so it must stay
+# below the tokens' own: on SQuAD-open's weighted means (|m - mean m|^2 = 9.3) OPQ32 leaves
+# 0.12, OPQ48 0.08, plain PQ48 1.3 and PQ96 0.5, against about 0.3 for the OPQ24 codes of the
+# residuals; OPQ32 is what fits the 16-byte budget there (docs/indexing.md).
+PQ_MEANS_MIN_PASSAGES = 39 * 256
+MEANS_SUBVECTOR_DIMS = 12
+# Training vectors drawn for each codec: faiss's k-means samples 256 per centroid (65,536 for an
+# 8-bit PQ) and OPQ as many, so a larger sample only costs memory.
+TRAIN_SAMPLE = 1 << 17
+_EIGEN_FLOOR = 1e-6  # C's eigenvalues floored at this share of the largest (C^-1/2 stays finite)
+
+
+def parse(codec_spec: str) -> tuple[frozenset, str]:
+  """({"qw", "pr"} modifiers, faiss factory string: "" for the default) of a compact codec
+  "[qw|pr|qw+pr:]<codec>"; a ConfigError names an unknown modifier."""
+  head, sep, codec = codec_spec.partition(":")
+  if not sep:
+    return frozenset(), codec_spec
+  mods = head.split("+")
+  if not set(mods) <= set(MODIFIERS) or len(set(mods)) != len(mods):
+    raise ConfigError(f"index.specs: compact codec {codec_spec!r}: modifiers before ':' are "
+                      f"'qw', 'pr' or 'qw+pr' (question-weighted, passage residuals)")
+  return frozenset(mods), codec
+
+
+def means_codec_spec(num_passages: int, dim: int) -> str:
+  """The codec of the passages' means: float16 below PQ_MEANS_MIN_PASSAGES passages, else OPQ
+  and PQ of MEANS_SUBVECTOR_DIMS-dimensional sub-vectors."""
+  if num_passages < PQ_MEANS_MIN_PASSAGES:
+    return "SQfp16"
+  m = max(1, dim // MEANS_SUBVECTOR_DIMS)
+  while dim % m:
+    m -= 1
+  return f"OPQ{m},PQ{m}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighting:
+  """The question-weighted space: tokens x -> x root, queries q -> q inverse (root = C^1/2,
+  symmetric; q . x = q inverse . x root)."""
+
+  root: np.ndarray  # [D, D] float32
+  inverse: np.ndarray  # [D, D] float32
+
+  @classmethod
+  def of_questions(cls, vectors: np.ndarray) -> "Weighting":
+    """The weighting of questions' vectors [n, D] (their start and end vectors alike)."""
+    q = np.asarray(vectors, np.float64)
+    if not len(q) or not np.isfinite(q).all():
+      raise ConfigError("index.specs: question weighting (qw:) needs finite question vectors; "
+                        f"got {len(q)} vectors")
+    values, vectors = np.linalg.eigh(q.T @ q / len(q))
+    values = np.maximum(values, values.max() * _EIGEN_FLOOR)
+    return cls.of_root((vectors * np.sqrt(values)) @ vectors.T)
+
+  @classmethod
+  def of_root(cls, root: np.ndarray) -> "Weighting":
+    """The weighting of its root [D, D] (`weighting.npy`), inverted in float64."""
+    root = np.asarray(root, np.float32)
+    return cls(root, np.linalg.inv(root.astype(np.float64)).astype(np.float32))
+
+  def tokens(self, x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32) @ self.root
+
+  def queries(self, q: np.ndarray) -> np.ndarray:
+    return np.asarray(q, np.float32) @ self.inverse
+
+
+def add_passage_sums(sums: np.ndarray, vectors: np.ndarray, passages: np.ndarray) -> None:
+  """Adds float32 `vectors` [n, D] into `sums` [P, D] (float64) at their passage rows
+  `passages` [n], which do not decrease (a dump's token order)."""
+  if not len(passages):
+    return
+  starts = np.flatnonzero(np.r_[True, passages[1:] != passages[:-1]])
+  sums[passages[starts]] += np.add.reduceat(vectors.astype(np.float64), starts, axis=0)
+
+
+def means_of(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """[P, D] float32 means of `sums` over `counts` [P] (zeros for a passage without tokens)."""
+  return (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+
+
+class ResidualCodes:
+  """A residual compact index's coding: `codec` codes the tokens (their residuals from their
+  passage's decoded mean, with `means_codec`; else the tokens themselves), in the weighted space
+  of `weighting` (None: the tokens' own)."""
+
+  def __init__(self, codec, means_codec=None, weighting: Weighting | None = None):
+    self.codec, self.means_codec, self.weighting = codec, means_codec, weighting
+
+  def space(self, x: np.ndarray) -> np.ndarray:
+    """float32 vectors [n, D] in the space the codes are of."""
+    return self.weighting.tokens(x) if self.weighting is not None else np.asarray(x, np.float32)
+
+  def train(self, sample: np.ndarray, sample_means: np.ndarray | None,
+            means_sample: np.ndarray | None) -> None:
+    """Trains the means codec on `means_sample` [m, D], then the token codec on the residuals
+    of `sample` [n, D] from their passages' means `sample_means` [n, D] as decoded (all in the
+    coded space)."""
+    if self.means_codec is not None:
+      if not self.means_codec.is_trained:
+        self.means_codec.train(np.ascontiguousarray(means_sample))
+      sample = sample - self.decode_means(self.encode_means(sample_means))
+    self.codec.train(np.ascontiguousarray(sample))
+
+  def encode_means(self, means: np.ndarray) -> np.ndarray:
+    return self.means_codec.sa_encode(np.ascontiguousarray(means, np.float32))
+
+  def decode_means(self, codes: np.ndarray) -> np.ndarray:
+    return self.means_codec.sa_decode(np.ascontiguousarray(codes))
+
+  def encode(self, x: np.ndarray, means: np.ndarray | None) -> np.ndarray:
+    """Codes [n, C] of tokens `x` [n, D] (coded space) whose passages' decoded means are
+    `means` [n, D] (None: no residuals)."""
+    return self.codec.sa_encode(np.ascontiguousarray(x if means is None else x - means))
+
+
+class PassageFirstSearch:
+  """The search of a residual compact index: passages by their coded means, then the kept
+  tokens of each query's top `nprobe` passages, scored mean plus residual.
+
+  Args:
+    means: a flat-code search of the passages' means (`compact.CodeSearch`; labels: rows).
+    codec: the residual codec (faiss, trained): PQ (after OPQ) of 8 bits scores by lookup
+      tables, any other flat codec by decoding the visited tokens.
+    codes: [K, C] the kept tokens' residual codes (rank order).
+    kept_offsets: [P + 1] each passage row's first kept rank.
+    weighting: the queries' map (None: unweighted).
+    nprobe: passages visited per query.
+  """
+
+  def __init__(self, means, codec, codes: np.ndarray, kept_offsets: np.ndarray,
+               weighting: Weighting | None, nprobe: int):
+    self.means, self.codec, self.codes = means, codec, codes
+    self.kept_offsets, self.weighting = kept_offsets, weighting
+    self.nprobe = max(1, int(nprobe))
+    self._tables = _pq_tables(codec)
+
+  @property
+  def ntotal(self) -> int:
+    return len(self.codes)
+
+  def search(self, queries: np.ndarray, k: int):
+    """(scores, labels) [Q, k] of the queries' best kept tokens (ranks; -1 and -inf past the
+    tokens of their visited passages)."""
+    q = np.ascontiguousarray(queries, np.float32)
+    if self.weighting is not None:
+      q = self.weighting.queries(q)
+    num_passages = len(self.kept_offsets) - 1
+    mean_scores, passages = self.means.search(q, min(self.nprobe, num_passages))
+    scores = np.full((len(q), k), -np.inf, np.float32)
+    labels = np.full((len(q), k), -1, np.int64)
+    tables = self._tables(q) if self._tables is not None else None
+    for i in range(len(q)):
+      found = passages[i] >= 0
+      ranks, lengths = self._ranks(passages[i][found])
+      if not len(ranks):
+        continue
+      codes = np.asarray(self.codes[ranks])
+      if tables is not None:
+        residual = tables[i][_SUBQUANTIZER[:codes.shape[1]], codes].sum(1)
+      else:
+        residual = self.codec.sa_decode(codes) @ q[i]
+      total = np.repeat(mean_scores[i][found], lengths) + residual
+      top = _top(total, k)
+      scores[i, :len(top)], labels[i, :len(top)] = total[top], ranks[top]
+    return scores, labels
+
+  def _ranks(self, passages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the kept ranks of `passages`, in their order; each passage's count of them)."""
+    first = np.asarray(self.kept_offsets[passages], np.int64)
+    lengths = np.asarray(self.kept_offsets[passages + 1], np.int64) - first
+    total = int(lengths.sum())
+    # rank = first of its passage + its place: a running count shifted at each passage's start
+    shift = np.repeat(first - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift, lengths
+
+
+_SUBQUANTIZER = np.arange(4096)
+
+
+def _top(scores: np.ndarray, k: int) -> np.ndarray:
+  """Positions of the k best of `scores`, best first (all, when fewer)."""
+  if len(scores) > k:
+    part = np.argpartition(-scores, k - 1)[:k]
+    return part[np.argsort(-scores[part], kind="stable")]
+  return np.argsort(-scores, kind="stable")
+
+
+def _pq_tables(codec):
+  """queries [Q, D] -> [Q, M, 256] their inner products with each PQ sub-vector centroid (after
+  the codec's transforms), where `codec` is PQ of 8 bits (after OPQ or other transforms); None
+  for other codecs (scored by decoding)."""
+  index = faiss.downcast_index(codec)
+  transforms = []
+  if isinstance(index, faiss.IndexPreTransform):
+    transforms = [faiss.downcast_VectorTransform(index.chain.at(i))
+                  for i in range(index.chain.size())]
+    index = faiss.downcast_index(index.index)
+  if not isinstance(index, faiss.IndexPQ) or index.pq.nbits != 8:
+    return None
+  pq = index.pq
+  centroids = faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
+
+  def tables(q: np.ndarray) -> np.ndarray:
+    for transform in transforms:
+      q = transform.apply(np.ascontiguousarray(q))
+    return np.einsum("qmd,mkd->qmk", q.reshape(len(q), pq.M, pq.dsub), centroids)
+  return tables
