@@ -174,3 +174,12 @@ def test_run_index_weights_by_the_models_training_questions(tiny_workdir, tmp_pa
   expected = question_weighting(settings, opened)
   np.testing.assert_allclose(index.compact.weighting.root, expected.root, rtol=1e-5, atol=1e-6)
   assert run.main(["eval"] + base + ["--set", "index.search_index=compact_qw_pr_PQ6"]) == 0
+
+
+def test_the_scale_studys_mapped_search_matches_one_in_memory(dump):
+  from conftest import load_script
+  scale = load_script("experiments/benchmarks/scale.py")
+  index = PhraseIndex(dump, "compact_pr_PQ6", nprobe=3)
+  q_start, q_end = _questions(PhraseIndex(dump, "Flat"))
+  found = scale.mapped_matches_loaded(index, q_start, q_end)
+  assert found["identical"] and found["questions"] == QUESTIONS

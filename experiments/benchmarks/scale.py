@@ -298,17 +298,24 @@ def timed_search(searcher, questions: list[str], batch: int, batches: int) -> di
 
 
 def mapped_matches_loaded(phrase_index, q_start: np.ndarray, q_end: np.ndarray) -> dict:
-  """Whether the compact index's faiss search over its memory-mapped codes returns the labels
-  and scores of a search of the same codes copied into memory (a faiss index owning them)."""
+  """Whether the compact index's search over its memory-mapped codes returns the labels and
+  scores of a search of the same codes copied into memory (a faiss index owning them; a
+  residual index's passage-first search over copies of its codes, means and offsets)."""
+  import dataclasses
+
   import faiss
 
   from dpjax.index.compact import flat_codes
   compact = phrase_index.compact
-  loaded = faiss.clone_index(compact.codec)
-  inner = flat_codes(loaded)
-  codes = np.ascontiguousarray(np.array(compact.codes))  # read whole, not mapped
-  inner.add_sa_codes(codes)
-  loaded.ntotal = inner.ntotal
+  if compact.means is not None:
+    loaded = dataclasses.replace(compact, **{  # read whole, not mapped
+        name: np.array(getattr(compact, name)) for name in ("codes", "means", "kept_offsets")}
+        ).searcher(phrase_index.index.nprobe)
+  else:
+    loaded = faiss.clone_index(compact.codec)
+    inner = flat_codes(loaded)
+    inner.add_sa_codes(np.ascontiguousarray(np.array(compact.codes)))  # read whole, not mapped
+    loaded.ntotal = inner.ntotal
   differ = 0
   for queries in (q_start, q_end):
     mapped_scores, mapped_ids = phrase_index.index.search(queries, 10)
