@@ -30,9 +30,7 @@ WEIGHTING = "weighting.npy"
 # PQ's 256-centroid codebooks want about 39 x 256 training vectors: fewer passages keep their
 # means exactly (float16); more code them with OPQ and 12-dimensional PQ sub-vectors (32 bytes
 # at D = 384). The means' coding error shifts every token of a passage alike, so it must stay
-# below the tokens' own: on SQuAD-open's weighted means (|m - mean m|^2 = 9.3) OPQ32 leaves
-# 0.12, OPQ48 0.08, plain PQ48 1.3 and PQ96 0.5, against about 0.3 for the OPQ24 codes of the
-# residuals; OPQ32 is what fits the 16-byte budget there (docs/indexing.md).
+# below the tokens' own, which plain PQ's does not (docs/indexing.md).
 PQ_MEANS_MIN_PASSAGES = 39 * 256
 MEANS_SUBVECTOR_DIMS = 12
 # Training vectors drawn for each codec: faiss's k-means samples 256 per centroid (65,536 for an

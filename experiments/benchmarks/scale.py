@@ -574,8 +574,7 @@ def _projection_lines(results: dict) -> list[str]:
     lines.append(f"| questions/s, {batch.replace('batch', 'batch ')} | {_f(q['projected'], '.3g')}"
                  f" | {q['seconds_per_question_per_token'] * 1e9:.3g} s per question per 1e9 "
                  "tokens |")
-  lines += ["", "Questions/s assume the compact index's exhaustive scan of every code (its search "
-            "time per question linear in tokens, on the cores in use here), with the random "
+  lines += ["", _search_assumed(results.get("spec", "")) + ", with the random "
             "encoder's question encoding; the dump hours assume the encoding rate given and no "
             "other bottleneck (the corpus read and the shards written as fast). The builds' "
             "memory grows linearly only once a size fills a dump shard (index.shard_passages "
@@ -583,6 +582,17 @@ def _projection_lines(results: dict) -> list[str]:
             "smaller sizes overstate it. Serve's memory is read before any search: a search "
             "maps the codes it scans (file-backed pages the kernel can reclaim)."]
   return lines
+
+
+def _search_assumed(spec: str) -> str:
+  """What the projected questions/s assume of the search of the compact index `spec`."""
+  from dpjax.index import compact, residual
+  if "pr" in residual.parse(compact.codec_spec(spec, 1))[0]:
+    return ("Questions/s assume the residual compact index's passage-first search (every "
+            "passage's coded mean scanned, then the kept tokens of index.nprobe passages: its "
+            "time per question linear in passages, on the cores in use here)")
+  return ("Questions/s assume the compact index's exhaustive scan of every code (its search "
+          "time per question linear in tokens, on the cores in use here)")
 
 
 def encode_rate_default() -> tuple[float, str]:
