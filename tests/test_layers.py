@@ -31,7 +31,8 @@ LAYERS = [
      "dpjax.index.encode", "dpjax.index.shard_stream", "dpjax.index.dump_codes", "dpjax.index.dump",
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
      "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
-     "dpjax.index.phrase_index", "dpjax.index.compact", "dpjax.index.passage_store",
+     "dpjax.index.phrase_index", "dpjax.index.compact", "dpjax.index.residual",
+     "dpjax.index.passage_store",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.index.hybrid_weights", "dpjax.loading", "dpjax.trainer"},
     # L3: one module per paper concept.

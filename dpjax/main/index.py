@@ -6,12 +6,14 @@ import pathlib
 
 import numpy as np
 
+from dpjax.data import Tokenizer
 from dpjax.index import compact, residual
 from dpjax.index.hybrid_weights import build_sparse_index, tune_questions
 from dpjax.index.faiss_index import build_index
 from dpjax.workdir import Workdir
-from dpjax.loading import checked_dump
+from dpjax.loading import checked_dump, restore_model
 from dpjax.main import writes_to
+from dpjax.models.encoders import encode_questions
 from dpjax.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,6 @@ def question_weighting(settings: Settings, workdir: Workdir) -> residual.Weighti
   """The question weighting of a compact index (`residual.Weighting`): the second moment of
   the start and end vectors of the training questions the hybrid weights are chosen on
   (`index.sparse_tune_questions` of them), encoded by the workdir's model (`eval.checkpoint`)."""
-  # (the question encoder's modules: loaded for a weighted index only)
-  from dpjax.data import Tokenizer
-  from dpjax.loading import restore_model
-  from dpjax.models.encoders import encode_questions
   questions, path = tune_questions(settings.data, settings.index, workdir)
   model, step = restore_model(settings.model, settings.data, settings.eval, workdir)
   q_start, q_end = encode_questions(
