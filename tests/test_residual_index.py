@@ -183,3 +183,16 @@ def test_the_scale_studys_mapped_search_matches_one_in_memory(dump):
   q_start, q_end = _questions(PhraseIndex(dump, "Flat"))
   found = scale.mapped_matches_loaded(index, q_start, q_end)
   assert found["identical"] and found["questions"] == QUESTIONS
+
+
+def test_weighting_without_training_questions_is_refused_in_one_line(tiny_workdir, monkeypatch):
+  from dpjax.main import index as index_mode
+  from dpjax.main import open_workdir
+
+  def no_questions(*args):
+    raise ConfigError("index.sparse: no training questions to choose the weight on")
+  monkeypatch.setattr(index_mode, "tune_questions", no_questions)
+  settings, workdir, _, _ = open_workdir("experiments/demo.py:tiny", tiny_workdir)
+  with pytest.raises(ConfigError, match=r"\(qw:\) needs training questions .* compact:pr:") as e:
+    index_mode.question_weighting(settings, workdir)
+  assert "\n" not in str(e.value)

@@ -7,6 +7,7 @@ import pathlib
 import numpy as np
 
 from dpjax.data import Tokenizer
+from dpjax.errors import ConfigError
 from dpjax.index import compact, residual
 from dpjax.index.hybrid_weights import build_sparse_index, tune_questions
 from dpjax.index.faiss_index import build_index
@@ -48,7 +49,12 @@ def question_weighting(settings: Settings, workdir: Workdir) -> residual.Weighti
   """The question weighting of a compact index (`residual.Weighting`): the second moment of
   the start and end vectors of the training questions the hybrid weights are chosen on
   (`index.sparse_tune_questions` of them), encoded by the workdir's model (`eval.checkpoint`)."""
-  questions, path = tune_questions(settings.data, settings.index, workdir)
+  try:
+    questions, path = tune_questions(settings.data, settings.index, workdir)
+  except ConfigError:  # (its message names the hybrid weights)
+    raise ConfigError("index.specs: a question-weighted compact index (qw:) needs training "
+                      "questions (data.train or index.sparse_tune_file); use compact:pr: "
+                      "without them") from None
   model, step = restore_model(settings.model, settings.data, settings.eval, workdir)
   q_start, q_end = encode_questions(
       model, Tokenizer.from_pretrained(settings.model.tokenizer),
