@@ -70,8 +70,7 @@ def codec_spec(spec: str, dim: int) -> str:
   """The codec of a compact spec: "[qw|pr|qw+pr:]<faiss factory string>" (`residual.parse`)."""
   codec = spec[len(PREFIX):] if spec.startswith(PREFIX) else ""
   mods, factory = residual.parse(codec)
-  return "+".join(m for m in residual.MODIFIERS if m in mods) + ":" * bool(mods) + (
-      factory or default_codec(dim))
+  return residual.joined(mods, factory or default_codec(dim))
 
 
 def flat_codes(codec):

@@ -288,8 +288,7 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
                         "questions of index.sparse_tune_questions)")
   codec = "" if mods else _dump_codec(dump_dir, spec)
   plan = _plan(dump_dir, codec or factory, filter_threshold, train_size)  # (none kept: refused)
-  plan["modifiers"] = [m for m in residual.MODIFIERS if m in mods]
-  plan["nprobe"] = nprobe
+  plan["modifiers"], plan["nprobe"] = mods, nprobe
   final = dump_dir / "indexes" / (name or index_folder(spec, filter_threshold))
   tmp = final.with_name(final.name + ".tmp")
   if distributed.is_main():
@@ -500,7 +499,7 @@ def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *,
   """Writes the compact index's codec (a residual one's means codec and weighting too) and
   manifest (the bytes of each part) into `tmp` and renames it to `final`."""
   _write_index(codec, tmp / "codec.faiss")
-  mods = plan.get("modifiers", [])
+  mods = plan.get("modifiers", ())
   if coder is not None and coder.means_codec is not None:
     _write_index(coder.means_codec, tmp / residual.MEANS_CODEC)
   if coder is not None and coder.weighting is not None:
@@ -510,11 +509,9 @@ def _write_compact(codec, plan: dict, tmp: pathlib.Path, final: pathlib.Path, *,
   size = sum(p["bytes"] for p in parts.values())
   manifest = {**_record(plan, spec, seconds), "kind": "compact", "dump_tokens": tokens,
               "positions": positions, "num_passages": int(plan["dump"]["num_passages"]),
-              "resolved_spec": compact.PREFIX + "+".join(mods) + ":" * bool(mods)
-              + plan["resolved"], "codec": plan["resolved"],
-              "residual": "pr" in mods, "weighted": "qw" in mods, "nprobe": plan.get("nprobe"),
-              "means_codec": None if coder is None or coder.means_codec is None
-              else plan["means_codec"],
+              "resolved_spec": compact.PREFIX + residual.joined(mods, plan["resolved"]),
+              "codec": plan["resolved"], "residual": "pr" in mods, "weighted": "qw" in mods,
+              "nprobe": plan.get("nprobe"), "means_codec": plan.get("means_codec"),
               "code_size": int(compact.flat_codes(codec).code_size), "labels": "kept_rank",
               "processes": 1, "index_bytes": size, "bytes_per_token": size / tokens,
               "parts": parts, "files": folder_checksums(tmp, skip=[MANIFEST])}

@@ -52,6 +52,13 @@ def parse(codec_spec: str) -> tuple[frozenset, str]:
   return frozenset(mods), codec
 
 
+def joined(mods, codec: str) -> str:
+  """The compact codec string of modifiers `mods` and a faiss factory string: "qw+pr:OPQ24,PQ24"
+  (`parse`'s inverse, the modifiers in MODIFIERS' order)."""
+  head = "+".join(m for m in MODIFIERS if m in mods)
+  return f"{head}:{codec}" if head else codec
+
+
 def means_codec_spec(num_passages: int, dim: int) -> str:
   """The codec of the passages' means: float16 below PQ_MEANS_MIN_PASSAGES passages, else OPQ
   and PQ of MEANS_SUBVECTOR_DIMS-dimensional sub-vectors."""
@@ -186,8 +193,8 @@ class PassageFirstSearch:
       if not len(ranks):
         continue
       codes = np.asarray(self.codes[ranks])
-      if tables is not None:
-        residual = tables[i][_SUBQUANTIZER[:codes.shape[1]], codes].sum(1)
+      if tables is not None:  # (sub-quantizer m's table row, at each token's code m)
+        residual = tables[i][np.arange(codes.shape[1]), codes].sum(1)
       else:
         residual = self.codec.sa_decode(codes) @ q[i]
       total = np.repeat(mean_scores[i][found], lengths) + residual
@@ -203,9 +210,6 @@ class PassageFirstSearch:
     # rank = first of its passage + its place: a running count shifted at each passage's start
     shift = np.repeat(first - (np.cumsum(lengths) - lengths), lengths)
     return np.arange(total, dtype=np.int64) + shift, lengths
-
-
-_SUBQUANTIZER = np.arange(4096)
 
 
 def _top(scores: np.ndarray, k: int) -> np.ndarray:
