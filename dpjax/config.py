@@ -547,9 +547,8 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       # tokens are encoded twice, but a model trained at 192 then retrieves worse (lower EM@1
       # at 256 and 384 on SQuAD dev: results/dump_window_length.md).
       "dump_max_seq_length": 0,
-      # Processes tokenizing the dump's shards ahead of the encoder (0: one thread). One thread
-      # is slower than an accelerator encodes and holds the GIL the encoder's feeder needs: use
-      # several on an accelerator (each takes seconds to start;
+      # Processes tokenizing the dump's shards ahead of the encoder (0: one thread, slower
+      # than an accelerator encodes: use several there; each takes seconds to start;
       # dpjax.index.window_maker.WindowMaker; results/code_measurements.md).
       "dump_workers": 0,
       # The dump encoder's compute dtype: "" = model.dtype; "bfloat16" halves a float32 model's
@@ -585,9 +584,10 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "sparse_passages": 20,
       "sparse_tune_questions": 1000,
       "sparse_tune_file": "",
-      # Overlapping answer spans of one passage are one result: the best, the others its
-      # `merged` evidence (phrase unit).
-      "merge_spans": True,
+      "merge_spans": True,  # overlapping spans of one passage: one result, the others merged
+      # Each question's top `reread` passages encoded again, their spans scored exactly (0:
+      # none; dpjax/index/rereading.py): for a compact or filtered index.
+      "reread": 0,
   })
   config.update(overrides)
   return config

@@ -157,10 +157,13 @@ def search_options(index: IndexSettings, dump: Dump, *, verify: bool = False) ->
 def describe_search(index: PhraseIndex) -> str:
   """Which search an index runs, for the logs: dense, or hybrid with its weights."""
   found = index.hybrid
+  reread = ("" if index.reread is None else
+            f", the top {index.reread.passages} passages re-read")
   if found is None or not found.active:
-    return "dense phrase search" + ("" if found is None else " (hybrid weights 0 and 0)")
+    return ("dense phrase search" + ("" if found is None else " (hybrid weights 0 and 0)")
+            + reread)
   return (f"hybrid search (dense + {found.weight:g} x passage BM25 + {found.sentence_weight:g} "
-          f"x sentence BM25, top {found.passages} BM25 passages)")
+          f"x sentence BM25, top {found.passages} BM25 passages{reread})")
 
 
 def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
@@ -181,5 +184,6 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   log.info("search: %s over index %s of %s", describe_search(phrases), phrases.manifest["spec"],
            phrases.dump.directory)
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
-                            max_query_length=data.max_query_length, batch_size=index.batch_size)
+                            max_query_length=data.max_query_length, batch_size=index.batch_size,
+                            reread=index.reread)
   return searcher, step

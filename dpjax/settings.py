@@ -231,6 +231,7 @@ class IndexSettings:
   sparse_tune_questions: int
   sparse_tune_file: str
   merge_spans: bool
+  reread: int
 
 
 @dataclasses.dataclass(frozen=True)

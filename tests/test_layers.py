@@ -32,6 +32,7 @@ LAYERS = [
      "dpjax.index.dump_reader", "dpjax.index.faiss_index", "dpjax.index.device_search",
      "dpjax.index.units", "dpjax.index.scoring", "dpjax.index.rescoring", "dpjax.index.hits",
      "dpjax.index.phrase_index", "dpjax.index.compact", "dpjax.index.residual",
+     "dpjax.index.rereading",
      "dpjax.index.passage_store",
      "dpjax.index.search", "dpjax.index.sparse", "dpjax.index.hybrid",
      "dpjax.index.evaluate", "dpjax.index.hybrid_weights", "dpjax.loading", "dpjax.trainer"},

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # passage BM25's grid
 SENTENCE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0)  # sentence BM25's grid
 TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are the dev split)
+# `_tuned_for`'s settings that weights chosen before them were chosen at (none re-read).
+_TUNED_BEFORE = {"reread": 0}
 
 
 def build_sparse_index(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
@@ -77,7 +79,7 @@ def _weight_kept(evaluation: EvalSettings, index: IndexSettings, workdir: Workdi
   tuning = manifest.get("weight_tuning") or {}
   wanted = _tuned_for(evaluation, index)
   return (manifest.get("weight") is not None and manifest.get("sentence_weight") is not None
-          and wanted == {k: tuning.get(k) for k in wanted})
+          and wanted == {k: tuning.get(k, _TUNED_BEFORE.get(k)) for k in wanted})
 
 
 def _dense_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
@@ -94,7 +96,7 @@ def _tuned_for(evaluation: EvalSettings, index: IndexSettings) -> dict:
   return {"passages": index.sparse_passages, "index": index.search_index,
           "checkpoint": evaluation.checkpoint,
           "limit": index.sparse_tune_questions, "tune_file": index.sparse_tune_file,
-          "regex": evaluation.regex}
+          "regex": evaluation.regex, "reread": index.reread}
 
 
 def tune_questions(data: DataSettings, index: IndexSettings,

@@ -2,8 +2,9 @@
 rescored exactly from the stored token vectors (`rescoring.Rescorer`) or a compact index's codes
 (`compact`), and the best phrase of each retrieved unit.
 
-A `PhraseIndex` is built from its search options, merged spans and hybrid search
-(`hybrid.Hybrid`); `with_options` gives the same index with others, sharing what it loaded.
+A `PhraseIndex` is built from its search options, merged spans, hybrid search
+(`hybrid.Hybrid`) and re-reading (`rereading.Rereader`); `with_options` gives the same index
+with others, sharing what it loaded.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import faiss
 import numpy as np
 
 from dpjax.errors import DumpError
-from dpjax.index import hybrid, scoring
+from dpjax.index import hybrid, rereading, scoring
 from dpjax.index.compact import CompactIndex
 from dpjax.index.device_search import DeviceFlat, use_device_search
 from dpjax.index.dump_reader import Dump
@@ -26,6 +27,7 @@ from dpjax.index.faiss_index import check_index, index_folder
 from dpjax.index.hits import Hits, ranked_spans
 from dpjax.index.hybrid import Hybrid
 from dpjax.index.manifest import INDEX_MANIFEST, check_index_of_dump
+from dpjax.index.rereading import ReadTokens, Rereader
 from dpjax.index.rescoring import Rescorer
 from dpjax.index.units import UNITS, Phrase, check_request, count, document_key, sentence_bounds
 from dpjax.io import read_json
@@ -51,13 +53,15 @@ class PhraseIndex:
   """A complete dump with one of its faiss indexes.
 
   Search options: `merge_spans` (overlapping answers of one passage are one result, the others
-  listed under its `merged`) and `hybrid` (`Hybrid`: BM25 scores of the dump's passages and
-  sentences added; None: the dense search).
+  listed under its `merged`), `hybrid` (`Hybrid`: BM25 scores of the dump's passages and
+  sentences added; None: the dense search) and `reread` (`Rereader`: each question's top
+  passages encoded again and their spans scored exactly; None: the index's scores).
   """
 
   def __init__(self, dump: Dump | str | os.PathLike, index_name: str = "Flat",
                nprobe: int | None = None, search_device: str = "auto", *,
-               merge_spans: bool = True, hybrid: Hybrid | None = None, verify: bool = False):
+               merge_spans: bool = True, hybrid: Hybrid | None = None,
+               reread: Rereader | None = None, verify: bool = False):
     """The dump's index `index_name`; the sizes of its and the dump's files are checked against
     those recorded when written, and with `verify` their contents (`index.verify`). A compact
     index (`compact`) over a dump's directory reads the dump's manifest only: its passages are
@@ -97,7 +101,7 @@ class PhraseIndex:
       if hasattr(self.index, "nprobe") or "IVF" in self.manifest["resolved_spec"]:
         faiss.ParameterSpace().set_index_parameter(self.index, "nprobe",
                                                    nprobe or self.manifest["nprobe"])
-    self._setup(merge_spans, hybrid)
+    self._setup(merge_spans, hybrid, reread)
 
   def _load_compact(self, directory: pathlib.Path, nprobe: int | None) -> None:
     """A compact index: its codes searched in place (a residual one's `nprobe` passages first),
@@ -167,7 +171,8 @@ class PhraseIndex:
     self._setup(merge_spans, None)
     return self
 
-  def _setup(self, merge_spans: bool, hybrid: Hybrid | None) -> None:
+  def _setup(self, merge_spans: bool, hybrid: Hybrid | None,
+             reread: Rereader | None = None) -> None:
     self.num_vectors = int(self.manifest["num_tokens"])
     self._sentences: dict[int, np.ndarray] = {}
     # The last questions' lexical results (`_lexical`), shared with `with_options` copies.
@@ -175,7 +180,7 @@ class PhraseIndex:
     self.rescorer = (self.compact.rescorer() if self.compact is not None else  # (its codes)
                      Rescorer(self._rescored_vectors(), self.dump.token_passage,
                               len(self.dump.passages), self.kept_mask, self.dump.positions))
-    self._set_options(merge_spans, hybrid)
+    self._set_options(merge_spans, hybrid, reread)
 
   def _rescored_vectors(self):
     """The [N, D] vectors the rescoring reads: the exact index's float32 storage, or the dump's
@@ -188,23 +193,28 @@ class PhraseIndex:
                                          vectors.dtype))
     return vectors
 
-  def _set_options(self, merge_spans: bool, hybrid: Hybrid | None) -> None:
+  def _set_options(self, merge_spans: bool, hybrid: Hybrid | None,
+                   reread: Rereader | None) -> None:
     if hybrid is not None:
       if not isinstance(hybrid, Hybrid):
         raise TypeError(f"hybrid must be a dpjax.index.hybrid.Hybrid or None, not "
                         f"{type(hybrid).__name__}")
       hybrid.sparse.check_of(self.dump.directory, self.dump.manifest)
-    self.merge_spans, self.hybrid = bool(merge_spans), hybrid
+    if reread is not None and not isinstance(reread, Rereader):
+      raise TypeError(f"reread must be a dpjax.index.rereading.Rereader or None, not "
+                      f"{type(reread).__name__}")
+    self.merge_spans, self.hybrid, self.reread = bool(merge_spans), hybrid, reread
 
   _KEEP = object()
 
   def with_options(self, *, merge_spans: bool = _KEEP, hybrid: Hybrid | None = _KEEP,
-                   ) -> "PhraseIndex":
+                   reread: Rereader | None = _KEEP) -> "PhraseIndex":
     """This index with other search options (those not given kept): a new searcher sharing
     the dump, the faiss index, the rescoring and the last lexical results with this one."""
     other = copy.copy(self)
     other._set_options(self.merge_spans if merge_spans is self._KEEP else merge_spans,
-                       self.hybrid if hybrid is self._KEEP else hybrid)
+                       self.hybrid if hybrid is self._KEEP else hybrid,
+                       self.reread if reread is self._KEEP else reread)
     return other
 
   @property
@@ -290,11 +300,28 @@ class PhraseIndex:
         self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
     return self._exact
 
-  def phrase(self, start: int, end: int, score: float) -> Phrase:
-    """The `Phrase` of tokens [start, end] (token ids) with its passage and text."""
-    passage = int(self.dump.token_passage[start])
-    s, e = int(self.dump.char_spans[start, 0]), int(self.dump.char_spans[end, 1])
+  def phrase(self, start: int, end: int, score: float, read: ReadTokens | None = None
+             ) -> Phrase:
+    """The `Phrase` of tokens [start, end] (token ids, or a search's re-read ones `read`) with
+    its passage and text."""
+    if read is not None and start >= read.first:
+      passage = int(read.passage[start - read.first])
+      s, e = int(read.char_spans[start - read.first, 0]), int(read.char_spans[end - read.first, 1])
+    else:
+      passage = int(self.dump.token_passage[start])
+      s, e = int(self.dump.char_spans[start, 0]), int(self.dump.char_spans[end, 1])
     return Phrase(score, start, end, passage, s, e, self.dump.passages[passage].text[s:e])
+
+  def _passages_of(self, tokens: np.ndarray, read: ReadTokens | None = None) -> np.ndarray:
+    """[N] the passage rows of token ids [N] (the index's, or a search's re-read ones)."""
+    tokens = np.asarray(tokens, np.int64)
+    if read is None:
+      return np.asarray(self.dump.token_passage[tokens], np.int64)
+    out = np.empty(len(tokens), np.int64)
+    own = tokens < read.first
+    out[own] = self.dump.token_passage[tokens[own]]
+    out[~own] = read.passage[tokens[~own] - read.first]
+    return out
 
   def sentence_of(self, phrase: Phrase) -> tuple[int, int]:
     """(start, end) characters of the sentence holding the phrase's first character."""
@@ -319,20 +346,21 @@ class PhraseIndex:
     raise ValueError(f"unknown retrieval unit {unit!r}; one of {UNITS}")
 
   def _best_units(self, starts: np.ndarray, ends: np.ndarray, scores: np.ndarray, unit: str,
-                  k: int) -> list[Phrase]:
-    """The best phrase of each of the top-k units among ranked spans; phrases overlapping a
-    better one are merged into it (`merge_spans`, phrase unit)."""
+                  k: int, read: ReadTokens | None = None) -> list[Phrase]:
+    """The best phrase of each of the top-k units among ranked spans (token ids, or re-read
+    ones of `read`); phrases overlapping a better one are merged into it (`merge_spans`, phrase
+    unit)."""
     if unit == "phrase" and self.merge_spans:
       leads, others = hybrid.overlap_groups(starts, ends, k)
       best = []
       for lead, merged in zip(leads, others):
-        phrase = self.phrase(int(starts[lead]), int(ends[lead]), float(scores[lead]))
-        phrase.merged = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
+        phrase = self.phrase(int(starts[lead]), int(ends[lead]), float(scores[lead]), read)
+        phrase.merged = [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]), read)
                          for i in merged]
         best.append(phrase)
       return best
-    return [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]))
-            for i in self._first_of_units(starts, ends, unit)[:k]]
+    return [self.phrase(int(starts[i]), int(ends[i]), float(scores[i]), read)
+            for i in self._first_of_units(starts, ends, unit, read)[:k]]
 
   def lexical_rows(self) -> int | None:
     """Questions a hybrid search scores with BM25 at once (None: a dense search); a search of
@@ -367,6 +395,30 @@ class PhraseIndex:
     self._lexical_cache[0] = (key, (np.array(q_start), np.array(q_end)), found)
     return found
 
+  def _reread(self, q_start: np.ndarray, q_end: np.ndarray, questions: np.ndarray,
+              ranked: list, lexical, max_answer_length: int) -> tuple[ReadTokens, list]:
+    """(the re-read tokens, `ranked` with the spans of each question's top `reread.passages`
+    passages replaced by their re-read spans, fused as the search fuses: `rereading.rerank`)
+    for the questions at rows `questions` of q_start / q_end."""
+    passages = [self._passages_of(found[0]) for found in ranked]
+    picks = [rereading.top_passages(rows, self.reread.passages) for rows in passages]
+    read, spans = rereading.read_spans(self.reread, self.dump.passages, q_start[questions],
+                                       q_end[questions], picks, max_answer_length,
+                                       first=self.rescorer.num_tokens)
+    out = []
+    for q, found, rows, pick, (starts, ends, scores) in zip(questions, ranked, passages, picks,
+                                                           spans):
+      fused = scores.astype(np.float32)
+      if lexical is not None:
+        at = starts - read.first
+        fused = fused + np.float32(self.hybrid.weight) * lexical[0][q][read.passage[at]]
+        if self.hybrid.sentence_weight:
+          fused = fused + np.float32(self.hybrid.sentence_weight) * (
+              self.hybrid.sparse.sentence_scores(lexical[3][q], read.passage[at],
+                                                 read.char_spans[at, 0], self.dump.passages))
+      out.append(rereading.rerank(found, rows, pick, (starts, ends, fused)))
+    return read, out
+
   def _sentence_of(self, terms) -> Callable[[np.ndarray], np.ndarray]:
     """start tokens [N] -> [N] the BM25 of the question of `terms` (`SparseIndex.question_terms`)
     against the sentence each token begins in: `hybrid.fuse`'s sentence term."""
@@ -374,18 +426,20 @@ class PhraseIndex:
         terms, self.dump.token_passage[starts], self.dump.char_spans[starts, 0],
         self.dump.passages)
 
-  def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str) -> np.ndarray:
+  def _first_of_units(self, starts: np.ndarray, ends: np.ndarray, unit: str,
+                      read: ReadTokens | None = None) -> np.ndarray:
     """Positions of the first (best) phrase of each distinct unit among ranked phrases."""
     if unit == "phrase":  # the spans are distinct already
       return np.arange(len(starts))
     if unit == "sentence":
       codes = {}
-      keys = [codes.setdefault(self.unit_key(self.phrase(int(s), int(e), 0.0), unit), len(codes))
+      keys = [codes.setdefault(self.unit_key(self.phrase(int(s), int(e), 0.0, read), unit),
+                               len(codes))
               for s, e in zip(starts, ends)]
     elif unit == "passage":
-      keys = self.dump.token_passage[starts]
+      keys = self._passages_of(starts, read)
     else:
-      keys = self._documents()[self.dump.token_passage[starts]]
+      keys = self._documents()[self._passages_of(starts, read)]
     return np.sort(np.unique(np.asarray(keys, np.int64), return_index=True)[1])
 
   def _documents(self) -> np.ndarray:
@@ -455,14 +509,21 @@ class PhraseIndex:
         wide_row[pending] = np.arange(len(pending))
       spans = self._spans(q_start[pending], q_end[pending], needed, max_answer_length, wide,
                           None if wide is None else wide_row[pending])
-      short = []
+      ranked = []
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
-        ranked = (starts[:fetch], ends[:fetch], scores[:fetch])
+        ranked.append((starts[:fetch], ends[:fetch], scores[:fetch]))
         if lexical is not None:
-          ranked = hybrid.fuse(ranked, lexical[2][q], lexical[0][q], self.dump.token_passage,
-                               self.hybrid.weight, self._sentence_of(lexical[3][q]),
-                               self.hybrid.sentence_weight)
-        units[q] = [(p, self.unit_key(p, unit)) for p in self._best_units(*ranked, unit, k)]
+          ranked[-1] = hybrid.fuse(ranked[-1], lexical[2][q], lexical[0][q],
+                                   self.dump.token_passage, self.hybrid.weight,
+                                   self._sentence_of(lexical[3][q]),
+                                   self.hybrid.sentence_weight)
+      read = None
+      if self.reread is not None:
+        read, ranked = self._reread(q_start, q_end, pending, ranked, lexical, max_answer_length)
+      short = []
+      for q, found in zip(pending, ranked):
+        units[q] = [(p, self.unit_key(p, unit))
+                    for p in self._best_units(*found, unit, k, read)]
         if len(units[q]) < k and fetch < max_fetch:
           short.append(q)
       pending = np.array(short, dtype=np.int64)

@@ -31,6 +31,7 @@ from dpjax.errors import DumpError
 from dpjax.index.evaluate import retrieve_texts
 from dpjax.index.manifest import encoder_fingerprint
 from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.rereading import Rereader
 from dpjax.index.units import check_request
 from dpjax.model_files import DEFAULT_MODEL
 from dpjax.models.encoders import bound_questions, compile_questions, question_vectors
@@ -58,11 +59,15 @@ def _dump_tokenizer(index: PhraseIndex) -> Tokenizer:
 class PhraseSearcher:
   """Question answering over a phrase index: `PhraseSearcher(model, index).search(questions)`.
 
+  `reread` (> 0): each question's top `reread` passages are encoded again by the model and
+  their spans scored exactly (`rereading.Rereader`): for an index of codes or of the filter's
+  kept tokens, at one encoding per passage.
+
   Named `DensePhrases` before, as the model class `dpjax.models.DensePhrases` is: that name is
   kept as an alias (`dpjax.DensePhrases`)."""
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
-               batch_size: int = 64, mesh=None, check_model: bool = True):
+               batch_size: int = 64, mesh=None, check_model: bool = True, reread: int = 0):
     if check_model and encoder_fingerprint(model) != index.fingerprint:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
@@ -70,6 +75,9 @@ class PhraseSearcher:
     self.tokenizer = tokenizer or _dump_tokenizer(index)
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
+    if reread:
+      self.index = index.with_options(reread=Rereader(model, self.tokenizer, index.dump.manifest,
+                                                      reread, mesh=self.mesh))
     self.batch_size = round_to_devices(batch_size, self.mesh)
     self._encode = bound_questions(model)
 

@@ -66,7 +66,8 @@ def run(settings: Settings, workdir: str) -> dict:
             "index_build_seconds": index.manifest["build_seconds"],
             "index_spec": index.manifest["resolved_spec"],
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"],
-            "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index)}
+            "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index),
+            "reread": index.reread.passages if index.reread else 0}
   reading = None
   if evaluation.reader:  # the retriever-reader pipeline over the ranked passages
     reader = Reader(*_reader_sections(settings), evaluation)
@@ -101,8 +102,11 @@ def _reader_sections(settings: Settings) -> tuple[ModelSettings, DataSettings]:
 
 def _batch64_throughput(evaluation: EvalSettings, searcher,
                         texts: list[str]) -> tuple[float, int]:
-  """Throughput as a service sees it: consecutive batches of 64 questions, encoding included."""
+  """Throughput as a service sees it: consecutive batches of 64 questions, encoding included
+  (re-reading's passages encoded again: its cache emptied first)."""
   timed = texts[:max(64, evaluation.throughput_questions)]
+  if searcher.index.reread is not None:
+    searcher.index.reread.clear()
   start = time.perf_counter()
   for lo in range(0, len(timed), 64):
     searcher.search(timed[lo:lo + 64], k=10, unit="phrase",
@@ -124,7 +128,8 @@ def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, st
   # Hybrid search's and unmerged spans' their own (and an approximate index's top-1 is compared
   # with Flat's searched the same way); hybrid weights set by hand name theirs, beside the
   # recorded ones'.
-  search = ("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
+  search = (("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
+            + (f"_reread{index.reread}" if index.reread else ""))
   if index.sparse and index.sparse_weight is not None:
     search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
   return prefix, search, tag

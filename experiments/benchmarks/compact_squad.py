@@ -3,7 +3,7 @@ hybrid, the bytes per corpus token by part, and the speed of hybrid search.
 
   taskset -c 1 python experiments/benchmarks/compact_squad.py --config experiments/squad.py:cpu \\
       --workdir workdirs/squad-cpu --codec OPQ24,PQ24 --out results/scale.json \\
-      [--compact-set eval.checkpoint=qsft]
+      [--compact-set eval.checkpoint=qsft] [--reread 3 --reread-set index.sparse_weight=1 ...]
 
 It needs the workdir's complete float16 dump and, for `--threshold filter`, `run.py filter`'s
 filter_results.json (its chosen threshold). Through run.py (what is missing is run, everything
@@ -15,6 +15,12 @@ is timed on the same questions: batch 1 (p50 / p90 latency) and batch 64 (questi
 encoding included, alternating the two indexes batch by batch so that both see the same machine.
 Bytes per corpus token (the dump's tokens, before filtering) by part: the compact index's files,
 the BM25 index's files, and what else a search over them reads (the dump's manifest).
+
+`--reread R` (repeatable) adds the compact hybrid search re-reading each question's top R passages
+(`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it).
+Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
+file order a batch would re-read far fewer passages than a service's questions make it), and
+re-reading's cache holds nothing while timed (every passage encoded cold).
 
 The section is written into `--out` under "squad_open" (the scale study's other figures kept) and
 its Markdown re-rendered by experiments/benchmarks/scale.py's `render`.
@@ -38,6 +44,7 @@ log = logging.getLogger("compact_squad")
 KEYS = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
 PAIRED = ("em@1", "top1", "top20")
 BYTES_BUDGET = 16.0  # the issue's bound on served bytes per corpus token
+TIMING_SEED = 5  # the timed questions' order
 
 
 def run_py(mode: str, args, overrides: list[str]) -> str:
@@ -72,12 +79,17 @@ def systems(args, threshold: float | None) -> dict:
   folder = index_folder(compact, threshold)
   flat = ["index.search_index=Flat"]
   coded = [f"index.search_index={folder}", *args.compact_set]
-  return {
+  rows = {
       "Flat, dense": ("Flat", "Flat", flat + ["index.sparse=False"]),
       "Flat, hybrid": ("Flat", "Flat", flat + ["index.sparse=True"]),
       f"compact {args.codec}, dense": (compact, folder, coded + ["index.sparse=False"]),
       f"compact {args.codec}, hybrid": (compact, folder, coded + ["index.sparse=True"]),
   }
+  for passages in args.reread:
+    rows[f"compact {args.codec}, hybrid, reread {passages}"] = (
+        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
+                                  *args.reread_set])
+  return rows
 
 
 def eval_file(args, overrides: list[str]) -> pathlib.Path:
@@ -135,6 +147,7 @@ def served_bytes(dump: pathlib.Path, folder: str) -> dict:
 
 def timed(args, rows: dict) -> dict:
   """Batch-1 latency and batch-64 throughput of each hybrid search, alternating the indexes."""
+  import numpy as np
   from timing import time_searches
 
   from dpjax.config import load_settings
@@ -142,7 +155,7 @@ def timed(args, rows: dict) -> dict:
   from dpjax.loading import data_paths
   from dpjax.main import open_searcher
   from dpjax.workdir import Workdir
-  hybrid = {name: r for name, r in rows.items() if name.endswith("hybrid")}
+  hybrid = {name: r for name, r in rows.items() if ", hybrid" in name}
   searchers, texts = {}, None
   for name, (_, folder, overrides) in hybrid.items():
     settings = load_settings(args.config, [*overrides, *args.set])
@@ -151,6 +164,10 @@ def timed(args, rows: dict) -> dict:
     if texts is None:
       path = data_paths(settings.data, settings.index, workdir)["questions"]
       texts = [q.question for q in read_questions(path)]
+      texts = [texts[i] for i in np.random.default_rng(TIMING_SEED).permutation(len(texts))]
+    reread = searchers[name].index.reread
+    if reread is not None:
+      reread.cache_tokens = 0  # every timed passage encoded
   max_len = load_settings(args.config, args.set).eval.max_answer_length
   for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
     searcher.search(texts[:64], k=10, max_answer_length=max_len)
@@ -179,11 +196,12 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                    "questions_per_s_eval": report["questions"] / report["search_seconds"],
                    "questions_per_sec_batch64_eval": report["questions_per_sec_batch64"],
                    "hybrid": report.get("hybrid") and {
-                       k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")}}
+                       k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")},
+                   "reread": report.get("reread", 0)}
   paired = {}
   for name in reports:
     if name.startswith("compact"):
-      flat = "Flat, " + name.rsplit(", ", 1)[1]
+      flat = "Flat, " + name.split(", ")[1]
       paired[f"{name} vs {flat}"] = {
           k: metrics.mcnemar_p(reports[name]["hits"][k], reports[flat]["hits"][k])
           for k in PAIRED}
@@ -210,6 +228,10 @@ def parse(argv):
   parser.add_argument("--compact-set", action="append", default=[],
                       help="for the compact index's evals and searcher only (e.g. "
                            "eval.checkpoint=qsft)")
+  parser.add_argument("--reread", action="append", type=int, default=[],
+                      help="a compact hybrid row re-reading this many top passages")
+  parser.add_argument("--reread-set", action="append", default=[],
+                      help="for the re-reading rows only")
   parser.add_argument("--rerun", action="store_true")
   parser.add_argument("--questions", type=int, default=10570,
                       help="the evaluation questions an eval report must hold to be reused")

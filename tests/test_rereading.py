@@ -1,0 +1,148 @@
+"""Re-reading (`index.reread`, `dpjax.index.rereading`) on the tiny trained workdir: the re-read
+vectors are the dump's, re-reading an exact index keeps its answers, re-reading a coarse compact
+index brings them back toward the exact ones, and eval runs it end to end."""
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import phrase_questions
+
+import run
+from dpjax.config import load_settings
+from dpjax.data.tokenization import Tokenizer
+from dpjax.errors import DumpError
+from dpjax.index import rereading
+from dpjax.index.faiss_index import build_index
+from dpjax.index.phrase_index import PhraseIndex
+from dpjax.index.rereading import Rereader
+from dpjax.index.search import PhraseSearcher
+from dpjax.loading import restore_model
+
+CONFIG = "experiments/demo.py:tiny"
+QUESTIONS = 53
+
+
+@pytest.fixture(scope="module")
+def workdir(tiny_workdir, tmp_path_factory):
+  """A copy of the tiny workdir with a coarse compact index (3 bytes per token)."""
+  directory = tmp_path_factory.mktemp("reread") / "demo"
+  shutil.copytree(tiny_workdir, directory)
+  build_index(directory / "dump", "compact:PQ3")
+  return directory
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+  s = load_settings(CONFIG, [])
+  return restore_model(s.model, s.data, s.eval, workdir)[0]
+
+
+def _rereader(model, index: PhraseIndex, passages: int = 2, **kwargs) -> Rereader:
+  return Rereader(model, Tokenizer.from_pretrained(index.dump.manifest["model"]["tokenizer"]),
+                  index.dump.manifest, passages, **kwargs)
+
+
+def _top1(index: PhraseIndex, q_start, q_end):
+  return [(units[0][0].passage, units[0][0].start_char, units[0][0].end_char, units[0][0].score)
+          for units in index.search(q_start, q_end, 5)]
+
+
+def test_re_read_vectors_are_the_dumps(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  rows = [5, 0, 17, 5]  # (one read twice)
+  read = _rereader(model, flat).read(rows, flat.dump.passages)
+  for row, (vectors, spans) in zip(rows, read):
+    tokens = np.arange(flat.passage_start[row], flat.passage_end[row])
+    np.testing.assert_array_equal(spans, flat.dump.char_spans[tokens])
+    np.testing.assert_allclose(np.asarray(vectors, np.float32),
+                               np.asarray(flat.dump.vectors[tokens], np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_re_reading_an_exact_index_keeps_its_answers(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  q_start, q_end = phrase_questions(flat.dump.vectors, QUESTIONS, 3)
+  theirs = _top1(flat, q_start, q_end)
+  ours = _top1(flat.with_options(reread=_rereader(model, flat)), q_start, q_end)
+  # The top span is re-read from vectors equal up to the encoder's rounding: the same span at
+  # the same score (the best re-read span takes the search's best score).
+  assert [a[:3] for a in ours] == [a[:3] for a in theirs]
+  np.testing.assert_allclose([a[3] for a in ours], [a[3] for a in theirs], rtol=1e-6)
+
+
+def test_re_reading_a_coarse_compact_index_brings_back_the_exact_answers(workdir, model,
+                                                                          monkeypatch):
+  flat, compact = PhraseIndex(workdir / "dump", "Flat"), PhraseIndex(workdir / "dump",
+                                                                     "compact:PQ3")
+  q_start, q_end = phrase_questions(flat.dump.vectors, QUESTIONS, 5)
+  exact = [a[:3] for a in _top1(flat, q_start, q_end)]
+  coded = [a[:3] for a in _top1(compact, q_start, q_end)]
+  reader, picked = _rereader(model, compact, 3), []
+  read_spans = rereading.read_spans
+  monkeypatch.setattr(rereading, "read_spans",
+                      lambda *args, **kwargs: picked.extend(args[4]) or read_spans(*args, **kwargs))
+  reread = [a[:3] for a in _top1(compact.with_options(reread=reader), q_start, q_end)]
+  assert len(picked) == QUESTIONS and all(len(rows) == 3 for rows in picked)
+  # A question whose exact answer lies in one of its 3 re-read passages gets it: the exact best
+  # span of all passages is the best of those three.
+  covered = [answer[0] in rows for answer, rows in zip(exact, picked)]
+  assert [found for found, c in zip(reread, covered) if c] == [
+      answer for answer, c in zip(exact, covered) if c]
+  before, after = (np.mean([a == b for a, b in zip(found, exact)]) for found in (coded, reread))
+  assert after >= np.mean(covered) > before + 0.2, (before, np.mean(covered), after)
+  encoded = reader.encoded_passages
+  compact.with_options(reread=reader).search(q_start, q_end, 5)  # the same questions again
+  assert reader.encoded_passages == encoded  # read from the cache
+
+
+def test_the_cache_keeps_at_most_its_tokens(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  sizes = flat.passage_end - flat.passage_start
+  reader = _rereader(model, flat, cache_tokens=int(sizes[:3].sum()))
+  reader.read([0, 1, 2], flat.dump.passages)
+  reader.read([3], flat.dump.passages)  # passage 0, the least recently read, goes first
+  assert 0 not in reader._cache and 3 in reader._cache
+  assert reader._cached <= reader.cache_tokens
+  reader.read([3], flat.dump.passages)
+  assert reader.encoded_passages == 4
+
+
+def test_rerank_places_the_re_read_spans_on_the_searchs_scale():
+  ranked = (np.array([10, 40, 12, 50]), np.array([11, 41, 13, 52]),
+            np.array([9.0, 8.0, 7.0, 6.0], np.float32))
+  passages = np.array([1, 4, 1, 5])  # spans 10 and 12 of passage 1, re-read below
+  read = (np.array([100, 103]), np.array([101, 104]), np.array([3.0, 5.0], np.float32))
+  starts, ends, scores = rereading.rerank(ranked, passages, np.array([1]), read)
+  assert starts.tolist() == [103, 40, 100, 50]
+  np.testing.assert_allclose(scores, [9.0, 8.0, 7.0, 6.0])
+  assert rereading.top_passages(np.array([4, 4, 2, 9, 2, 7]), 3).tolist() == [4, 2, 9]
+
+
+def test_re_reading_refuses_another_model_and_a_count_below_one(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  tokenizer = Tokenizer.from_pretrained(flat.dump.manifest["model"]["tokenizer"])
+  with pytest.raises(ValueError, match=r"index.reread .* must be >= 1"):
+    Rereader(model, tokenizer, flat.dump.manifest, 0)
+  other = dict(flat.dump.manifest, fingerprint="0" * 16)
+  with pytest.raises(DumpError, match="the model that made the dump"):
+    Rereader(model, tokenizer, other, 2)
+  with pytest.raises(TypeError, match="reread must be"):
+    flat.with_options(reread=2)
+  with pytest.raises(ValueError, match="index.reread"):
+    PhraseSearcher(model, flat, tokenizer, reread=-1)
+
+
+def test_eval_re_reads_and_names_its_report(workdir):
+  base = ["--config", CONFIG, "--workdir", str(workdir), "--set",
+          "index.search_index=compact_PQ3", "--set", "eval.throughput_questions=64"]
+  assert run.main(["eval"] + base + ["--set", "index.reread=2"]) == 0
+  assert run.main(["eval"] + base) == 0
+  reread = json.loads((workdir / "open_eval_compact_PQ3_reread2.json").read_text())
+  coded = json.loads((workdir / "open_eval_compact_PQ3.json").read_text())
+  assert reread["reread"] == 2 and coded["reread"] == 0
+  assert reread["questions"] == coded["questions"] > 0
+  # the same top passages, the first two reordered by their exact spans
+  assert reread["top20"] == coded["top20"]
