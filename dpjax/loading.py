@@ -181,9 +181,9 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   phrases = PhraseIndex(workdir.dump(index.dump_name), index_name or index.search_index,
                         nprobe=index.nprobe, search_device=index.search_device, verify=verify)
   phrases = phrases.with_options(**search_options(index, phrases.dump, verify=verify))
-  log.info("search: %s over index %s of %s", describe_search(phrases), phrases.manifest["spec"],
-           phrases.dump.directory)
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
                             max_query_length=data.max_query_length, batch_size=index.batch_size,
                             reread=index.reread)
+  log.info("search: %s over index %s of %s", describe_search(searcher.index),
+           phrases.manifest["spec"], phrases.dump.directory)
   return searcher, step

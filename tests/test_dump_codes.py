@@ -178,6 +178,10 @@ def test_what_needs_vectors_is_refused_on_a_codes_dump(workdir):
     Dump.load(workdir / "codes")
   with pytest.raises(ConfigError, match="index.dump_codec"):
     build_index(workdir / "codes", "compact:SQ8")
+  # a residual code is coded from the vectors (the dump's codes are of the tokens themselves)
+  with pytest.raises(DumpError, match="index.dump_vectors"):
+    build_index(workdir / "codes", "compact:pr:PQ5")
+  assert not (workdir / "codes" / "indexes" / "compact_pr_PQ5").exists()
   assert _run(workdir, "index", "index.dump_name=codes", 'index.specs=["Flat"]') == 2
   assert _run(workdir, "subcorpus", "index.dump_name=codes") == 2
 
