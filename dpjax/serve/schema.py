@@ -112,6 +112,8 @@ class ServiceInfo(BaseModel):
   hybrid: dict | None = Field(None, description="hybrid search's BM25 weight and passages "
                               "(index.sparse; null: the dense search)")
   merge_spans: bool = Field(True, description="overlapping answers of one passage merged")
+  reread: int = Field(0, description="top passages encoded again and scored exactly per "
+                      "question (index.reread; 0: none)")
   version: str = Field(description="dpjax's version")
 
 
