@@ -146,3 +146,11 @@ def test_eval_re_reads_and_names_its_report(workdir):
   assert reread["questions"] == coded["questions"] > 0
   # the same top passages, the first two reordered by their exact spans
   assert reread["top20"] == coded["top20"]
+
+
+def test_a_searcher_compiles_re_readings_calls_ahead(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  tokenizer = Tokenizer.from_pretrained(flat.dump.manifest["model"]["tokenizer"])
+  plain = PhraseSearcher(model, flat, tokenizer).compile(4)
+  searcher = PhraseSearcher(model, flat, tokenizer, reread=2)
+  assert searcher.compile(4) == plain + searcher.index.reread.compile() > plain

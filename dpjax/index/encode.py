@@ -26,7 +26,7 @@ from dpjax.models.encoders import phrase_batches, phrase_calls
 def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConfig,
                  mesh, encode, progress: Progress | None = None,
                  windows=None, timings: dict | None = None, stream=None,
-                 pipeline: list | None = None) -> dict[str, np.ndarray]:
+                 pipeline: list | None = None, pad_last: bool = True) -> dict[str, np.ndarray]:
   """Encodes passages; returns the shard arrays (token rows in passage order, local passage
   rows). `windows`: the passages' `shard_windows` made ahead, or blocks of them, a list of
   (passages, windows or a future of them) over consecutive passages, encoded in turn (the
@@ -39,7 +39,9 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
   (a dict) adds up `map_batches`' dispatch, wait and fetch seconds. `stream()`: a
   `ShardStream`; the vectors and filter logits then go to it batch by batch, and only
   token_passage and char_spans are returned (its shard info counts the windows and their real
-  tokens: `windows`, `encoded_tokens`)."""
+  tokens: `windows`, `encoded_tokens`). `pad_last` (`map_batches`): the last call of a width
+  padded to the full rows, one compiled shape per width for a long job; False for a few passages
+  (re-reading's), padded to a power of two only."""
   if windows is None:
     windows = shard_windows(tokenizer, passages, config)
   blocks = windows if isinstance(windows, list) else [(len(passages), windows)]
@@ -74,7 +76,8 @@ def encode_shard(tokenizer: Tokenizer, passages: list[Passage], config: DumpConf
       tables = {key: np.concatenate(value) for key, value in parts.items()}
       if sink:
         sink.tables(tables, passages, encoded)
-    stored += _encode_windows(todo, total, config, mesh, encode, progress, timings, sink, out)
+    stored += _encode_windows(todo, total, config, mesh, encode, progress, timings, sink, out,
+                              pad_last)
   if stored != total:  # every window comes back once
     raise AssertionError(f"{total - stored} of {total} kept tokens were not encoded")
   return {**tables, **out}
@@ -135,7 +138,7 @@ class _Windows:
 
 def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, encode,
                     progress: Progress | None, timings: dict | None, sink,
-                    out: dict[str, np.ndarray]) -> int:
+                    out: dict[str, np.ndarray], pad_last: bool = True) -> int:
   """Encodes windows; their kept tokens go to `sink`, or to `out`'s arrays (grown to the
   shard's `total` kept tokens so far). Returns the tokens stored."""
   # Batches of similar length (no compute on padding) come back out of order: each window's
@@ -145,7 +148,7 @@ def _encode_windows(windows: _Windows, total: int, config: DumpConfig, mesh, enc
                                                 windows.attention_mask,
                                                 batch_size=config.batch_size, mesh=mesh,
                                                 width_multiple=config.width_multiple,
-                                                timings=timings, pad_last=True):
+                                                timings=timings, pad_last=pad_last):
     if sink:
       sink.add(windows.runs, rows, vectors, logits)
       count = int(windows.kept[rows].sum())

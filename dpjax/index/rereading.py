@@ -27,8 +27,8 @@ from dpjax.index.manifest import DumpConfig, encoder_fingerprint
 from dpjax.index.rescoring import Rescorer
 from dpjax.index.units import count
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
-from dpjax.models.encoders import bound
-from dpjax.parallel import make_mesh
+from dpjax.models.encoders import bound, call_widths, compile_ahead, phrase_calls
+from dpjax.parallel import make_mesh, padded_rows
 
 # The dump settings that decide a passage's windows and vectors: re-read with the dump's own.
 _WINDOW_SETTINGS = ("max_seq_length", "doc_stride", "include_title", "min_context",
@@ -88,8 +88,9 @@ class Rereader:
         self._cache.move_to_end(r)
     missing = [r for r in dict.fromkeys(rows) if r not in found]
     if missing:
+      # A few windows: calls padded to a power of two, not to the full rows a dump's are.
       shard = encode_shard(self.tokenizer, [passages[r] for r in missing], self.config,
-                           self.mesh, self._encode)
+                           self.mesh, self._encode, pad_last=False)
       bounds = np.searchsorted(shard["token_passage"], np.arange(len(missing) + 1))
       for i, r in enumerate(missing):
         found[r] = (shard["vectors"][bounds[i]:bounds[i + 1]],
@@ -99,6 +100,14 @@ class Rereader:
         for r in missing:
           self._keep(r, found[r])
     return [found[r] for r in rows]
+
+  def compile(self) -> int:
+    """Compiles the phrase encoder for every call a re-reading makes (each power-of-two rows up
+    to a call's, each width), in threads: a search then compiles nothing. Returns the shapes."""
+    rows, multiple = phrase_calls(self.config.batch_size, self.mesh, self.config.width_multiple)
+    counts = sorted({padded_rows(n, rows, self.mesh) for n in range(1, rows + 1)})
+    widths = call_widths(multiple, self.config.max_seq_length)
+    return sum(compile_ahead(self._encode, count, widths, self.mesh) for count in counts)
 
   def clear(self) -> None:
     """Empties the cache (a timing of cold reads starts from it)."""

@@ -83,9 +83,11 @@ class PhraseSearcher:
 
   def compile(self, max_questions: int | None = None) -> int:
     """Compiles the question encoder for every call `encode` makes with at most `max_questions`
-    questions at once (`compile_questions`), in threads; returns the shapes."""
-    return compile_questions(self._encode, self.batch_size, self.mesh, self.max_query_length,
-                             max_questions)
+    questions at once (`compile_questions`), and re-reading's phrase encoder for every call it
+    makes (`Rereader.compile`), in threads; returns the shapes."""
+    shapes = compile_questions(self._encode, self.batch_size, self.mesh, self.max_query_length,
+                               max_questions)
+    return shapes + (0 if self.index.reread is None else self.index.reread.compile())
 
   def empty_questions(self, questions: Sequence[str]) -> list[int]:
     """The questions that hold no token: empty, or only characters the tokenizer drops (control

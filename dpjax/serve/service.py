@@ -66,7 +66,7 @@ def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | Non
   key = api_key(sc)
   start = time.perf_counter()  # every shape of its calls: no compile while serving
   shapes = searcher.compile(sc.max_batch)
-  log.info("question encoder compiled for %d call shapes (up to %d questions) in %.1f s", shapes,
+  log.info("encoders compiled for %d call shapes (up to %d questions) in %.1f s", shapes,
            sc.max_batch, time.perf_counter() - start)
   if isinstance(searcher.index.index, DeviceFlat):  # the exact index on the accelerator: each width
     start = time.perf_counter()  # a search of up to max_k units may fetch, compiled ahead

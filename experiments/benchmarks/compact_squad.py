@@ -170,6 +170,7 @@ def timed(args, rows: dict) -> dict:
       reread.cache_tokens = 0  # every timed passage encoded
   max_len = load_settings(args.config, args.set).eval.max_answer_length
   for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
+    searcher.compile(64)  # (every shape of the encoders' calls, as serve does at its start)
     searcher.search(texts[:64], k=10, max_answer_length=max_len)
     searcher.search(texts[:1], k=10, max_answer_length=max_len)
   # The questions after the warm-up's 64 (wrapping around a short file), each batch searched by
@@ -246,7 +247,9 @@ def parse(argv):
 def main(argv=None) -> int:
   args = parse(argv)
   from dpjax.config import setup_logging
+  from dpjax.distributed import enable_compilation_cache
   setup_logging(fmt="%(asctime)s %(name)s: %(message)s")
+  enable_compilation_cache()  # (as run.py: what its evals compiled is loaded, not compiled)
   threshold = threshold_of(args)
   rows = systems(args, threshold)
   evaluated = build_and_evaluate(args, threshold, rows)
