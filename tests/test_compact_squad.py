@@ -56,6 +56,23 @@ def test_compact_rows_read_the_reports_of_their_own_overrides(tmp_path):
                    "compact OPQ24,PQ24, hybrid": f"open_eval_{folder}_hybrid_qsft.json"}
 
 
+def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(tmp_path):
+  args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                      "--codec", "OPQ24,PQ24", "--reread", "3", "--reread-set",
+                      "index.sparse_weight=1"])
+  rows = study.systems(args, None)
+  name = "compact OPQ24,PQ24, hybrid, reread 3"
+  assert study.eval_file(args, rows[name][2]).name == (
+      "open_eval_compact_OPQ24_PQ24_hybrid_reread3_w1_s0.json")
+  out = tmp_path / "scale.json"
+  timing = {"commit": "c" * 40, "rows": {n: {} for n in rows if ", hybrid" in n}}
+  out.write_text(json.dumps({"squad_open": {"speed": timing}}))
+  assert study.reused_timing(out, rows) == timing
+  del rows[name]  # timed searches that are not these rows': timed again, not reused
+  with pytest.raises(SystemExit, match="no timing of"):
+    study.reused_timing(out, rows)
+
+
 def _section(total_bytes: int) -> dict:
   row = {"em@1": 30.0, "top1": 60.0, "index_tokens": 7, "questions_per_s_eval": 20.0}
   return {"command": "python x", "commit": "a" * 40, "model_step": 2000, "config": "c",

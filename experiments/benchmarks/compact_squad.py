@@ -185,6 +185,18 @@ def timed(args, rows: dict) -> dict:
                  "batch64_batches": batched[name]["batches"]} for name in searchers}
 
 
+def reused_timing(out: pathlib.Path, rows: dict) -> dict:
+  """The timing of `out`'s section (`--reuse-timing`: notes or rows re-rendered without
+  timing again), refused unless it timed these rows' hybrid searches."""
+  earlier = json.loads(out.read_text()).get("squad_open", {}) if out.is_file() else {}
+  speed = earlier.get("speed") or {}
+  wanted = {name for name in rows if ", hybrid" in name}
+  if set(speed.get("rows", {})) != wanted:
+    raise SystemExit(f"{out}: no timing of {sorted(wanted)} to reuse; time them (drop "
+                     "--reuse-timing)")
+  return speed
+
+
 def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict:
   from dpjax import metrics
   reports = evaluated["reports"]
@@ -239,6 +251,8 @@ def parse(argv):
   parser.add_argument("--batch1", type=int, default=200, help="questions timed one at a time")
   parser.add_argument("--batches64", type=int, default=8, help="batches of 64 timed")
   parser.add_argument("--no-timing", dest="timing", action="store_false")
+  parser.add_argument("--reuse-timing", action="store_true",
+                      help="keep --out's timing of the same searches (its commit recorded)")
   parser.add_argument("--out", default="results/scale.json")
   parser.add_argument("--note", action="append", default=[])
   return parser.parse_args(argv)
@@ -253,13 +267,14 @@ def main(argv=None) -> int:
   threshold = threshold_of(args)
   rows = systems(args, threshold)
   evaluated = build_and_evaluate(args, threshold, rows)
-  speed = timed(args, rows) if args.timing else {}
+  out = pathlib.Path(args.out)
+  speed = reused_timing(out, rows) if args.reuse_timing else (
+      {"commit": git_commit(), "rows": timed(args, rows)} if args.timing else {})
   section = summarise(args, threshold, evaluated, speed, rows)
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
   section["command"] = command_line("experiments/benchmarks/compact_squad.py", argv)
   import scale
   from dpjax.io import write_json, write_text_atomic
-  out = pathlib.Path(args.out)
   results = json.loads(out.read_text()) if out.is_file() else {}
   results["squad_open"] = section
   write_json(out, results)

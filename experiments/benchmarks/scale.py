@@ -505,11 +505,13 @@ def squad_section(s: dict) -> str:
     lines.append(f"- {pair}: " + "; ".join(
         f"{k} {a} / {b}, p = {p_text(p)}" for k, (a, b, p) in tests.items()))
   if s.get("speed"):
-    lines += ["", "Hybrid search timed in one process, the indexes alternating (question "
+    speed = s["speed"].get("rows", s["speed"])  # (before the timing recorded its commit: rows)
+    when = f" at {s['speed']['commit'][:12]}" if "commit" in s["speed"] else ""
+    lines += ["", f"Hybrid search timed{when} in one process, the indexes alternating (question "
               "encoding included, top-10 phrases):", "",
               "| search | p50 ms batch 1 | p90 ms batch 1 | q/s batch 64 (median batch) |",
               "|---|---|---|---|"]
-    for name, t in s["speed"].items():
+    for name, t in speed.items():
       lines.append(f"| {name} | {t['batch1_p50_ms']:.1f} | {t['batch1_p90_ms']:.1f} | "
                    f"{t['batch64_questions_per_s']:.1f} |")
   b = s["served_bytes"]
