@@ -587,3 +587,10 @@ def test_hybrid_weights_are_chosen_again_for_another_checkpoint(tmp_path):
   assert not hybrid_weights._weight_kept(qsft, index, Workdir(tmp_path))
   other = dataclasses.replace(index, search_index="compact")
   assert not hybrid_weights._weight_kept(evaluation, other, Workdir(tmp_path))
+  # re-reading: weights recorded before it existed were chosen without it
+  reread = dataclasses.replace(index, reread=3)
+  assert not hybrid_weights._weight_kept(evaluation, reread, Workdir(tmp_path))
+  del record["weight_tuning"]["reread"]
+  (folder / sparse.MANIFEST).write_text(json.dumps(record))
+  assert hybrid_weights._weight_kept(evaluation, index, Workdir(tmp_path))
+  assert not hybrid_weights._weight_kept(evaluation, reread, Workdir(tmp_path))

@@ -154,3 +154,42 @@ def test_a_searcher_compiles_re_readings_calls_ahead(workdir, model):
   plain = PhraseSearcher(model, flat, tokenizer).compile(4)
   searcher = PhraseSearcher(model, flat, tokenizer, reread=2)
   assert searcher.compile(4) == plain + searcher.index.reread.compile() > plain
+
+
+def test_re_reading_an_index_without_tokens_finds_nothing(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  empty = PhraseIndex.over_passages(flat.dump, []).with_options(reread=_rereader(model, flat))
+  q_start, q_end = phrase_questions(flat.dump.vectors, 5, 2)
+  for unit in ("phrase", "passage"):
+    assert empty.search(q_start, q_end, 3, unit) == [[] for _ in q_start]
+
+
+def test_the_service_re_reads_as_the_searcher_does(workdir):
+  import http.client
+
+  from dpjax.config import load_config
+  from dpjax.main import open_searcher
+  from dpjax.main.serve import service
+  from dpjax.serve import start_server
+  from dpjax.settings import Settings
+  sets = ["index.search_index=compact_PQ3", "index.reread=2", "serve.max_batch=4",
+          "serve.api_key_env="]
+  settings = Settings.of(load_config(CONFIG, sets))
+  searcher, _ = open_searcher(settings, workdir)
+  question = "who won the game?"
+  direct = searcher.search([question], k=3, max_answer_length=settings.eval.max_answer_length)[0]
+  app, batcher = service(settings, workdir)
+  server, thread, port = start_server(app)
+  try:
+    def get(path):
+      connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+      connection.request("GET", path)
+      return json.loads(connection.getresponse().read())
+    assert get("/info")["reread"] == 2
+    served = get("/search?q=who+won+the+game%3F&k=3")["results"]
+    assert [(r["passage_id"], r["start_char"], r["end_char"]) for r in served] == [
+        (r["passage_id"], r["start_char"], r["end_char"]) for r in direct]
+  finally:
+    server.should_exit = True
+    thread.join()
+    batcher.stop()

@@ -138,12 +138,15 @@ def read_spans(rereader: Rereader, passages, q_start: np.ndarray, q_end: np.ndar
   (`ReadTokens`, numbered from `first`) and per question (starts, ends, exact scores) of every
   distinct best span of their tokens (`hybrid.lexical_spans`), in those token ids."""
   rows = list(dict.fromkeys(int(r) for pick in picks for r in pick))
+  if not rows:  # (an index without tokens ranks no span)
+    empty = np.zeros(0, np.int64)
+    return (ReadTokens(first, empty, np.zeros((0, 2), np.int32)),
+            [(empty, empty, np.zeros(0, np.float32)) for _ in picks])
   read = rereader.read(rows, passages)
   sizes = np.array([len(vectors) for vectors, _ in read], np.int64)
   local = {r: i for i, r in enumerate(rows)}
-  dim = q_start.shape[1]
-  vectors = (np.concatenate([v for v, _ in read]) if rows else np.zeros((0, dim), np.float16))
-  spans = (np.concatenate([s for _, s in read]) if rows else np.zeros((0, 2), np.int32))
+  vectors = np.concatenate([v for v, _ in read])
+  spans = np.concatenate([s for _, s in read])
   token_passage = np.repeat(np.arange(len(rows)), sizes)
   rescorer = Rescorer(vectors, token_passage, len(rows))
   found = hybrid.lexical_spans(rescorer, q_start, q_end,
