@@ -59,11 +59,13 @@ def test_compact_rows_read_the_reports_of_their_own_overrides(tmp_path):
 def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(tmp_path):
   args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
                       "--codec", "OPQ24,PQ24", "--reread", "3", "--reread-set",
-                      "index.sparse_weight=1"])
+                      "index.sparse_weight=1", "--reread-dense", "10"])
   rows = study.systems(args, None)
   name = "compact OPQ24,PQ24, hybrid, reread 3"
   assert study.eval_file(args, rows[name][2]).name == (
       "open_eval_compact_OPQ24_PQ24_hybrid_reread3_w1_s0.json")
+  assert study.eval_file(args, rows["compact OPQ24,PQ24, dense, reread 10"][2]).name == (
+      "open_eval_compact_OPQ24_PQ24_reread10.json")
   out = tmp_path / "scale.json"
   timing = {"commit": "c" * 40, "rows": {n: {} for n in rows if ", hybrid" in n}}
   out.write_text(json.dumps({"squad_open": {"speed": timing}}))

@@ -17,7 +17,8 @@ Bytes per corpus token (the dump's tokens, before filtering) by part: the compac
 the BM25 index's files, and what else a search over them reads (the dump's manifest).
 
 `--reread R` (repeatable) adds the compact hybrid search re-reading each question's top R passages
-(`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it).
+(`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it),
+`--reread-dense R` the dense one (evaluated, not timed).
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -89,6 +90,9 @@ def systems(args, threshold: float | None) -> dict:
     rows[f"compact {args.codec}, hybrid, reread {passages}"] = (
         compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
                                   *args.reread_set])
+  for passages in args.reread_dense:
+    rows[f"compact {args.codec}, dense, reread {passages}"] = (
+        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}"])
   return rows
 
 
@@ -243,6 +247,8 @@ def parse(argv):
                            "eval.checkpoint=qsft)")
   parser.add_argument("--reread", action="append", type=int, default=[],
                       help="a compact hybrid row re-reading this many top passages")
+  parser.add_argument("--reread-dense", action="append", type=int, default=[],
+                      help="a compact dense row re-reading this many top passages (not timed)")
   parser.add_argument("--reread-set", action="append", default=[],
                       help="for the re-reading rows only")
   parser.add_argument("--rerun", action="store_true")
