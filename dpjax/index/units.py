@@ -21,6 +21,8 @@ _ABBREVIATION = re.compile(
 @dataclasses.dataclass
 class Phrase:
   score: float
+  # The index's token ids; a re-read span's are ids past them (`rereading.ReadTokens`), which
+  # name its tokens within the search that found it only.
   start_token: int
   end_token: int
   passage: int  # row in the dump's passage table
