@@ -193,3 +193,24 @@ def test_the_service_re_reads_as_the_searcher_does(workdir):
     server.should_exit = True
     thread.join()
     batcher.stop()
+
+
+def test_hybrid_re_reading_of_an_exact_index_keeps_its_answers(workdir, model):
+  from dpjax.index.hybrid import Hybrid
+  from dpjax.index.sparse import SparseIndex
+  assert run.main(["index", "--config", CONFIG, "--workdir", str(workdir), "--set",
+                   "index.specs=[]", "--set", "index.sparse=True", "--set",
+                   "index.sparse_weight=1", "--set", "index.sparse_sentence_weight=0.5"]) == 0
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  flat = flat.with_options(hybrid=Hybrid.recorded(SparseIndex(flat.dump.directory,
+                                                              flat.dump.manifest)))
+  tokenizer = Tokenizer.from_pretrained(flat.dump.manifest["model"]["tokenizer"])
+  texts = [f"who is {p.title}?" for p in flat.dump.passages[:QUESTIONS:3]]
+  q_start, q_end = PhraseSearcher(model, flat, tokenizer).encode(texts)
+  theirs = [[(p.passage, p.start_char, p.end_char, p.score) for p, _ in units]
+            for units in flat.search(q_start, q_end, 1, texts=texts)]
+  reread = flat.with_options(reread=_rereader(model, flat))
+  ours = [[(p.passage, p.start_char, p.end_char, p.score) for p, _ in units]
+          for units in reread.search(q_start, q_end, 1, texts=texts)]
+  assert [a[0][:3] for a in ours] == [a[0][:3] for a in theirs]
+  np.testing.assert_allclose([a[0][3] for a in ours], [a[0][3] for a in theirs], rtol=1e-6)

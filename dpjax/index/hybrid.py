@@ -151,11 +151,21 @@ def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: n
   keys = starts * len(token_passage) + ends
   first = np.sort(np.unique(keys, return_index=True)[1])
   starts, ends, scores = starts[first], ends[first], scores[first]
-  fused = scores + np.float32(weight) * bm25[token_passage[starts]]
-  if sentence_weight:
-    fused = fused + np.float32(sentence_weight) * sentence_bm25(starts)
+  fused = fused_scores(scores, bm25[token_passage[starts]], weight,
+                       lambda: sentence_bm25(starts), sentence_weight)
   order = np.argsort(-fused, kind="stable")
   return starts[order], ends[order], fused[order]
+
+
+def fused_scores(scores: np.ndarray, passage_bm25: np.ndarray, weight: float,
+                 sentence_bm25: Callable[[], np.ndarray] | None = None,
+                 sentence_weight: float = 0.0) -> np.ndarray:
+  """[N] candidates' dense scores + weight x their passages' BM25 [N] + sentence_weight x
+  their sentences' (`sentence_bm25()`, computed only with a sentence weight)."""
+  fused = scores + np.float32(weight) * passage_bm25
+  if sentence_weight:
+    fused = fused + np.float32(sentence_weight) * sentence_bm25()
+  return fused
 
 
 def overlap_groups(starts: np.ndarray, ends: np.ndarray, k: int) -> tuple[list[int], list[list]]:

@@ -411,11 +411,12 @@ class PhraseIndex:
       fused = scores.astype(np.float32)
       if lexical is not None:
         at = starts - read.first
-        fused = fused + np.float32(self.hybrid.weight) * lexical[0][q][read.passage[at]]
-        if self.hybrid.sentence_weight:
-          fused = fused + np.float32(self.hybrid.sentence_weight) * (
-              self.hybrid.sparse.sentence_scores(lexical[3][q], read.passage[at],
-                                                 read.char_spans[at, 0], self.dump.passages))
+        fused = hybrid.fused_scores(
+            fused, lexical[0][q][read.passage[at]], self.hybrid.weight,
+            lambda: self.hybrid.sparse.sentence_scores(lexical[3][q], read.passage[at],
+                                                       read.char_spans[at, 0],
+                                                       self.dump.passages),
+            self.hybrid.sentence_weight)
       out.append(rereading.rerank(found, rows, pick, (starts, ends, fused)))
     return read, out
 
