@@ -195,7 +195,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "serve.max_wait_ms", "serve.port", "index.dump_min_context",
                  "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length",
                  "eval.passage_k", "eval.reader_tune_questions", "validation.limit",
-                 "filter.sweep_questions",
+                 "filter.sweep_questions", "index.reread",
                  "filter.max_em_drop", "train.seed", "model.seed", "qsft.seed", "filter.seed",
                  "validation.seed")
 _LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]

@@ -255,6 +255,7 @@ def test_search_arguments_are_checked(model, tokenizer, tmp_path):
     (["train.hard_negatives.per_example=0"], "per_example = 0: must be a number >= 1"),
     (["eval.passage_k=-5"], "eval.passage_k = -5: must be a number >= 0"),
     (["validation.limit=-11"], "validation.limit = -11: must be a number >= 0"),
+    (["index.reread=-1"], "index.reread = -1: must be a number >= 0"),
     (["filter.dev_windows=0"], "filter.dev_windows = 0: must be a number >= 1"),
     (["filter.keep_fractions=[]"], "must be one or more fractions in (0, 1]"),
     (["filter.keep_fractions=[-0.5]"], "must be one or more fractions in (0, 1]"),
