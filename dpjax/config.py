@@ -195,7 +195,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
                  "serve.max_wait_ms", "serve.port", "index.dump_min_context",
                  "index.dump_workers", "index.dump_width_multiple", "index.dump_max_seq_length",
                  "eval.passage_k", "eval.reader_tune_questions", "validation.limit",
-                 "filter.sweep_questions", "index.reread",
+                 "filter.sweep_questions", "index.reread", "index.reread_margin",
                  "filter.max_em_drop", "train.seed", "model.seed", "qsft.seed", "filter.seed",
                  "validation.seed")
 _LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]
@@ -229,7 +229,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key in ("train.learning_rate", "qsft.learning_rate"):
     if get(key) is not None and not get(key) > 0:
       raise ConfigError(f"{key} = {get(key)!r}: must be > 0")
-  for key in ("train.grad_clip", "train.weight_decay"):  # grad_clip 0: no clipping
+  for key in ("train.grad_clip", "train.weight_decay",  # grad_clip 0: no clipping
+              "index.reread_margin"):  # (NaN passes the check above)
     if get(key) is not None and not get(key) >= 0:
       raise ConfigError(f"{key} = {get(key)!r}: must be >= 0")
   for key in ("train.freeze", "qsft.freeze"):
@@ -249,6 +250,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if get("index.sparse_sentence_weight") is not None and get("index.sparse_weight") is None:
     raise ConfigError("index.sparse_sentence_weight is set without index.sparse_weight: set both, "
                       "or neither (`run.py index` chooses both)")
+  if get("index.reread_margin") is not None and not get("index.reread"):
+    raise ConfigError("index.reread_margin is set without index.reread: set index.reread to the "
+                      "most passages a question may re-read")
   if get("index.dump_vectors") is False and not get("index.dump_codec"):
     raise ConfigError("index.dump_vectors = False without an index.dump_codec: the dump would "
                       "store no vector; set index.dump_codec (e.g. \"compact\")")
@@ -531,6 +535,31 @@ def _dump_kept_defaults() -> dict:
   }
 
 
+def _ranking_defaults() -> dict:
+  """The index section's settings of how a search ranks its spans: hybrid search, merged spans
+  and re-reading."""
+  return {
+      # Hybrid search (dpjax/index/hybrid.py): a phrase scores its dense score + sparse_weight x
+      # its passage's BM25 score + sparse_sentence_weight x its sentence's, and the spans of the
+      # top sparse_passages BM25 passages join the candidates. `run.py index` builds the BM25
+      # index (<dump>/indexes/bm25) and, without a sparse_weight, chooses both weights on
+      # sparse_tune_questions random training questions (or those of sparse_tune_file) and
+      # records them there; with one, the sentence weight is sparse_sentence_weight (None: 0).
+      "sparse": False,
+      "sparse_weight": ml_collections.config_dict.placeholder(float),
+      "sparse_sentence_weight": ml_collections.config_dict.placeholder(float),
+      "sparse_passages": 20,
+      "sparse_tune_questions": 1000,
+      "sparse_tune_file": "",
+      "merge_spans": True,  # overlapping spans of one passage: one result, the others merged
+      # Each question's top `reread` passages encoded again, their spans scored exactly (0:
+      # none; dpjax/index/rereading.py): for a compact or filtered index. With reread_margin,
+      # only those holding a span ranked within it of the best, none when the best leads by it.
+      "reread": 0,
+      "reread_margin": ml_collections.config_dict.placeholder(float),
+  }
+
+
 def index_config(**overrides) -> ml_collections.ConfigDict:
   """Dump / index / search settings."""
   config = ml_collections.ConfigDict({
@@ -572,22 +601,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "verify": True,
       "top_k": 5,
       "unit": "phrase",
-      # Hybrid search (dpjax/index/hybrid.py): a phrase scores its dense score + sparse_weight x
-      # its passage's BM25 score + sparse_sentence_weight x its sentence's, and the spans of the
-      # top sparse_passages BM25 passages join the candidates. `run.py index` builds the BM25
-      # index (<dump>/indexes/bm25) and, without a sparse_weight, chooses both weights on
-      # sparse_tune_questions random training questions (or those of sparse_tune_file) and
-      # records them there; with one, the sentence weight is sparse_sentence_weight (None: 0).
-      "sparse": False,
-      "sparse_weight": ml_collections.config_dict.placeholder(float),
-      "sparse_sentence_weight": ml_collections.config_dict.placeholder(float),
-      "sparse_passages": 20,
-      "sparse_tune_questions": 1000,
-      "sparse_tune_file": "",
-      "merge_spans": True,  # overlapping spans of one passage: one result, the others merged
-      # Each question's top `reread` passages encoded again, their spans scored exactly (0:
-      # none; dpjax/index/rereading.py): for a compact or filtered index.
-      "reread": 0,
+      **_ranking_defaults(),  # hybrid search and re-reading
   })
   config.update(overrides)
   return config

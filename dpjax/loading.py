@@ -158,7 +158,9 @@ def describe_search(index: PhraseIndex) -> str:
   """Which search an index runs, for the logs: dense, or hybrid with its weights."""
   found = index.hybrid
   reread = ("" if index.reread is None else
-            f", the top {index.reread.passages} passages re-read")
+            f", the top {index.reread.passages} passages re-read"
+            + ("" if index.reread.margin is None else
+               f" (those within {index.reread.margin:g} of the best span)"))
   if found is None or not found.active:
     return ("dense phrase search" + ("" if found is None else " (hybrid weights 0 and 0)")
             + reread)
@@ -183,7 +185,7 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   phrases = phrases.with_options(**search_options(index, phrases.dump, verify=verify))
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
                             max_query_length=data.max_query_length, batch_size=index.batch_size,
-                            reread=index.reread)
+                            reread=index.reread, reread_margin=index.reread_margin)
   log.info("search: %s over index %s of %s", describe_search(searcher.index),
            phrases.manifest["spec"], phrases.dump.directory)
   return searcher, step

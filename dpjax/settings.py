@@ -232,6 +232,7 @@ class IndexSettings:
   sparse_tune_file: str
   merge_spans: bool
   reread: int
+  reread_margin: float | None
 
 
 @dataclasses.dataclass(frozen=True)

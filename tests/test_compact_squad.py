@@ -66,6 +66,13 @@ def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(t
       "open_eval_compact_OPQ24_PQ24_hybrid_reread3_w1_s0.json")
   assert study.eval_file(args, rows["compact OPQ24,PQ24, dense, reread 10"][2]).name == (
       "open_eval_compact_OPQ24_PQ24_reread10.json")
+  margin = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                        "--reread-margin", "3:2.5", "--reread-set", "index.sparse_weight=1"])
+  within = study.systems(margin, None)["compact OPQ24,PQ24, hybrid, reread 3 within 2.5"][2]
+  assert study.eval_file(margin, within).name == (
+      "open_eval_compact_OPQ24_PQ24_hybrid_reread3_m2.5_w1_s0.json")
+  with pytest.raises(SystemExit):
+    study.parse(["--config", "c", "--workdir", "w", "--reread-margin", "3"])
   out = tmp_path / "scale.json"
   timing = {"commit": "c" * 40, "rows": {n: {} for n in rows if ", hybrid" in n}}
   out.write_text(json.dumps({"squad_open": {"speed": timing}}))

@@ -594,3 +594,10 @@ def test_hybrid_weights_are_chosen_again_for_another_checkpoint(tmp_path):
   (folder / sparse.MANIFEST).write_text(json.dumps(record))
   assert hybrid_weights._weight_kept(evaluation, index, Workdir(tmp_path))
   assert not hybrid_weights._weight_kept(evaluation, reread, Workdir(tmp_path))
+  # ... and without a margin (recorded before it existed)
+  record["weight_tuning"] = hybrid_weights._tuned_for(evaluation, reread)
+  del record["weight_tuning"]["reread_margin"]
+  (folder / sparse.MANIFEST).write_text(json.dumps(record))
+  assert hybrid_weights._weight_kept(evaluation, reread, Workdir(tmp_path))
+  margin = dataclasses.replace(reread, reread_margin=4.0)
+  assert not hybrid_weights._weight_kept(evaluation, margin, Workdir(tmp_path))

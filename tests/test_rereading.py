@@ -121,6 +121,35 @@ def test_rerank_places_the_re_read_spans_on_the_searchs_scale():
   assert rereading.top_passages(np.array([4, 4, 2, 9, 2, 7]), 3).tolist() == [4, 2, 9]
 
 
+def test_a_margin_re_reads_the_passages_of_the_spans_near_the_best():
+  rows = np.array([4, 4, 2, 9, 2, 7])
+  scores = np.array([9.0, 8.5, 8.0, 5.0, 4.0, 3.0], np.float32)
+  for margin, expected in [(0.0, []), (0.5, []), (0.6, [4]), (1.0, [4]), (1.5, [4, 2]),
+                           (4.5, [4, 2, 9]), (1e9, [4, 2, 9])]:
+    assert rereading.top_passages(rows, 3, scores, margin).tolist() == expected, margin
+  # a clear lead re-reads nothing, even when the next span is of the same passage
+  assert rereading.top_passages(rows, 3, scores + np.array([2, 0, 0, 0, 0, 0]), 1.0).size == 0
+  assert rereading.top_passages(rows[:1], 3, scores[:1], 5.0).size == 0  # one span: no rival
+  assert rereading.top_passages(rows[:0], 3, scores[:0], 5.0).size == 0
+
+
+def test_a_margin_of_zero_reads_nothing_and_a_wide_one_reads_as_without_it(workdir, model):
+  flat, compact = PhraseIndex(workdir / "dump", "Flat"), PhraseIndex(workdir / "dump",
+                                                                     "compact:PQ3")
+  q_start, q_end = phrase_questions(flat.dump.vectors, QUESTIONS, 5)
+  never = _rereader(model, compact, 3, margin=0.0)
+  assert _top1(compact.with_options(reread=never), q_start, q_end) == _top1(compact, q_start,
+                                                                             q_end)
+  assert never.encoded_passages == 0
+  wide, always = _rereader(model, compact, 3, margin=1e9), _rereader(model, compact, 3)
+  assert (_top1(compact.with_options(reread=wide), q_start, q_end)
+          == _top1(compact.with_options(reread=always), q_start, q_end))
+  assert wide.encoded_passages == always.encoded_passages > 0
+  some = _rereader(model, compact, 3, margin=0.05)
+  compact.with_options(reread=some).search(q_start, q_end, 5)
+  assert 0 < some.encoded_passages < always.encoded_passages
+
+
 def test_re_reading_refuses_another_model_and_a_count_below_one(workdir, model):
   flat = PhraseIndex(workdir / "dump", "Flat")
   tokenizer = Tokenizer.from_pretrained(flat.dump.manifest["model"]["tokenizer"])
@@ -133,6 +162,9 @@ def test_re_reading_refuses_another_model_and_a_count_below_one(workdir, model):
     flat.with_options(reread=2)
   with pytest.raises(ValueError, match="index.reread"):
     PhraseSearcher(model, flat, tokenizer, reread=-1)
+  for margin in (-1.0, float("nan"), "2"):
+    with pytest.raises(ValueError, match=r"index.reread_margin = .*: must be a number >= 0"):
+      Rereader(model, tokenizer, flat.dump.manifest, 2, margin=margin)
 
 
 def test_eval_re_reads_and_names_its_report(workdir):
@@ -146,6 +178,13 @@ def test_eval_re_reads_and_names_its_report(workdir):
   assert reread["questions"] == coded["questions"] > 0
   # the same top passages, the first two reordered by their exact spans
   assert reread["top20"] == coded["top20"]
+  # a margin of 0 re-reads no question: the codes' answers
+  assert run.main(["eval"] + base + ["--set", "index.reread=2", "--set",
+                                     "index.reread_margin=0"]) == 0
+  never = json.loads((workdir / "open_eval_compact_PQ3_reread2_m0.json").read_text())
+  assert never["reread_margin"] == 0.0 and reread["reread_margin"] is None
+  assert {k: never[k] for k in ("em@1", "top1", "top20")} == {
+      k: coded[k] for k in ("em@1", "top1", "top20")}
 
 
 def test_a_searcher_compiles_re_readings_calls_ahead(workdir, model):
@@ -185,7 +224,7 @@ def test_the_service_re_reads_as_the_searcher_does(workdir):
       connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
       connection.request("GET", path)
       return json.loads(connection.getresponse().read())
-    assert get("/info")["reread"] == 2
+    assert get("/info")["reread"] == 2 and get("/info")["reread_margin"] is None
     served = get("/search?q=who+won+the+game%3F&k=3")["results"]
     assert [(r["passage_id"], r["start_char"], r["end_char"]) for r in served] == [
         (r["passage_id"], r["start_char"], r["end_char"]) for r in direct]

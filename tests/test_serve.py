@@ -573,7 +573,8 @@ def test_info_names_the_model_index_limits_and_version(service):
                   "workdir": str(workdir), "units": ["phrase", "sentence", "passage", "document"],
                   "max_k": 100, "max_questions": 64, "max_question_chars": 1000,
                   "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__,
-                  "hybrid": None, "merge_spans": True, "reread": 0}
+                  "hybrid": None, "merge_spans": True, "reread": 0,
+                  "reread_margin": None}
   assert info["vectors"] > 0 and info["passages"] > 0
   status, health = request(port, "GET", "/health")
   assert health == {"status": "ok", "auth": False, "index": "Flat", "vectors": info["vectors"],

@@ -401,7 +401,8 @@ class PhraseIndex:
     passages replaced by their re-read spans, fused as the search fuses: `rereading.rerank`)
     for the questions at rows `questions` of q_start / q_end."""
     passages = [self._passages_of(found[0]) for found in ranked]
-    picks = [rereading.top_passages(rows, self.reread.passages) for rows in passages]
+    picks = [rereading.top_passages(rows, self.reread.passages, found[2], self.reread.margin)
+             for rows, found in zip(passages, ranked)]
     read, spans = rereading.read_spans(self.reread, self.dump.passages, q_start[questions],
                                        q_end[questions], picks, max_answer_length,
                                        first=self.rescorer.num_tokens)

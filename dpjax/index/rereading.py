@@ -8,12 +8,15 @@ to the encoder's rounding), every token of theirs scored as a start and as an en
 exhaustive search scores them (`hybrid.lexical_spans`), fused with the same BM25 terms, and these
 spans replace those passages' spans (`rerank`). Each passage costs one encoding (results/scale.md
 times it); a passage read again (the next round or request of the same questions, another
-hybrid weight) comes from a cache of the last ones read.
+hybrid weight) comes from a cache of the last ones read. With a `margin`, only the passages of
+the spans ranked within it of the best are read, and none when the best leads the next span by
+it (`top_passages`): a question the codes answer clearly costs no encoding.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 from typing import Sequence
 
@@ -56,12 +59,19 @@ class Rereader:
     tokenizer: the dump's tokenizer.
     dump_manifest: the dump's manifest (its settings and fingerprint).
     passages: how many top passages of a question are re-read (>= 1).
+    margin: None, or a score difference >= 0: of those passages only the ones holding a span
+      ranked within `margin` of the best are read, none when the best leads the next span by
+      at least `margin` (`top_passages`).
     cache_tokens: the most tokens whose vectors are kept for the next searches.
   """
 
   def __init__(self, model, tokenizer: Tokenizer, dump_manifest: dict, passages: int, *,
-               mesh=None, cache_tokens: int = CACHE_TOKENS):
+               margin: float | None = None, mesh=None, cache_tokens: int = CACHE_TOKENS):
     self.passages = count(passages, "index.reread (passages re-read per question)")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or math.isnan(margin) or margin < 0):
+      raise ValueError(f"index.reread_margin = {margin!r}: must be a number >= 0 (or None)")
+    self.margin = None if margin is None else float(margin)
     if encoder_fingerprint(model) != dump_manifest["fingerprint"]:
       raise DumpError("re-reading needs the model that made the dump (its phrase encoder's "
                       "fingerprint differs): dump the corpus again with this model")
@@ -125,8 +135,14 @@ class Rereader:
       self._cached -= len(self._cache.popitem(last=False)[1][0])
 
 
-def top_passages(passage_rows: np.ndarray, count: int) -> np.ndarray:
-  """The first `count` distinct passage rows of ranked spans' passages (best first)."""
+def top_passages(passage_rows: np.ndarray, count: int, scores: np.ndarray | None = None,
+                 margin: float | None = None) -> np.ndarray:
+  """The first `count` distinct passage rows of ranked spans' passages (best first). With a
+  `margin`, of the spans scoring (`scores`, best first) less than `margin` below the best only:
+  none when the best is the only one (it leads the next span by `margin` or more)."""
+  if margin is not None:
+    within = int(np.count_nonzero(scores > scores[0] - margin)) if len(scores) else 0
+    passage_rows = passage_rows[:within] if within > 1 else passage_rows[:0]
   rows = np.unique(passage_rows, return_index=True)
   return rows[0][np.argsort(rows[1])][:count].astype(np.int64)
 

@@ -61,13 +61,15 @@ class PhraseSearcher:
 
   `reread` (> 0): each question's top `reread` passages are encoded again by the model and
   their spans scored exactly (`rereading.Rereader`): for an index of codes or of the filter's
-  kept tokens, at one encoding per passage.
+  kept tokens, at one encoding per passage; with `reread_margin`, only those holding a span
+  ranked within it of the best (none when the best leads the next span by it).
 
   Named `DensePhrases` before, as the model class `dpjax.models.DensePhrases` is: that name is
   kept as an alias (`dpjax.DensePhrases`)."""
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
-               batch_size: int = 64, mesh=None, check_model: bool = True, reread: int = 0):
+               batch_size: int = 64, mesh=None, check_model: bool = True, reread: int = 0,
+               reread_margin: float | None = None):
     if check_model and encoder_fingerprint(model) != index.fingerprint:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
@@ -76,8 +78,9 @@ class PhraseSearcher:
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
     if reread:
-      self.index = index.with_options(reread=Rereader(model, self.tokenizer, index.dump.manifest,
-                                                      reread, mesh=self.mesh))
+      self.index = index.with_options(reread=Rereader(
+          model, self.tokenizer, index.dump.manifest, reread, margin=reread_margin,
+          mesh=self.mesh))
     self.batch_size = round_to_devices(batch_size, self.mesh)
     self._encode = bound_questions(model)
 

@@ -114,6 +114,9 @@ class ServiceInfo(BaseModel):
   merge_spans: bool = Field(True, description="overlapping answers of one passage merged")
   reread: int = Field(0, description="top passages encoded again and scored exactly per "
                       "question (index.reread; 0: none)")
+  reread_margin: float | None = Field(None, description="only passages holding a span within "
+                                      "this score of the best re-read (index.reread_margin; "
+                                      "null: all reread)")
   version: str = Field(description="dpjax's version")
 
 

@@ -82,7 +82,9 @@ def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | Non
           "max_k": sc.max_k, "max_questions": sc.max_questions,
           "max_question_chars": sc.max_question_chars, "max_body_bytes": MAX_BODY,
           "max_batch": sc.max_batch, "merge_spans": index.merge_spans,
-          "reread": 0 if index.reread is None else index.reread.passages, "version": __version__,
+          "reread": 0 if index.reread is None else index.reread.passages,
+          "reread_margin": None if index.reread is None else index.reread.margin,
+          "version": __version__,
           "hybrid": None if index.hybrid is None else index.hybrid.record()}
   return create_app(batcher.start(), Limits.from_config(sc), info, key,
                     loopback_hosts_only=not key and is_loopback(sc.host)), batcher

@@ -18,7 +18,8 @@ the BM25 index's files, and what else a search over them reads (the dump's manif
 
 `--reread R` (repeatable) adds the compact hybrid search re-reading each question's top R passages
 (`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it),
-`--reread-dense R` the dense one (evaluated, not timed).
+`--reread-dense R` the dense one (evaluated, not timed), `--reread-margin R:M` the hybrid one
+re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`).
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -90,6 +91,10 @@ def systems(args, threshold: float | None) -> dict:
     rows[f"compact {args.codec}, hybrid, reread {passages}"] = (
         compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
                                   *args.reread_set])
+  for passages, margin in args.reread_margin:
+    rows[f"compact {args.codec}, hybrid, reread {passages} within {margin:g}"] = (
+        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
+                                  f"index.reread_margin={margin}", *args.reread_set])
   for passages in args.reread_dense:
     rows[f"compact {args.codec}, dense, reread {passages}"] = (
         compact, folder, coded + ["index.sparse=False", f"index.reread={passages}"])
@@ -214,7 +219,8 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                    "questions_per_sec_batch64_eval": report["questions_per_sec_batch64"],
                    "hybrid": report.get("hybrid") and {
                        k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")},
-                   "reread": report.get("reread", 0)}
+                   "reread": report.get("reread", 0),
+                   "reread_margin": report.get("reread_margin")}
   paired = {}
   for name in reports:
     if name.startswith("compact"):
@@ -233,6 +239,15 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
           "notes": args.note}
 
 
+def _count_and_margin(text: str) -> tuple[int, float]:
+  """`--reread-margin`'s "R:M" -> (R, M)."""
+  count, sep, margin = text.partition(":")
+  try:
+    return int(count), float(margin)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected R:M, e.g. 3:2.5") from None
+
+
 def parse(argv):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,6 +264,9 @@ def parse(argv):
                       help="a compact hybrid row re-reading this many top passages")
   parser.add_argument("--reread-dense", action="append", type=int, default=[],
                       help="a compact dense row re-reading this many top passages (not timed)")
+  parser.add_argument("--reread-margin", action="append", type=_count_and_margin, default=[],
+                      metavar="R:M", help="a compact hybrid row re-reading at most R passages, "
+                      "those holding a span within M of the best")
   parser.add_argument("--reread-set", action="append", default=[],
                       help="for the re-reading rows only")
   parser.add_argument("--rerun", action="store_true")

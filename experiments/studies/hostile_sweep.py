@@ -596,6 +596,10 @@ CONFIG_CASES = [  # (argv, case, pattern of the error)
      "a --config of another experiment than the workdir's",
      r"/config was made with another config \(experiments/demo\.py:tiny, .*dpjax_config\.json\): "
      r"model\.init 'random' \(--config experiments/demo\.py: 'pretrained'\).*leave --config out"),
+    (["eval", *TINY, "--set", "index.reread=-1"], "index.reread < 0",
+     r"^index\.reread = -1: must be a number >= 0"),
+    (["eval", *TINY, "--set", "index.reread_margin=2.0"], "index.reread_margin without a count",
+     r"^index\.reread_margin is set without index\.reread"),
     (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
      r"serve\.port 70000: cannot listen there \(.*0-65535"),
 ]
@@ -1396,8 +1400,45 @@ def compact_cases(s: Sweep) -> None:
            setup=s.make("compact_damaged", then=built_then_damaged))
 
 
+def residual_cases(s: Sweep) -> None:
+  """Residual (`compact:qw+pr:`) indexes and re-reading: a residual code over a dump of codes
+  only, a residual index's own parts damaged (refused in one line, nothing written), and a
+  re-reading search of a compact index against the exact one."""
+  w = s.scratch / "residual_codes_dump"
+  codes = ("--set", "index.dump_name=codes", "--set", "index.dump_codec=SQ8", "--set",
+           "index.dump_vectors=False")
+  s.case("compact", "a residual index of a dump of codes only", lambda: cli(
+      "index", *TINY, "--workdir", str(w), *codes, "--set", "index.specs=['compact:pr:SQ8']"),
+      error=r"/codes: .* needs the dump's float16 token vectors, and the dump has none",
+      unchanged=[w], setup=s.make("residual_codes_dump",
+                                  then=lambda: cli("dump", *TINY, "--workdir", str(w), *codes)))
+  spec, folder = "compact:qw+pr:SQ8", "compact_qw_pr_SQ8"
+  w = s.scratch / "residual_damaged"
+  for what, name, damage, error in [
+      ("a residual index's passage means zeroed", "passage_means.npy",
+       lambda p: p.write_bytes(b"\0" * p.stat().st_size), r"passage_means\.npy: its bytes differ"),
+      ("a residual index's question weighting truncated", "weighting.npy",
+       lambda p: p.write_bytes(p.read_bytes()[:p.stat().st_size // 2]),
+       r"weighting\.npy: \d+ bytes, \d+ when it was written")]:
+
+    def built_then_damaged(name=name, damage=damage) -> None:
+      cli("index", *TINY, "--workdir", str(w), "--set", f"index.specs=['{spec}']")
+      damage(w / "dump" / "indexes" / folder / name)
+    s.case("compact", what, lambda: cli("eval", *TINY, "--workdir", str(w), "--set",
+                                        f"index.search_index={folder}"),
+           error=rf"/indexes/{folder}/{error}", unchanged=[w],
+           setup=s.make("residual_damaged", then=built_then_damaged))
+  w = s.scratch / "reread"
+  s.case("compact", "a compact index searched re-reading its top 2 passages",
+         search_cli(w, "--set", "index.search_index=compact_SQ8", "--set", "index.reread=2"),
+         expect=[(f"its top answer for {QUESTION!r} is a clean Flat search's",
+                  lambda out: top_hits(out, 1) == s.flat_hits()[:1])],
+         setup=s.make("reread", then=lambda: cli("index", *TINY, "--workdir", str(w), "--set",
+                                                 "index.specs=['compact:SQ8']")))
+
+
 GROUPS = (config_cases, data_cases, corpus_cases, state_cases, lock_and_verify_cases, api_cases,
-          audit_cases, compact_cases)
+          audit_cases, compact_cases, residual_cases)
 
 
 def dirty_files() -> list[str]:
