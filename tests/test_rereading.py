@@ -162,6 +162,8 @@ def test_re_reading_refuses_another_model_and_a_count_below_one(workdir, model):
     flat.with_options(reread=2)
   with pytest.raises(ValueError, match="index.reread"):
     PhraseSearcher(model, flat, tokenizer, reread=-1)
+  with pytest.raises(ValueError, match="reread_margin without reread"):
+    PhraseSearcher(model, flat, tokenizer, reread_margin=2.0)
   for margin in (-1.0, float("nan"), "2"):
     with pytest.raises(ValueError, match=r"index.reread_margin = .*: must be a number >= 0"):
       Rereader(model, tokenizer, flat.dump.manifest, 2, margin=margin)

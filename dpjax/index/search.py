@@ -77,6 +77,9 @@ class PhraseSearcher:
     self.tokenizer = tokenizer or _dump_tokenizer(index)
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
+    if reread_margin is not None and not reread:
+      raise ValueError("reread_margin without reread: set reread to the most passages a question "
+                       "may re-read")
     if reread:
       self.index = index.with_options(reread=Rereader(
           model, self.tokenizer, index.dump.manifest, reread, margin=reread_margin,
