@@ -1,5 +1,6 @@
 """The scale study (experiments/benchmarks/scale.py): its corpus, its fits, and a run end to end
 at two tiny sizes."""
+import argparse
 import json
 import os
 import sys
@@ -48,6 +49,22 @@ def test_linear_fit_and_one_point():
   assert scale.linear_fit([1e6, 2e6, 4e6], [3 + 2e6 * 5, 3 + 4e6 * 5, 3 + 8e6 * 5]) == \
       pytest.approx((3.0, 10.0), rel=1e-6)
   assert scale.linear_fit([2e6], [8e6]) == (0.0, 4.0)
+
+
+def test_a_search_time_that_falls_with_size_is_projected_flat():
+  def row(tokens, qps):
+    return {"tokens": tokens, "dim": 8, "search": {"batch1": {"questions_per_s": qps},
+                                                   "batch64": {"questions_per_s": 2 * qps}},
+            "bytes_per_token": {"dump_total": 1.0, "compact_total": 1.0, "served": 1.0},
+            "dump": {}, "index": {"compact:SQ8": {"build_s": tokens / 1e3}}}
+  args = argparse.Namespace(project_tokens=3e9, project_dim=8, spec="compact:SQ8",
+                            encode_rate=1e5, encode_rate_source="given")
+  # 100 then 125 questions/s: the slope is noise; the projection is their mean time, flat
+  flat = scale.projection([row(1e4, 100.0), row(2e4, 125.0)], args)["questions_per_s_batch1"]
+  assert flat["flat"] and flat["seconds_per_question_per_token"] == 0.0
+  assert flat["projected"] == pytest.approx(1 / ((1 / 100 + 1 / 125) / 2))
+  grows = scale.projection([row(1e4, 125.0), row(2e4, 100.0)], args)["questions_per_s_batch1"]
+  assert not grows["flat"] and 0 < grows["projected"] < 100
 
 
 @pytest.mark.slow

@@ -415,10 +415,17 @@ def projection(rows: list[dict], args) -> dict:
                   "encode_rate_source": args.encode_rate_source,
                   "compact_index": build["projected"] / 3600}
   for batch in ("batch1", "batch64"):
+    seconds = [1 / r["search"][batch]["questions_per_s"] for r in rows]
     fit = fitted(rows, lambda r: 1 / r["search"][batch]["questions_per_s"], T)
+    # A time per question that fell with the size (the timing's noise where the search costs
+    # about the same at every size measured) is projected flat, not to a negative time.
+    flat = fit["per_token"] < 0
+    if flat:
+      fit = {"intercept": float(np.mean(seconds)), "per_token": 0.0,
+             "projected": float(np.mean(seconds))}
     out[f"questions_per_s_{batch}"] = {
         "seconds_per_question_at_0": fit["intercept"],
-        "seconds_per_question_per_token": fit["per_token"],
+        "seconds_per_question_per_token": fit["per_token"], "flat": flat,
         "projected": 1 / fit["projected"] if fit["projected"] > 0 else None}
   return out
 
@@ -575,7 +582,8 @@ def _projection_lines(results: dict) -> list[str]:
     q = p[f"questions_per_s_{batch}"]
     lines.append(f"| questions/s, {batch.replace('batch', 'batch ')} | {_f(q['projected'], '.3g')}"
                  f" | {q['seconds_per_question_per_token'] * 1e9:.3g} s per question per 1e9 "
-                 "tokens |")
+                 "tokens" + (" (the measured time fell with size: held flat)"
+                             if q.get("flat") else "") + " |")
   lines += ["", _search_assumed(results.get("spec", "")) + ", with the random "
             "encoder's question encoding; the dump hours assume the encoding rate given and no "
             "other bottleneck (the corpus read and the shards written as fast). The builds' "
