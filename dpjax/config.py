@@ -258,15 +258,16 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       "store no vector; set index.dump_codec (e.g. \"compact\")")
   if get("index.dump_codec") and not _is_codec(get("index.dump_codec")):
     raise ConfigError(f"index.dump_codec = {get('index.dump_codec')!r}: must be \"compact\" or a "
-                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, SQ8, SQfp16)")
+                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, SQ8, SQfp16), optionally "
+                      "after qw:, pr: or qw+pr: (docs/indexing.md)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
 
 
 def _is_codec(codec) -> bool:
   """Whether `index.dump_codec` reads as a codec (its training checks the rest)."""
-  return isinstance(codec, str) and (codec == "compact" or bool(
-      re.fullmatch(r"(OPQ\d+(_\d+)?,)?(PQ\d+(x\d+)?|SQ(4|6|8|fp16|bf16)|Flat)", codec)))
+  return isinstance(codec, str) and (codec == "compact" or bool(re.fullmatch(
+      r"((qw|pr|qw\+pr):)?(OPQ\d+(_\d+)?,)?(PQ\d+(x\d+)?|SQ(4|6|8|fp16|bf16)|Flat)", codec)))
 
 
 # Pieces shared by the experiment configs in experiments/.
@@ -524,10 +525,10 @@ def _dump_kept_defaults() -> dict:
       # Tokens kept at dump time: those whose start or end filter logit (the workdir's head,
       # `run.py filter`) reaches it; None: every token. Dropped tokens never reach the disk.
       "dump_filter_threshold": ml_collections.config_dict.placeholder(float),
-      # A compact codec ("OPQ32,PQ32", "compact": compact.default_codec) the dump trains on
-      # train_size kept tokens of passages drawn across the corpus and codes every shard with
-      # ("": none): `run.py index`
-      # then assembles the compact index from the codes, nothing re-encoded.
+      # A compact codec ("OPQ32,PQ32", "qw+pr:OPQ24,PQ24", "compact": compact.default_codec)
+      # the dump trains on train_size kept tokens of passages drawn across the corpus and codes
+      # every shard with ("": none): `run.py index` then assembles the compact index from the
+      # codes, nothing re-encoded.
       "dump_codec": "",
       # Whether the dump stores float16 vectors (768 B/token for MiniLM); False needs a
       # dump_codec, and leaves out what reads vectors (Flat/IVF, qsft, filter, subcorpora).

@@ -22,7 +22,8 @@ from dpjax.checkpoint import CHECKSUMS, checkpoint_problems, checkpoint_rerun
 from dpjax.data.teacher_logits import logits_problems
 from dpjax.errors import DumpError
 from dpjax.index.faiss_index import index_problems
-from dpjax.index.manifest import DUMP_CODEC, INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST
+from dpjax.index.manifest import (INDEX_MANIFEST, MANIFEST as DUMP_MANIFEST,
+                                  dump_coding_files)
 from dpjax.index.shards import SHARD_INFO, shard_rerun
 from dpjax.index.sparse import BUILD_HINT, MANIFEST as SPARSE_MANIFEST
 from dpjax.io import checksum_problems, file_digest, read_json
@@ -142,9 +143,9 @@ def _dump_shards(dump_dir: pathlib.Path, *,
     entries = [(info.parent, None) for info in sorted(dump_dir.glob(f"shard_*/{SHARD_INFO}"))]
   for shard, entry in entries:
     yield shard, functools.partial(_shard, shard, entry)
-  if "codec" in manifest:  # the codec its shards' codes were made with (`dump_codes`)
-    yield dump_dir / DUMP_CODEC, functools.partial(_codec, dump_dir / DUMP_CODEC,
-                                                   manifest["codec"]["sha"])
+  if "codec" in manifest:  # the coding its shards' codes were made with (`dump_codes`)
+    for name, sha in dump_coding_files(manifest["codec"]).items():
+      yield dump_dir / name, functools.partial(_codec, dump_dir / name, sha)
 
 
 def _codec(path: pathlib.Path, sha: str) -> tuple:

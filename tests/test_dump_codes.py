@@ -19,9 +19,12 @@ from dpjax.index.faiss_index import build_index, index_folder
 from dpjax.index.manifest import read_manifest, write_manifest
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.loading import save_filter_head
+from dpjax.main import open_workdir
+from dpjax.main.index import question_weighting
 
 QUESTIONS = 37
 CODEC = "PQ6x4"  # 5-d sub-vectors of the tiny model's 30, 16 centroids each
+RESIDUAL = f"qw+pr:{CODEC}"  # the same codes of the question-weighted passage residuals
 
 
 def _run(workdir, mode: str, *sets: str) -> int:
@@ -35,8 +38,9 @@ def _run(workdir, mode: str, *sets: str) -> int:
 @pytest.fixture(scope="module")
 def workdir(tiny_workdir, tmp_path_factory) -> pathlib.Path:
   """A copy of the tiny workdir with a seeded filter head (the tiny model's gives every token
-  the same logit) and three dumps: `full` (float16, every token), `codes` (the tokens the
-  threshold keeps, PQ codes only) and `kept` (those tokens' float16 vectors)."""
+  the same logit) and four dumps: `full` (float16, every token), `codes` (the tokens the
+  threshold keeps, PQ codes only), `residual` (their residual codes, `RESIDUAL`) and `kept`
+  (their float16 vectors)."""
   workdir = tmp_path_factory.mktemp("codes") / "demo"
   shutil.copytree(tiny_workdir, workdir, ignore=shutil.ignore_patterns("dump"))
   rng = np.random.default_rng(5)
@@ -49,9 +53,16 @@ def workdir(tiny_workdir, tmp_path_factory) -> pathlib.Path:
   (workdir / "threshold").write_text(repr(threshold))
   assert _run(workdir, "dump", "index.dump_name=codes", f"index.dump_codec={CODEC}",
               "index.dump_vectors=False", f"index.dump_filter_threshold={threshold!r}") == 0
+  assert _run(workdir, "dump", "index.dump_name=residual", f"index.dump_codec={RESIDUAL}",
+              "index.dump_vectors=False", f"index.dump_filter_threshold={threshold!r}") == 0
   assert _run(workdir, "dump", "index.dump_name=kept",
               f"index.dump_filter_threshold={threshold!r}") == 0
   build_index(workdir / "full", f"compact:{CODEC}", filter_threshold=threshold)
+  settings, opened, _, _ = open_workdir("experiments/demo.py:tiny", workdir,
+                                       ["index.dump_name=full"])
+  build_index(workdir / "full", f"compact:{RESIDUAL}", filter_threshold=threshold,
+              weighting=question_weighting(settings, opened))
+  build_index(workdir / "residual", "compact")
   build_index(workdir / "full", "Flat", filter_threshold=threshold)
   build_index(workdir / "codes", "compact")
   build_index(workdir / "kept", "Flat")
@@ -97,6 +108,68 @@ def test_a_codes_dump_answers_as_the_full_dumps_compact_index(workdir):
   assert sum(map(len, want)) > QUESTIONS
 
 
+def test_a_residual_codes_dump_answers_as_the_full_dumps_residual_index(workdir):
+  """The dump's residual codes ("qw+pr:"): the same weighting (the model's training
+  questions), means and residual codecs (trained on the same draw of kept tokens: the tiny
+  corpus is its whole sample), codes and means codes as the index coded from the full dump's
+  vectors; nothing of the vectors on disk."""
+  full_dir = workdir / "full" / "indexes" / index_folder(f"compact:{RESIDUAL}", _threshold(workdir))
+  codes_dir = workdir / "residual" / "indexes" / "compact"
+  parts = sorted(p.name for p in full_dir.iterdir() if p.suffix in (".npy", ".faiss"))
+  assert {"weighting.npy", "passage_means.npy", "means_codec.faiss", "codes.npy"} <= set(parts)
+  assert parts == sorted(p.name for p in codes_dir.iterdir() if p.suffix in (".npy", ".faiss"))
+  for part in parts:
+    assert (full_dir / part).read_bytes() == (codes_dir / part).read_bytes(), part
+  record = read_manifest(workdir / "residual")["codec"]
+  assert record["spec"] == RESIDUAL and record["means_codec"] == "SQfp16"
+  assert sorted(record["files"]) == ["means_codec.faiss", "weighting.npy"]
+  assert not list((workdir / "residual").glob("shard_*/vectors.npy"))
+  q_start, q_end = _questions(workdir)
+  want = _top(PhraseIndex(workdir / "full", full_dir.name), q_start, q_end)
+  assert _top(PhraseIndex(workdir / "residual", "compact", verify=True), q_start, q_end) == want
+  assert sum(map(len, want)) > QUESTIONS
+
+
+def test_a_residual_codecs_sample_holds_passages_enough_for_its_means(workdir, monkeypatch):
+  """A passage-residual codec's sample reads on past `train_size` tokens until it holds the
+  passages a PQ means codec needs (here 20 of the corpus's 30)."""
+  monkeypatch.setattr(dump_codes.residual, "PQ_MEANS_MIN_PASSAGES", 20)
+  assert dump_codes.sample_targets(_config(CODEC, 40)) == (40, 0)
+  assert dump_codes.sample_targets(_config(RESIDUAL, 40)) == (40, 20)
+  assert dump_codes.sample_targets(_config("qw:" + CODEC, 1 << 20)) == (1 << 17, 0)
+  from dpjax.parallel import make_mesh
+  tokenizer, corpus, model = _encoder(workdir)
+  held = {}
+  for codec in (CODEC, RESIDUAL):
+    parts, record = dump_codes.codec_sample(corpus, tokenizer, _config(codec, 40),
+                                            make_mesh(local=True), model)
+    places = np.concatenate([places for places, _ in parts])
+    assert len(places) >= 40
+    held[codec] = (len(np.unique(places)), record["reads"])
+  print(held)
+  assert held[CODEC][0] < 20 <= held[RESIDUAL][0] and held[RESIDUAL][1] > 1
+
+
+def _config(codec: str, train_size: int):
+  from dpjax.index.manifest import DumpConfig
+  return DumpConfig(max_seq_length=64, doc_stride=32, include_title=True, batch_size=8,
+                    shard_passages=7, codec=codec, train_size=train_size)
+
+
+def _encoder(workdir):
+  """(the tiny workdir's tokenizer, corpus, phrase encoder as a dump calls it)."""
+  from dpjax.data import Tokenizer
+  from dpjax.data.corpus import read_corpus
+  from dpjax.loading import data_paths, restore_model
+  from dpjax.models.encoders import bound
+  settings, opened, _, _ = open_workdir("experiments/demo.py:tiny", workdir,
+                                       ["index.dump_name=full"])
+  model, _ = restore_model(settings.model, settings.data, settings.eval, opened)
+  corpus = list(read_corpus(data_paths(settings.data, settings.index, opened)["corpus"]))
+  return (Tokenizer.from_pretrained(settings.model.tokenizer), corpus,
+          bound(model, "phrases_and_filter"))
+
+
 def test_dump_time_filtering_answers_as_index_time_filtering(workdir):
   q_start, q_end = _questions(workdir)
   want = _top(PhraseIndex(workdir / "full", index_folder("Flat", _threshold(workdir))),
@@ -104,23 +177,27 @@ def test_dump_time_filtering_answers_as_index_time_filtering(workdir):
   assert _top(PhraseIndex(workdir / "kept", "Flat"), q_start, q_end) == want
 
 
-def test_a_killed_codes_dump_resumes_by_shard_to_the_same_files(workdir, tmp_path):
+@pytest.mark.parametrize("name, codec", [("codes", CODEC), ("residual", RESIDUAL)])
+def test_a_killed_codes_dump_resumes_by_shard_to_the_same_files(workdir, tmp_path, name, codec):
   """The last shard deleted and the manifest marked incomplete (a kill before the end): the
-  rerun encodes that shard only, with the codec it trained before."""
+  rerun encodes that shard only, with the coding it trained before (a residual one's means
+  codec and question weighting too: no question is encoded again)."""
   copy = tmp_path / "demo"
   shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("full", "kept", "indexes"))
-  manifest = read_manifest(copy / "codes")
-  last = copy / "codes" / manifest["shards"][-1]["name"]
+  manifest = read_manifest(copy / name)
+  last = copy / name / manifest["shards"][-1]["name"]
   before = _files(last)
-  codec = (copy / "codes" / "codec.faiss").stat().st_mtime_ns
+  coding = {path.name: path.stat().st_mtime_ns for path in (copy / name).glob("*.*")
+            if path.suffix in (".faiss", ".npy")}
+  assert len(coding) == (3 if name == "residual" else 1)
   shutil.rmtree(last)
-  write_manifest(copy / "codes", {**manifest, "complete": False, "shards": []})
-  assert _run(copy, "dump", "index.dump_name=codes", f"index.dump_codec={CODEC}",
-              "index.dump_vectors=False",
+  write_manifest(copy / name, {**manifest, "complete": False, "shards": []})
+  assert _run(copy, "dump", f"index.dump_name={name}", f"index.dump_codec={codec}",
+              "index.dump_vectors=False", "index.sparse_tune_file=/nonexistent.json",
               f"index.dump_filter_threshold={_threshold(workdir)!r}") == 0
   assert _files(last) == before
-  assert (copy / "codes" / "codec.faiss").stat().st_mtime_ns == codec
-  assert read_manifest(copy / "codes")["dump_id"] == manifest["dump_id"]
+  assert coding == {path: (copy / name / path).stat().st_mtime_ns for path in coding}
+  assert read_manifest(copy / name)["dump_id"] == manifest["dump_id"]
 
 
 def _files(folder: pathlib.Path) -> dict[str, bytes]:
@@ -182,15 +259,24 @@ def test_what_needs_vectors_is_refused_on_a_codes_dump(workdir):
   with pytest.raises(DumpError, match="index.dump_vectors"):
     build_index(workdir / "codes", "compact:pr:PQ5")
   assert not (workdir / "codes" / "indexes" / "compact_pr_PQ5").exists()
+  with pytest.raises(DumpError, match="index.dump_vectors"):  # another residual codec
+    build_index(workdir / "residual", "compact:qw+pr:PQ5")
+  # the dump's own residual codes: assembled with its weighting, no question encoded
+  built = build_index(workdir / "residual", f"compact:{RESIDUAL}", name="again",
+                      weighting=lambda: pytest.fail("questions encoded"))
+  assert (built / "weighting.npy").read_bytes() == (
+      workdir / "residual" / "indexes" / "compact" / "weighting.npy").read_bytes()
   assert _run(workdir, "index", "index.dump_name=codes", 'index.specs=["Flat"]') == 2
   assert _run(workdir, "subcorpus", "index.dump_name=codes") == 2
 
 
-def test_verify_checks_the_dumps_codec(workdir, tmp_path):
+@pytest.mark.parametrize("name, part", [("codes", "codec.faiss"), ("residual", "weighting.npy"),
+                                        ("residual", "means_codec.faiss")])
+def test_verify_checks_the_dumps_codec(workdir, tmp_path, name, part):
   copy = tmp_path / "demo"
   shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("full", "kept"))
   assert _run(copy, "verify") == 0
-  codec = copy / "codes" / "codec.faiss"
+  codec = copy / name / part
   data = bytearray(codec.read_bytes())
   data[-1] ^= 1
   codec.write_bytes(bytes(data))
@@ -199,10 +285,14 @@ def test_verify_checks_the_dumps_codec(workdir, tmp_path):
 
 @pytest.mark.parametrize("sets", [("index.dump_vectors=False",),
                                   ("index.dump_codec=IVF4,PQ6",),
-                                  ("index.dump_codec=PQ7", "index.dump_vectors=False")])
+                                  ("index.dump_codec=PQ7", "index.dump_vectors=False"),
+                                  ("index.dump_codec=qw:PQ7",),
+                                  (f"index.dump_codec={RESIDUAL}",
+                                   "index.sparse_tune_file=/nonexistent.json")])
 def test_codec_settings_that_cannot_work_are_refused(workdir, tmp_path, sets):
   """No codec for a dump without vectors, a codec of no flat codes, one faiss cannot make for
-  30-d vectors (7 sub-vectors): one line, exit 2, nothing written."""
+  30-d vectors (7 sub-vectors, weighted or not), a question-weighted one without training
+  questions: one line, exit 2, nothing written."""
   assert _run(workdir, "dump", f"index.dump_name={tmp_path.name}", *sets) == 2
   assert not (workdir / tmp_path.name).exists()
 

@@ -22,7 +22,7 @@ import logging
 import os
 import pathlib
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import faiss
 import jax
@@ -30,10 +30,10 @@ import jax
 from dpjax import distributed
 from dpjax.data.squad import Passage
 from dpjax.data.tokenization import Tokenizer
-from dpjax.errors import ConfigError, DumpError
+from dpjax.errors import ConfigError, DataError, DumpError
 # Importable from here too: the benchmarks, which also measure trees from before `dump_reader`.
 from dpjax.index.dump_reader import Dump  # noqa: F401
-from dpjax.index import compact
+from dpjax.index import compact, residual
 from dpjax.index.dump_codes import is_kept_layout, write_shards
 from dpjax.index.encode import first_shards_ahead
 from dpjax.index.manifest import (KEPT_DEFAULTS, MANIFEST, DumpConfig, encoder_fingerprint,
@@ -66,7 +66,8 @@ def _batches(iterable: Iterable, size: int) -> Iterator[list]:
 def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
                  out_dir: str | os.PathLike, config: DumpConfig, *, mesh,
                  model_info: dict | None = None, corpus_info: dict | None = None,
-                 filter_head: dict | None = None, workers: int = 0) -> dict:
+                 filter_head: dict | None = None, workers: int = 0,
+                 question_weighting: Callable[[], residual.Weighting] | None = None) -> dict:
   """Writes (or resumes) the dump of `passages` into `out_dir`; returns the manifest.
 
   With several processes (`dpjax.distributed`) every process runs this with the same corpus:
@@ -78,7 +79,8 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
   thread; `WindowMaker`). `filter_head`: what identifies a separately trained filter head put
   into `model` (None: its own); it and the tokenizer are recorded, and a dump of another one is
   not resumed or redone. A dump with a codec reads `passages` again for its sample
-  (`dump_codes.codec_sample`): a list or `read_corpus`'s corpus, not a one-pass iterator."""
+  (`dump_codes.codec_sample`): a list or `read_corpus`'s corpus, not a one-pass iterator; a
+  "qw:" codec (`residual`) weights by `question_weighting()`, called when it is trained."""
   model, config = _checked_settings(model, config, mesh)
   out_dir = pathlib.Path(out_dir)
   chunks = _batches(passages, config.shard_passages)
@@ -113,7 +115,7 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
     pipeline: list[float] = []  # seconds waiting for the tokenizer's and writer's threads
     progress = Progress("dump", unit="tokens", logger=log)  # stored tokens, and tokens/s
     write_shards(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker, made,
-                 pipeline, manifest, model.config.hidden_size, passages)
+                 pipeline, manifest, model.config.hidden_size, passages, question_weighting)
   progress.close()
   if counts["resumed"]:
     log.info("%s: %d shards were already done (resumed)", out_dir, counts["resumed"])
@@ -127,12 +129,13 @@ def dump_phrases(model, tokenizer: Tokenizer, passages: Iterable[Passage],
 def _undone_if_refused(out_dir: pathlib.Path):
   """Makes the dump's folder; a refusal (DumpError, ConfigError) before any shard is written
   takes back what this run wrote there (its manifest, a codec), so that nothing half-written
-  stays behind for a later run to resume or be refused by."""
+  stays behind for a later run to resume or be refused by (DataError: a question-weighted
+  codec's training questions)."""
   before = set(os.listdir(out_dir)) if out_dir.is_dir() else None
   out_dir.mkdir(parents=True, exist_ok=True)
   try:
     yield
-  except (DumpError, ConfigError):
+  except (DumpError, ConfigError, DataError):
     if not any(out_dir.glob("shard_*")):
       if before is None:
         remove(out_dir)
@@ -236,9 +239,10 @@ def _checked_settings(model, config: DumpConfig, mesh) -> tuple[object, DumpConf
 
 def _check_codec(codec: str, dim: int) -> None:
   """Refuses (one ConfigError line) a codec faiss cannot make for `dim`-d vectors or that
-  stores no flat codes, before anything is encoded."""
+  stores no flat codes (its residual modifiers aside), before anything is encoded."""
   try:
-    compact.flat_codes(faiss.index_factory(dim, codec, faiss.METRIC_INNER_PRODUCT))
+    compact.flat_codes(faiss.index_factory(dim, residual.parse(codec)[1],
+                                           faiss.METRIC_INNER_PRODUCT))
   except RuntimeError as e:
     message = next((line for line in str(e).splitlines() if "rror" in line), str(e)[:200])
     raise ConfigError(f"index.dump_codec: {codec!r} is not a faiss codec for {dim}-d vectors "

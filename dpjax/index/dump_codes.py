@@ -39,7 +39,7 @@ import heapq
 import logging
 import pathlib
 import shutil
-from typing import Iterable
+from typing import Callable, Iterable
 
 import faiss
 import numpy as np
@@ -47,10 +47,11 @@ import numpy as np
 from dpjax import distributed
 from dpjax.data.squad import Passage
 from dpjax.errors import ConfigError, DumpError
-from dpjax.index import compact
+from dpjax.index import compact, residual
 from dpjax.index.encode import encode_pipelined, encode_shard, timed_result
 from dpjax.index.faiss_index import resolve_spec
-from dpjax.index.manifest import DUMP_CODEC as CODEC, DumpConfig, write_manifest
+from dpjax.index.manifest import (DUMP_CODEC as CODEC, DumpConfig, dump_coding_files,
+                                  write_manifest)
 from dpjax.index.shards import shard_name, write_shard
 from dpjax.index.window_maker import kept_slices
 from dpjax.io import Progress, file_digest
@@ -70,13 +71,14 @@ def is_kept_layout(config: DumpConfig) -> bool:
 
 def write_shards(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
                  progress: Progress, timings: dict, maker, made: dict, pipeline: list,
-                 manifest: dict, dim: int, corpus: Iterable[Passage]) -> None:
+                 manifest: dict, dim: int, corpus: Iterable[Passage],
+                 question_weighting: Callable[[], residual.Weighting] | None = None) -> None:
   """The shards `todo` encoded and written: their kept tokens (`dump_kept`) when the dump
   filters or codes them, else every token's `dim`-d vector, batch by batch
   (`encode_pipelined`). `corpus`: the dump's passages, read again for the codec's sample."""
   if is_kept_layout(config):
     dump_kept(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker, made,
-              pipeline, manifest, corpus)
+              pipeline, manifest, corpus, question_weighting)
   else:
     encode_pipelined(todo, tokenizer, config, mesh, encode, out_dir, progress, timings, maker,
                      made, pipeline, dim)
@@ -84,28 +86,32 @@ def write_shards(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pat
 
 def dump_kept(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathlib.Path,
               progress: Progress, timings: dict, maker, made: dict, pipeline: list,
-              manifest: dict, corpus: Iterable[Passage]) -> None:
+              manifest: dict, corpus: Iterable[Passage],
+              question_weighting: Callable[[], residual.Weighting] | None = None) -> None:
   """Encodes, filters, codes and writes the shards `todo` ((number, passages)), one at a time
   (`encode_pipelined`'s arguments); trains the codec first on a sample of `corpus`
   (`codec_sample`), or reuses the dump's. `manifest`: the dump's, given the codec's record.
-  `made`: shard number -> its windows made ahead."""
-  codec = _existing_codec(out_dir, manifest, config)
+  `made`: shard number -> its windows made ahead. `question_weighting`: the model's question
+  weighting of a "qw:" codec (`residual`), asked for only when the codec is trained."""
+  coder = _existing_coder(out_dir, manifest, config)
   todo = iter(todo)
   job = next(todo, None)
-  if codec is None and config.codec:
+  if coder is None and config.codec:
     if job is None and not (out_dir / CODEC).is_file():
       raise DumpError(f"{out_dir}: no shard left to encode, but no {CODEC}: delete the dump "
                       "and run it again")
-    if job is not None:
-      codec = _train_codec(out_dir, manifest, config,
-                           *codec_sample(corpus, tokenizer, config, mesh, encode))
+    if job is not None:  # (the weighting first: refused before the sample is encoded)
+      weighting = _weighting(config, question_weighting)
+      coder = _train_coder(out_dir, manifest, config,
+                           *codec_sample(corpus, tokenizer, config, mesh, encode),
+                           weighting=weighting)
   ahead = None if job is None else made.pop(job[0], None) or maker.submit(job[1])
   while job is not None:
     number, chunk = job
     windows = ahead if isinstance(ahead, list) else timed_result(ahead, pipeline)
     job = next(todo, None)  # the next shard tokenized while this one is encoded
     ahead = None if job is None else made.pop(job[0], None) or maker.submit(job[1])
-    tokens = KeptTokens(config.filter_threshold, codec, vectors=config.vectors)
+    tokens = KeptTokens(config.filter_threshold, coder, vectors=config.vectors)
     encode_shard(tokenizer, chunk, config, mesh, encode, progress, windows=windows,
                  timings=timings, stream=lambda: tokens, pipeline=pipeline)
     write_kept_shard(out_dir, number, chunk, tokens.arrays(), config)
@@ -114,18 +120,22 @@ def dump_kept(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir: pathli
 class KeptTokens:
   """One shard's encoder outputs taken batch by batch (`encode_shard`'s stream): of the tokens
   the filter keeps (logits max >= `threshold`; None: all), their filter logits, their codes
-  (with a `codec`) and, when asked (`vectors`), their float16 vectors, each with its row among
-  the shard's encoded tokens; the others are dropped as they come, so that no array of the
-  shard's vectors is ever held. `arrays()` gives them in passage order once the shard is
-  encoded."""
+  (with a `coder`, `residual.ResidualCodes`) and, when asked (`vectors`), their float16
+  vectors, each with its row among the shard's encoded tokens; the others are dropped as they
+  come, so that no array of the shard's encoded vectors is ever held. A passage-residual
+  coder's codes wait for the shard's end (a passage's mean needs all its kept tokens, and a
+  shard holds its passages whole), so its kept tokens' vectors are held until then.
+  `arrays()` gives them in passage order once the shard is encoded."""
 
-  def __init__(self, threshold: float | None, codec=None, *, vectors: bool):
-    self.threshold, self.codec, self.keep_vectors = threshold, codec, vectors
+  def __init__(self, threshold: float | None, coder: residual.ResidualCodes | None = None, *,
+               vectors: bool):
+    self.threshold, self.coder, self.keep_vectors = threshold, coder, vectors
+    self.residual = coder is not None and coder.means_codec is not None
     self.parts: dict[str, list[np.ndarray]] = {"rows": [], "filter_logits": [], "codes": [],
                                                "vectors": []}
     self.shard_tables: dict[str, np.ndarray] | None = None
     self.windows: dict = {}
-    self.dim = 0
+    self.dim = self.num_passages = 0
 
   def add(self, runs: dict, rows: np.ndarray, vectors: np.ndarray, logits: np.ndarray) -> None:
     """Takes the kept tokens (`runs`, `kept_runs`') of a batch of windows (`rows`; outputs
@@ -141,20 +151,21 @@ class KeptTokens:
     self.dim = vectors.shape[2]
     self.parts["rows"].append((np.repeat(destination, length) + step)[keep])
     self.parts["filter_logits"].append(token_logits[keep])
-    if self.codec is not None and len(kept):
-      self.parts["codes"].append(self.codec.sa_encode(kept.astype(np.float32)))
-    if self.keep_vectors:
+    if self.coder is not None and not self.residual and len(kept):
+      self.parts["codes"].append(self.coder.encode(self.coder.space(kept), None))
+    if self.keep_vectors or self.residual:
       self.parts["vectors"].append(kept)
 
   def tables(self, arrays: dict[str, np.ndarray], passages: list, windows: dict) -> None:
     """Takes the shard's token_passage and char_spans (every encoded token) and its windows'
     counts."""
-    self.shard_tables, self.windows = arrays, windows
+    self.shard_tables, self.windows, self.num_passages = arrays, windows, len(passages)
 
   def arrays(self) -> dict[str, np.ndarray]:
     """The kept tokens' arrays in passage order (`rows` sorted): filter_logits, codes and
     vectors as taken, char_spans, positions (among their passage's encoded tokens) and
-    token_passage; `encoded`: each passage's encoded tokens; `windows`: the windows' counts."""
+    token_passage; `encoded`: each passage's encoded tokens; `windows`: the windows' counts;
+    with a passage-residual coder, passage_means: each passage's coded mean [P, Cm]."""
     rows = _joined(self.parts["rows"], (), np.int64)
     order = np.argsort(rows, kind="stable")
     rows = rows[order]
@@ -166,11 +177,18 @@ class KeptTokens:
            "positions": rows - first[token_passage[rows]], "encoded": encoded,
            "windows": self.windows,
            "filter_logits": _joined(self.parts["filter_logits"], (2,), np.float16)[order]}
-    if self.codec is not None:
-      out["codes"] = _joined(self.parts["codes"], (compact.flat_codes(self.codec).code_size,),
+    vectors = None
+    if self.keep_vectors or self.residual:
+      vectors = _joined(self.parts["vectors"], (self.dim,), np.float16)[order]
+      self.parts["vectors"].clear()
+    if self.residual:
+      out[residual.MEANS[:-4]], out["codes"] = self.coder.shard_codes(
+          vectors, np.arange(len(vectors)), out["token_passage"], self.num_passages)
+    elif self.coder is not None:
+      out["codes"] = _joined(self.parts["codes"], (self.coder.codec.sa_code_size(),),
                              np.uint8)[order]
     if self.keep_vectors:
-      out["vectors"] = _joined(self.parts["vectors"], (self.dim,), np.float16)[order]
+      out["vectors"] = vectors
     return out
 
 
@@ -191,8 +209,9 @@ def write_kept_shard(out_dir: pathlib.Path, number: int, chunk: list, arrays: di
            "char_spans": arrays["char_spans"].astype(compact.span_dtype(last)),
            "positions": arrays["positions"].astype(compact.span_dtype(last)),
            "passage_tokens": counts.astype(np.int32)}
-  if "codes" in arrays:
-    files["codes"] = arrays["codes"]
+  for name in ("codes", residual.MEANS[:-4]):
+    if name in arrays:
+      files[name] = arrays[name]
   if config.vectors:
     files["vectors"] = arrays["vectors"]
   _check_disk(out_dir, number, files, chunk)
@@ -206,13 +225,15 @@ def codec_sample(corpus: Iterable[Passage], tokenizer, config: DumpConfig, mesh,
   """The codec's training sample (the module's docstring): (per chunk of the sample's passages
   encoded, its kept tokens' places in the corpus [K] and float16 vectors [K, D]; a record of the
   sample: passages, corpus shards they fall in, reads of the corpus). Reads `corpus` once or more
-  (it must iterate from its start each time: a list, `read_corpus`'s)."""
+  (it must iterate from its start each time: a list, `read_corpus`'s) until the sample holds
+  `sample_targets`' kept tokens and passages holding kept tokens (or the whole corpus)."""
   if iter(corpus) is corpus:
     raise DumpError("index.dump_codec: the codec's sample reads the corpus before its shards, "
                     "so the dump needs a corpus it can read twice (a list, read_corpus's), not "
                     "a one-pass iterator")
-  parts, passages, shards = [], 0, set()
-  chars, above, kept, read_chars, reads = config.train_size * SAMPLE_CHARS_PER_TOKEN, 0.0, 0, 0, 0
+  want_tokens, want_passages = sample_targets(config)
+  parts, passages, shards, held = [], 0, set(), 0
+  chars, above, kept, read_chars, reads = want_tokens * SAMPLE_CHARS_PER_TOKEN, 0.0, 0, 0, 0
   while True:
     taken, above, complete = sample_passages(corpus, chars, above)
     reads += 1
@@ -225,15 +246,30 @@ def codec_sample(corpus: Iterable[Passage], tokenizer, config: DumpConfig, mesh,
       places = np.array([place for place, _ in chunk], np.int64)
       parts.append((places[arrays["token_passage"]], arrays["vectors"]))
       kept += len(arrays["vectors"])
+      held += len(np.unique(arrays["token_passage"]))
     passages += len(taken)
     shards.update(place // config.shard_passages for place, _ in taken)
     read_chars += sum(len(p.text) for _, p in taken)
     log.info("dump codec sample: %d passages read (%d kept tokens)", passages, kept)
-    if kept >= config.train_size or complete:
+    if (kept >= want_tokens and held >= want_passages) or complete:
       return parts, {"passages": passages, "shards": len(shards), "reads": reads}
-    # the next read sized by the kept tokens per character so far (some margin for chance)
-    chars = (max(chars * 8, 1) if not kept else
-             int((config.train_size - kept) * read_chars / kept * 1.25) + 1)
+    # the next read sized by the kept tokens and passages per character so far (some margin
+    # for chance)
+    chars = (max(chars * 8, 1) if not kept else int(1.25 * read_chars * max(
+        (want_tokens - kept) / kept, (want_passages - held) / held)) + 1)
+
+
+def sample_targets(config: DumpConfig) -> tuple[int, int]:
+  """(kept tokens, passages holding kept tokens) the codec's sample needs: `train_size` tokens
+  (at most `residual.TRAIN_SAMPLE` for a residual or weighted codec, as an index build draws);
+  a passage-residual codec's means codec trains on the sample's passages, and PQ codes them
+  once there are `residual.PQ_MEANS_MIN_PASSAGES`, so the sample holds that many where the
+  corpus does (`residual.means_codec_spec`)."""
+  mods, _ = residual.parse(config.codec)
+  if not mods:
+    return config.train_size, 0
+  return (min(config.train_size, residual.TRAIN_SAMPLE),
+          residual.PQ_MEANS_MIN_PASSAGES if "pr" in mods else 0)
 
 
 def sample_passages(corpus: Iterable[Passage], chars: int, above: float = 0.0, seed: int = 0
@@ -278,66 +314,115 @@ def _check_disk(out_dir: pathlib.Path, number: int, files: dict, chunk: list) ->
                     "(it resumes)")
 
 
-def _existing_codec(out_dir: pathlib.Path, manifest: dict, config: DumpConfig):
-  """The dump's trained codec when a run made it (its digest checked), else None."""
-  path = out_dir / CODEC
-  if not config.codec or not path.is_file():
+def _existing_coder(out_dir: pathlib.Path, manifest: dict, config: DumpConfig
+                    ) -> residual.ResidualCodes | None:
+  """The dump's trained coding when a run made it (its files' digests checked), else None."""
+  if not config.codec or not (out_dir / CODEC).is_file():
     return None
   record = manifest.get("codec")
   if record is None:  # a run killed between writing it and recording it: trained again
     return None
-  if record.get("sha") != file_digest(path):
-    raise DumpError(f"{path} is not the codec this dump's manifest records: delete the dump's "
-                    "directory and dump again")
-  return faiss.read_index(str(path))
+  return residual.ResidualCodes.read(out_dir, dump_coding_files(record), CODEC,
+                                     "delete the dump's directory and dump again")
 
 
-def _train_codec(out_dir: pathlib.Path, manifest: dict, config: DumpConfig,
-                 parts: list[tuple[np.ndarray, np.ndarray]], sample: dict):
-  """The codec trained on a seeded draw of `train_size` of the sample's kept tokens (`parts`,
+def _weighting(config: DumpConfig,
+               question_weighting: Callable[[], residual.Weighting] | None
+               ) -> residual.Weighting | None:
+  """The question weighting of a "qw:" codec (`question_weighting()`), else None."""
+  if "qw" not in residual.parse(config.codec)[0]:
+    return None
+  if question_weighting is None:
+    raise ConfigError("index.dump_codec: a question-weighted codec (qw:) needs the model's "
+                      "question vectors: dump with `run.py dump`")
+  return question_weighting()
+
+
+def _train_coder(out_dir: pathlib.Path, manifest: dict, config: DumpConfig,
+                 parts: list[tuple[np.ndarray, np.ndarray]], sample: dict, *,
+                 weighting: residual.Weighting | None) -> residual.ResidualCodes:
+  """The coding trained on a seeded draw of the sample's kept tokens (`parts`,
   `codec_sample`'s: each one's place in the corpus and vector; emptied as the draw is
   gathered), written (atomically) with its record (with `sample`'s) in the manifest; refused
-  with one line when no token is kept or it cannot train."""
+  with one line when no token is kept or it cannot train. A residual or weighted codec
+  ("[qw+]pr:", `residual`) codes in `weighting` and from the means of the sample's passages,
+  trained as an index build trains them."""
   total = sum(len(places) for places, _ in parts)
   if not total:
     raise DumpError(f"{out_dir}: index.dump_filter_threshold {config.filter_threshold} keeps "
                     "none of the tokens encoded for the codec's training sample: lower it")
-  size = min(config.train_size, total)
-  resolved, notes = resolve_spec(config.codec, total, config.train_size)
+  mods, factory = residual.parse(config.codec)
+  size = min(sample_targets(config)[0], total)
+  resolved, notes = resolve_spec(factory, total, config.train_size)
   for note in notes:
     log.warning("dump codec: %s", note)
+  dim = int(parts[0][1].shape[1])
+  means_spec = None
+  if "pr" in mods:  # the means codec of the sample's passages holding kept tokens
+    held = len(np.unique(np.concatenate([places for places, _ in parts])))
+    means_spec = residual.means_codec_spec(held, dim)
+  coder = _new_coder(resolved, dim, means_spec, weighting)
+  means = _sample_means(parts, coder) if means_spec else None
+  places, vectors = _training_vectors(parts, size)
   try:
-    codec = faiss.index_factory(int(parts[0][1].shape[1]), resolved, faiss.METRIC_INNER_PRODUCT)
+    if means is not None:  # (each drawn token's passage mean, every passage's mean)
+      coder.train(coder.space(vectors), means[1][np.searchsorted(means[0], places)], means[1])
+    elif mods:
+      coder.train(coder.space(vectors), None, None)
+    else:
+      coder.codec.train(vectors)
+  except RuntimeError as e:
+    raise ConfigError(f"index.dump_codec: {config.codec!r} cannot be trained on {size} tokens "
+                      f"({_first_line(e)}); raise index.train_size or choose fewer code bits"
+                      ) from None
+  files = coder.write(out_dir, CODEC)
+  manifest["codec"] = {"spec": residual.joined(mods, resolved), "sha": files.pop(CODEC),
+                       "code_size": int(coder.codec.sa_code_size()), "train_tokens": int(size),
+                       "notes": notes, "sample": {**sample, "kept_tokens": int(total)},
+                       **({"files": files, "means_codec": means_spec} if mods else {})}
+  if distributed.is_main():
+    write_manifest(out_dir, manifest)
+  log.info("dump codec %s trained on %d kept tokens of %d passages across %d shards",
+           manifest["codec"]["spec"], size, sample["passages"], sample["shards"])
+  return coder
+
+
+def _new_coder(resolved: str, dim: int, means_spec: str | None,
+               weighting: residual.Weighting | None) -> residual.ResidualCodes:
+  """The untrained coding of codec `resolved` in `weighting`'s space, with a means codec of
+  `means_spec` (None: none)."""
+  try:
+    codec = faiss.index_factory(dim, resolved, faiss.METRIC_INNER_PRODUCT)
   except RuntimeError as e:
     raise ConfigError(f"index.dump_codec: {resolved!r} is not a faiss factory string "
                       f"({_first_line(e)})") from None
   compact.flat_codes(codec)
-  vectors = _training_vectors(parts, size)
-  try:
-    codec.train(vectors)
-  except RuntimeError as e:
-    raise ConfigError(f"index.dump_codec: {resolved!r} cannot be trained on {size} tokens "
-                      f"({_first_line(e)}); raise index.train_size or choose fewer code bits"
-                      ) from None
-  tmp = out_dir / (CODEC + ".tmp")
-  faiss.write_index(codec, str(tmp))
-  tmp.replace(out_dir / CODEC)
-  manifest["codec"] = {"spec": resolved, "sha": file_digest(out_dir / CODEC),
-                       "code_size": int(compact.flat_codes(codec).code_size),
-                       "train_tokens": int(size), "notes": notes,
-                       "sample": {**sample, "kept_tokens": int(total)}}
-  if distributed.is_main():
-    write_manifest(out_dir, manifest)
-  log.info("dump codec %s trained on %d kept tokens of %d passages across %d shards", resolved,
-           size, sample["passages"], sample["shards"])
-  return codec
+  return residual.ResidualCodes(
+      codec, means_spec and faiss.index_factory(dim, means_spec, faiss.METRIC_INNER_PRODUCT),
+      weighting)
 
 
-def _training_vectors(parts: list[tuple[np.ndarray, np.ndarray]], size: int) -> np.ndarray:
-  """[size, D] float32: a seeded draw (as `faiss_index` draws an index's sample) of the kept
-  tokens of `parts` ((corpus places [K], float16 vectors [K, D])) taken in corpus order,
-  gathered part by part, each part dropped from `parts` once gathered (emptied at the end), so
-  that memory holds about one copy of the sample, not the sample and its draw."""
+def _sample_means(parts: list[tuple[np.ndarray, np.ndarray]],
+                  coder: residual.ResidualCodes) -> tuple[np.ndarray, np.ndarray]:
+  """(the corpus places of the sample's passages holding kept tokens [m], sorted; their mean
+  kept token in the codes' space [m, D]) from `parts` (`codec_sample`'s)."""
+  places, means = [], []
+  for part_places, vectors in parts:  # a part's places do not decrease
+    held, local = np.unique(part_places, return_inverse=True)
+    places.append(held)
+    means.append(coder.passage_means(vectors, np.arange(len(vectors)), local, len(held)))
+  places, means = np.concatenate(places), np.concatenate(means)
+  order = np.argsort(places, kind="stable")
+  return places[order], means[order]
+
+
+def _training_vectors(parts: list[tuple[np.ndarray, np.ndarray]], size: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+  """([size] corpus places, [size, D] float32 vectors): a seeded draw (as `faiss_index` draws
+  an index's sample) of the kept tokens of `parts` ((corpus places [K], float16 vectors
+  [K, D])) taken in corpus order, gathered part by part, each part dropped from `parts` once
+  gathered (emptied at the end), so that memory holds about one copy of the sample, not the
+  sample and its draw."""
   places = np.concatenate([places for places, _ in parts])
   order = np.argsort(places, kind="stable")  # a passage's tokens stay in order
   picks = np.sort(np.random.default_rng(0).choice(len(places), size=size, replace=False))
@@ -350,7 +435,7 @@ def _training_vectors(parts: list[tuple[np.ndarray, np.ndarray]], size: int) -> 
     lo += len(vectors)
     parts[number] = None
   parts.clear()
-  return out
+  return places[rows], out
 
 
 def _first_line(error: RuntimeError) -> str:

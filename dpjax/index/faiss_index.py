@@ -16,6 +16,7 @@ import os
 import pathlib
 import re
 import time
+from typing import Callable
 
 import faiss
 import jax
@@ -25,8 +26,8 @@ from dpjax import distributed
 from dpjax.errors import ConfigError, DumpError
 from dpjax.index import compact, residual
 from dpjax.index.dump_reader import require_vectors, shard_passages
-from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFEST, kept_settings,
-                                  read_manifest)
+from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFEST,
+                                  dump_coding_files, kept_settings, read_manifest)
 from dpjax.index.passage_store import PassageWriter
 from dpjax.index.shards import (shard_context_offsets, shard_problems, shard_rerun,
                                 shard_token_layout, shard_token_offsets)
@@ -115,7 +116,8 @@ def _kept(dump_dir: pathlib.Path, shard: dict, filter_threshold: float | None) -
 def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | None = None,
                 filter_threshold: float | None = None, train_size: int = 1_000_000,
                 nprobe: int = 256, seed: int = 0,
-                weighting: residual.Weighting | None = None) -> pathlib.Path:
+                weighting: residual.Weighting | Callable[[], residual.Weighting] | None = None
+                ) -> pathlib.Path:
   """Builds and writes a faiss index over a complete dump; returns the index directory.
 
   The index's labels are the dump's global token ids. Shards are read one at a time (memory
@@ -125,7 +127,9 @@ def build_index(dump_dir: str | os.PathLike, spec: str = "Flat", *, name: str | 
   merges the parts (faiss `merge_from`) into one index. The index is built in `<name>.tmp` and
   renamed into place complete; a failed build removes its temporary directory. A compact
   spec (`dpjax.index.compact`: "compact:OPQ32,PQ32") builds that kind instead; a question-weighted
-  one ("compact:qw+pr:OPQ32,PQ32", `dpjax.index.residual`) codes in the space of `weighting`.
+  one ("compact:qw+pr:OPQ32,PQ32", `dpjax.index.residual`) codes in the space of `weighting` (or
+  of the one a function `weighting()` gives, called only then), unless the dump holds codes of
+  that codec (`index.dump_codec`), which are assembled with the dump's weighting.
   """
   dump_dir = pathlib.Path(dump_dir)
   if compact.is_compact(spec):
@@ -274,20 +278,24 @@ def _record(plan: dict, spec: str, seconds: float) -> dict:
 
 def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
                    filter_threshold: float | None, train_size: int, seed: int, nprobe: int,
-                   weighting: residual.Weighting | None) -> pathlib.Path:
+                   weighting) -> pathlib.Path:
   """Builds a compact index (`dpjax.index.compact`) in `<name>.tmp`, renamed complete: its
   codec trained on a sample of the kept tokens, then every shard's kept tokens encoded, one
-  shard at a time (memory mapped). Process 0 builds it; the others wait."""
+  shard at a time (memory mapped); or, over a dump of that codec's codes, assembled from them.
+  Process 0 builds it; the others wait."""
   dump = read_manifest(dump_dir)
   mods, factory = residual.parse(compact.codec_spec(spec, dump["dim"]))
-  if mods:  # residuals or weighting: coded from the dump's vectors
+  codec = _dump_codec(dump_dir, spec, mods)
+  if codec:  # the dump's own codes (a residual one's means and weighting too)
+    mods, factory = residual.parse(codec)
+  elif mods:  # residuals or weighting: coded from the dump's vectors
     require_vectors(dump, dump_dir, f"index.specs {spec!r}")
+    weighting = weighting() if callable(weighting) and "qw" in mods else weighting
     if "qw" in mods and weighting is None:
       raise ConfigError(f"index.specs {spec!r}: question weighting needs the model's question "
                         "vectors; build it with `run.py index` (it encodes the training "
                         "questions of index.sparse_tune_questions)")
-  codec = "" if mods else _dump_codec(dump_dir, spec)
-  plan = _plan(dump_dir, codec or factory, filter_threshold, train_size)  # (none kept: refused)
+  plan = _plan(dump_dir, factory, filter_threshold, train_size)  # (none kept: refused)
   plan["modifiers"], plan["nprobe"] = mods, nprobe
   final = dump_dir / "indexes" / (name or index_folder(spec, filter_threshold))
   tmp = final.with_name(final.name + ".tmp")
@@ -298,7 +306,9 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
       tmp.mkdir(parents=True)
       coder = None
       if codec:  # the dump's own codes: assembled, nothing trained or encoded
-        index, plan["resolved"], plan["notes"] = _read_codec(dump_dir), codec, []
+        coder, plan["means_codec"] = _read_coder(dump_dir)
+        index, plan["resolved"], plan["notes"] = coder.codec, factory, []
+        coder = coder if mods else None
       elif mods:
         coder = _trained_residual(plan, mods, weighting, min(train_size, plan["total_kept"]),
                                   seed)
@@ -316,15 +326,19 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   return final
 
 
-def _dump_codec(dump_dir: pathlib.Path, spec: str) -> str:
+def _dump_codec(dump_dir: pathlib.Path, spec: str, mods: frozenset) -> str:
   """The codec of a dump coded at dump time (`index.dump_codec`; "": none) that the compact
-  `spec` assembles its index from; a ConfigError when the spec names another codec."""
+  `spec` (of modifiers `mods`) assembles its index from; "" for a residual or weighted spec of
+  another codec (coded from the dump's vectors); a ConfigError when a plain spec names
+  another codec."""
   dump = read_manifest(dump_dir)
   codec = kept_settings(dump["settings"])["codec"]
   if not codec:
     return ""
   resolved = dump.get("codec", {}).get("spec", codec)
   wanted = compact.codec_spec(spec, dump["dim"])
+  if spec != compact.PREFIX[:-1] and wanted not in (codec, resolved) and mods:
+    return ""
   if spec != compact.PREFIX[:-1] and wanted not in (codec, resolved):
     raise ConfigError(f"index.specs: {spec!r} codes with {wanted}, the dump's codes are "
                       f"{resolved} (index.dump_codec {codec!r}): use \"compact\", or dump again "
@@ -332,13 +346,16 @@ def _dump_codec(dump_dir: pathlib.Path, spec: str) -> str:
   return resolved
 
 
-def _read_codec(dump_dir: pathlib.Path):
-  """The dump's trained codec (`dump_codes.CODEC`), its digest checked against the manifest."""
-  path, record = dump_dir / CODEC, read_manifest(dump_dir).get("codec", {})
-  if not path.is_file() or file_digest(path) != record.get("sha"):
-    raise DumpError(f"{path}: missing or not the codec the dump's codes were made with; "
-                    "delete the dump and run it again")
-  return faiss.read_index(str(path))
+def _read_coder(dump_dir: pathlib.Path) -> tuple[residual.ResidualCodes, str | None]:
+  """(the dump's trained coding (`dump_codes`), its files' digests checked against the
+  manifest; its means codec's spec, None without one)."""
+  record = read_manifest(dump_dir).get("codec", {})
+  if "sha" not in record:
+    raise DumpError(f"{dump_dir / CODEC}: not recorded in the dump's manifest; delete the dump "
+                    "and run it again")
+  coder = residual.ResidualCodes.read(dump_dir, dump_coding_files(record), CODEC,
+                                      "delete the dump and run it again")
+  return coder, record.get("means_codec")
 
 
 def _encode_shards(codec, plan: dict, tmp: pathlib.Path, coded: bool = False,
@@ -444,12 +461,8 @@ def _shard_means(plan: dict, shard: dict, rows: np.ndarray, passage: np.ndarray,
   """[num_passages, D] the mean kept vector (the codes' space) of each of a shard's passages
   (zeros for one without kept tokens), from its kept `rows` of shard-local passages
   `passage`, a bounded chunk at a time."""
-  vectors = _shard_arrays(plan["dump_dir"], shard, "vectors")
-  sums = np.zeros((num_passages, vectors.shape[1]), np.float64)
-  for lo in range(0, len(rows), 1 << 16):
-    residual.add_passage_sums(sums, coder.space(vectors[rows[lo:lo + (1 << 16)]]),
-                              passage[lo:lo + (1 << 16)])
-  return residual.means_of(sums, np.bincount(passage, minlength=num_passages))
+  return coder.passage_means(_shard_arrays(plan["dump_dir"], shard, "vectors"), rows, passage,
+                             num_passages)
 
 
 def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: bool,
@@ -463,26 +476,26 @@ def _encode_shard(codec, plan: dict, shard: dict, paths: dict, at: dict, coded: 
   token_passage, ids, encoded = shard_token_layout(dump_dir / shard["name"], shard)
   passage = token_passage[rows]
   source = _shard_arrays(dump_dir, shard, "codes" if coded else "vectors")
-  first, means = at["kept"], None
-  if coder is not None and coder.means_codec is not None:
-    codes = coder.encode_means(_shard_means(plan, shard, rows, passage, len(encoded), coder))
-    out[residual.MEANS[:-4]][at["row"]:at["row"] + len(encoded)] = codes
-    means = coder.decode_means(codes)
-  for lo in range(0, len(rows), 1 << 16):  # bounded float32 copies
-    part = rows[lo:lo + (1 << 16)]
-    if coded:
-      codes = source[part]
-    elif coder is not None:
-      codes = coder.encode(coder.space(source[part]),
-                           None if means is None else means[passage[lo:lo + len(part)]])
-    else:
-      codes = codec.sa_encode(np.asarray(source[part], np.float32))
-    out["codes"][first + lo:first + lo + len(part)] = codes
+  first, row = at["kept"], at["row"]
+  if coded:  # the dump's codes (and a residual dump's means codes)
+    out["codes"][first:first + len(rows)] = source[rows]
+    if coder is not None and coder.means_codec is not None:
+      out[residual.MEANS[:-4]][row:row + len(encoded)] = _shard_arrays(dump_dir, shard,
+                                                                       residual.MEANS[:-4])
+  elif coder is not None:
+    means, out["codes"][first:first + len(rows)] = coder.shard_codes(source, rows, passage,
+                                                                     len(encoded))
+    if means is not None:
+      out[residual.MEANS[:-4]][row:row + len(encoded)] = means
+  else:
+    for lo in range(0, len(rows), residual.CHUNK):  # bounded float32 copies
+      part = rows[lo:lo + residual.CHUNK]
+      out["codes"][first + lo:first + lo + len(part)] = codec.sa_encode(
+          np.asarray(source[part], np.float32))
   out["char_spans"][first:first + len(rows)] = _shard_arrays(dump_dir, shard, "char_spans")[rows]
   if "positions" in out:  # each kept token's id among its passage's encoded ones
     starts = np.concatenate([[0], np.cumsum(encoded)[:-1]]).astype(np.int64)
     out["positions"][first:first + len(rows)] = ids[rows] - starts[passage]
-  row = at["row"]
   out["passage_offsets"][row + 1:row + len(encoded) + 1] = at["token"] + np.cumsum(encoded)
   out["kept_offsets"][row + 1:row + len(encoded) + 1] = first + np.cumsum(
       np.bincount(passage, minlength=len(encoded)))

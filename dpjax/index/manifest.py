@@ -82,6 +82,12 @@ def kept_settings(settings: dict) -> dict:
   return {**KEPT_DEFAULTS, **settings}
 
 
+def dump_coding_files(record: dict) -> dict[str, str]:
+  """The files of a dump's coding (name -> digest) its manifest's codec `record` names: the
+  codec, and a residual or weighted one's means codec and weighting (`dpjax.index.residual`)."""
+  return {DUMP_CODEC: record["sha"], **record.get("files", {})}
+
+
 def window_settings(config: DumpConfig) -> dict:
   """The settings that decide which windows (so which vectors) a dump holds."""
   return {"max_seq_length": config.max_seq_length, "doc_stride": config.doc_stride,

@@ -17,11 +17,13 @@ lists are the passages, each list a passage's contiguous kept ranks, so no id is
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import faiss
 import numpy as np
 
-from dpjax.errors import ConfigError
+from dpjax.errors import ConfigError, DumpError
+from dpjax.io import file_digest
 
 MODIFIERS = ("qw", "pr")
 MEANS = "passage_means.npy"
@@ -36,6 +38,7 @@ MEANS_SUBVECTOR_DIMS = 12
 # Training vectors drawn for each codec: faiss's k-means samples 256 per centroid (65,536 for an
 # 8-bit PQ) and OPQ as many, so a larger sample only costs memory.
 TRAIN_SAMPLE = 1 << 17
+CHUNK = 1 << 16  # tokens coded at a time: bounded float32 copies
 _EIGEN_FLOOR = 1e-6  # C's eigenvalues floored at this share of the largest (C^-1/2 stays finite)
 
 
@@ -149,6 +152,67 @@ class ResidualCodes:
     """Codes [n, C] of tokens `x` [n, D] (coded space) whose passages' decoded means are
     `means` [n, D] (None: no residuals)."""
     return self.codec.sa_encode(np.ascontiguousarray(x if means is None else x - means))
+
+  def passage_means(self, vectors, rows: np.ndarray, passages: np.ndarray,
+                    num_passages: int) -> np.ndarray:
+    """[num_passages, D] each passage's mean token in the coded space (zeros for one without
+    tokens), of the tokens `vectors[rows]` (any array of vectors, memory mapped or not, read
+    CHUNK rows at a time) whose passages `passages` [K] do not decrease."""
+    sums = np.zeros((num_passages, vectors.shape[1]), np.float64)
+    for lo in range(0, len(rows), CHUNK):
+      add_passage_sums(sums, self.space(vectors[rows[lo:lo + CHUNK]]), passages[lo:lo + CHUNK])
+    return means_of(sums, np.bincount(passages, minlength=num_passages))
+
+  def shard_codes(self, vectors, rows: np.ndarray, passages: np.ndarray,
+                  num_passages: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the passages' coded means [num_passages, Cm], None without residuals; the tokens'
+    codes [K, C]) of a shard's tokens `vectors[rows]` of passages `passages` [K] (as
+    `passage_means`), CHUNK rows at a time: a passage's mean needs all its tokens first."""
+    mean_codes = means = None
+    if self.means_codec is not None:
+      mean_codes = self.encode_means(self.passage_means(vectors, rows, passages, num_passages))
+      means = self.decode_means(mean_codes)
+    codes = np.empty((len(rows), self.codec.sa_code_size()), np.uint8)
+    for lo in range(0, len(rows), CHUNK):
+      part = rows[lo:lo + CHUNK]
+      codes[lo:lo + len(part)] = self.encode(
+          self.space(vectors[part]), None if means is None else means[passages[lo:lo + len(part)]])
+    return mean_codes, codes
+
+  def write(self, directory: pathlib.Path, codec_name: str) -> dict[str, str]:
+    """Writes the coding's files into `directory` (each atomically; the codec `codec_name`
+    last); returns their digests by name."""
+    files = {}
+    if self.means_codec is not None:
+      files[MEANS_CODEC] = _written(directory / MEANS_CODEC, lambda path: faiss.write_index(
+          self.means_codec, str(path)))
+    if self.weighting is not None:
+      files[WEIGHTING] = _written(directory / WEIGHTING, lambda path: np.save(
+          path, self.weighting.root))
+    files[codec_name] = _written(directory / codec_name, lambda path: faiss.write_index(
+        self.codec, str(path)))
+    return files
+
+  @classmethod
+  def read(cls, directory: pathlib.Path, files: dict[str, str], codec_name: str,
+           again: str) -> "ResidualCodes":
+    """The coding written in `directory` (`write`), each file checked against its digest in
+    `files`; a DumpError names a missing or changed one and says what to do (`again`)."""
+    for name, digest in files.items():
+      if not (directory / name).is_file() or file_digest(directory / name) != digest:
+        raise DumpError(f"{directory / name}: missing or not the file the codes were made "
+                        f"with; {again}")
+    return cls(faiss.read_index(str(directory / codec_name)),
+               faiss.read_index(str(directory / MEANS_CODEC)) if MEANS_CODEC in files else None,
+               Weighting.of_root(np.load(directory / WEIGHTING)) if WEIGHTING in files else None)
+
+
+def _written(path: pathlib.Path, write) -> str:
+  """Writes a file by `write(temporary path)` and renames it into place; returns its digest."""
+  tmp = path.with_name(path.name + ".tmp" + path.suffix)
+  write(tmp)
+  tmp.replace(path)
+  return file_digest(path)
 
 
 class PassageFirstSearch:

@@ -12,6 +12,7 @@ from dpjax.workdir import Workdir
 from dpjax.parallel import make_mesh
 from dpjax.loading import apply_filter_head, data_paths
 from dpjax.main import restore, writes_to
+from dpjax.main.index import question_weighting
 from dpjax.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def run(settings: Settings, workdir: Workdir) -> dict:
                                         "tokenizer": str(settings.model.tokenizer)},
                             corpus_info={"files": [{"path": str(f), "bytes": _size(f)}
                                                    for f in paths["corpus"]]},
-                            filter_head=head)
+                            filter_head=head,
+                            question_weighting=lambda: question_weighting(settings, workdir))
   finally:  # also when the dump fails (e.g. every record skipped: "the corpus is empty")
     if summary.total:
       log.warning("%s", summary)

@@ -1,6 +1,7 @@
 """`run.py index`: the configured faiss indexes over the dump (with `index.sparse`, its BM25)."""
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from dpjax.data import Tokenizer
 from dpjax.errors import ConfigError
-from dpjax.index import compact, residual
+from dpjax.index import residual
 from dpjax.index.hybrid_weights import build_sparse_index, tune_questions
 from dpjax.index.faiss_index import build_index
 from dpjax.workdir import Workdir
@@ -27,9 +28,8 @@ def run(settings: Settings, workdir: Workdir) -> list[pathlib.Path]:
   index = settings.index
   dump = workdir.dump(index.dump_name)
   checked_dump(settings.data, index, workdir)
-  weighting = None
-  if any(_weighted(spec) for spec in index.specs):
-    weighting = question_weighting(settings, workdir)
+  # encoded once, and only for an index coded from the dump's vectors (not its codes)
+  weighting = functools.cache(lambda: question_weighting(settings, workdir))
   built = [build_index(dump, spec, filter_threshold=index.filter_threshold,
                        train_size=index.train_size, nprobe=index.nprobe, weighting=weighting)
            for spec in index.specs]
@@ -37,12 +37,6 @@ def run(settings: Settings, workdir: Workdir) -> list[pathlib.Path]:
     built.append(build_sparse_index(settings.model, settings.data, settings.eval, index,
                                     workdir, best_metric=settings.validation.metric))
   return built
-
-
-def _weighted(spec: str) -> bool:
-  """Whether an `index.specs` entry is a question-weighted compact index ("compact:qw...")."""
-  return compact.is_compact(spec) and "qw" in residual.parse(
-      compact.codec_spec(spec, 1))[0]
 
 
 def question_weighting(settings: Settings, workdir: Workdir) -> residual.Weighting:
