@@ -5,8 +5,8 @@ not keep and codes the others, so that neither memory, the disk nor an index eve
 dropped tokens or a shard's full vectors; it writes the kept tokens' codes (and, when asked,
 float16 vectors).
 
-The codec (`codec.faiss` in the dump's folder, its digest in the manifest) is trained before any
-shard is encoded, on `train_size` kept tokens of a sample of passages drawn across the whole
+The codec (`codec.faiss` in the dump's folder, its digest in the manifest; a residual codec's
+`means_codec.faiss` and `weighting.npy` beside it) is trained before any shard is encoded, on `train_size` kept tokens of a sample of passages drawn across the whole
 corpus (`codec_sample`): every passage gets a seeded random key by its place in the corpus, and a
 read of the corpus takes the passages of the smallest keys whose texts hold about the characters
 `train_size` tokens need; they are encoded and filtered, and when the filter keeps too few, a
@@ -17,11 +17,14 @@ corpus (more when a filter keeps few tokens) and its passages' encoding: they ar
 in their shards, so a corpus smaller than the sample is encoded twice. No shard waits for the
 codec, so memory holds one shard's kept tokens (and, while the codec trains, its sample),
 whatever the corpus's size. A rerun reuses the codec (the sample is not drawn again) and resumes
-by shard.
+by shard. A residual codec's sample is sized by `sample_targets` and its codes wait for each
+shard's end (`KeptTokens`).
 
 A shard of this layout (`"layout": "kept"` in its info) holds, for its K kept tokens:
 
   codes.npy           [K, C] uint8    the codec's codes (with a codec)
+  passage_means.npy   [P, Cm] uint8   each passage's mean kept vector, coded (a "pr:" codec's:
+                                      codes.npy then holds the residuals from it, `residual`)
   vectors.npy         [K, D] float16  (only with index.dump_vectors)
   filter_logits.npy   [K, 2] float16  start/end filter logits
   char_spans.npy      [K, 2] uint16   (int32 where a passage is longer) characters of each token

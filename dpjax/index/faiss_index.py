@@ -301,12 +301,12 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   tmp = final.with_name(final.name + ".tmp")
   if distributed.is_main():
     start = time.perf_counter()
+    # the dump's coding read (its digests checked) before anything is written
+    coder, plan["means_codec"] = _read_coder(dump_dir) if codec else (None, None)
     try:
       remove(tmp)
       tmp.mkdir(parents=True)
-      coder = None
       if codec:  # the dump's own codes: assembled, nothing trained or encoded
-        coder, plan["means_codec"] = _read_coder(dump_dir)
         index, plan["resolved"], plan["notes"] = coder.codec, factory, []
         coder = coder if mods else None
       elif mods:

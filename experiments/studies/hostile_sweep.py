@@ -1428,6 +1428,7 @@ def residual_cases(s: Sweep) -> None:
                                         f"index.search_index={folder}"),
            error=rf"/indexes/{folder}/{error}", unchanged=[w],
            setup=s.make("residual_damaged", then=built_then_damaged))
+  residual_dump_cases(s)
   w = s.scratch / "reread"
   s.case("compact", "a compact index searched re-reading its top 2 passages",
          search_cli(w, "--set", "index.search_index=compact_SQ8", "--set", "index.reread=2"),
@@ -1435,6 +1436,29 @@ def residual_cases(s: Sweep) -> None:
                   lambda out: top_hits(out, 1) == s.flat_hits()[:1])],
          setup=s.make("reread", then=lambda: cli("index", *TINY, "--workdir", str(w), "--set",
                                                  "index.specs=['compact:SQ8']")))
+
+
+def residual_dump_cases(s: Sweep) -> None:
+  """Residual codes made at dump time (`index.dump_codec=qw+pr:...`): a question-weighted codec
+  without training questions, and a dump whose weighting was changed after its codes."""
+  dumped = ("--set", "index.dump_codec=qw+pr:SQ8", "--set", "index.dump_vectors=False")
+  w = s.scratch / "residual_dump_no_questions"
+  s.case("compact", "a qw+pr dump codec without training questions", lambda: cli(
+      "dump", *TINY, "--workdir", str(w), *dumped, "--set", "index.dump_name=coded", "--set",
+      "index.sparse_tune_file=/nonexistent.json"),
+      error=r"/nonexistent\.json: questions file not found", unchanged=[w],
+      setup=s.make("residual_dump_no_questions"))
+  w = s.scratch / "residual_dump_damaged"
+
+  def dumped_then_damaged() -> None:
+    cli("dump", *TINY, "--workdir", str(w), *dumped, "--set", "index.dump_name=coded")
+    weighting = w / "coded" / "weighting.npy"
+    weighting.write_bytes(b"\0" * weighting.stat().st_size)
+  s.case("compact", "a residual codes dump's question weighting zeroed", lambda: cli(
+      "index", *TINY, "--workdir", str(w), *dumped, "--set", "index.dump_name=coded", "--set",
+      "index.specs=['compact:qw+pr:SQ8']"),
+      error=r"/coded/weighting\.npy: missing or not the file the codes were made with",
+      unchanged=[w], setup=s.make("residual_dump_damaged", then=dumped_then_damaged))
 
 
 GROUPS = (config_cases, data_cases, corpus_cases, state_cases, lock_and_verify_cases, api_cases,
