@@ -6,8 +6,9 @@ dropped tokens or a shard's full vectors; it writes the kept tokens' codes (and,
 float16 vectors).
 
 The codec (`codec.faiss` in the dump's folder, its digest in the manifest; a residual codec's
-`means_codec.faiss` and `weighting.npy` beside it) is trained before any shard is encoded, on `train_size` kept tokens of a sample of passages drawn across the whole
-corpus (`codec_sample`): every passage gets a seeded random key by its place in the corpus, and a
+`means_codec.faiss` and `weighting.npy` beside it) is trained before any shard is encoded, on
+`train_size` kept tokens of a sample of passages drawn across the whole corpus
+(`codec_sample`): every passage gets a seeded random key by its place in the corpus, and a
 read of the corpus takes the passages of the smallest keys whose texts hold about the characters
 `train_size` tokens need; they are encoded and filtered, and when the filter keeps too few, a
 further read takes the next keys, sized by the tokens kept per character so far. `train_size` of
@@ -57,7 +58,7 @@ from dpjax.index.manifest import (DUMP_CODEC as CODEC, DumpConfig, dump_coding_f
                                   write_manifest)
 from dpjax.index.shards import shard_name, write_shard
 from dpjax.index.window_maker import kept_slices
-from dpjax.io import Progress, file_digest
+from dpjax.io import Progress
 
 log = logging.getLogger(__name__)
 # Room kept free beside a shard's estimated bytes (its info, the manifest, the file system's).

@@ -31,7 +31,7 @@ from dpjax.index.manifest import (DUMP_CODEC as CODEC, INDEX_MANIFEST as MANIFES
 from dpjax.index.passage_store import PassageWriter
 from dpjax.index.shards import (shard_context_offsets, shard_problems, shard_rerun,
                                 shard_token_layout, shard_token_offsets)
-from dpjax.io import (checksum_problems, commit_directory, file_digest, folder_checksums,
+from dpjax.io import (checksum_problems, commit_directory, folder_checksums,
                       refuse_damage, remove, write_json)
 
 log = logging.getLogger(__name__)
