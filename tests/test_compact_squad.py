@@ -32,6 +32,10 @@ def test_served_bytes_count_both_index_folders_and_the_manifest_only(tmp_path, m
   assert served["bytes"] == {"compact_SQ8/codes.npy": 3000, "compact_SQ8/sub/part": 500,
                              "bm25/data.npy": 2000, "dump manifest": manifest}
   assert abs(served["total_per_token"] - (5500 + manifest) / 1000) < 1e-9
+  # a dump filtered as it was made: per corpus token, not per kept one
+  (dump / "manifest.json").write_text(json.dumps({"num_tokens": 250, "context_tokens": 1000}))
+  served = study.served_bytes(dump, "compact_SQ8")
+  assert served["corpus_tokens"] == 1000
 
 
 def test_only_an_eval_of_every_question_is_reused(tmp_path):

@@ -29,7 +29,8 @@ def test_each_row_pairs_the_reports_of_the_same_search_over_both_indexes(tmp_pat
   assert ours == {
       "dense": "open_eval_compact_qw_pr_OPQ24_PQ24.json",
       "hybrid": "open_eval_compact_qw_pr_OPQ24_PQ24_hybrid.json",
-      "hybrid, reread 3 within 3": "open_eval_compact_qw_pr_OPQ24_PQ24_hybrid_reread3_m3_w1_s0.5.json"}
+      "hybrid, reread 3 within 3":
+          "open_eval_compact_qw_pr_OPQ24_PQ24_hybrid_reread3_m3_w1_s0.5.json"}
   reference = tmp_path / "reference"
   reference.mkdir()
   folder = "compact_qw_pr_OPQ24_PQ24_filter-2.91406"
@@ -65,7 +66,7 @@ def test_the_record_pairs_every_question_and_counts_the_dumps_bytes(tmp_path, mo
   (index / "index_manifest.json").write_text(json.dumps({"build_seconds": 2.0}))
   (tmp_path / "reference" / "dump").mkdir(parents=True)
   (tmp_path / "reference" / "dump" / "manifest.json").write_text(
-      json.dumps({"bytes_per_token": 789.0}))
+      json.dumps({"bytes_per_token": 789.0, "seconds": 7.0}))
   monkeypatch.setattr("dpjax.index.manifest.read_manifest",
                       lambda d: {"num_tokens": 100})
   hits = {"em@1": "1100", "top1": "1111", "top20": "1111"}
@@ -84,3 +85,4 @@ def test_the_record_pairs_every_question_and_counts_the_dumps_bytes(tmp_path, mo
   table = study.render(section)
   assert "| dense | 50.00 / 25.00 | 100.00 / 100.00 | 100.00 / 100.00 | 2 / 1 (1) |" in table
   assert "peak resident memory 3.00 GiB" in table and "12 passages in 2 reads" in table
+  assert "(the reference's float16 dump: 789.0 bytes, 7 s)" in table

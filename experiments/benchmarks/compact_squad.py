@@ -142,7 +142,8 @@ def served_bytes(dump: pathlib.Path, folder: str) -> dict:
   """Bytes per corpus token of everything a search over the compact index and the BM25 index
   reads: each file of the two index folders, and the dump's manifest."""
   from dpjax.index.manifest import read_manifest
-  tokens = read_manifest(dump)["num_tokens"]
+  manifest = read_manifest(dump)  # (a dump filtered as it was made stores its kept tokens only)
+  tokens = manifest.get("context_tokens", manifest["num_tokens"])
   parts = {}
   for name in (folder, "bm25"):
     base = dump / "indexes" / name

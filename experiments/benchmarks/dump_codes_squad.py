@@ -126,14 +126,13 @@ def summarise(args, reports: dict, reference: dict, commands: dict) -> dict:
           for name in reports}
   index = json.loads((dump / "indexes" / index_folder(f"compact:{args.codec}")
                       / "index_manifest.json").read_text())
+  reference_dump = json.loads((pathlib.Path(args.reference) / "dump" / "manifest.json").read_text())
   return {"commit": git_commit(), "config": args.config, "workdir": str(args.workdir),
-          "reference": f"{args.reference} ({args.reference_index})", "codec": args.codec,
+          "reference": f"{args.reference}, index {args.reference_index}", "codec": args.codec,
           "filter_threshold": args.threshold, "questions": reports["dense"]["questions"],
           "rows": rows, "dump": {**dump_record(dump), "run": peak_memory(args.dump_log)},
           "index": {"build_seconds": index["build_seconds"], "run": peak_memory(args.index_log)},
-          "reference_dump_bytes_per_token": json.loads(
-              (pathlib.Path(args.reference) / "dump" / "manifest.json").read_text()
-          )["bytes_per_token"],
+          "reference_dump": {key: reference_dump[key] for key in ("bytes_per_token", "seconds")},
           "served_bytes": served_bytes(dump, index_folder(f"compact:{args.codec}")),
           "commands": commands, "notes": args.note}
 
@@ -160,12 +159,17 @@ def render(section: dict) -> str:
   sample = dump["codec"]["sample"]
   lines += ["", "McNemar: questions only the dump-time index answers / only the index-time one.",
             "", f"The dump: {dump['kept_tokens']:,} of {dump['corpus_tokens']:,} tokens kept, "
-            f"{dump['total_per_token']:.2f} bytes per corpus token on disk (the float16 dump: "
-            f"{section['reference_dump_bytes_per_token']:.1f}), {dump['seconds']:.0f} s"
+            f"{dump['total_per_token']:.2f} bytes per corpus token on disk, "
+            f"{dump['seconds']:.0f} s "
+            f"(the reference's float16 dump: {section['reference_dump']['bytes_per_token']:.1f} "
+            f"bytes, {section['reference_dump']['seconds']:.0f} s)"
             + (f", peak resident memory {run['peak_gib']:.2f} GiB" if run else "") + "; the "
             f"codec sample {sample['passages']:,} passages in {sample['reads']} reads "
             f"({sample['kept_tokens']:,} kept tokens, {dump['codec']['train_tokens']:,} drawn; "
-            f"means codec {dump['codec'].get('means_codec')}). Served: "
+            f"means codec {dump['codec'].get('means_codec')}). The index assembled from it in "
+            f"{section['index']['build_seconds']:.1f} s"
+            + (f" (its run's peak {section['index']['run']['peak_gib']:.2f} GiB)"
+               if section["index"]["run"] else "") + ". Served: "
             f"{served['total_per_token']:.2f} bytes per corpus token (compact index, BM25, "
             f"the dump's manifest).", "", "| dump file | bytes per corpus token |", "|---|---|"]
   lines += [f"| {name} | {value:.3f} |" for name, value in dump["per_token"].items()]
