@@ -67,6 +67,20 @@ def test_a_search_time_that_falls_with_size_is_projected_flat():
   assert not grows["flat"] and 0 < grows["projected"] < 100
 
 
+def test_memory_that_falls_with_size_is_projected_at_the_largest_measured():
+  def row(tokens, peak):
+    return {"tokens": tokens, "dim": 8, "search": {"batch1": {"questions_per_s": 100.0},
+                                                   "batch64": {"questions_per_s": 200.0}},
+            "bytes_per_token": {"dump_total": 1.0, "compact_total": 1.0, "served": 1.0},
+            "dump": {"peak_rss_bytes": peak}, "index": {"compact:SQ8": {"build_s": 1.0}}}
+  args = argparse.Namespace(project_tokens=3e9, project_dim=8, spec="compact:SQ8",
+                            encode_rate=1e5, encode_rate_source="given")
+  fell = scale.projection([row(1e4, 2e9), row(2e4, 1.9e9)], args)["dump_peak_rss_bytes"]
+  assert fell == {"intercept": 2e9, "per_token": 0.0, "projected": 2e9, "flat": True}
+  grew = scale.projection([row(1e4, 1.9e9), row(2e4, 2e9)], args)["dump_peak_rss_bytes"]
+  assert "flat" not in grew and grew["projected"] > 2e9
+
+
 @pytest.mark.slow
 def test_two_tiny_sizes_end_to_end(tmp_path, monkeypatch):
   """Dump, compact index, serve and search at 20k and 40k tokens (~30 s on one core)."""

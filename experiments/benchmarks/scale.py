@@ -409,6 +409,11 @@ def projection(rows: list[dict], args) -> dict:
             "index_peak_rss_bytes": lambda r: r["index"][spec].get("peak_rss_bytes")}
   for key, value in memory.items():
     if (fit := fitted(rows, value, T)) is not None:
+      # Memory that fell with the size is the measurement's noise where it is flat: projected
+      # at the largest measured, not below what was measured.
+      if fit["per_token"] < 0:
+        top = max(y for r in rows if (y := value(r)) is not None)
+        fit = {"intercept": top, "per_token": 0.0, "projected": top, "flat": True}
       out[key] = fit
   build = fitted(rows, lambda r: r["index"][spec]["build_s"], T)
   out["hours"] = {"dump": T / args.encode_rate / 3600, "encode_rate": args.encode_rate,
@@ -574,7 +579,9 @@ def _projection_lines(results: dict) -> list[str]:
                      ("dump_peak_rss_bytes", "dump peak resident memory"),
                      ("index_peak_rss_bytes", "compact index build peak resident memory")):
     if key in p:
-      lines.append(f"| {label} | {_gb(p[key]['projected'])} GiB | {p[key]['per_token']:.2f} B |")
+      lines.append(f"| {label} | {_gb(p[key]['projected'])} GiB | {p[key]['per_token']:.2f} B"
+                   + (" (fell with size: held at the largest measured)"
+                      if p[key].get("flat") else "") + " |")
   lines += [f"| dump hours at {hours['encode_rate']:,.0f} tokens/s ({hours['encode_rate_source']})"
             f" | {hours['dump']:.1f} h | |",
             f"| compact index build hours (this CPU) | {hours['compact_index']:.1f} h | |"]
