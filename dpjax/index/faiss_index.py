@@ -278,7 +278,8 @@ def _record(plan: dict, spec: str, seconds: float) -> dict:
 
 def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
                    filter_threshold: float | None, train_size: int, seed: int, nprobe: int,
-                   weighting) -> pathlib.Path:
+                   weighting: residual.Weighting | Callable[[], residual.Weighting] | None
+                   ) -> pathlib.Path:
   """Builds a compact index (`dpjax.index.compact`) in `<name>.tmp`, renamed complete: its
   codec trained on a sample of the kept tokens, then every shard's kept tokens encoded, one
   shard at a time (memory mapped); or, over a dump of that codec's codes, assembled from them.
@@ -337,13 +338,13 @@ def _dump_codec(dump_dir: pathlib.Path, spec: str, mods: frozenset) -> str:
     return ""
   resolved = dump.get("codec", {}).get("spec", codec)
   wanted = compact.codec_spec(spec, dump["dim"])
-  if spec != compact.PREFIX[:-1] and wanted not in (codec, resolved) and mods:
+  if spec == compact.PREFIX[:-1] or wanted in (codec, resolved):
+    return resolved
+  if mods:
     return ""
-  if spec != compact.PREFIX[:-1] and wanted not in (codec, resolved):
-    raise ConfigError(f"index.specs: {spec!r} codes with {wanted}, the dump's codes are "
-                      f"{resolved} (index.dump_codec {codec!r}): use \"compact\", or dump again "
-                      "with that index.dump_codec")
-  return resolved
+  raise ConfigError(f"index.specs: {spec!r} codes with {wanted}, the dump's codes are "
+                    f"{resolved} (index.dump_codec {codec!r}): use \"compact\", or dump again "
+                    "with that index.dump_codec")
 
 
 def _read_coder(dump_dir: pathlib.Path) -> tuple[residual.ResidualCodes, str | None]:
