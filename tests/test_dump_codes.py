@@ -130,6 +130,30 @@ def test_a_residual_codes_dump_answers_as_the_full_dumps_residual_index(workdir)
   assert sum(map(len, want)) > QUESTIONS
 
 
+@pytest.mark.parametrize("codec", [f"pr:{CODEC}", f"qw:{CODEC}"])
+def test_residual_or_weighted_codes_alone_answer_as_their_index_time_index(workdir, tmp_path,
+                                                                           codec):
+  """Passage residuals without the weighting (coded at each shard's end) and the weighting
+  without residuals (coded batch by batch): each dump's index is the index coded from the full
+  dump's vectors, byte for byte."""
+  threshold = _threshold(workdir)
+  copy = tmp_path / "demo"
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("codes", "kept", "residual"))
+  assert _run(copy, "dump", "index.dump_name=mine", f"index.dump_codec={codec}",
+              "index.dump_vectors=False", f"index.dump_filter_threshold={threshold!r}") == 0
+  settings, opened, _, _ = open_workdir("experiments/demo.py:tiny", copy,
+                                        ["index.dump_name=full"])
+  full_dir = build_index(copy / "full", f"compact:{codec}", filter_threshold=threshold,
+                         weighting=question_weighting(settings, opened))
+  codes_dir = build_index(copy / "mine", "compact")
+  parts = sorted(p.name for p in full_dir.iterdir() if p.suffix in (".npy", ".faiss"))
+  assert ("weighting.npy" in parts) == codec.startswith("qw")
+  assert ("passage_means.npy" in parts) == codec.startswith("pr")
+  assert parts == sorted(p.name for p in codes_dir.iterdir() if p.suffix in (".npy", ".faiss"))
+  for part in parts:
+    assert (full_dir / part).read_bytes() == (codes_dir / part).read_bytes(), part
+
+
 def test_a_residual_codecs_sample_holds_passages_enough_for_its_means(workdir, monkeypatch):
   """A passage-residual codec's sample reads on past `train_size` tokens until it holds the
   passages a PQ means codec needs (here 20 of the corpus's 30)."""
