@@ -170,7 +170,6 @@ def test_a_residual_codecs_sample_holds_passages_enough_for_its_means(workdir, m
     places = np.concatenate([places for places, _ in parts])
     assert len(places) >= 40
     held[codec] = (len(np.unique(places)), record["reads"])
-  print(held)
   assert held[CODEC][0] < 20 <= held[RESIDUAL][0] and held[RESIDUAL][1] > 1
 
 
