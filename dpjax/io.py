@@ -106,6 +106,11 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
   write_lines_atomic(path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
+def write_bytes_atomic(path: str | os.PathLike, data) -> None:
+  """`data` (bytes, or a uint8 array: a serialized faiss index) written atomically."""
+  _write_atomic(path, lambda f: f.write(memoryview(data)))
+
+
 def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
   _write_atomic(path, lambda f: np.save(f, array), ".npy")
 

@@ -286,7 +286,7 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   Process 0 builds it; the others wait."""
   dump = read_manifest(dump_dir)
   mods, factory = residual.parse(compact.codec_spec(spec, dump["dim"]))
-  codec = _dump_codec(dump_dir, spec, mods)
+  codec = _dump_codec(dump, spec, mods)
   if codec:  # the dump's own codes (a residual one's means and weighting too)
     mods, factory = residual.parse(codec)
   elif mods:  # residuals or weighting: coded from the dump's vectors
@@ -303,7 +303,7 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   if distributed.is_main():
     start = time.perf_counter()
     # the dump's coding read (its digests checked) before anything is written
-    coder, plan["means_codec"] = _read_coder(dump_dir) if codec else (None, None)
+    coder, plan["means_codec"] = _read_coder(dump_dir, dump) if codec else (None, None)
     try:
       remove(tmp)
       tmp.mkdir(parents=True)
@@ -327,12 +327,11 @@ def _build_compact(dump_dir: pathlib.Path, spec: str, *, name: str | None,
   return final
 
 
-def _dump_codec(dump_dir: pathlib.Path, spec: str, mods: frozenset) -> str:
-  """The codec of a dump coded at dump time (`index.dump_codec`; "": none) that the compact
-  `spec` (of modifiers `mods`) assembles its index from; "" for a residual or weighted spec of
-  another codec (coded from the dump's vectors); a ConfigError when a plain spec names
-  another codec."""
-  dump = read_manifest(dump_dir)
+def _dump_codec(dump: dict, spec: str, mods: frozenset) -> str:
+  """The codec of a dump (its manifest `dump`) coded at dump time (`index.dump_codec`; "":
+  none) that the compact `spec` (of modifiers `mods`) assembles its index from; "" for a
+  residual or weighted spec of another codec (coded from the dump's vectors); a ConfigError
+  when a plain spec names another codec."""
   codec = kept_settings(dump["settings"])["codec"]
   if not codec:
     return ""
@@ -347,10 +346,10 @@ def _dump_codec(dump_dir: pathlib.Path, spec: str, mods: frozenset) -> str:
                     "with that index.dump_codec")
 
 
-def _read_coder(dump_dir: pathlib.Path) -> tuple[residual.ResidualCodes, str | None]:
-  """(the dump's trained coding (`dump_codes`), its files' digests checked against the
-  manifest; its means codec's spec, None without one)."""
-  record = read_manifest(dump_dir).get("codec", {})
+def _read_coder(dump_dir: pathlib.Path, dump: dict) -> tuple[residual.ResidualCodes, str | None]:
+  """(the dump's trained coding (`dump_codes`), its files' digests checked against its
+  manifest `dump`; its means codec's spec, None without one)."""
+  record = dump.get("codec", {})
   if "sha" not in record:
     raise DumpError(f"{dump_dir / CODEC}: not recorded in the dump's manifest; delete the dump "
                     "and run it again")

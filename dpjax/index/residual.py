@@ -23,7 +23,7 @@ import faiss
 import numpy as np
 
 from dpjax.errors import ConfigError, DumpError
-from dpjax.io import file_digest
+from dpjax.io import file_digest, save_npy_atomic, write_bytes_atomic
 
 MODIFIERS = ("qw", "pr")
 MEANS = "passage_means.npy"
@@ -184,13 +184,13 @@ class ResidualCodes:
     last); returns their digests by name."""
     files = {}
     if self.means_codec is not None:
-      files[MEANS_CODEC] = _written(directory / MEANS_CODEC, lambda path: faiss.write_index(
-          self.means_codec, str(path)))
+      write_bytes_atomic(directory / MEANS_CODEC, faiss.serialize_index(self.means_codec))
+      files[MEANS_CODEC] = file_digest(directory / MEANS_CODEC)
     if self.weighting is not None:
-      files[WEIGHTING] = _written(directory / WEIGHTING, lambda path: np.save(
-          path, self.weighting.root))
-    files[codec_name] = _written(directory / codec_name, lambda path: faiss.write_index(
-        self.codec, str(path)))
+      save_npy_atomic(directory / WEIGHTING, self.weighting.root)
+      files[WEIGHTING] = file_digest(directory / WEIGHTING)
+    write_bytes_atomic(directory / codec_name, faiss.serialize_index(self.codec))
+    files[codec_name] = file_digest(directory / codec_name)
     return files
 
   @classmethod
@@ -205,14 +205,6 @@ class ResidualCodes:
     return cls(faiss.read_index(str(directory / codec_name)),
                faiss.read_index(str(directory / MEANS_CODEC)) if MEANS_CODEC in files else None,
                Weighting.of_root(np.load(directory / WEIGHTING)) if WEIGHTING in files else None)
-
-
-def _written(path: pathlib.Path, write) -> str:
-  """Writes a file by `write(temporary path)` and renames it into place; returns its digest."""
-  tmp = path.with_name(path.name + ".tmp" + path.suffix)
-  write(tmp)
-  tmp.replace(path)
-  return file_digest(path)
 
 
 class PassageFirstSearch:

@@ -33,6 +33,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments" / "benchmarks"))
 from experiments.report import command_line, elide_notes, git_commit  # noqa: E402
+from compact_squad import (  # noqa: E402
+    _complete, _count_and_margin, eval_file, run_py, served_bytes)
 
 KEYS = ("em@1", "em@10", "top1", "top5", "top20")
 PAIRED = ("em@1", "top1", "top20")
@@ -51,7 +53,6 @@ def rows_of(args, folder: str) -> dict:
 
 def build_and_evaluate(args) -> tuple[dict, dict]:
   """(the dump-time index's eval reports by row, the commands run), running what is missing."""
-  from compact_squad import _complete, eval_file, run_py
   from dpjax.index.faiss_index import index_folder
   workdir, spec = pathlib.Path(args.workdir), f"compact:{args.codec}"
   dump, commands = workdir / "dump", {}
@@ -75,7 +76,6 @@ def build_and_evaluate(args) -> tuple[dict, dict]:
 
 def reference_reports(args) -> dict:
   """The reference workdir's eval reports of the same rows over `--reference-index`."""
-  from compact_squad import eval_file
   out = {}
   for name, overrides in rows_of(args, args.reference_index).items():
     path = eval_file(argparse.Namespace(config=args.config, workdir=args.reference,
@@ -115,7 +115,6 @@ def dump_record(dump: pathlib.Path) -> dict:
 
 
 def summarise(args, reports: dict, reference: dict, commands: dict) -> dict:
-  from compact_squad import served_bytes
   from dpjax import metrics
   from dpjax.index.faiss_index import index_folder
   dump = pathlib.Path(args.workdir) / "dump"
@@ -175,11 +174,6 @@ def render(section: dict) -> str:
   lines += [f"| {name} | {value:.3f} |" for name, value in dump["per_token"].items()]
   lines += ["", *[f"- {note}" for note in section["notes"]]]
   return "\n".join(lines) + "\n"
-
-
-def _count_and_margin(text: str) -> tuple[int, float]:
-  from compact_squad import _count_and_margin as parse_margin
-  return parse_margin(text)
 
 
 def parse(argv):
