@@ -26,7 +26,7 @@ def dump(tiny_workdir, tmp_path_factory):
   shutil.copytree(tiny_workdir / "dump", directory)
   weighting = _weighting(PhraseIndex(directory, "Flat"))
   for spec in ("compact:pr:Flat", "compact:qw+pr:Flat", "compact:qw:Flat", "compact:pr:PQ6",
-               "compact:qw+pr:PQ5x4"):
+               "compact:qw+pr:PQ5x4", "compact:qw+pr:RQ4x8"):
     build_index(directory, spec, nprobe=10_000, weighting=weighting)
   return directory
 
@@ -78,10 +78,10 @@ def test_pq_residual_codes_agree_with_the_flat_index(dump):
   assert agree >= 0.6, agree  # (the bound of plain PQ6 codes, test_compact_index)
 
 
-@pytest.mark.parametrize("name", ["compact_pr_PQ6", "compact_qw_pr_PQ5x4"])
+@pytest.mark.parametrize("name", ["compact_pr_PQ6", "compact_qw_pr_PQ5x4", "compact_qw_pr_RQ4x8"])
 def test_the_passage_first_search_scores_what_the_codes_decode_to(dump, name):
-  """Its scores (lookup tables for 8-bit PQ, decoding for other codes) are the queries' products
-  with the decoded tokens of their visited passages, and its labels the best of them."""
+  """Its scores (lookup tables for 8-bit PQ and RQ, decoding for other codes) are the queries'
+  products with the decoded tokens of their visited passages, and its labels the best of them."""
   index = PhraseIndex(dump, name)
   q_start, _ = _questions(PhraseIndex(dump, "Flat"))
   scores, labels = index.index.search(q_start, 9)
@@ -92,9 +92,12 @@ def test_the_passage_first_search_scores_what_the_codes_decode_to(dump, name):
   np.testing.assert_allclose(scores[:, 0], exact.max(1), rtol=1e-4, atol=1e-3)
 
 
-def test_lookup_tables_score_as_decoding():
+@pytest.mark.parametrize("spec", ["OPQ4,PQ4", "RQ4x8", "LSQ4x8"])
+def test_lookup_tables_score_as_decoding(spec):
+  """8-bit PQ's sub-vector tables and an additive quantizer's (RQ, LSQ: full-width codebooks
+  summed) give the scores decoding gives."""
   rng = np.random.default_rng(5)
-  codec = faiss.index_factory(16, "OPQ4,PQ4", faiss.METRIC_INNER_PRODUCT)
+  codec = faiss.index_factory(16, spec, faiss.METRIC_INNER_PRODUCT)
   codec.train(rng.normal(size=(3000, 16)).astype(np.float32))
   codes = codec.sa_encode(rng.normal(size=(211, 16)).astype(np.float32))
   means = np.zeros((5, 16), np.float16)
@@ -117,6 +120,14 @@ def test_lookup_tables_score_as_decoding():
     assert set(passages) == set(best[q]) - {1}
     assert (l1[q] >= 0).sum() == sum(offsets[p + 1] - offsets[p] for p in best[q])
   del means
+
+
+def test_codecs_without_byte_tables_are_scored_by_decoding():
+  """Codes whose bytes are not one table row each (RQ of 6-bit stages, SQ) get no tables."""
+  for spec in ("RQ4x6", "SQ8"):
+    codec = faiss.index_factory(16, spec, faiss.METRIC_INNER_PRODUCT)
+    codec.train(np.random.default_rng(0).normal(size=(3000, 16)).astype(np.float32))
+    assert residual._pq_tables(codec) is None, spec
 
 
 def test_fewer_passages_visited_find_tokens_of_the_best_passages_only(dump):

@@ -277,22 +277,40 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def _pq_tables(codec):
-  """queries [Q, D] -> [Q, M, 256] their inner products with each PQ sub-vector centroid (after
-  the codec's transforms), where `codec` is PQ of 8 bits (after OPQ or other transforms); None
-  for other codecs (scored by decoding)."""
+  """queries [Q, D] -> [Q, M, 256] their inner products with each of the codec's M 256-entry
+  codebooks, where a token's score is the sum over m of its row m at its code byte m: PQ of 8
+  bits (sub-vector centroids, after OPQ or other transforms) or an additive quantizer of 8-bit
+  stages without stored norms (RQ, LSQ: full-width codebooks summed); None for other codecs
+  (scored by decoding)."""
   index = faiss.downcast_index(codec)
   transforms = []
   if isinstance(index, faiss.IndexPreTransform):
     transforms = [faiss.downcast_VectorTransform(index.chain.at(i))
                   for i in range(index.chain.size())]
     index = faiss.downcast_index(index.index)
-  if not isinstance(index, faiss.IndexPQ) or index.pq.nbits != 8:
+  if isinstance(index, faiss.IndexPQ) and index.pq.nbits == 8:
+    pq = index.pq
+    centroids = faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
+    products = lambda q: np.einsum("qmd,mkd->qmk", q.reshape(len(q), pq.M, pq.dsub), centroids)
+  elif _additive_bytes(index):
+    aq = index.aq
+    codebooks = faiss.vector_to_array(aq.codebooks).reshape(aq.M * 256, aq.d)
+    products = lambda q: (q @ codebooks.T).reshape(len(q), aq.M, 256)
+  else:
     return None
-  pq = index.pq
-  centroids = faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
 
   def tables(q: np.ndarray) -> np.ndarray:
     for transform in transforms:
       q = transform.apply(np.ascontiguousarray(q))
-    return np.einsum("qmd,mkd->qmk", q.reshape(len(q), pq.M, pq.dsub), centroids)
+    return products(np.ascontiguousarray(q, np.float32))
   return tables
+
+
+def _additive_bytes(index) -> bool:
+  """Whether `index` is an additive quantizer (RQ, LSQ) whose code is one byte per codebook
+  (8-bit stages, no stored norm): byte m is stage m's entry."""
+  if not isinstance(index, faiss.IndexAdditiveQuantizer):
+    return False
+  aq = index.aq
+  return (aq.norm_bits == 0 and aq.code_size == aq.M
+          and all(aq.nbits.at(m) == 8 for m in range(aq.M)))
