@@ -80,10 +80,39 @@ def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(t
   out = tmp_path / "scale.json"
   timing = {"commit": "c" * 40, "rows": {n: {} for n in rows if ", hybrid" in n}}
   out.write_text(json.dumps({"squad_open": {"speed": timing}}))
-  assert study.reused_timing(out, rows) == timing
+  assert study.reused_timing(out, study.timed_rows(args, rows)) == timing
   del rows[name]  # timed searches that are not these rows': timed again, not reused
   with pytest.raises(SystemExit, match="no timing of"):
-    study.reused_timing(out, rows)
+    study.reused_timing(out, study.timed_rows(args, rows))
+
+
+def test_versus_rows_read_the_other_indexs_reports_are_paired_and_not_timed(tmp_path,
+                                                                           monkeypatch):
+  args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                      "--codec", "qw+pr:RQ24x8", "--versus", "qw+pr:OPQ24,PQ24",
+                      "--reread-margin", "3:3", "--reread-set", "index.sparse_weight=1"])
+  rows = study.systems(args, -2.9140625)
+  folder = "compact_qw_pr_OPQ24_PQ24_filter-2.91406"
+  other = {name: study.eval_file(args, rows[name][2]).name for name in rows
+           if name.startswith("compact qw+pr:OPQ24,PQ24,")}
+  assert other == {"compact qw+pr:OPQ24,PQ24, dense": f"open_eval_{folder}.json",
+                   "compact qw+pr:OPQ24,PQ24, hybrid": f"open_eval_{folder}_hybrid.json",
+                   "compact qw+pr:OPQ24,PQ24, hybrid, reread 3 within 3":
+                       f"open_eval_{folder}_hybrid_reread3_m3_w1_s0.json"}
+  assert study.timed_rows(args, rows) == [
+      "Flat, hybrid", "compact qw+pr:RQ24x8, hybrid", "compact qw+pr:RQ24x8, hybrid, reread 3 "
+      "within 3"]
+  hits = {k: "10" for k in study.PAIRED}
+  reports = {name: {"em@1": 1.0, "index_tokens": 2, "model_step": 1, "questions": 2,
+                    "search_seconds": 1.0, "questions_per_sec_batch64": 1.0, "hits": hits}
+             for name in rows}
+  monkeypatch.setattr(study, "served_bytes", lambda dump, folder: folder)
+  section = study.summarise(args, -2.9140625, {"reports": reports, "commands": {}}, {}, rows)
+  assert section["served_bytes"] == "compact_qw_pr_RQ24x8_filter-2.91406"
+  kinds = ("dense", "hybrid", "hybrid, reread 3 within 3")
+  assert set(section["paired"]) == {
+      f"compact qw+pr:RQ24x8, {kind} vs compact qw+pr:OPQ24,PQ24, {kind}" for kind in kinds} | {
+      f"compact qw+pr:RQ24x8, {kind} vs Flat, {kind.split(', ')[0]}" for kind in kinds}
 
 
 def _section(total_bytes: int) -> dict:

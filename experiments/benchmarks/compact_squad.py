@@ -98,7 +98,21 @@ def systems(args, threshold: float | None) -> dict:
   for passages in args.reread_dense:
     rows[f"compact {args.codec}, dense, reread {passages}"] = (
         compact, folder, coded + ["index.sparse=False", f"index.reread={passages}"])
+  if args.versus:  # the same searches over another codec's index (evaluated and paired)
+    other = f"compact:{args.versus}"
+    other_folder = index_folder(other, threshold)
+    for name, (spec, at, overrides) in list(rows.items()):
+      if spec == compact:
+        rows[name.replace(f"compact {args.codec}", f"compact {args.versus}", 1)] = (
+            other, other_folder, [f"index.search_index={other_folder}",
+                                  *overrides[1:]])
   return rows
+
+
+def timed_rows(args, rows: dict) -> list[str]:
+  """The rows timed: the hybrid searches, not those of `--versus`'s index."""
+  return [name for name in rows if ", hybrid" in name
+          and not (args.versus and name.startswith(f"compact {args.versus},"))]
 
 
 def eval_file(args, overrides: list[str]) -> pathlib.Path:
@@ -115,9 +129,9 @@ def build_and_evaluate(args, threshold, rows: dict) -> dict:
   workdir = pathlib.Path(args.workdir)
   dump = workdir / "dump"
   commands, out = {}, {}
-  for spec, extra in (("Flat", []), (f"compact:{args.codec}",
-                                     [] if threshold is None else
-                                     [f"index.filter_threshold={threshold}"])):
+  compact = [] if threshold is None else [f"index.filter_threshold={threshold}"]
+  specs = [("Flat", []), (f"compact:{args.codec}", compact)]
+  for spec, extra in specs + ([(f"compact:{args.versus}", compact)] if args.versus else []):
     folder = index_folder(spec, threshold if spec != "Flat" else None)
     if args.rerun or not (dump / "indexes" / folder / "index_manifest.json").is_file() or not (
         dump / "indexes" / "bm25" / "sparse_manifest.json").is_file():
@@ -165,7 +179,7 @@ def timed(args, rows: dict) -> dict:
   from dpjax.loading import data_paths
   from dpjax.main import open_searcher
   from dpjax.workdir import Workdir
-  hybrid = {name: r for name, r in rows.items() if ", hybrid" in name}
+  hybrid = {name: rows[name] for name in timed_rows(args, rows)}
   searchers, texts = {}, None
   for name, (_, folder, overrides) in hybrid.items():
     settings = load_settings(args.config, [*overrides, *args.set])
@@ -195,12 +209,12 @@ def timed(args, rows: dict) -> dict:
                  "batch64_batches": batched[name]["batches"]} for name in searchers}
 
 
-def reused_timing(out: pathlib.Path, rows: dict) -> dict:
+def reused_timing(out: pathlib.Path, rows: list[str]) -> dict:
   """The timing of `out`'s section (`--reuse-timing`: notes or rows re-rendered without
   timing again), refused unless it timed these rows' hybrid searches."""
   earlier = json.loads(out.read_text()).get("squad_open", {}) if out.is_file() else {}
   speed = earlier.get("speed") or {}
-  wanted = {name for name in rows if ", hybrid" in name}
+  wanted = set(rows)
   if set(speed.get("rows", {})) != wanted:
     raise SystemExit(f"{out}: no timing of {sorted(wanted)} to reuse; time them (drop "
                      "--reuse-timing)")
@@ -224,11 +238,13 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                    "reread_margin": report.get("reread_margin")}
   paired = {}
   for name in reports:
-    if name.startswith("compact"):
-      flat = "Flat, " + name.split(", ")[1]
-      paired[f"{name} vs {flat}"] = {
-          k: metrics.mcnemar_p(reports[name]["hits"][k], reports[flat]["hits"][k])
-          for k in PAIRED}
+    if name.startswith(f"compact {args.codec},"):
+      versus = [name.replace(f"compact {args.codec}", f"compact {args.versus}", 1)
+                ] if args.versus else []
+      for other in ["Flat, " + name.split(", ")[1], *versus]:
+        paired[f"{name} vs {other}"] = {
+            k: metrics.mcnemar_p(reports[name]["hits"][k], reports[other]["hits"][k])
+            for k in PAIRED}
   folder = next(f for s, f, _ in rows.values() if s != "Flat")
   served = served_bytes(pathlib.Path(args.workdir) / "dump", folder)
   return {"commit": git_commit(), "config": args.config, "workdir": str(args.workdir),
@@ -270,6 +286,9 @@ def parse(argv):
                       "those holding a span within M of the best")
   parser.add_argument("--reread-set", action="append", default=[],
                       help="for the re-reading rows only")
+  parser.add_argument("--versus", default="",
+                      help="another compact codec: its index's rows beside --codec's, each "
+                      "--codec row paired with its row too (evaluated, not timed)")
   parser.add_argument("--rerun", action="store_true")
   parser.add_argument("--questions", type=int, default=10570,
                       help="the evaluation questions an eval report must hold to be reused")
@@ -293,7 +312,7 @@ def main(argv=None) -> int:
   rows = systems(args, threshold)
   evaluated = build_and_evaluate(args, threshold, rows)
   out = pathlib.Path(args.out)
-  speed = reused_timing(out, rows) if args.reuse_timing else (
+  speed = reused_timing(out, timed_rows(args, rows)) if args.reuse_timing else (
       {"commit": git_commit(), "rows": timed(args, rows)} if args.timing else {})
   section = summarise(args, threshold, evaluated, speed, rows)
   argv = elide_notes(sys.argv[1:] if argv is None else argv)
