@@ -258,7 +258,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       "store no vector; set index.dump_codec (e.g. \"compact\")")
   if get("index.dump_codec") and not _is_codec(get("index.dump_codec")):
     raise ConfigError(f"index.dump_codec = {get('index.dump_codec')!r}: must be \"compact\" or a "
-                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, SQ8, SQfp16), optionally "
+                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, RQ24x8, SQ8, SQfp16), optionally "
                       "after qw:, pr: or qw+pr: (docs/indexing.md)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
@@ -267,7 +267,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 def _is_codec(codec) -> bool:
   """Whether `index.dump_codec` reads as a codec (its training checks the rest)."""
   return isinstance(codec, str) and (codec == "compact" or bool(re.fullmatch(
-      r"((qw|pr|qw\+pr):)?(OPQ\d+(_\d+)?,)?(PQ\d+(x\d+)?|SQ(4|6|8|fp16|bf16)|Flat)", codec)))
+      r"((qw|pr|qw\+pr):)?(OPQ\d+(_\d+)?,)?(PQ\d+(x\d+)?|(RQ|LSQ)\d+x\d+|SQ(4|6|8|fp16|bf16)"
+      r"|Flat)", codec)))
 
 
 # Pieces shared by the experiment configs in experiments/.

@@ -130,12 +130,12 @@ def test_a_residual_codes_dump_answers_as_the_full_dumps_residual_index(workdir)
   assert sum(map(len, want)) > QUESTIONS
 
 
-@pytest.mark.parametrize("codec", [f"pr:{CODEC}", f"qw:{CODEC}"])
+@pytest.mark.parametrize("codec", [f"pr:{CODEC}", f"qw:{CODEC}", "qw+pr:RQ3x8"])
 def test_residual_or_weighted_codes_alone_answer_as_their_index_time_index(workdir, tmp_path,
                                                                            codec):
-  """Passage residuals without the weighting (coded at each shard's end) and the weighting
-  without residuals (coded batch by batch): each dump's index is the index coded from the full
-  dump's vectors, byte for byte."""
+  """Passage residuals without the weighting (coded at each shard's end), the weighting without
+  residuals (coded batch by batch) and both with residual quantization (RQ) codes: each dump's
+  index is the index coded from the full dump's vectors, byte for byte."""
   threshold = _threshold(workdir)
   copy = tmp_path / "demo"
   shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("codes", "kept", "residual"))
@@ -148,7 +148,7 @@ def test_residual_or_weighted_codes_alone_answer_as_their_index_time_index(workd
   codes_dir = build_index(copy / "mine", "compact")
   parts = sorted(p.name for p in full_dir.iterdir() if p.suffix in (".npy", ".faiss"))
   assert ("weighting.npy" in parts) == codec.startswith("qw")
-  assert ("passage_means.npy" in parts) == codec.startswith("pr")
+  assert ("passage_means.npy" in parts) == ("pr" in codec.split(":")[0])
   assert parts == sorted(p.name for p in codes_dir.iterdir() if p.suffix in (".npy", ".faiss"))
   for part in parts:
     assert (full_dir / part).read_bytes() == (codes_dir / part).read_bytes(), part
