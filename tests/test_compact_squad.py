@@ -188,3 +188,28 @@ def test_codec_choice_lists_each_index_with_its_bytes_and_refuses_mixed_reports(
   with pytest.raises(SystemExit, match="not of the same questions and model"):
     codec_choice.main(["--workdir", str(tmp_path / "w"), "--measured-at", "abc", "--reports",
                        reports[0], str(other), "--out", str(out)])
+
+
+def test_only_flats_index_command_chooses_the_hybrid_weights(tmp_path, monkeypatch):
+  """A compact index missing is built without index.sparse (which would choose the BM25
+  index's weights again, for Flat); the BM25 index missing is built with Flat's."""
+  args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                      "--codec", "qw+pr:RQ24x8", "--threshold", "none"])
+  rows = study.systems(args, None)
+  for _, _, overrides in rows.values():
+    path = study.eval_file(args, overrides)
+    path.write_text(json.dumps({"questions": 10570,
+                                "hits": {k: "1" * 10570 for k in study.PAIRED}}))
+  (tmp_path / "dump" / "indexes" / "Flat").mkdir(parents=True)
+  (tmp_path / "dump" / "indexes" / "Flat" / "index_manifest.json").write_text("{}")
+  ran = []
+  monkeypatch.setattr(study, "run_py", lambda mode, args, overrides: ran.append(
+      (mode, overrides)) or mode)
+  study.build_and_evaluate(args, None, rows)
+  assert ran == [("index", ["index.specs=['Flat']", "index.sparse=True"]),
+                 ("index", ["index.specs=['compact:qw+pr:RQ24x8']", "index.sparse=False"])]
+  (tmp_path / "dump" / "indexes" / "bm25").mkdir()
+  (tmp_path / "dump" / "indexes" / "bm25" / "sparse_manifest.json").write_text("{}")
+  ran.clear()
+  study.build_and_evaluate(args, None, rows)
+  assert ran == [("index", ["index.specs=['compact:qw+pr:RQ24x8']", "index.sparse=False"])]

@@ -8,7 +8,8 @@ hybrid, the bytes per corpus token by part, and the speed of hybrid search.
 It needs the workdir's complete float16 dump and, for `--threshold filter`, `run.py filter`'s
 filter_results.json (its chosen threshold). Through run.py (what is missing is run, everything
 with --rerun): `index` of Flat with the BM25 index (its hybrid weights chosen on training
-questions), `index` of `compact:<codec>` at the threshold, then `eval` of each index dense
+questions), `index` of `compact:<codec>` at the threshold (without `index.sparse`: the weights
+the BM25 index records are left as they are), then `eval` of each index dense
 (`index.sparse=False`) and hybrid. McNemar's exact test pairs each compact row with the Flat row
 of the same search (EM@1, passage Top-1, Top-20). Then, in this process, one searcher per index
 is timed on the same questions: batch 1 (p50 / p90 latency) and batch 64 (questions/s), question
@@ -130,13 +131,18 @@ def build_and_evaluate(args, threshold, rows: dict) -> dict:
   dump = workdir / "dump"
   commands, out = {}, {}
   compact = [] if threshold is None else [f"index.filter_threshold={threshold}"]
-  specs = [("Flat", []), (f"compact:{args.codec}", compact)]
-  for spec, extra in specs + ([(f"compact:{args.versus}", compact)] if args.versus else []):
+  bm25 = (dump / "indexes" / "bm25" / "sparse_manifest.json").is_file()
+  # The BM25 index, and its hybrid weights chosen for Flat, with Flat only: a compact build with
+  # index.sparse would choose them again for index.search_index (Flat), replacing weights the
+  # BM25 index records for a compact index.
+  specs = [("Flat", ["index.sparse=True"], not bm25),
+           (f"compact:{args.codec}", ["index.sparse=False", *compact], False)]
+  if args.versus:
+    specs.append((f"compact:{args.versus}", ["index.sparse=False", *compact], False))
+  for spec, extra, missing in specs:
     folder = index_folder(spec, threshold if spec != "Flat" else None)
-    if args.rerun or not (dump / "indexes" / folder / "index_manifest.json").is_file() or not (
-        dump / "indexes" / "bm25" / "sparse_manifest.json").is_file():
-      commands[f"index {spec}"] = run_py(
-          "index", args, [f"index.specs=['{spec}']", "index.sparse=True", *extra])
+    if args.rerun or missing or not (dump / "indexes" / folder / "index_manifest.json").is_file():
+      commands[f"index {spec}"] = run_py("index", args, [f"index.specs=['{spec}']", *extra])
   for name, (spec, folder, overrides) in rows.items():
     path = eval_file(args, overrides)
     if args.rerun or not path.is_file() or not _complete(path, args.questions):
