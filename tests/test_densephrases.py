@@ -7,7 +7,7 @@ from flax import nnx
 
 from dpjax.models import BertConfig, DensePhrases, load_dense_phrases
 from dpjax.models.densephrases import compute_dtype, with_compute_dtype
-from dpjax.models.encoders import question_vectors
+from dpjax.models.encoders import _flat_encoder, bound, computing_leaves, question_vectors
 
 TINY = BertConfig(vocab_size=31, hidden_size=15, num_hidden_layers=2, num_attention_heads=3,
                   intermediate_size=23, max_position_embeddings=19)
@@ -77,6 +77,34 @@ def test_compute_dtype_shares_parameters_and_builds_its_graph_once(monkeypatch):
     assert (again.query_start_encoder is again.query_end_encoder) == share
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
                  nnx.state(again, nnx.Param), nnx.state(model, nnx.Param))
+
+
+def test_a_bound_bfloat16_encoder_casts_its_dense_parameters_once_to_the_same_outputs():
+  """`bound` gives a bfloat16 encoder of float32 parameters its dense layers' kernels and biases
+  in bfloat16 (the LayerNorms' and embeddings' stay float32): every output bit for bit what the
+  layers casting them at each call give, the model's own parameters untouched."""
+  model = with_compute_dtype(DensePhrases(TINY, rngs=nnx.Rngs(3)), "bfloat16")
+  ids = jnp.array([[1, 5, 7, 2, 0], [3, 4, 0, 0, 0]])
+  mask = (ids > 0).astype(jnp.int32)
+  graphdef, state = nnx.split(model)
+  leaves, treedef = computing_leaves(model, state)
+  kinds = {}
+  for (path, leaf), plain in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                                 jax.tree.leaves(state)):
+    kinds.setdefault(str(leaf.dtype) if plain.dtype == jnp.float32 else "other", set()).add(
+        str(path[-2]))
+  assert kinds["float32"] >= {"['scale']", "['embedding']"}
+  assert {str(x.dtype) for x in leaves} >= {"bfloat16", "float32"}
+  cast = [name for (path, _), new in zip(jax.tree_util.tree_flatten_with_path(state)[0], leaves)
+          if new.dtype == jnp.bfloat16 for name in [str(path[-2])]]
+  assert set(cast) == {"['kernel']", "['bias']"}
+  uncast = _flat_encoder(graphdef, treedef, "phrases")(tuple(jax.tree.leaves(state)), ids, mask)
+  np.testing.assert_array_equal(bound(model, "phrases")(ids, mask), uncast)
+  assert {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"float32"}
+  float32 = DensePhrases(TINY, rngs=nnx.Rngs(3))
+  assert len(computing_leaves(float32, nnx.state(float32))[0]) == len(jax.tree.leaves(
+      nnx.state(float32)))
+  assert all(x.dtype != jnp.bfloat16 for x in computing_leaves(float32, nnx.state(float32))[0])
 
 
 def test_question_vectors_in_packed_rows(model, tokenizer):
