@@ -106,7 +106,7 @@ def bound(model, encoder: str) -> Callable:
 def computing_leaves(model, state) -> tuple[list, object]:
   """(the leaves, treedef) of the model's `state` with each dense layer's kernel and bias cast to
   the dtype the layer computes in (a bfloat16 encoder of float32 parameters): the layer casts
-  them at every call to the same values, which cost a bfloat16 CPU encoder ~5% of a call
+  them at every call to the same values, a share of a bfloat16 CPU encoder's call
   (results/code_measurements.md). The model's own variables are left as they are."""
   casts = {tuple(path): jnp.dtype(module.dtype) for path, module in nnx.iter_modules(model)
            if isinstance(module, nnx.Linear) and module.dtype is not None
