@@ -258,8 +258,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                       "store no vector; set index.dump_codec (e.g. \"compact\")")
   if get("index.dump_codec") and not _is_codec(get("index.dump_codec")):
     raise ConfigError(f"index.dump_codec = {get('index.dump_codec')!r}: must be \"compact\" or a "
-                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, RQ24x8, SQ8, SQfp16), optionally "
-                      "after qw:, pr: or qw+pr: (docs/indexing.md)")
+                      "faiss codec of flat codes (PQ32, OPQ32,PQ32, RQ24x8, SQ8, SQfp16), "
+                      "optionally after qw:, pr: or qw+pr: (docs/indexing.md)")
   if get("train") is not None and not config.train.num_steps and not config.train.epochs:
     raise ConfigError("train.num_steps and train.epochs are both 0: nothing to train")
 

@@ -98,9 +98,15 @@ def bound(model, encoder: str) -> Callable:
   tuple of arrays in C++ at every call, an `nnx.State` in Python, which costs the thread that
   feeds the encoder time at every call (results/code_measurements.md). Dense layers computing in
   another dtype than their parameters' get theirs cast once here (`computing_leaves`)."""
+  return _bound_all(model, encoder)[0]
+
+
+def _bound_all(model, *encoders: str) -> list[Callable]:
+  """`bound` of each of `encoders`, sharing one set of (cast) leaves."""
   graphdef, state = nnx.split(model)
   leaves, treedef = computing_leaves(model, state)
-  return functools.partial(_flat_encoder(graphdef, treedef, encoder), tuple(leaves))
+  return [functools.partial(_flat_encoder(graphdef, treedef, encoder), tuple(leaves))
+          for encoder in encoders]
 
 
 def computing_leaves(model, state) -> tuple[list, object]:
@@ -122,7 +128,7 @@ def computing_leaves(model, state) -> tuple[list, object]:
 
 def bound_questions(model) -> QuestionEncoders:
   """The model's question encoders, `bound` (what `question_vectors` takes)."""
-  return QuestionEncoders(bound(model, "questions"), bound(model, "packed_questions"))
+  return QuestionEncoders(*_bound_all(model, "questions", "packed_questions"))
 
 
 @functools.lru_cache(maxsize=8)
