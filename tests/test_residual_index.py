@@ -123,8 +123,9 @@ def test_lookup_tables_score_as_decoding(spec):
 
 
 def test_codecs_without_byte_tables_are_scored_by_decoding():
-  """Codes whose bytes are not one table row each (RQ of 6-bit stages, SQ) get no tables."""
-  for spec in ("RQ4x6", "SQ8"):
+  """Codes whose bytes are not one full-width table row each (RQ of 6-bit stages, product RQ and
+  LSQ over sub-vectors, SQ) get no tables."""
+  for spec in ("RQ4x6", "PRQ2x2x8", "PLSQ2x2x8", "SQ8"):
     codec = faiss.index_factory(16, spec, faiss.METRIC_INNER_PRODUCT)
     codec.train(np.random.default_rng(0).normal(size=(3000, 16)).astype(np.float32))
     assert residual._pq_tables(codec) is None, spec

@@ -307,10 +307,12 @@ def _pq_tables(codec):
 
 
 def _additive_bytes(index) -> bool:
-  """Whether `index` is an additive quantizer (RQ, LSQ) whose code is one byte per codebook
-  (8-bit stages, no stored norm): byte m is stage m's entry."""
-  if not isinstance(index, faiss.IndexAdditiveQuantizer):
+  """Whether `index` is an additive quantizer of full-width codebooks (RQ, LSQ; not their
+  product forms, whose codebooks span sub-vectors) whose code is one byte per codebook (8-bit
+  stages, no stored norm): byte m is stage m's entry."""
+  if not isinstance(index, (faiss.IndexResidualQuantizer, faiss.IndexLocalSearchQuantizer)):
     return False
   aq = index.aq
   return (aq.norm_bits == 0 and aq.code_size == aq.M
-          and all(aq.nbits.at(m) == 8 for m in range(aq.M)))
+          and all(aq.nbits.at(m) == 8 for m in range(aq.M))
+          and aq.codebooks.size() == aq.M * 256 * aq.d)
