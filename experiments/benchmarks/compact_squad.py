@@ -102,7 +102,7 @@ def systems(args, threshold: float | None) -> dict:
   if args.versus:  # the same searches over another codec's index (evaluated and paired)
     other = f"compact:{args.versus}"
     other_folder = index_folder(other, threshold)
-    for name, (spec, at, overrides) in list(rows.items()):
+    for name, (spec, _, overrides) in list(rows.items()):
       if spec == compact:
         rows[name.replace(f"compact {args.codec}", f"compact {args.versus}", 1)] = (
             other, other_folder, [f"index.search_index={other_folder}",
