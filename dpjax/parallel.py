@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -18,20 +19,35 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
-_COMPILE = {"seconds": 0.0, "count": 0, "listening": False}
+_COMPILE = {"seconds": 0.0, "count": 0, "listening": False,
+            "by_function": collections.defaultdict(lambda: [0, 0.0])}
+_COMPILE_LOCK = threading.Lock()  # compiles may run in threads (`compile_ahead`)
 
 
 def compile_stats() -> dict:
   """{"seconds", "count"}: JAX's tracing, lowering and XLA compilation so far in this process
   (from `jax.monitoring`; counted from the first call of this function)."""
   if not _COMPILE["listening"]:
-    def listen(event: str, seconds: float, **kwargs):
-      if event.startswith("/jax/core/compile/"):
+    def listen(event: str, seconds: float, fun_name: str | None = None, **kwargs):
+      if not event.startswith("/jax/core/compile/"):
+        return
+      with _COMPILE_LOCK:
         _COMPILE["seconds"] += seconds
-        _COMPILE["count"] += event.endswith("backend_compile_duration")
+        if event.endswith("backend_compile_duration"):
+          _COMPILE["count"] += 1
+          counts = _COMPILE["by_function"][str(fun_name)]
+          counts[0], counts[1] = counts[0] + 1, counts[1] + seconds
     jax.monitoring.register_event_duration_secs_listener(listen)
     _COMPILE["listening"] = True
   return {"seconds": _COMPILE["seconds"], "count": _COMPILE["count"]}
+
+
+def compiles_by_function() -> dict[str, tuple[int, float]]:
+  """{function name (`jit(train_step)`...): (XLA compiles, their seconds)} so far, counted as
+  `compile_stats` counts."""
+  compile_stats()
+  with _COMPILE_LOCK:
+    return {name: tuple(counts) for name, counts in _COMPILE["by_function"].items()}
 
 
 def make_mesh(num_devices: int | None = None, *, local: bool = False) -> jax.sharding.Mesh:

@@ -13,12 +13,14 @@ is checkpointed and restored with it. Freezing is configuration: parameter-path 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import numbers
+import os
 import pathlib
 import re
 import signal
@@ -33,13 +35,17 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto import event_pb2, summary_pb2
+
+try:  # TensorBoard's event files are optional: metrics.jsonl holds every record either way
+  from tensorboardX.event_file_writer import EventsWriter
+  from tensorboardX.proto import event_pb2, summary_pb2
+except ImportError:  # (an image without it, as a lent GPU machine's): no event files
+  EventsWriter = event_pb2 = summary_pb2 = None
 
 from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
 from dpjax.workdir import tensorboard_run
-from dpjax.parallel import compile_stats, global_array
+from dpjax.parallel import compile_stats, compiles_by_function, global_array
 
 log = logging.getLogger(__name__)
 # A loss above this is divergence, not learning (the unified loss starts near log of the number
@@ -227,6 +233,25 @@ class Trainer:
     """The current state's flat leaves (what `advance` steps; no pytree built)."""
     return self._leaves
 
+  def compile_ahead(self, batch: dict, widths: Sequence[int], keys: Sequence[str],
+                    threads: int | None = None) -> int:
+    """Compiles the step for batches shaped as the placed `batch` with its `keys` arrays cut to
+    each of `widths` columns, every width at once in `threads` threads (XLA compiles outside
+    the GIL): the steps on batches of those shapes then compile nothing. Returns the shapes."""
+    def spec(key: str, x) -> Callable[[int], jax.ShapeDtypeStruct]:
+      return lambda width: jax.ShapeDtypeStruct(
+          (x.shape[0], width, *x.shape[2:]) if key in keys else x.shape, x.dtype,
+          sharding=x.sharding)
+    specs = {key: spec(key, x) for key, x in batch.items()}
+
+    def compile_width(width: int) -> None:
+      self.flat_step.lower(self._leaves, {k: s(width) for k, s in specs.items()}).compile()
+
+    threads = max(1, min(len(widths), threads or os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      list(pool.map(compile_width, widths))
+    return len(widths)
+
   def advance(self, batch: dict) -> dict:
     """Runs the step on the current state (its flat leaves, no pytree built); its metrics."""
     self._leaves, metrics = self.flat_step(self._leaves, batch)
@@ -273,8 +298,9 @@ class MetricsWriter:
   field of a record (`<split>/<name>`) is a scalar at the record's step. They are rewritten
   from the kept lines when the writer starts and when lines are dropped, so they hold exactly
   the file's records (no step a resume dropped), and flushed with every record, so a killed run
-  keeps what it logged. A failed write of either raises. Only the main process (process 0)
-  writes; the others' writers do nothing.
+  keeps what it logged. A failed write of either raises. Without tensorboardX installed the
+  writer warns once and writes no event files (removing stale ones all the same). Only the main
+  process (process 0) writes; the others' writers do nothing.
   """
 
   def __init__(self, path: pathlib.Path, resume_step: int,
@@ -283,6 +309,7 @@ class MetricsWriter:
     self.tensorboard = tensorboard_run(path) if tensorboard is None else tensorboard
     self.enabled = jax.process_index() == 0
     self._events = None  # the open event file (tensorboardX EventsWriter), once one is written
+    self._warned = False  # whether the missing tensorboardX was logged
     if self.enabled:
       kept = [(line, record) for line, record in (self.read(path) if path.exists() else [])
               if record["step"] <= resume_step]
@@ -355,6 +382,12 @@ class MetricsWriter:
 
   def _add_event(self, record: dict) -> None:
     """Appends a record's scalars as one event at its step (the file is opened on the first)."""
+    if EventsWriter is None:
+      if not self._warned:
+        log.warning("tensorboardX is not installed: no TensorBoard event files in %s (%s holds "
+                    "every record)", self.tensorboard, self.path.name)
+        self._warned = True
+      return
     values = [summary_pb2.Summary.Value(tag=tag, simple_value=value)
               for tag, value in scalars(record).items()]
     if not values:
@@ -431,7 +464,8 @@ def run_steps(trainer: Trainer, steps: Iterable[int], batch: Callable[[int], dic
 class Stopwatch:
   """Host seconds by part of a run, compiles apart: `with watch("data"): ...` adds the block's
   seconds to `seconds["data"]`, less the seconds JAX spent tracing, lowering and compiling in
-  it (`compile_stats`), which go to `seconds["compiles"]`. A part inside another is taken off
+  it (`compile_stats`), which go to `seconds["compiles"]`; a block `watch("compiles")` adds its wall time there (the
+  compiles in it, some at once in threads, are not summed). A part inside another is taken off
   the outer one, so the parts add up to the outermost blocks' wall time. No device wait: what
   the device does between two host calls shows up in the part that waits for it."""
 
@@ -440,11 +474,22 @@ class Stopwatch:
     self._parts: list[str] = []  # the open blocks, innermost last
     stats = compile_stats()  # (JAX's compile events are listened to from here on)
     self._mark, self._count = (time.perf_counter(), stats["seconds"]), stats["count"]
+    self._by_function = compiles_by_function()
 
   @property
   def compile_count(self) -> int:
     """XLA compilations (or loads from the compilation cache) since the stopwatch started."""
     return compile_stats()["count"] - self._count
+
+  def slowest_compiles(self, n: int = 5) -> dict[str, dict]:
+    """{function: {"compiles", "seconds"}} of the `n` functions whose XLA compiles since the
+    stopwatch started took longest, slowest first."""
+    since = {}
+    for name, (count, seconds) in compiles_by_function().items():
+      before = self._by_function.get(name, (0, 0.0))
+      if count > before[0]:
+        since[name] = {"compiles": count - before[0], "seconds": round(seconds - before[1], 3)}
+    return dict(sorted(since.items(), key=lambda item: -item[1]["seconds"])[:n])
 
   def _close_interval(self) -> None:
     """Gives the seconds since the last mark to the innermost open part (compiles apart)."""

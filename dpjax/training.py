@@ -26,7 +26,7 @@ from tqdm import tqdm
 from dpjax.checkpoint import Checkpointer, abstract_like
 from dpjax.errors import ConfigError, DataError, Preempted
 from dpjax.data import Tokenizer, data_files, load_rc_split
-from dpjax.data.batches import GroupedBatches, TrainBatches
+from dpjax.data.batches import GroupedBatches, TrainBatches, question_widths
 from dpjax.data.hard_negatives import HardNegatives, read_hard_negatives
 from dpjax.data.teacher_logits import TeacherLogits
 from dpjax.io import write_json
@@ -112,6 +112,7 @@ class Run:
   # Where the process's seconds went (`_timing_record`), and the sequences its steps encoded.
   watch: Stopwatch = dataclasses.field(default_factory=Stopwatch)
   encoded: dict = dataclasses.field(default_factory=dict)
+  compiled_ahead: int = 0  # the step's shapes compiled before the loop (`compile_step_ahead`)
 
 
 def features_fingerprint(features) -> str:
@@ -455,11 +456,34 @@ def _timing_record(run: Run, step: int) -> dict:
   earlier steps meanwhile); steps_s: the rest of the loop, dispatching steps and waiting for
   them (on log steps, before evaluations and checkpoints); rc_eval_s, validation_s,
   checkpoint_s: those hooks after their step finished; compiles_s: JAX's tracing, lowering and
-  compiling in all of these (taken off each). Their sum is below the process's wall time (its
-  start, imports and exit are not in it)."""
+  compiling in all of these (taken off each), and the wall time of compiling the step ahead
+  (`compiled_ahead`: its shapes; `slowest_compiles`: the functions whose compiles took longest).
+  Their sum is below the process's wall time (its start, imports and exit are not in it)."""
   seconds = {f"{k}_s": round(v, 3) for k, v in sorted(run.watch.seconds.items())}
   return {"step": step, "split": "timing", "steps_run": max(step - run.first, 0), **seconds,
-          "compiles": run.watch.compile_count, "encoded": dict(run.encoded)}
+          "compiles": run.watch.compile_count, "compiled_ahead": run.compiled_ahead,
+          "slowest_compiles": run.watch.slowest_compiles(),
+          "encoded": dict(run.encoded)}
+
+
+# On an accelerator the step is compiled for every question width its batches will take before
+# the first step, all widths at once (`Trainer.compile_ahead`), sooner than one after the other
+# as they come (each a long compile there: results/gpu_check.md). A CPU compiles them as they
+# come: its cores run the compiles and the steps alike.
+def _compile_ahead(mesh) -> bool:
+  return mesh.devices.flat[0].platform != "cpu"
+
+
+QUESTION_KEYS = ("question_input_ids", "question_attention_mask")
+
+
+def compile_step_ahead(run: Run, steps: range) -> int:
+  """Compiles the step for each question width of the batches of `steps` (`question_widths`)
+  when `_compile_ahead` and the batches cut their questions per step; the shapes compiled."""
+  if not (steps and _compile_ahead(run.mesh) and getattr(run.batches, "question_multiple", 0)):
+    return 0
+  widths = question_widths(run.batches, steps)
+  return run.trainer.compile_ahead(run.to_device(steps[0]), widths, QUESTION_KEYS)
 
 
 def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:
@@ -508,6 +532,8 @@ def _train(settings: RunSettings, workdir: pathlib.Path, spec: Spec,
                       disable=not (settings.train.progress_bar and main))
   run.clock = [time.perf_counter(), run.first]
   try:
+    with watch("compiles"):
+      run.compiled_ahead = compile_step_ahead(run, range(run.first, stop))
     with Preemption() as preemption, watch("steps"):
       run_steps(run.trainer, range(run.first, stop), _timed_batches(run),
                 make_hooks(run, stop, validator, preemption),

@@ -74,6 +74,8 @@ GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1
             ("open EM@10", "em@10"), ("passage Top-1", "top1"), ("passage Top-5", "top5"),
             ("passage Top-20", "top20"), ("MRR@20", "mrr@20"), ("training steps", "steps"),
             ("training's median step (ms)", "train_step_ms_median"),
+            ("training's compiles", "train_compiles"),
+            ("training: step shapes compiled ahead", "train_compiled_ahead"),
             ("dump: stored tokens/s after compiles", "stored_tokens_per_s"),
             ("eval: questions/s over its search", "questions_per_s"),
             ("hybrid EM@1", "hybrid_em@1"), ("hybrid EM@10", "hybrid_em@10"),
@@ -108,6 +110,13 @@ def _wall_split(results: dict, name: str) -> str:
   if None in parts:
     return f"- (wall {cell(wall)})"
   return " / ".join(map(cell, parts)) + f" ({cell(sum(parts))} of {cell(wall)})"
+
+
+def _slowest(train: dict) -> str:
+  """'name: compiles, seconds; ...' of a training's slowest compiles (its timing record's)."""
+  slowest = train.get("train_slowest_compiles") or {}
+  return "; ".join(f"`{name}`: {c['compiles']}, {cell(float(c['seconds']))}"
+                   for name, c in slowest.items()) or "-"
 
 
 def _flops_table(results: dict) -> list[str]:
@@ -154,6 +163,8 @@ def render_gpu_check(results: dict, command: str) -> str:
     lines.append(f"| {label} | " + " | ".join(values) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")
+  lines.append("| training's slowest compiles (function: compiles, s) | " + " | ".join(
+      _slowest(results["candidates"][n].get("train", {})) for n in names) + " |")
   lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(
       " / ".join(cell(results["candidates"][n].get("train", {}).get(f"train_{part}_s"))
                  for part in ("setup", "checkpoint", "validation")) for n in names) + " |")

@@ -144,3 +144,22 @@ def test_tensorboard_reads_the_scalars(tmp_path):
   assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 0.25),
                                                                          (3, 2.0)]
   assert [(e.step, e.value) for e in events.Scalars("dev/count")] == [(2, 7.0)]
+
+
+def test_without_tensorboardx_the_metrics_file_is_written_and_stale_events_go(
+    tmp_path, monkeypatch, caplog):
+  path = tmp_path / "metrics.jsonl"
+  with MetricsWriter(path, 0) as writer:
+    writer.write(RECORDS[0])
+  folder = tmp_path / "tensorboard" / "train"
+  assert read_scalars(folder)  # events of an earlier run, with tensorboardX
+  monkeypatch.setattr("dpjax.trainer.EventsWriter", None)
+  with caplog.at_level("WARNING", logger="dpjax.trainer"):
+    with MetricsWriter(path, 1) as writer:  # resumed after step 1
+      for record in RECORDS[1:]:
+        writer.write(record)
+  assert [json.loads(line) for line in path.read_text().splitlines()] == RECORDS
+  # No event file, not even the earlier run's: they would hold only part of the file's records.
+  assert not list(folder.glob("events.out.tfevents.*"))
+  warnings = [r for r in caplog.records if "tensorboardX is not installed" in r.getMessage()]
+  assert len(warnings) == 1 and "metrics.jsonl" in warnings[0].getMessage()

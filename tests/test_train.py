@@ -1,5 +1,6 @@
 """The jitted train step: data parallel == single device, both recipes; frozen parameters."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +332,59 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
                                {k: jax.numpy.asarray(v) for k, v in b.items()}, {}, 0,
                                loss_config)[0]) for b in (filled, other)]
   assert values[0] > 0.0 and values[1] == pytest.approx(values[0], rel=1e-6)
+
+
+def test_the_step_compiled_ahead_for_its_question_widths_compiles_nothing_later(tmp_path,
+                                                                               monkeypatch):
+  """On an accelerator a training compiles its step for every question width its batches take,
+  before the first step and all at once (`compile_step_ahead`): the steps then load no
+  executable of the step, and the timing record counts the shapes and their wall time. (Its own
+  learning rate: a step no other test compiles.)"""
+  config = load_config("experiments/demo.py:tiny", ["train.num_steps=5", "train.seed=3",
+                                                    "train.learning_rate=3e-5"])
+  s = Settings.of(config)
+  monkeypatch.setattr(train, "_compile_ahead", lambda mesh: True)
+  loads = []  # the step's executables compiled or read from the persistent cache
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, seconds, fun_name=None, **kwargs: loads.append(event) if (
+          event.endswith("backend_compile_duration") and fun_name == "jit(train_step)")
+      else None)
+  ahead, widths = [], []
+  compile_ahead = trainer.Trainer.compile_ahead
+
+  def counted(self, batch, step_widths, keys, threads=None):
+    shapes = compile_ahead(self, batch, step_widths, keys, threads)
+    ahead.append(len(loads))
+    widths.extend(step_widths)
+    return shapes
+  monkeypatch.setattr(trainer.Trainer, "compile_ahead", counted)
+  settings = train.RunSettings(s.model, s.data, s.train, s.eval)
+  train.train_and_evaluate(settings, tmp_path)
+  run = train.setup(settings, tmp_path / "again")  # the same batches, for their widths
+  taken = {run.to_device(step)["question_input_ids"].shape[1] for step in range(5)}
+  assert widths == sorted(taken) and len(ahead) == 1 and ahead[0] == len(taken) == len(loads)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  timing = [r for r in records if r.get("split") == "timing"][-1]
+  assert timing["compiled_ahead"] == len(taken) and timing["compiles_s"] > 0
+  step_compiles = timing["slowest_compiles"]["jit(train_step)"]
+  assert step_compiles["compiles"] == len(taken) and step_compiles["seconds"] > 0
+  assert timing["steps_s"] > 0 and timing["data_s"] > 0  # no part went negative
+
+
+def test_a_compiles_block_counts_its_wall_time_not_the_sum_of_its_compiles():
+  """`watch("compiles")` around compiles run at once in threads adds the block's wall time to
+  "compiles" (their summed seconds could exceed it): no part goes negative, and the parts add up
+  to at most the outer block's wall time."""
+  import concurrent.futures
+  import time
+  watch = trainer.Stopwatch()
+  start = time.perf_counter()
+  with watch("steps"):
+    with watch("compiles"):
+      with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda n: jax.jit(lambda x: jnp.sin(x) * n).lower(jnp.ones(n)).compile(),
+                      [13, 17]))
+    jax.jit(lambda x: jnp.cos(x) - 5).lower(jnp.ones(19)).compile()  # a compile in "steps"
+  total = time.perf_counter() - start
+  assert watch.seconds["steps"] >= 0 and watch.seconds["compiles"] > 0
+  assert sum(watch.seconds.values()) <= total

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -158,10 +158,30 @@ def trim_questions(batch: dict, features: RCFeatures, step_rows: np.ndarray,
   widths compile. The columns cut are padding: the question vectors do not change."""
   if not multiple:
     return batch
-  lengths = features.question_attention_mask[features.question_index[step_rows]].sum(1)
-  width = min(-(-int(lengths.max()) // multiple) * multiple, features.question_input_ids.shape[1])
+  width = question_width(features, step_rows, multiple)
   return {**batch, "question_input_ids": batch["question_input_ids"][:, :width],
           "question_attention_mask": batch["question_attention_mask"][:, :width]}
+
+
+def question_width(features: RCFeatures, step_rows: np.ndarray, multiple: int) -> int:
+  """The width `trim_questions` cuts a step's questions to: its longest question rounded up to
+  `multiple` tokens, at most the arrays' width."""
+  lengths = features.question_attention_mask[features.question_index[step_rows]].sum(1)
+  return min(-(-int(lengths.max()) // multiple) * multiple, features.question_input_ids.shape[1])
+
+
+def question_widths(batches, steps: Iterable[int]) -> list[int]:
+  """The distinct question widths of the batches of `steps` (a batch source with `features`,
+  `rows(step)` and `question_multiple` > 0), sorted; it stops early once every width is seen."""
+  multiple, features = batches.question_multiple, batches.features
+  full = features.question_input_ids.shape[1]
+  every = {min(k * multiple, full) for k in range(1, -(-full // multiple) + 1)}
+  seen: set[int] = set()
+  for step in steps:
+    seen.add(question_width(features, batches.rows(step), multiple))
+    if seen == every:
+      break
+  return sorted(seen)
 
 
 def cross_encoder_inputs(window_ids: np.ndarray, window_mask: np.ndarray,
