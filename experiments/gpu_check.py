@@ -8,12 +8,13 @@ finished. Every figure in it is read from the files the processes wrote.
              EM/F1 on the dev questions (results.json), wall time, steps and time per step, and
              where the wall went: data, compiles, steps, RC eval (metrics.jsonl's "timing")
   chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval` (dense):
-             EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s;
-             then hybrid search: `run.py index` of the BM25 index (weights chosen on training
-             questions) and `run.py eval` with it (figures `hybrid_*`)
-  dump_warm  the default's dump again into another folder, executables from the compile cache
+             EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s
   step       experiments/benchmarks/train_step.py: the recipe's bf16 step (its dropout) on
              XLA's attention; `step_pallas` the same on the Pallas kernel
+  dump_warm  the default's dump again into another folder, executables from the compile cache
+  hybrid     per candidate (after its chain): `run.py index` of the BM25 index (weights chosen
+             on training questions) and `run.py eval` with it (figures `hybrid_*`); last, as
+             the longest on the host's cores
   flash_tests  tests/test_flash_attention.py compiled for the GPU (not run by default)
 
 Each timing stage also reports the model FLOPs it did and their share of the devices' bf16 peak
@@ -37,7 +38,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # dpjax, when run as a script
-STAGES = ("train", "chain", "dump_warm", "step", "step_pallas")
+STAGES = ("train", "chain", "step", "step_pallas", "dump_warm", "hybrid")
 # Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
            ("hybrid_em@1", ">=", 50.0), ("hybrid_top1", ">=", 85.0),
@@ -436,31 +437,41 @@ def stage_train(check: Check):
 
 
 def stage_chain(check: Check):
-  """Each trained candidate's dump, Flat index and eval, the candidates alongside each other."""
+  """Each trained candidate's dump, Flat index and dense eval, the candidates alongside each
+  other."""
   def after(name, label):
     candidate = check.report["candidates"][name]
     candidate["dump"] = read_dump(check.root / name / "dump")
     candidate["open"] = read_open(check.root / name)
-    candidate["hybrid"] = read_open(check.root / name, "open_eval_Flat_hybrid.json")
 
-  jobs = {}
-  for name in check.candidates:
-    if not (check.root / name / "results.json").is_file():
-      continue
-    run = [check.args.python, "run.py"]
-    # The dense search, then hybrid search: the BM25 index, its weights chosen on training
-    # questions (`run.py index`), and the same questions answered with it.
-    dense, hybrid = ["--set", "index.sparse=False"], ["--set", "index.sparse=True"]
-    jobs[name] = [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
-                  (f"{name}.index", [*run, "index", *check.common(name), *dense,
-                                     "--set", 'index.specs=["Flat"]'], None),
-                  (f"{name}.eval", [*run, "eval", *check.common(name), *dense,
-                                    "--set", "index.search_index=Flat"], None),
-                  (f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
-                                            "--set", "index.specs=[]"], None),
-                  (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
-                                           "--set", "index.search_index=Flat"], None)]
-  check.chains(jobs, after)
+  dense = ["--set", "index.sparse=False"]
+  check.chains({name: [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
+                       (f"{name}.index", [*run, "index", *check.common(name), *dense,
+                                          "--set", 'index.specs=["Flat"]'], None),
+                       (f"{name}.eval", [*run, "eval", *check.common(name), *dense,
+                                         "--set", "index.search_index=Flat"], None)]
+                for name, run in _trained(check).items()}, after)
+
+
+def stage_hybrid(check: Check):
+  """Hybrid search for each candidate with a Flat index: the BM25 index, its weights chosen on
+  training questions (`run.py index`), and the dev questions answered with it."""
+  def after(name, label):
+    check.report["candidates"][name]["hybrid"] = read_open(check.root / name,
+                                                           "open_eval_Flat_hybrid.json")
+
+  hybrid = ["--set", "index.sparse=True"]
+  check.chains({name: [(f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
+                                                 "--set", "index.specs=[]"], None),
+                       (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
+                                                "--set", "index.search_index=Flat"], None)]
+                for name, run in _trained(check).items()}, after)
+
+
+def _trained(check: Check) -> dict[str, list[str]]:
+  """{candidate: the `run.py` command's start} of the candidates whose training finished."""
+  return {name: [check.args.python, "run.py"] for name in check.candidates
+          if (check.root / name / "results.json").is_file()}
 
 
 def stage_dump_warm(check: Check):
@@ -487,7 +498,8 @@ def main(argv=None) -> int:
   check.out.mkdir(parents=True, exist_ok=True)
   check.root.mkdir(parents=True, exist_ok=True)
   check.save()
-  actions = {"train": stage_train, "chain": stage_chain, "dump_warm": stage_dump_warm,
+  actions = {"train": stage_train, "chain": stage_chain, "hybrid": stage_hybrid,
+             "dump_warm": stage_dump_warm,
              "step": lambda c: _step(c, "step"),
              "step_pallas": lambda c: _step(c, "step_pallas", {"DPJAX_ATTENTION": "pallas"}),
              "flash_tests": lambda c: c.run("flash_tests", [

@@ -6,20 +6,30 @@
 # candidate's small outputs (metrics.jsonl, RC and open-domain predictions and run files, for
 # paired tests here) in $OUT/runs.tgz: the device tool brings back at most 8 files.
 # Usage: OUT=/path bash experiments/gpu_check.sh [gpu_check.py arguments, e.g. --alt NAME=ARGS]
+#        OUT=/path bash experiments/gpu_check.sh --pack-only   (runs.tgz of what $W holds now)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+W=${W:-/root/w/check}
+
+pack() {
+  local small=(metrics.jsonl results.json rc_predictions.json open_eval_Flat.json
+               open_predictions_Flat.jsonl open_run_Flat.trec open_eval_Flat_hybrid.json
+               open_predictions_Flat_hybrid.jsonl open_run_Flat_hybrid.trec)
+  tar czf "${OUT:?set OUT}/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do
+    ls -d */"$f"; done 2>/dev/null)
+}
+
+if [ "${1:-}" = --pack-only ]; then
+  pack
+  exit $?
+fi
 # The default alone gets the GPU's memory; with an --alt candidate two processes share it.
 FRACTION=0.9
 for arg in "$@"; do [[ $arg == --alt* ]] && FRACTION=0.45; done
 export PYTHONPATH=/root/site:$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
-W=${W:-/root/w/check}
 python3 experiments/gpu_check.py --workdir "$W" --out "$W/logs" --json "${OUT:?set OUT}/gpu_check.json" \
   --set data.dir=/root/gpu/data/squad "$@"
 rc=$?
-small=(metrics.jsonl results.json rc_predictions.json open_eval_Flat.json
-       open_predictions_Flat.jsonl open_run_Flat.trec open_eval_Flat_hybrid.json
-       open_predictions_Flat_hybrid.jsonl open_run_Flat_hybrid.trec)
-tar czf "$OUT/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do ls -d */"$f"; done \
-  2>/dev/null)
+pack
 exit $rc

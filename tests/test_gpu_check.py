@@ -17,7 +17,8 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   """Every stage runs; each figure is the one its run wrote; the report renders once a run."""
   out, work = tmp_path / "out", tmp_path / "w"
   assert gpu_check.main(["--workdir", str(work), "--out", str(out), *TINY, "--stages", "train",
-                         "chain", "dump_warm", "step", "--set", "index.sparse_tune_questions=12",
+                         "chain", "dump_warm", "step", "hybrid", "--set",
+                         "index.sparse_tune_questions=12",
                          "--step-args",
                          "--batch 8 --length 32 --steps 1 --warmup 1"]) == 0
   result = json.loads((out / "gpu_check.json").read_text())
