@@ -22,8 +22,10 @@ _PUNCTUATION = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_answer(text: str) -> str:
-  """Lower-cases, removes punctuation and articles, and collapses white space."""
+  """Lower-cases, removes punctuation and articles, and collapses white space (kept for the
+  texts seen last: an evaluation compares the same gold answers with many predictions)."""
   text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
   text = _ARTICLES.sub(" ", text)
   return " ".join(text.split())

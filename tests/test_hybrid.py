@@ -492,6 +492,31 @@ def test_sentences_of_awkward_passages(tmp_path):
     assert score == pytest.approx(expected[first[(row, start)]], rel=1e-5), (row, char)
 
 
+def test_a_grid_of_weights_ranks_candidates_made_once(toy, monkeypatch):
+  """Searches of the same questions with other weights (copies sharing the lexical results)
+  rank the candidates the first search made (`hybrid.candidates` once per question and dense
+  spans) and answer as a searcher of that weight alone does."""
+  directory, q_start, q_end = toy
+  index = PhraseIndex(directory, "Flat")
+  bm25 = sparse.SparseIndex(directory, index.dump.manifest)
+  made = []
+  monkeypatch.setattr(hybrid, "candidates", lambda *args, real=hybrid.candidates:
+                      made.append(1) or real(*args))
+
+  def answers(hybrid_index):
+    return [[(p.start_token, p.end_token, p.score) for p, _ in u]
+            for u in hybrid_index.search(q_start, q_end, k=3, unit="phrase", texts=QUESTIONS)]
+
+  grid = [(0.5, 0.0), (2.0, 1.0), (0.0, 2.0)]
+  shared = [answers(index.with_options(hybrid=Hybrid(bm25, *pair))) for pair in grid]
+  assert len(made) == len(QUESTIONS)
+  for pair, found in zip(grid, shared):
+    alone = PhraseIndex(directory, "Flat").with_options(
+        hybrid=Hybrid(sparse.SparseIndex(directory, index.dump.manifest), *pair))
+    assert answers(alone) == found
+  assert shared[0] != shared[1]  # (the weights change the answers)
+
+
 def test_sentences_tokenized_once_while_cached(toy, monkeypatch):
   """The searches of one question (requests, weights) score a passage's sentences once; other
   questions reuse its tokenized sentences; a cache of two passages gives the same answers."""

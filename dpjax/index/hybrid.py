@@ -133,11 +133,53 @@ def lexical_spans(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray,
   return out
 
 
+@dataclasses.dataclass
+class Candidates:
+  """One question's distinct candidate spans before fusion: (starts, ends, dense scores) and
+  their passages' BM25 [N], the parts of `fuse` no weight changes (a grid of weights ranks the
+  same candidates many times); their sentences' BM25 once a sentence weight asks for it."""
+  starts: np.ndarray
+  ends: np.ndarray
+  scores: np.ndarray
+  passage_bm25: np.ndarray
+  sentence_bm25: np.ndarray | None = None
+
+
+def candidates(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: np.ndarray,
+               token_passage: np.ndarray) -> Candidates:
+  """The distinct spans of the phrase index's (`dense`) and the BM25 passages' (`lexical`)
+  candidates, each (starts, ends, dense scores); bm25: [P] the question's BM25 of every passage.
+  A span both found is kept once, at its dense place."""
+  starts = np.concatenate([dense[0], lexical[0]]).astype(np.int64)
+  ends = np.concatenate([dense[1], lexical[1]]).astype(np.int64)
+  scores = np.concatenate([dense[2], lexical[2]]).astype(np.float32)
+  keys = starts * len(token_passage) + ends
+  first = np.sort(np.unique(keys, return_index=True)[1])
+  starts = starts[first]
+  return Candidates(starts, ends[first], scores[first], bm25[token_passage[starts]])
+
+
+def ranked(found: Candidates, weight: float,
+           sentence_bm25: Callable[[np.ndarray], np.ndarray] | None = None,
+           sentence_weight: float = 0.0) -> tuple[np.ndarray, ...]:
+  """(starts, ends, fused scores) of `found` best first (ties in their order: the dense
+  search's first); sentence_bm25: start tokens [N] -> [N] the question's BM25 of the sentence
+  each starts in, called once for `found` (kept in it)."""
+  def sentences() -> np.ndarray:
+    if found.sentence_bm25 is None:
+      found.sentence_bm25 = sentence_bm25(found.starts)
+    return found.sentence_bm25
+  fused = fused_scores(found.scores, found.passage_bm25, weight, sentences, sentence_weight)
+  order = np.argsort(-fused, kind="stable")
+  return found.starts[order], found.ends[order], fused[order]
+
+
 def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: np.ndarray,
          token_passage: np.ndarray, weight: float,
          sentence_bm25: Callable[[np.ndarray], np.ndarray] | None = None,
          sentence_weight: float = 0.0) -> tuple[np.ndarray, ...]:
-  """One question's distinct candidate spans, (starts, ends, fused scores) best first.
+  """One question's distinct candidate spans, (starts, ends, fused scores) best first
+  (`candidates`, then `ranked`).
 
   dense / lexical: (starts, ends, dense scores) of the phrase index's spans and of the BM25
   passages' spans; bm25: [P] the question's BM25 score of every passage; sentence_bm25 (with a
@@ -145,16 +187,8 @@ def fuse(dense: tuple[np.ndarray, ...], lexical: tuple[np.ndarray, ...], bm25: n
   A span both found is kept once (at its dense place: ties in rank keep the dense search's order
   first).
   """
-  starts = np.concatenate([dense[0], lexical[0]]).astype(np.int64)
-  ends = np.concatenate([dense[1], lexical[1]]).astype(np.int64)
-  scores = np.concatenate([dense[2], lexical[2]]).astype(np.float32)
-  keys = starts * len(token_passage) + ends
-  first = np.sort(np.unique(keys, return_index=True)[1])
-  starts, ends, scores = starts[first], ends[first], scores[first]
-  fused = fused_scores(scores, bm25[token_passage[starts]], weight,
-                       lambda: sentence_bm25(starts), sentence_weight)
-  order = np.argsort(-fused, kind="stable")
-  return starts[order], ends[order], fused[order]
+  return ranked(candidates(dense, lexical, bm25, token_passage), weight, sentence_bm25,
+                sentence_weight)
 
 
 def fused_scores(scores: np.ndarray, passage_bm25: np.ndarray, weight: float,

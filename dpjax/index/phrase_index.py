@@ -372,10 +372,10 @@ class PhraseIndex:
   def _lexical(self, q_start: np.ndarray, q_end: np.ndarray, texts: Sequence[str] | None,
                max_answer_length: int):
     """(BM25 scores [Q, P], top BM25 passages per question, their spans `lexical_spans`, the
-    questions' terms `SparseIndex.question_terms` for their sentence scores) for hybrid search,
-    or None for a dense search. They depend on neither k, unit nor the weights: the last
-    questions' are kept for the next search of them (with the sentence scores computed so
-    far)."""
+    questions' terms `SparseIndex.question_terms` for their sentence scores, the candidates
+    `_fused` made of them) for hybrid search, or None for a dense search. They depend on neither
+    k, unit nor the weights: the last questions' are kept for the next search of them (with the
+    sentence scores computed so far)."""
     if self.lexical_rows() is None:
       return None
     if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
@@ -391,7 +391,7 @@ class PhraseIndex:
       top = hybrid.top_passages(bm25, passages)
       found = (bm25, top,
                hybrid.lexical_spans(self.rescorer, q_start, q_end, top, max_answer_length),
-               sparse.question_terms(list(texts)))
+               sparse.question_terms(list(texts)), {})  # ({}: `_fused`'s candidates)
     self._lexical_cache[0] = (key, (np.array(q_start), np.array(q_end)), found)
     return found
 
@@ -420,6 +420,18 @@ class PhraseIndex:
             self.hybrid.sentence_weight)
       out.append(rereading.rerank(found, rows, pick, (starts, ends, fused)))
     return read, out
+
+  def _fused(self, lexical, q: int, dense: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Question q's `dense` spans fused with its BM25 passages' spans (`hybrid.fuse`). Their
+    `hybrid.candidates`, which no weight changes, are kept with the lexical results for the
+    next search of the same spans (another request, or another weight of a grid)."""
+    key = (q, *(np.ascontiguousarray(a).tobytes() for a in dense))
+    found = lexical[4].get(key)
+    if found is None:
+      found = lexical[4][key] = hybrid.candidates(dense, lexical[2][q], lexical[0][q],
+                                                  self.dump.token_passage)
+    return hybrid.ranked(found, self.hybrid.weight, self._sentence_of(lexical[3][q]),
+                         self.hybrid.sentence_weight)
 
   def _sentence_of(self, terms) -> Callable[[np.ndarray], np.ndarray]:
     """start tokens [N] -> [N] the BM25 of the question of `terms` (`SparseIndex.question_terms`)
@@ -515,10 +527,7 @@ class PhraseIndex:
       for q, (starts, ends, scores) in zip(pending, spans):  # the best `fetch` phrases
         ranked.append((starts[:fetch], ends[:fetch], scores[:fetch]))
         if lexical is not None:
-          ranked[-1] = hybrid.fuse(ranked[-1], lexical[2][q], lexical[0][q],
-                                   self.dump.token_passage, self.hybrid.weight,
-                                   self._sentence_of(lexical[3][q]),
-                                   self.hybrid.sentence_weight)
+          ranked[-1] = self._fused(lexical, q, ranked[-1])
       read = None
       if self.reread is not None:
         read, ranked = self._reread(q_start, q_end, pending, ranked, lexical, max_answer_length)
