@@ -1,5 +1,6 @@
 """Hybrid search (dense phrase score + weight x BM25) and merged overlapping spans, on the toy
 index of test_search.py whose right answers are known."""
+import gc
 import json
 import math
 import shutil
@@ -12,6 +13,7 @@ from dpjax.errors import DumpError
 from dpjax.index import hybrid, sparse, units
 from dpjax.index.dump import Dump
 from dpjax.index.faiss_index import build_index
+from dpjax.index.rescoring import Rescorer
 from dpjax.index.hybrid import Hybrid
 from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.scoring import half_to_float32
@@ -382,6 +384,47 @@ def test_a_filtered_index_fuses_only_the_tokens_it_keeps(toy):
   assert spans and all(s % 2 == 0 and e % 2 == 0 for s, e in spans)
 
 
+def test_a_rescorer_outlives_its_phrase_index(toy):
+  """An exact index's rescorer reads the faiss index's own storage: kept after its phrase
+  index is gone, it still scores from live memory (the view holds the index)."""
+  directory, q_start, q_end = toy
+  rescorer = PhraseIndex(directory, "Flat").rescorer
+  gc.collect()
+  assert rescorer.vectors.owner is not None
+  want = half_to_float32(np.asarray(Dump.load(directory).vectors))[:10] @ q_start[0]
+  got = rescorer.token_scores(np.arange(10)[None], q_start[:1], q_end[:1])[0][0]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kept", [None, "every other", "compact"])
+def test_passage_spans_score_each_token_once_as_the_rescoring_does(toy, kept):
+  """The BM25 passages' spans (their tokens' scores looked up by slot) are those of the
+  rescoring scoring every partner itself: over the dump, a filtered index's kept tokens, and
+  rows of kept tokens with their dump places (a compact index's `positions`)."""
+  directory, q_start, q_end = toy
+  dump = Dump.load(directory)
+  rescorer = PhraseIndex(directory, "Flat").rescorer
+  if kept == "every other":
+    rescorer = PhraseIndex.over_tokens(dump, np.arange(0, len(dump.vectors), 2)).rescorer
+  elif kept == "compact":  # rows: every other token, numbered passage by passage
+    rows = np.arange(0, len(dump.vectors), 2)
+    passage = np.asarray(dump.token_passage)[rows]
+    offsets = np.searchsorted(passage, np.arange(len(dump.passages) + 1))
+    places = rows - np.searchsorted(np.asarray(dump.token_passage), passage)
+    rescorer = Rescorer.over_offsets(np.asarray(dump.vectors)[rows], offsets, places)
+  bm25 = sparse.SparseIndex(directory, dump.manifest)
+  passages = hybrid.top_passages(bm25.scores(QUESTIONS), 3)
+  found = hybrid.lexical_spans(rescorer, q_start, q_end, passages, LENGTH)
+  for q, rows in enumerate(passages):
+    tokens = rescorer.passage_tokens(rows)[None]
+    scores, starts, ends = rescorer.rescore(q_start[q:q + 1], q_end[q:q + 1], tokens, tokens,
+                                            LENGTH)
+    keep = np.isfinite(scores[0])
+    assert keep.any()
+    for got, want in zip(found[q], (starts[0, keep], ends[0, keep], scores[0, keep])):
+      np.testing.assert_array_equal(got, want)
+
+
 def test_exhaustive_rescoring_stays_within_its_bound(toy, monkeypatch):
   """Calls are sized by their widest row: a question without BM25 passages (no shared term) in
   the batch does not make one call of every question at the widest width."""
@@ -392,8 +435,8 @@ def test_exhaustive_rescoring_stays_within_its_bound(toy, monkeypatch):
   passages = hybrid.top_passages(bm25.scores(texts), 3)
   assert not len(passages[-1]) and all(len(p) for p in passages[:-1])
   shapes, rescore = [], index.rescorer.rescore
-  monkeypatch.setattr(index.rescorer, "rescore", lambda qs, qe, s, e, n: shapes.append(s.shape)
-                      or rescore(qs, qe, s, e, n))
+  monkeypatch.setattr(index.rescorer, "rescore", lambda qs, qe, s, e, n, scores_of:
+                      shapes.append(s.shape) or rescore(qs, qe, s, e, n, scores_of))
   bound = 2 * 60 * LENGTH * 2  # two rows of 60 anchors
   monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", bound)
   chunked = hybrid.lexical_spans(index.rescorer, q_start, q_end, passages, LENGTH)

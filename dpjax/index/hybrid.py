@@ -111,26 +111,52 @@ def lexical_spans(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray,
                   ) -> list[tuple[np.ndarray, ...]]:
   """Per question, (starts, ends, dense scores) of every best span of the tokens of its
   `passages` (rows), as an exhaustive search over those tokens finds them (`Rescorer.rescore`
-  with every token the index keeps as a start hit and as an end hit); -inf spans left out."""
-  tokens = [rescorer.passage_tokens(rows) for rows in passages]
-  out: list = [None] * len(tokens)
+  with every token the index keeps as a start hit and as an end hit); -inf spans left out.
+  Every partner a span may take is one of those tokens, so each is scored once and the
+  partners' scores are looked up by their slot in the passages laid end to end."""
+  layouts = [rescorer.passage_layout(rows) for rows in passages]
+  out: list = [None] * len(layouts)
   # Widest first: a call's rows are sized by its first, widest row; similar widths share a call.
-  order = np.argsort([-len(t) for t in tokens], kind="stable")
+  order = np.argsort([-len(tokens) for tokens, _, _ in layouts], kind="stable")
   at = 0
   while at < len(order):
-    width = max(len(tokens[order[at]]), 1)
+    width = max(len(layouts[order[at]][0]), 1)
     chunk = max(1, _EXHAUSTIVE_ELEMENTS // (2 * width * max_answer_length))
     rows = order[at:at + chunk]
-    anchors = np.full((len(rows), width), -1, np.int64)
-    for i, q in enumerate(rows):
-      anchors[i, :len(tokens[q])] = tokens[q]
+    anchors, scores_of = _anchors(rescorer, q_start[rows], q_end[rows],
+                                  [layouts[q] for q in rows], width)
     scores, starts, ends = rescorer.rescore(q_start[rows], q_end[rows], anchors, anchors,
-                                            max_answer_length)
+                                            max_answer_length, scores_of)
     for i, q in enumerate(rows):
       keep = np.isfinite(scores[i])
       out[q] = (starts[i, keep], ends[i, keep], scores[i, keep])
     at += len(rows)
   return out
+
+
+def _anchors(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray, layouts: list,
+             width: int) -> tuple[np.ndarray, Callable]:
+  """(the questions' tokens [R, width] (-1 pads), `Rescorer.rescore`'s `scores_of` for them as
+  start and end hits): their start and end scores, each token's once, read for a partner at
+  the slot of its hit plus their distance (partners outside the hit's passage are never
+  read)."""
+  rows = len(layouts)
+  slots = max(max(total for _, _, total in layouts), 1)
+  anchors = np.full((rows, width), -1, np.int64)
+  anchor_slot = np.zeros((rows, width), np.int64)
+  column = np.full((rows, slots), -1, np.int64)  # slot -> the token's column, -1: not kept
+  for i, (tokens, slot, _) in enumerate(layouts):
+    anchors[i, :len(tokens)], anchor_slot[i, :len(tokens)] = tokens, slot
+    column[i, slot] = np.arange(len(tokens))
+  start, end = rescorer.token_scores(np.maximum(anchors, 0), q_start, q_end)  # [R, width]
+  anchor_slot = np.concatenate([anchor_slot, anchor_slot], 1)[..., None]  # [R, 2 width, 1]
+
+  def scores_of(partners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    at = np.clip(anchor_slot + (partners - partners[..., :1]), 0, slots - 1)
+    where = np.maximum(np.take_along_axis(column, at.reshape(rows, -1), 1), 0)
+    return (np.take_along_axis(start, where, 1).reshape(partners.shape),
+            np.take_along_axis(end, where, 1).reshape(partners.shape))
+  return anchors, scores_of
 
 
 @dataclasses.dataclass

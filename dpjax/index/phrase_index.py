@@ -49,6 +49,13 @@ def _is_compact_index(dump_dir: pathlib.Path, index_name: str) -> bool:
   return False
 
 
+class IndexStorage(np.ndarray):
+  """A view of a faiss index's own storage that holds the index (`owner`): the memory it
+  reads is freed with the index, so the view keeps it alive (a rescorer kept after its phrase
+  index, say)."""
+  owner: object = None
+
+
 class PhraseIndex:
   """A complete dump with one of its faiss indexes.
 
@@ -297,7 +304,9 @@ class PhraseIndex:
       n, dim = self.dump.vectors.shape
       if isinstance(flat, faiss.IndexFlat) and flat.ntotal == n and np.array_equal(
           faiss.vector_to_array(self.index.id_map), np.arange(n)):
-        self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
+        self._exact = faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim).view(
+            IndexStorage)
+        self._exact.owner = self.index  # (a rescorer outliving this index keeps it alive)
     return self._exact
 
   def phrase(self, start: int, end: int, score: float, read: ReadTokens | None = None

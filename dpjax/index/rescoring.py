@@ -11,7 +11,7 @@ shared hits of a search (`hits.Hits`) and hybrid search's exhaustive spans of BM
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -66,20 +66,33 @@ class Rescorer:
 
   def passage_tokens(self, passages: Sequence[int]) -> np.ndarray:
     """The token ids of passage rows `passages` (in their order) that phrases may use."""
+    return self.passage_layout(passages)[0]
+
+  def passage_layout(self, passages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the token ids of passage rows `passages` that phrases may use, in their order; each
+    one's slot in the passages' tokens laid end to end, kept or not; the slots in all)."""
     if not len(passages):
-      return np.zeros(0, np.int64)
+      return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
     tokens = np.concatenate([np.arange(self.passage_start[p], self.passage_end[p])
                              for p in passages])
-    return tokens if self.kept_mask is None else tokens[self.kept_mask[tokens]]
+    slots, total = np.arange(len(tokens)), len(tokens)
+    if self.kept_mask is not None:
+      kept = self.kept_mask[tokens]
+      tokens, slots = tokens[kept], slots[kept]
+    return tokens, slots, total
 
   def rescore(self, q_start: np.ndarray, q_end: np.ndarray, starts: np.ndarray,
-              ends: np.ndarray, max_answer_length: int):
+              ends: np.ndarray, max_answer_length: int,
+              scores_of: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None):
     """The best span of every hit.
 
     Args:
       q_start, q_end: [Q, D] the questions' vectors.
       starts, ends: [Q, Ks], [Q, Ke] start and end hits (token ids, -1 for none).
       max_answer_length: the most tokens a phrase spans.
+      scores_of: partners [Q, Ks + Ke, max_answer_length] (each hit's own token first) ->
+        their (start scores, end scores), where the caller has them (`passage_spans`); the
+        scores of partners that cannot be part of a span are not read. None: `token_scores`.
 
     Returns:
       (scores, span starts, span ends), [Q, Ks + Ke] each: the hits' best spans, start hits
@@ -105,7 +118,8 @@ class Rescorer:
     span_start = np.where(forward[:, None], anchor[..., None], partners)
     span_end = np.where(forward[:, None], partners, anchor[..., None])
     # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.
-    score_s, score_e = self.token_scores(partners, q_start, q_end)  # [Q, 2K, L] each
+    score_s, score_e = (self.token_scores(partners, q_start, q_end) if scores_of is None
+                        else scores_of(partners))  # [Q, 2K, L] each
     total = np.where(forward[:, None], score_s[..., :1] + score_e, score_s + score_e[..., :1])
     total = np.where(ok, total, -np.inf)
     best = total.argmax(-1)[..., None]
