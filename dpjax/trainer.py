@@ -464,10 +464,11 @@ def run_steps(trainer: Trainer, steps: Iterable[int], batch: Callable[[int], dic
 class Stopwatch:
   """Host seconds by part of a run, compiles apart: `with watch("data"): ...` adds the block's
   seconds to `seconds["data"]`, less the seconds JAX spent tracing, lowering and compiling in
-  it (`compile_stats`), which go to `seconds["compiles"]`; a block `watch("compiles")` adds its wall time there (the
-  compiles in it, some at once in threads, are not summed). A part inside another is taken off
-  the outer one, so the parts add up to the outermost blocks' wall time. No device wait: what
-  the device does between two host calls shows up in the part that waits for it."""
+  it (`compile_stats`), which go to `seconds["compiles"]`; a block `watch("compiles")` adds its
+  wall time there (the compiles in it, some at once in threads, are not summed). A part inside
+  another is taken off the outer one, so the parts add up to the outermost blocks' wall time.
+  No device wait: what the device does between two host calls shows up in the part that waits
+  for it."""
 
   def __init__(self):
     self.seconds: dict[str, float] = {}

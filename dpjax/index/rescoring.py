@@ -91,7 +91,7 @@ class Rescorer:
       starts, ends: [Q, Ks], [Q, Ke] start and end hits (token ids, -1 for none).
       max_answer_length: the most tokens a phrase spans.
       scores_of: partners [Q, Ks + Ke, max_answer_length] (each hit's own token first) ->
-        their (start scores, end scores), where the caller has them (`passage_spans`); the
+        their (start scores, end scores), where the caller has them (`hybrid.lexical_spans`); the
         scores of partners that cannot be part of a span are not read. None: `token_scores`.
 
     Returns:
