@@ -19,7 +19,8 @@ case $mode in
     OUT=$inner setsid nohup bash -c 'bash experiments/gpu_check.sh "$@"; echo $? > "$OUT/rc"' \
       gpu_check "$@" > "$inner/check.log" 2>&1 < /dev/null &
     ;;
-  collect) [ -d "$inner" ] || { echo "gpu_check_detached.sh: no check started ($inner)"; exit 2; } ;;
+  collect)
+    [ -d "$inner" ] || { echo "gpu_check_detached.sh: no check started ($inner)"; exit 2; } ;;
   *) echo "gpu_check_detached.sh: start or collect, not $mode"; exit 2 ;;
 esac
 end=$((SECONDS + wait))
