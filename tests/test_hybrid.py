@@ -434,9 +434,9 @@ def test_exhaustive_rescoring_stays_within_its_bound(toy, monkeypatch):
   texts = QUESTIONS[:4] + ["Xyzzy plugh?"]
   passages = hybrid.top_passages(bm25.scores(texts), 3)
   assert not len(passages[-1]) and all(len(p) for p in passages[:-1])
-  shapes, rescore = [], index.rescorer.rescore
-  monkeypatch.setattr(index.rescorer, "rescore", lambda qs, qe, s, e, n, scores_of:
-                      shapes.append(s.shape) or rescore(qs, qe, s, e, n, scores_of))
+  shapes, best = [], hybrid._best_partners
+  monkeypatch.setattr(hybrid, "_best_partners", lambda rescorer, qs, qe, layouts, n: shapes.append(
+      (len(layouts), max(total for *_, total in layouts))) or best(rescorer, qs, qe, layouts, n))
   bound = 2 * 60 * LENGTH * 2  # two rows of 60 anchors
   monkeypatch.setattr(hybrid, "_EXHAUSTIVE_ELEMENTS", bound)
   chunked = hybrid.lexical_spans(index.rescorer, q_start, q_end, passages, LENGTH)

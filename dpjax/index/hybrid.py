@@ -111,52 +111,75 @@ def lexical_spans(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray,
                   ) -> list[tuple[np.ndarray, ...]]:
   """Per question, (starts, ends, dense scores) of every best span of the tokens of its
   `passages` (rows), as an exhaustive search over those tokens finds them (`Rescorer.rescore`
-  with every token the index keeps as a start hit and as an end hit); -inf spans left out.
-  Every partner a span may take is one of those tokens, so each is scored once and the
-  partners' scores are looked up by their slot in the passages laid end to end."""
+  with every token the index keeps as a start hit and as an end hit: its spans, in its order,
+  bit for bit); -inf spans left out. Each token is scored once (`_best_partners`)."""
   layouts = [rescorer.passage_layout(rows) for rows in passages]
   out: list = [None] * len(layouts)
   # Widest first: a call's rows are sized by its first, widest row; similar widths share a call.
-  order = np.argsort([-len(tokens) for tokens, _, _ in layouts], kind="stable")
+  order = np.argsort([-total for _, _, total in layouts], kind="stable")
   at = 0
   while at < len(order):
-    width = max(len(layouts[order[at]][0]), 1)
+    width = max(layouts[order[at]][2], 1)
     chunk = max(1, _EXHAUSTIVE_ELEMENTS // (2 * width * max_answer_length))
     rows = order[at:at + chunk]
-    anchors, scores_of = _anchors(rescorer, q_start[rows], q_end[rows],
-                                  [layouts[q] for q in rows], width)
-    scores, starts, ends = rescorer.rescore(q_start[rows], q_end[rows], anchors, anchors,
-                                            max_answer_length, scores_of)
-    for i, q in enumerate(rows):
-      keep = np.isfinite(scores[i])
-      out[q] = (starts[i, keep], ends[i, keep], scores[i, keep])
+    found = _best_partners(rescorer, q_start[rows], q_end[rows],
+                           [(passages[q], *layouts[q]) for q in rows], max_answer_length)
+    for q, spans in zip(rows, found):
+      out[q] = spans
     at += len(rows)
   return out
 
 
-def _anchors(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray, layouts: list,
-             width: int) -> tuple[np.ndarray, Callable]:
-  """(the questions' tokens [R, width] (-1 pads), `Rescorer.rescore`'s `scores_of` for them as
-  start and end hits): their start and end scores, each token's once, read for a partner at
-  the slot of its hit plus their distance (partners outside the hit's passage are never
-  read)."""
-  rows = len(layouts)
-  slots = max(max(total for _, _, total in layouts), 1)
-  anchors = np.full((rows, width), -1, np.int64)
-  anchor_slot = np.zeros((rows, width), np.int64)
-  column = np.full((rows, slots), -1, np.int64)  # slot -> the token's column, -1: not kept
-  for i, (tokens, slot, _) in enumerate(layouts):
-    anchors[i, :len(tokens)], anchor_slot[i, :len(tokens)] = tokens, slot
-    column[i, slot] = np.arange(len(tokens))
-  start, end = rescorer.token_scores(np.maximum(anchors, 0), q_start, q_end)  # [R, width]
-  anchor_slot = np.concatenate([anchor_slot, anchor_slot], 1)[..., None]  # [R, 2 width, 1]
-
-  def scores_of(partners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    at = np.clip(anchor_slot + (partners - partners[..., :1]), 0, slots - 1)
-    where = np.maximum(np.take_along_axis(column, at.reshape(rows, -1), 1), 0)
-    return (np.take_along_axis(start, where, 1).reshape(partners.shape),
-            np.take_along_axis(end, where, 1).reshape(partners.shape))
-  return anchors, scores_of
+def _best_partners(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray, layouts: list,
+                   length: int) -> list[tuple[np.ndarray, ...]]:
+  """`lexical_spans` of questions whose passages (rows, their kept tokens, slots, slots in all:
+  `Rescorer.passage_layout`) are laid out end to end, L = `length` slots of padding each side:
+  each token's start and end scores in its slot (-inf where a token is not kept), then every
+  start's best end and every end's best start at distances 0..L-1 within its passage, the
+  nearest on ties, as `Rescorer.rescore` finds them."""
+  rows, width = len(layouts), max(max(total for *_, total in layouts), 1)
+  start = np.full((rows, width + 2 * length), -np.inf, np.float32)
+  end, passage = start.copy(), np.full(start.shape, -1, np.int64)
+  token = np.zeros(start.shape, np.int64)
+  place = None if rescorer.positions is None else np.zeros(start.shape, np.int64)
+  columns = max(max(len(tokens) for _, tokens, _, _ in layouts), 1)
+  anchors = np.zeros((rows, columns), np.int64)
+  for i, (passage_rows, tokens, slots, _) in enumerate(layouts):
+    anchors[i, :len(tokens)] = tokens
+    sizes = rescorer.passage_end[passage_rows] - rescorer.passage_start[passage_rows]
+    passage[i, length:length + sizes.sum()] = np.repeat(np.arange(len(sizes)), sizes)
+    token[i, length + slots] = tokens
+    if place is not None:
+      place[i, length + slots] = np.asarray(rescorer.positions[tokens], np.int64)
+  scores_s, scores_e = rescorer.token_scores(anchors, q_start, q_end)  # [R, columns]
+  for i, (_, tokens, slots, _) in enumerate(layouts):
+    start[i, length + slots], end[i, length + slots] = scores_s[i, :len(tokens)], scores_e[
+        i, :len(tokens)]
+  here = slice(length, length + width)
+  best = {}
+  for direction in (1, -1):  # starts look forward to their end, ends back to their start
+    top = np.full((rows, width), -np.inf, np.float32)
+    partner = np.zeros((rows, width), np.int64)
+    for distance in range(length):
+      there = slice(length + direction * distance, length + direction * distance + width)
+      total = (start[:, here] + end[:, there]) if direction == 1 else (start[:, there]
+                                                                      + end[:, here])
+      ok = (passage[:, there] == passage[:, here]) & (passage[:, here] >= 0)
+      if place is not None:
+        ok &= np.abs(place[:, there] - place[:, here]) < length
+      better = ok & (total > top)
+      top = np.where(better, total, top)
+      partner = np.where(better, token[:, there], partner)
+    best[direction] = top, partner
+  out = []
+  for i, (_, tokens, slots, _) in enumerate(layouts):
+    (top_s, end_of), (top_e, start_of) = best[1], best[-1]
+    spans = (np.concatenate([tokens, start_of[i, slots]]),
+             np.concatenate([end_of[i, slots], tokens]),
+             np.concatenate([top_s[i, slots], top_e[i, slots]]))
+    keep = np.isfinite(spans[2])
+    out.append(tuple(a[keep] for a in spans))
+  return out
 
 
 @dataclasses.dataclass

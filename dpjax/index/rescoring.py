@@ -11,7 +11,7 @@ shared hits of a search (`hits.Hits`) and hybrid search's exhaustive spans of BM
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -82,17 +82,13 @@ class Rescorer:
     return tokens, slots, total
 
   def rescore(self, q_start: np.ndarray, q_end: np.ndarray, starts: np.ndarray,
-              ends: np.ndarray, max_answer_length: int,
-              scores_of: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None):
+              ends: np.ndarray, max_answer_length: int):
     """The best span of every hit.
 
     Args:
       q_start, q_end: [Q, D] the questions' vectors.
       starts, ends: [Q, Ks], [Q, Ke] start and end hits (token ids, -1 for none).
       max_answer_length: the most tokens a phrase spans.
-      scores_of: partners [Q, Ks + Ke, max_answer_length] (each hit's own token first) ->
-        their (start scores, end scores), where the caller has them (`hybrid.lexical_spans`); the
-        scores of partners that cannot be part of a span are not read. None: `token_scores`.
 
     Returns:
       (scores, span starts, span ends), [Q, Ks + Ke] each: the hits' best spans, start hits
@@ -118,8 +114,7 @@ class Rescorer:
     span_start = np.where(forward[:, None], anchor[..., None], partners)
     span_end = np.where(forward[:, None], partners, anchor[..., None])
     # Every anchor is its own partner at offset 0: the partners' scores hold the anchors' too.
-    score_s, score_e = (self.token_scores(partners, q_start, q_end) if scores_of is None
-                        else scores_of(partners))  # [Q, 2K, L] each
+    score_s, score_e = self.token_scores(partners, q_start, q_end)  # [Q, 2K, L] each
     total = np.where(forward[:, None], score_s[..., :1] + score_e, score_s + score_e[..., :1])
     total = np.where(ok, total, -np.inf)
     best = total.argmax(-1)[..., None]
