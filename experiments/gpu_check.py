@@ -16,6 +16,8 @@ finished. Every figure in it is read from the files the processes wrote.
              on training questions) and `run.py eval` with it (figures `hybrid_*`); last, as
              the longest on the host's cores
   flash_tests  tests/test_flash_attention.py compiled for the GPU (not run by default)
+  eval_profile  the default's dense eval of PROFILE_QUESTIONS questions under cProfile, its
+             summary in the logs (not run by default)
 
 Each timing stage also reports the model FLOPs it did and their share of the devices' bf16 peak
 (MFU; `*_flops`, `*_flops_per_s`, `*_mfu`; the formula in docs/performance.md).
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import pathlib
+import pstats
 import shlex
 import signal
 import statistics
@@ -39,6 +42,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # dpjax, when run as a script
 STAGES = ("train", "chain", "step", "step_pallas", "dump_warm", "hybrid")
+PROFILE_QUESTIONS = 2000  # the eval_profile stage's questions (the dev split's first)
 # Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
            ("hybrid_em@1", ">=", 50.0), ("hybrid_top1", ">=", 85.0),
@@ -71,7 +75,7 @@ def parse(argv=None) -> argparse.Namespace:
   parser.add_argument("--alt", action="append", default=[], metavar="NAME=ARGS",
                       help="a candidate trained and evaluated beside the default: run.py args")
   parser.add_argument("--stages", nargs="+", default=list(STAGES),
-                      choices=[*STAGES, "flash_tests"])
+                      choices=[*STAGES, "flash_tests", "eval_profile"])
   parser.add_argument("--deadline", type=float, default=520.0,
                       help="seconds for all stages; each stage's limit is cut to what is left")
   parser.add_argument("--step-args", default="--batch 48 --steps 20 --warmup 3",
@@ -111,8 +115,8 @@ class Check:
   def left(self) -> float:
     return self.args.deadline - (time.monotonic() - self.start)
 
-  def common(self, name: str) -> list[str]:
-    return ["--config", self.args.config, "--workdir", str(self.root / name),
+  def common(self, name: str, workdir: pathlib.Path | None = None) -> list[str]:
+    return ["--config", self.args.config, "--workdir", str(workdir or self.root / name),
             "--set", "train.progress_bar=False",
             *(x for s in self.args.set for x in ("--set", s)), *self.candidates[name]]
 
@@ -480,6 +484,28 @@ def stage_dump_warm(check: Check):
   check.report["speed"]["dump_warm"] = read_dump(check.root / "default" / "dump_warm")
 
 
+def stage_eval_profile(check: Check):
+  """The default's dense eval of its first PROFILE_QUESTIONS dev questions under cProfile (its
+  main thread: search, rescoring, units, scores), in a workdir of links to the default's
+  (checkpoints, dump; not its open_* files, which it leaves alone): the functions of most own
+  and most cumulative time in the logs' eval_profile.txt, for where a question's host time
+  goes (cProfile's overhead inflates Python's share)."""
+  source, work = check.root / "default", check.root / "default_profile"
+  work.mkdir(parents=True, exist_ok=True)
+  for entry in source.iterdir():
+    if not entry.name.startswith("open_") and not (work / entry.name).exists():
+      (work / entry.name).symlink_to(entry.resolve())
+  profile = check.out / "eval_profile.prof"
+  record = check.run("eval_profile", [
+      check.args.python, "-m", "cProfile", "-o", str(profile), "run.py", "eval",
+      *check.common("default", work), "--set", "index.sparse=False",
+      "--set", "index.search_index=Flat", "--set", f"eval.limit={PROFILE_QUESTIONS}"])
+  if record["rc"] == 0 and profile.is_file():
+    with (check.out / "eval_profile.txt").open("w") as out:
+      for order in ("tottime", "cumulative"):
+        pstats.Stats(str(profile), stream=out).sort_stats(order).print_stats(40)
+
+
 def _step(check: Check, label: str, env=None):
   argv = [check.args.python, "experiments/benchmarks/train_step.py", "--framework", "jax",
           "--dtype", "bfloat16", *shlex.split(check.args.step_args)]
@@ -499,7 +525,7 @@ def main(argv=None) -> int:
   check.root.mkdir(parents=True, exist_ok=True)
   check.save()
   actions = {"train": stage_train, "chain": stage_chain, "hybrid": stage_hybrid,
-             "dump_warm": stage_dump_warm,
+             "dump_warm": stage_dump_warm, "eval_profile": stage_eval_profile,
              "step": lambda c: _step(c, "step"),
              "step_pallas": lambda c: _step(c, "step_pallas", {"DPJAX_ATTENTION": "pallas"}),
              "flash_tests": lambda c: c.run("flash_tests", [

@@ -17,14 +17,19 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   """Every stage runs; each figure is the one its run wrote; the report renders once a run."""
   out, work = tmp_path / "out", tmp_path / "w"
   assert gpu_check.main(["--workdir", str(work), "--out", str(out), *TINY, "--stages", "train",
-                         "chain", "dump_warm", "step", "hybrid", "--set",
+                         "chain", "dump_warm", "step", "hybrid", "eval_profile", "--set",
                          "index.sparse_tune_questions=12",
                          "--step-args",
                          "--batch 8 --length 32 --steps 1 --warmup 1"]) == 0
   result = json.loads((out / "gpu_check.json").read_text())
   assert {k: v["rc"] for k, v in result["stages"].items()} == {
       "default.train": 0, "default.dump": 0, "default.index": 0, "default.eval": 0,
-      "default.hybrid_index": 0, "default.hybrid_eval": 0, "dump_warm": 0, "step": 0}
+      "default.hybrid_index": 0, "default.hybrid_eval": 0, "dump_warm": 0, "step": 0,
+      "eval_profile": 0}
+  # The profiled eval's summary names the eval; the chain's own eval files are untouched.
+  assert "dpjax/main/eval.py" in (out / "eval_profile.txt").read_text()
+  mine, chain = (work / d / "open_eval_Flat.json" for d in ("default_profile", "default"))
+  assert not mine.is_symlink() and chain.stat().st_mtime < mine.stat().st_mtime
   figures = result["figures"]
   rc = json.loads((work / "default" / "results.json").read_text())
   assert figures["rc_exact_match"] == rc["rc_exact_match"] and figures["count"] == rc["count"]
