@@ -8,7 +8,9 @@ back to every process with `to_host`.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -48,6 +50,23 @@ def compiles_by_function() -> dict[str, tuple[int, float]]:
   compile_stats()
   with _COMPILE_LOCK:
     return {name: tuple(counts) for name, counts in _COMPILE["by_function"].items()}
+
+
+def call_widths(multiple: int, max_length: int) -> list[int]:
+  """Every width `map_batches` cuts a call of rows at most `max_length` long to (their longest
+  row rounded up to `multiple`, at most the arrays' own width)."""
+  return sorted({min(k * multiple, max_length) for k in range(1, -(-max_length // multiple) + 1)})
+
+
+def compile_at_once(compile_one: Callable[[Any], None], shapes: Sequence,
+                    threads: int | None = None) -> int:
+  """Runs `compile_one(shape)` for every shape at once in `threads` threads (default: the CPUs;
+  XLA compiles outside the GIL): a long job's shapes compiled before its first call, sooner
+  together than one after the other as the calls come. Returns the shapes compiled."""
+  threads = max(1, min(len(shapes), threads or os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    list(pool.map(compile_one, shapes))
+  return len(shapes)
 
 
 def make_mesh(num_devices: int | None = None, *, local: bool = False) -> jax.sharding.Mesh:

@@ -13,14 +13,12 @@ is checkpointed and restored with it. Freezing is configuration: parameter-path 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import numbers
-import os
 import pathlib
 import re
 import signal
@@ -45,7 +43,7 @@ except ImportError:  # (an image without it, as a lent GPU machine's): no event 
 from dpjax.errors import ConfigError, DataError, DivergenceError
 from dpjax.io import write_text_atomic
 from dpjax.workdir import tensorboard_run
-from dpjax.parallel import compile_stats, compiles_by_function, global_array
+from dpjax.parallel import compile_at_once, compile_stats, compiles_by_function, global_array
 
 log = logging.getLogger(__name__)
 # A loss above this is divergence, not learning (the unified loss starts near log of the number
@@ -247,10 +245,7 @@ class Trainer:
     def compile_width(width: int) -> None:
       self.flat_step.lower(self._leaves, {k: s(width) for k, s in specs.items()}).compile()
 
-    threads = max(1, min(len(widths), threads or os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      list(pool.map(compile_width, widths))
-    return len(widths)
+    return compile_at_once(compile_width, widths, threads)
 
   def advance(self, batch: dict) -> dict:
     """Runs the step on the current state (its flat leaves, no pytree built); its metrics."""

@@ -448,13 +448,13 @@ def stage_chain(check: Check):
     candidate["dump"] = read_dump(check.root / name / "dump")
     candidate["open"] = read_open(check.root / name)
 
-  dense = ["--set", "index.sparse=False"]
+  run, dense = [check.args.python, "run.py"], ["--set", "index.sparse=False"]
   check.chains({name: [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
                        (f"{name}.index", [*run, "index", *check.common(name), *dense,
                                           "--set", 'index.specs=["Flat"]'], None),
                        (f"{name}.eval", [*run, "eval", *check.common(name), *dense,
                                          "--set", "index.search_index=Flat"], None)]
-                for name, run in _trained(check).items()}, after)
+                for name in _trained(check)}, after)
 
 
 def stage_hybrid(check: Check):
@@ -464,18 +464,17 @@ def stage_hybrid(check: Check):
     check.report["candidates"][name]["hybrid"] = read_open(check.root / name,
                                                            "open_eval_Flat_hybrid.json")
 
-  hybrid = ["--set", "index.sparse=True"]
+  run, hybrid = [check.args.python, "run.py"], ["--set", "index.sparse=True"]
   check.chains({name: [(f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
                                                  "--set", "index.specs=[]"], None),
                        (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
                                                 "--set", "index.search_index=Flat"], None)]
-                for name, run in _trained(check).items()}, after)
+                for name in _trained(check)}, after)
 
 
-def _trained(check: Check) -> dict[str, list[str]]:
-  """{candidate: the `run.py` command's start} of the candidates whose training finished."""
-  return {name: [check.args.python, "run.py"] for name in check.candidates
-          if (check.root / name / "results.json").is_file()}
+def _trained(check: Check) -> list[str]:
+  """The candidates whose training finished."""
+  return [name for name in check.candidates if (check.root / name / "results.json").is_file()]
 
 
 def stage_dump_warm(check: Check):

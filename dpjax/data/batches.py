@@ -9,6 +9,7 @@ import numpy as np
 
 from dpjax.data.squad import RCFeatures
 from dpjax.errors import DataError
+from dpjax.parallel import call_widths
 
 
 @dataclasses.dataclass
@@ -174,8 +175,7 @@ def question_widths(batches, steps: Iterable[int]) -> list[int]:
   """The distinct question widths of the batches of `steps` (a batch source with `features`,
   `rows(step)` and `question_multiple` > 0), sorted; it stops early once every width is seen."""
   multiple, features = batches.question_multiple, batches.features
-  full = features.question_input_ids.shape[1]
-  every = {min(k * multiple, full) for k in range(1, -(-full // multiple) + 1)}
+  every = set(call_widths(multiple, features.question_input_ids.shape[1]))
   seen: set[int] = set()
   for step in steps:
     seen.add(question_width(features, batches.rows(step), multiple))

@@ -153,8 +153,8 @@ def _best_partners(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray, l
       place[i, length + slots] = np.asarray(rescorer.positions[tokens], np.int64)
   scores_s, scores_e = rescorer.token_scores(anchors, q_start, q_end)  # [R, columns]
   for i, (_, tokens, slots, _) in enumerate(layouts):
-    start[i, length + slots], end[i, length + slots] = scores_s[i, :len(tokens)], scores_e[
-        i, :len(tokens)]
+    start[i, length + slots] = scores_s[i, :len(tokens)]
+    end[i, length + slots] = scores_e[i, :len(tokens)]
   here = slice(length, length + width)
   best = {}
   for direction in (1, -1):  # starts look forward to their end, ends back to their start
@@ -171,9 +171,9 @@ def _best_partners(rescorer: Rescorer, q_start: np.ndarray, q_end: np.ndarray, l
       top = np.where(better, total, top)
       partner = np.where(better, token[:, there], partner)
     best[direction] = top, partner
+  (top_s, end_of), (top_e, start_of) = best[1], best[-1]
   out = []
   for i, (_, tokens, slots, _) in enumerate(layouts):
-    (top_s, end_of), (top_e, start_of) = best[1], best[-1]
     spans = (np.concatenate([tokens, start_of[i, slots]]),
              np.concatenate([end_of[i, slots], tokens]),
              np.concatenate([top_s[i, slots], top_e[i, slots]]))

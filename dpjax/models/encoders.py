@@ -7,9 +7,7 @@ result put back at its rows.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import os
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -17,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpjax.parallel import (batch_spec, make_mesh, map_batches, padded_rows,
-                            round_to_devices)
+from dpjax.parallel import (batch_spec, call_widths, compile_at_once, make_mesh, map_batches,
+                            padded_rows, round_to_devices)
 
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
 # rounded up to a multiple of a few tokens. On a CPU, where compute is per token, the calls take
@@ -164,12 +162,6 @@ def _on_cpu(mesh) -> bool:
   return mesh.devices.flat[0].platform == "cpu"
 
 
-def call_widths(multiple: int, max_length: int) -> list[int]:
-  """Every width `map_batches` cuts a call of rows at most `max_length` long to (their longest
-  row rounded up to `multiple`, at most the arrays' own width)."""
-  return sorted({min(k * multiple, max_length) for k in range(1, -(-max_length // multiple) + 1)})
-
-
 def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
                   threads: int | None = None, inputs: int = 2) -> int:
   """Compiles a `bound` encoder for `inputs` int32 [rows, width] batches on `mesh` (as
@@ -183,10 +175,7 @@ def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
     spec = batch_spec((rows, width), np.int32, mesh)  # as map_batches passes its inputs
     flat.lower(leaves, *[spec] * inputs).compile()
 
-  threads = max(1, min(len(widths), threads or os.cpu_count() or 1))
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-    list(pool.map(compile_width, widths))
-  return len(widths)
+  return compile_at_once(compile_width, widths, threads)
 
 
 def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
