@@ -187,7 +187,8 @@ _POSITIVE = ("train.batch_size", "train.questions_per_window", "train.keep_check
              "filter.train_windows", "filter.dev_windows", "train.hard_negatives.per_example",
              "data.max_seq_length", "data.doc_stride", "data.max_query_length",
              "serve.max_batch", "serve.max_queue", "serve.max_k",
-             "serve.max_questions", "serve.max_question_chars", "serve.shutdown_timeout_s")
+             "serve.max_questions", "serve.max_question_chars", "serve.shutdown_timeout_s",
+             "index.reread_window")
 _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train.log_every",
                  "train.checkpoint_every", "train.warmup_steps", "eval.limit",
                  "eval.every_steps", "train.loss.prebatch_size", "qsft.limit", "qsft.dev_limit",
@@ -250,9 +251,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if get("index.sparse_sentence_weight") is not None and get("index.sparse_weight") is None:
     raise ConfigError("index.sparse_sentence_weight is set without index.sparse_weight: set both, "
                       "or neither (`run.py index` chooses both)")
-  if get("index.reread_margin") is not None and not get("index.reread"):
-    raise ConfigError("index.reread_margin is set without index.reread: set index.reread to the "
-                      "most passages a question may re-read")
+  for key in ("index.reread_margin", "index.reread_window"):
+    if get(key) is not None and not get("index.reread"):
+      raise ConfigError(f"{key} is set without index.reread: set index.reread to the most "
+                        "passages a question may re-read")
   if get("index.dump_vectors") is False and not get("index.dump_codec"):
     raise ConfigError("index.dump_vectors = False without an index.dump_codec: the dump would "
                       "store no vector; set index.dump_codec (e.g. \"compact\")")
@@ -556,9 +558,11 @@ def _ranking_defaults() -> dict:
       "merge_spans": True,  # overlapping spans of one passage: one result, the others merged
       # Each question's top `reread` passages encoded again, their spans scored exactly (0:
       # none; dpjax/index/rereading.py): for a compact or filtered index. With reread_margin,
-      # only those holding a span ranked within it of the best, none when the best leads by it.
+      # only those holding a span ranked within it of the best, none when the best leads by it;
+      # with reread_window, a passage only around its best span (that many word pieces).
       "reread": 0,
       "reread_margin": ml_collections.config_dict.placeholder(float),
+      "reread_window": ml_collections.config_dict.placeholder(int),
   }
 
 

@@ -185,7 +185,8 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   phrases = phrases.with_options(**search_options(index, phrases.dump, verify=verify))
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
                             max_query_length=data.max_query_length, batch_size=index.batch_size,
-                            reread=index.reread, reread_margin=index.reread_margin)
+                            reread=index.reread, reread_margin=index.reread_margin,
+                            reread_window=index.reread_window)
   log.info("search: %s over index %s of %s", describe_search(searcher.index),
            phrases.manifest["spec"], phrases.dump.directory)
   return searcher, step

@@ -233,6 +233,7 @@ class IndexSettings:
   merge_spans: bool
   reread: int
   reread_margin: float | None
+  reread_window: int | None
 
 
 @dataclasses.dataclass(frozen=True)

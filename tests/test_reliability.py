@@ -259,6 +259,8 @@ def test_search_arguments_are_checked(model, tokenizer, tmp_path):
     (["index.reread=2", "index.reread_margin=-0.5"],
      "index.reread_margin = -0.5: must be a number >= 0"),
     (["index.reread_margin=2.0"], "index.reread_margin is set without index.reread"),
+    (["index.reread=2", "index.reread_window=0"], "index.reread_window = 0: must be a number >= 1"),
+    (["index.reread_window=64"], "index.reread_window is set without index.reread"),
     (["filter.dev_windows=0"], "filter.dev_windows = 0: must be a number >= 1"),
     (["filter.keep_fractions=[]"], "must be one or more fractions in (0, 1]"),
     (["filter.keep_fractions=[-0.5]"], "must be one or more fractions in (0, 1]"),

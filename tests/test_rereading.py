@@ -104,7 +104,7 @@ def test_the_cache_keeps_at_most_its_tokens(workdir, model):
   reader = _rereader(model, flat, cache_tokens=int(sizes[:3].sum()))
   reader.read([0, 1, 2], flat.dump.passages)
   reader.read([3], flat.dump.passages)  # passage 0, the least recently read, goes first
-  assert 0 not in reader._cache and 3 in reader._cache
+  assert (0, None) not in reader._cache and (3, None) in reader._cache
   assert reader._cached <= reader.cache_tokens
   reader.read([3], flat.dump.passages)
   assert reader.encoded_passages == 4
@@ -255,3 +255,61 @@ def test_hybrid_re_reading_of_an_exact_index_keeps_its_answers(workdir, model):
           for units in reread.search(q_start, q_end, 1, texts=texts)]
   assert [a[0][:3] for a in ours] == [a[0][:3] for a in theirs]
   np.testing.assert_allclose([a[0][3] for a in ours], [a[0][3] for a in theirs], rtol=1e-6)
+
+
+def test_a_window_holds_its_span_and_cuts_between_words():
+  tokenizer = Tokenizer.from_pretrained()
+  text = ("The Normans were the people who in the 10th and 11th centuries gave their name to "
+          "Normandy, a region in France. They descended from Norse raiders and pirates from "
+          "Denmark, Iceland and Norway who, under their leader Rollo, agreed to swear fealty.")
+  pieces = tokenizer.tokenize([text])[0]
+  assert rereading.window_of(tokenizer, text, 4, 11, len(pieces[0])) is None  # short enough
+  for word in ("Normans", "Normandy", "Rollo", "fealty"):
+    first = text.index(word)
+    lo, hi = rereading.window_of(tokenizer, text, first, first + len(word), 16)
+    assert lo <= first and first + len(word) <= hi
+    inside = (pieces[1][:, 0] >= lo) & (pieces[1][:, 1] <= hi)
+    assert inside.sum() <= 16
+    part = tokenizer.tokenize([text[lo:hi]])[0]  # the part's pieces are the whole text's
+    np.testing.assert_array_equal(part[0], pieces[0][inside])
+    np.testing.assert_array_equal(part[1] + lo, pieces[1][inside])
+  with pytest.raises(ValueError, match="index.reread_window"):
+    Rereader(None, tokenizer, {}, 1, window=0)
+
+
+def test_windowed_re_reading_reads_the_tokens_of_its_window(workdir, model):
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  sizes = flat.passage_end - flat.passage_start
+  window = int(np.median(sizes)) // 2
+  reader = _rereader(model, flat, 2, window=window)
+  rows = np.flatnonzero(sizes > window)[:4]
+  middle = flat.dump.char_spans[flat.passage_start[rows] + sizes[rows] // 2]
+  cuts = reader.windows([flat.dump.passages[r].text for r in rows], middle)
+  read = reader.read(list(zip(rows, cuts)), flat.dump.passages)
+  assert reader.encoded_tokens == sum(len(spans) for _, spans in read)
+  for row, cut, (_, spans) in zip(rows, cuts, read):
+    dumped = flat.dump.char_spans[flat.passage_start[row]:flat.passage_end[row]]
+    inside = dumped[(dumped[:, 0] >= cut[0]) & (dumped[:, 1] <= cut[1])]
+    np.testing.assert_array_equal(spans, inside)  # the window's tokens, by character
+    assert 0 < len(spans) <= window
+  assert reader.encoded_passages == len(rows)
+
+  # A search's picked passages are read around their best spans: a top phrase in a passage
+  # read through a window lies in it (its re-read spans replace the passage's).
+  q_start, q_end = phrase_questions(flat.dump.vectors, QUESTIONS, 7)
+  picked = []
+  read_spans = rereading.read_spans
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(rereading, "read_spans", lambda *args, **kwargs: picked.append(
+        (args[4], kwargs["cuts"])) or read_spans(*args, **kwargs))
+    found = flat.with_options(reread=reader).search(q_start, q_end, 1)
+  (picks, cuts), = picked
+  assert any(c is not None for cut in cuts for c in cut)
+  windowed = 0
+  for ((phrase, _),), pick, cut in zip(found, picks, cuts):
+    window_of = {int(r): c for r, c in zip(pick, cut)}
+    if window_of.get(phrase.passage) is not None:
+      lo, hi = window_of[phrase.passage]
+      assert lo <= phrase.start_char and phrase.end_char <= hi
+      windowed += 1
+  assert windowed

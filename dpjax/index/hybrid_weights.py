@@ -35,7 +35,7 @@ WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # passage BM25's grid
 SENTENCE_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0)  # sentence BM25's grid
 TUNE_SEED = 17  # the training questions' sample (the evaluation's questions are the dev split)
 # `_tuned_for`'s settings that weights chosen before them were chosen at (none re-read).
-_TUNED_BEFORE = {"reread": 0, "reread_margin": None}
+_TUNED_BEFORE = {"reread": 0, "reread_margin": None, "reread_window": None}
 
 
 def build_sparse_index(model: ModelSettings, data: DataSettings, evaluation: EvalSettings,
@@ -97,7 +97,7 @@ def _tuned_for(evaluation: EvalSettings, index: IndexSettings) -> dict:
           "checkpoint": evaluation.checkpoint,
           "limit": index.sparse_tune_questions, "tune_file": index.sparse_tune_file,
           "regex": evaluation.regex, "reread": index.reread,
-          "reread_margin": index.reread_margin}
+          "reread_margin": index.reread_margin, "reread_window": index.reread_window}
 
 
 def tune_questions(data: DataSettings, index: IndexSettings,

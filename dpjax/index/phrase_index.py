@@ -414,7 +414,8 @@ class PhraseIndex:
              for rows, found in zip(passages, ranked)]
     read, spans = rereading.read_spans(self.reread, self.dump.passages, q_start[questions],
                                        q_end[questions], picks, max_answer_length,
-                                       first=self.rescorer.num_tokens)
+                                       first=self.rescorer.num_tokens,
+                                       cuts=self._reread_cuts(ranked, passages, picks))
     out = []
     for q, found, rows, pick, (starts, ends, scores) in zip(questions, ranked, passages, picks,
                                                            spans):
@@ -429,6 +430,19 @@ class PhraseIndex:
             self.hybrid.sentence_weight)
       out.append(rereading.rerank(found, rows, pick, (starts, ends, fused)))
     return read, out
+
+  def _reread_cuts(self, ranked: list, passages: list, picks: list) -> list | None:
+    """Per question, the part of each picked passage's text re-reading reads
+    (`Rereader.windows`, around the passage's best ranked span), or None for whole passages."""
+    if self.reread.window is None:
+      return None
+    cuts = []
+    for (starts, ends, _), rows, pick in zip(ranked, passages, picks):
+      best = np.array([int(np.argmax(rows == row)) for row in pick], np.int64)  # ranked first
+      spans = np.stack([self.dump.char_spans[starts[best], 0],
+                        self.dump.char_spans[ends[best], 1]], 1).reshape(-1, 2)
+      cuts.append(self.reread.windows([self.dump.passages[int(r)].text for r in pick], spans))
+    return cuts
 
   def _fused(self, lexical, q: int, dense: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     """Question q's `dense` spans fused with its BM25 passages' spans (`hybrid.fuse`). Their

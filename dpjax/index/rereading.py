@@ -10,7 +10,9 @@ spans replace those passages' spans (`rerank`). Each passage costs one encoding 
 times it); a passage read again (the next round or request of the same questions, another
 hybrid weight) comes from a cache of the last ones read. With a `margin`, only the passages of
 the spans ranked within it of the best are read, and none when the best leads the next span by
-it (`top_passages`): a question the codes answer clearly costs no encoding.
+it (`top_passages`): a question the codes answer clearly costs no encoding. With a `window`, a
+passage longer than `window` word pieces is read only around its best span (`window_of`): the
+encoding costs about the window's tokens, and the window's spans replace the passage's.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dpjax.data.squad import Passage
 from dpjax.data.tokenization import Tokenizer
 from dpjax.errors import DumpError
 from dpjax.index import hybrid
@@ -62,12 +65,16 @@ class Rereader:
     margin: None, or a score difference >= 0: of those passages only the ones holding a span
       ranked within `margin` of the best are read, none when the best leads the next span by
       at least `margin` (`top_passages`).
+    window: None, or the most word pieces of a passage read around its best span (`window_of`).
     cache_tokens: the most tokens whose vectors are kept for the next searches.
   """
 
   def __init__(self, model, tokenizer: Tokenizer, dump_manifest: dict, passages: int, *,
-               margin: float | None = None, mesh=None, cache_tokens: int = CACHE_TOKENS):
+               margin: float | None = None, window: int | None = None, mesh=None,
+               cache_tokens: int = CACHE_TOKENS):
     self.passages = count(passages, "index.reread (passages re-read per question)")
+    self.window = None if window is None else count(
+        window, "index.reread_window (word pieces read around a passage's best span)")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                or math.isnan(margin) or margin < 0):
       raise ValueError(f"index.reread_margin = {margin!r}: must be a number >= 0 (or None)")
@@ -85,31 +92,44 @@ class Rereader:
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._cached = 0  # tokens in the cache
     self._lock = threading.Lock()
-    self.encoded_passages = 0  # passages encoded so far (the cache's misses)
+    self.encoded_passages = 0  # passages (or parts) encoded so far (the cache's misses)
+    self.encoded_tokens = 0  # their tokens
 
-  def read(self, rows: Sequence[int], passages) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per passage row of `rows` (rows of `passages`, the index's passage table), (vectors
-    [n, D] float16, character spans [n, 2]) of its n tokens; those not cached are encoded in
-    one `encode_shard` call."""
-    rows = [int(r) for r in rows]
+  def read(self, rows: Sequence, passages) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per item of `rows`, a passage row of `passages` (the index's passage table) or (row,
+    (first, end) characters of the part of its text read: `window_of`), (vectors [n, D]
+    float16, character spans [n, 2] in the passage's text) of its n tokens; those not cached
+    are encoded in one `encode_shard` call."""
+    keys = [(int(r), None) if np.isscalar(r) else (int(r[0]), r[1] and tuple(map(int, r[1])))
+            for r in rows]
     with self._lock:
-      found = {r: self._cache[r] for r in dict.fromkeys(rows) if r in self._cache}
-      for r in found:
-        self._cache.move_to_end(r)
-    missing = [r for r in dict.fromkeys(rows) if r not in found]
+      found = {k: self._cache[k] for k in dict.fromkeys(keys) if k in self._cache}
+      for k in found:
+        self._cache.move_to_end(k)
+    missing = [k for k in dict.fromkeys(keys) if k not in found]
     if missing:
       # A few windows: calls padded to a power of two, not to the full rows a dump's are.
-      shard = encode_shard(self.tokenizer, [passages[r] for r in missing], self.config,
-                           self.mesh, self._encode, pad_last=False)
+      shard = encode_shard(self.tokenizer, [_part(passages[r], cut) for r, cut in missing],
+                           self.config, self.mesh, self._encode, pad_last=False)
       bounds = np.searchsorted(shard["token_passage"], np.arange(len(missing) + 1))
-      for i, r in enumerate(missing):
-        found[r] = (shard["vectors"][bounds[i]:bounds[i + 1]],
-                    shard["char_spans"][bounds[i]:bounds[i + 1]])
+      for i, (r, cut) in enumerate(missing):
+        spans = shard["char_spans"][bounds[i]:bounds[i + 1]]
+        found[r, cut] = (shard["vectors"][bounds[i]:bounds[i + 1]],
+                         spans if cut is None else spans + cut[0])
       with self._lock:
         self.encoded_passages += len(missing)
-        for r in missing:
-          self._keep(r, found[r])
-    return [found[r] for r in rows]
+        self.encoded_tokens += len(shard["vectors"])
+        for k in missing:
+          self._keep(k, found[k])
+    return [found[k] for k in keys]
+
+  def windows(self, texts: Sequence[str], spans: np.ndarray) -> list:
+    """Per text, the (first, end) characters `read` takes of it around its best span `spans`
+    [N, 2] (characters): `window_of` with this reader's window, None for the whole text."""
+    if self.window is None:
+      return [None] * len(texts)
+    return [window_of(self.tokenizer, text, int(a), int(b), self.window)
+            for text, (a, b) in zip(texts, spans)]
 
   def compile(self) -> int:
     """Compiles the phrase encoder for every call a re-reading makes (each power-of-two rows up
@@ -125,7 +145,7 @@ class Rereader:
       self._cache.clear()
       self._cached = 0
 
-  def _keep(self, row: int, entry: tuple[np.ndarray, np.ndarray]) -> None:
+  def _keep(self, row, entry: tuple[np.ndarray, np.ndarray]) -> None:
     """Caches a passage's vectors, the least recently read ones dropped past `cache_tokens`."""
     if row in self._cache:
       return
@@ -133,6 +153,34 @@ class Rereader:
     self._cached += len(entry[0])
     while self._cached > self.cache_tokens and self._cache:
       self._cached -= len(self._cache.popitem(last=False)[1][0])
+
+
+def _part(passage: Passage, cut: tuple[int, int] | None) -> Passage:
+  """The passage, or the part of its text between characters `cut` (its title and id kept)."""
+  return passage if cut is None else dataclasses.replace(passage,
+                                                         text=passage.text[cut[0]:cut[1]])
+
+
+def window_of(tokenizer: Tokenizer, text: str, first: int, end: int, tokens: int
+              ) -> tuple[int, int] | None:
+  """(first, end) characters of at most `tokens` word pieces of `text` centred on the span of
+  characters [first, end) and holding it, cut only where a word ends (so that the part
+  tokenizes as those word pieces do in the whole text: no word piece split); None when the
+  text has at most `tokens` word pieces."""
+  offsets = tokenizer.tokenize([text])[0][1]
+  n = len(offsets)
+  if n <= tokens:
+    return None
+  a = int(np.searchsorted(offsets[:, 1], first, "right"))  # the span's first word piece
+  b = max(int(np.searchsorted(offsets[:, 0], end, "left")), a + 1)  # and the one after it
+  lo = min(max((a + b - tokens) // 2, 0), n - tokens)
+  lo, hi = min(lo, a), max(lo + tokens, b)
+  joined = offsets[1:, 0] <= offsets[:-1, 1]  # word piece i + 1 follows i with no space
+  while lo < min(a, n - 1) and lo > 0 and joined[lo - 1]:
+    lo += 1
+  while hi > b and hi < n and joined[hi - 1]:
+    hi -= 1
+  return int(offsets[lo, 0]), int(offsets[hi - 1, 1])
 
 
 def top_passages(passage_rows: np.ndarray, count: int, scores: np.ndarray | None = None,
@@ -148,33 +196,37 @@ def top_passages(passage_rows: np.ndarray, count: int, scores: np.ndarray | None
 
 
 def read_spans(rereader: Rereader, passages, q_start: np.ndarray, q_end: np.ndarray,
-               picks: Sequence[np.ndarray], max_answer_length: int, first: int
+               picks: Sequence[np.ndarray], max_answer_length: int, first: int,
+               cuts: Sequence[list] | None = None
                ) -> tuple[ReadTokens, list[tuple[np.ndarray, ...]]]:
   """The re-read passages `picks` (rows per question) of questions [Q, D]: their tokens
   (`ReadTokens`, numbered from `first`) and per question (starts, ends, exact scores) of every
-  distinct best span of their tokens (`hybrid.lexical_spans`), in those token ids."""
-  rows = list(dict.fromkeys(int(r) for pick in picks for r in pick))
-  if not rows:  # (an index without tokens ranks no span)
+  distinct best span of their tokens (`hybrid.lexical_spans`), in those token ids. `cuts`: per
+  question, the part of each pick's text read (`Rereader.windows`; None: the whole text)."""
+  cuts = cuts or [[None] * len(pick) for pick in picks]
+  parts = [list(zip(map(int, pick), cut)) for pick, cut in zip(picks, cuts)]
+  keys = list(dict.fromkeys(key for part in parts for key in part))
+  if not keys:  # (an index without tokens ranks no span)
     empty = np.zeros(0, np.int64)
     return (ReadTokens(first, empty, np.zeros((0, 2), np.int32)),
             [(empty, empty, np.zeros(0, np.float32)) for _ in picks])
-  read = rereader.read(rows, passages)
+  read = rereader.read(keys, passages)
   sizes = np.array([len(vectors) for vectors, _ in read], np.int64)
-  local = {r: i for i, r in enumerate(rows)}
+  local = {key: i for i, key in enumerate(keys)}
   vectors = np.concatenate([v for v, _ in read])
   spans = np.concatenate([s for _, s in read])
-  token_passage = np.repeat(np.arange(len(rows)), sizes)
-  rescorer = Rescorer(vectors, token_passage, len(rows))
+  token_passage = np.repeat(np.arange(len(keys)), sizes)
+  rescorer = Rescorer(vectors, token_passage, len(keys))
   found = hybrid.lexical_spans(rescorer, q_start, q_end,
-                               [np.array([local[int(r)] for r in pick], np.int64)
-                                for pick in picks], max_answer_length)
+                               [np.array([local[key] for key in part], np.int64)
+                                for part in parts], max_answer_length)
   out = []
   for starts, ends, scores in found:
-    keys, at = np.unique(starts * max(len(token_passage), 1) + ends, return_index=True)
+    _, at = np.unique(starts * max(len(token_passage), 1) + ends, return_index=True)
     at = at[np.argsort(-scores[at], kind="stable")]
     out.append((starts[at] + first, ends[at] + first, scores[at]))
-  tokens = ReadTokens(first, np.asarray(rows, np.int64)[token_passage], spans)
-  return tokens, out
+  rows = np.array([row for row, _ in keys], np.int64)
+  return ReadTokens(first, rows[token_passage], spans), out
 
 
 def rerank(ranked: tuple[np.ndarray, ...], ranked_passages: np.ndarray, picks: np.ndarray,

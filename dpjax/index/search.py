@@ -62,14 +62,15 @@ class PhraseSearcher:
   `reread` (> 0): each question's top `reread` passages are encoded again by the model and
   their spans scored exactly (`rereading.Rereader`): for an index of codes or of the filter's
   kept tokens, at one encoding per passage; with `reread_margin`, only those holding a span
-  ranked within it of the best (none when the best leads the next span by it).
+  ranked within it of the best (none when the best leads the next span by it); with
+  `reread_window`, a passage only around its best span (`rereading.window_of`).
 
   Named `DensePhrases` before, as the model class `dpjax.models.DensePhrases` is: that name is
   kept as an alias (`dpjax.DensePhrases`)."""
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
                batch_size: int = 64, mesh=None, check_model: bool = True, reread: int = 0,
-               reread_margin: float | None = None):
+               reread_margin: float | None = None, reread_window: int | None = None):
     if check_model and encoder_fingerprint(model) != index.fingerprint:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
@@ -77,13 +78,14 @@ class PhraseSearcher:
     self.tokenizer = tokenizer or _dump_tokenizer(index)
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
-    if reread_margin is not None and not reread:
-      raise ValueError("reread_margin without reread: set reread to the most passages a question "
-                       "may re-read")
+    for name, value in (("reread_margin", reread_margin), ("reread_window", reread_window)):
+      if value is not None and not reread:
+        raise ValueError(f"{name} without reread: set reread to the most passages a question "
+                         "may re-read")
     if reread:
       self.index = index.with_options(reread=Rereader(
           model, self.tokenizer, index.dump.manifest, reread, margin=reread_margin,
-          mesh=self.mesh))
+          window=reread_window, mesh=self.mesh))
     self.batch_size = round_to_devices(batch_size, self.mesh)
     self._encode = bound_questions(model)
 

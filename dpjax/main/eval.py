@@ -68,7 +68,8 @@ def run(settings: Settings, workdir: str) -> dict:
             "index_bytes_per_token": index.manifest["index_bytes"] / index.manifest["num_tokens"],
             "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index),
             "reread": index.reread.passages if index.reread else 0,
-            "reread_margin": index.reread.margin if index.reread else None}
+            "reread_margin": index.reread.margin if index.reread else None,
+            "reread_window": index.reread.window if index.reread else None}
   reading = None
   if evaluation.reader:  # the retriever-reader pipeline over the ranked passages
     reader = Reader(*_reader_sections(settings), evaluation)
@@ -131,7 +132,8 @@ def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, st
   # recorded ones'.
   search = (("_hybrid" if index.sparse else "") + ("" if index.merge_spans else "_unmerged")
             + (f"_reread{index.reread}" if index.reread else "")
-            + ("" if index.reread_margin is None else f"_m{index.reread_margin:g}"))
+            + ("" if index.reread_margin is None else f"_m{index.reread_margin:g}")
+            + ("" if index.reread_window is None else f"_around{index.reread_window}"))
   if index.sparse and index.sparse_weight is not None:
     search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
   return prefix, search, tag

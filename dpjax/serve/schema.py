@@ -117,6 +117,9 @@ class ServiceInfo(BaseModel):
   reread_margin: float | None = Field(None, description="only passages holding a span within "
                                       "this score of the best re-read (index.reread_margin; "
                                       "null: all reread)")
+  reread_window: int | None = Field(None, description="word pieces of a passage re-read around "
+                                    "its best span (index.reread_window; null: the whole "
+                                    "passage)")
   version: str = Field(description="dpjax's version")
 
 

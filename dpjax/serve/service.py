@@ -84,6 +84,7 @@ def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | Non
           "max_batch": sc.max_batch, "merge_spans": index.merge_spans,
           "reread": 0 if index.reread is None else index.reread.passages,
           "reread_margin": None if index.reread is None else index.reread.margin,
+          "reread_window": None if index.reread is None else index.reread.window,
           "version": __version__,
           "hybrid": None if index.hybrid is None else index.hybrid.record()}
   return create_app(batcher.start(), Limits.from_config(sc), info, key,

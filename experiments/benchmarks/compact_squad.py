@@ -178,7 +178,6 @@ def served_bytes(dump: pathlib.Path, folder: str) -> dict:
 def timed(args, rows: dict) -> dict:
   """Batch-1 latency and batch-64 throughput of each hybrid search, alternating the indexes."""
   import numpy as np
-  from timing import time_searches
 
   from dpjax.config import load_settings
   from dpjax.data.questions import read_questions
@@ -199,15 +198,23 @@ def timed(args, rows: dict) -> dict:
     if reread is not None:
       reread.cache_tokens = 0  # every timed passage encoded
   max_len = load_settings(args.config, args.set).eval.max_answer_length
+  return time_searchers(searchers, texts, max_len, args.batch1, args.batches64)
+
+
+def time_searchers(searchers: dict, texts: list[str], max_len: int, batch1: int,
+                   batches64: int) -> dict:
+  """{name: batch-1 p50 / p90 ms, batch-64 questions/s of the median batch} of searchers warmed
+  up on the first 64 `texts`, then searching the next ones in turn, batch by batch."""
+  from timing import time_searches
   for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
     searcher.compile(64)  # (every shape of the encoders' calls, as serve does at its start)
     searcher.search(texts[:64], k=10, max_answer_length=max_len)
     searcher.search(texts[:1], k=10, max_answer_length=max_len)
   # The questions after the warm-up's 64 (wrapping around a short file), each batch searched by
   # every searcher in turn.
-  single = time_searches(searchers, texts, 1, args.batch1, first=64, wrap=True, k=10,
+  single = time_searches(searchers, texts, 1, batch1, first=64, wrap=True, k=10,
                          max_answer_length=max_len)
-  batched = time_searches(searchers, texts, 64, args.batches64, first=64 + args.batch1,
+  batched = time_searches(searchers, texts, 64, batches64, first=64 + batch1,
                           wrap=True, k=10, max_answer_length=max_len)
   return {name: {"batch1_p50_ms": single[name]["p50_ms"], "batch1_p90_ms": single[name]["p90_ms"],
                  "batch1_questions": single[name]["questions"],
