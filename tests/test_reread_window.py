@@ -13,7 +13,7 @@ def test_the_window_study_chooses_evaluates_and_times(tiny_workdir, tmp_path):
   shutil.copytree(tiny_workdir, workdir)
   out = tmp_path / "reread_window.json"
   settings = ["--config", "experiments/demo.py:tiny", "--workdir", str(workdir),
-              "--set", "index.reread=2", "--flat-set", "index.reread=0"]
+              "--set", "index.reread=2", "--flat-set", "index.top_k=10"]
   assert study.main([*settings, "--window", "1000", "--window", "12", "--tolerance", "100",
                      "--dev", "--time", "--batch1", "2", "--batches64", "1",
                      "--out", str(out)]) == 0

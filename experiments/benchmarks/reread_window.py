@@ -6,7 +6,7 @@ passage's best span.
   taskset -c 1 python experiments/benchmarks/reread_window.py --config experiments/squad.py:cpu \\
       --workdir workdirs/squad-cpu --set index.sparse=True --set index.search_index=FOLDER \\
       --set index.reread=3 --set index.reread_margin=3 --set index.sparse_weight=1 \\
-      --set index.sparse_sentence_weight=0.5 --flat-set index.search_index=Flat ... \\
+      --set index.sparse_sentence_weight=0.5 --flat-set index.sparse=True ... \\
       --out results/reread_window.json
 
 1. The choice: on the questions hybrid weights are chosen on (`hybrid_weights.tune_questions`),
@@ -14,8 +14,9 @@ passage's best span.
    passage Top-1, passages and tokens encoded per question, seconds. The smallest window whose
    EM@1 and Top-1 are both within `--tolerance` points of whole passages is chosen.
 2. The dev questions (`--dev`): `run.py eval` of whole passages, of the chosen window and of
-   the Flat hybrid search (`--flat-set`, the Flat rows' settings after --set), each kept where
+   the Flat hybrid search (`--flat-set`), each kept where
    its report holds every question; McNemar's exact test pairs the window with the other two.
+   The Flat search's settings are --flat-set's alone (not --set's).
 3. The timing (`--time`): one process, the searchers alternating batch by batch over a seeded
    shuffle of the dev questions (as results/scale.md's timing): batch 1 (p50 / p90 ms) and batch
    64 (questions/s of the median batch), question encoding included, re-reading's cache off.
@@ -58,11 +59,10 @@ def choose(args, settings, workdir) -> dict:
 
 
 def run_eval(args, overrides: list[str]) -> tuple[dict, str | None]:
-  """The eval report of these overrides (after --set), `run.py eval` run where it is missing or
-  holds fewer than every question; (report, the command run or None)."""
+  """The eval report of these overrides, `run.py eval` run where it is missing or holds fewer
+  than every question; (report, the command run or None)."""
   from dpjax.config import load_settings
   from dpjax.main.eval import report_file
-  overrides = [*args.set, *overrides]
   settings = load_settings(args.config, overrides)
   path = report_file(settings.eval, settings.index, pathlib.Path(args.workdir))
   command = None
@@ -84,8 +84,9 @@ def dev(args, window: int) -> dict:
   """Part 2: every dev question's eval of whole passages, the window and Flat; paired."""
   from dpjax import metrics
   keys = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
-  runs = {"whole passages": [], f"window {window}": [f"index.reread_window={window}"],
-          "Flat": list(args.flat_set)}
+  runs = {"whole passages": args.set, f"window {window}": [*args.set,
+                                                          f"index.reread_window={window}"],
+          "Flat": args.flat_set}
   reports, commands = {}, {}
   for name, overrides in runs.items():
     reports[name], command = run_eval(args, overrides)
@@ -114,8 +115,7 @@ def timed(args, settings, workdir, window: int) -> dict:
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
   from dpjax.main import open_searcher
-  searchers = {"Flat": open_searcher(load_settings(args.config, [*args.set, *args.flat_set]),
-                                     workdir)[0],
+  searchers = {"Flat": open_searcher(load_settings(args.config, args.flat_set), workdir)[0],
                "whole passages": open_searcher(settings, workdir)[0],
                f"window {window}": open_searcher(settings, workdir)[0]}
   searchers[f"window {window}"].index.reread.window = window
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--flat-set", action="append", default=[],
-                      help="the Flat hybrid search's settings (after --set)")
+                      help="the Flat hybrid search's settings (instead of --set's)")
   parser.add_argument("--window", action="append", type=int, default=[])
   parser.add_argument("--tolerance", type=float, default=0.5)
   parser.add_argument("--dev", action="store_true", help="evaluate every dev question")
