@@ -203,8 +203,8 @@ def timed(args, rows: dict) -> dict:
 
 def time_searchers(searchers: dict, texts: list[str], max_len: int, batch1: int,
                    batches64: int) -> dict:
-  """{name: batch-1 p50 / p90 ms, batch-64 questions/s of the median batch} of searchers warmed
-  up on the first 64 `texts`, then searching the next ones in turn, batch by batch."""
+  """{name: p50 / p90 milliseconds of a question searched alone, questions/s of the median full
+  batch} of searchers warmed up on the first `texts`, then searching the next ones in turn."""
   from timing import time_searches
   for name, searcher in searchers.items():  # warm up: compiled shapes, caches, mapped pages
     searcher.compile(64)  # (every shape of the encoders' calls, as serve does at its start)

@@ -600,6 +600,8 @@ CONFIG_CASES = [  # (argv, case, pattern of the error)
      r"^index\.reread = -1: must be a number >= 0"),
     (["eval", *TINY, "--set", "index.reread_margin=2.0"], "index.reread_margin without a count",
      r"^index\.reread_margin is set without index\.reread"),
+    (["eval", *TINY, "--set", "index.reread=2", "--set", "index.reread_window=0"],
+     "index.reread_window of no word piece", r"^index\.reread_window = 0: must be a number >= 1"),
     (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
      r"serve\.port 70000: cannot listen there \(.*0-65535"),
 ]
