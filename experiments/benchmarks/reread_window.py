@@ -16,7 +16,7 @@ passage's best span.
 2. The dev questions (`--dev`): `run.py eval` of whole passages, of the chosen window and of
    the Flat hybrid search (`--flat-set`), each kept where
    its report holds every question; McNemar's exact test pairs the window with the other two.
-   The Flat search's settings are --flat-set's alone (not --set's).
+   The Flat search's settings are --flat-set's alone (not --set's); without them, no Flat row.
 3. The timing (`--time`): one process, the searchers alternating batch by batch over a seeded
    shuffle of the dev questions (as results/scale.md's timing): batch 1 (p50 / p90 ms) and batch
    64 (questions/s of the median batch), question encoding included, re-reading's cache off.
@@ -85,8 +85,9 @@ def dev(args, window: int) -> dict:
   from dpjax import metrics
   keys = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
   runs = {"whole passages": args.set, f"window {window}": [*args.set,
-                                                          f"index.reread_window={window}"],
-          "Flat": args.flat_set}
+                                                          f"index.reread_window={window}"]}
+  if args.flat_set:
+    runs["Flat"] = args.flat_set
   reports, commands = {}, {}
   for name, overrides in runs.items():
     reports[name], command = run_eval(args, overrides)
@@ -107,7 +108,7 @@ def dev(args, window: int) -> dict:
 
 
 def timed(args, settings, workdir, window: int) -> dict:
-  """Part 3: batch 1 and batch 64 of Flat, whole passages and the window, alternating."""
+  """Part 3: batch 1 and batch 64 of whole passages, the window and Flat, alternating."""
   import numpy as np
   from compact_squad import TIMING_SEED, time_searchers
 
@@ -115,9 +116,10 @@ def timed(args, settings, workdir, window: int) -> dict:
   from dpjax.data.questions import read_questions
   from dpjax.loading import data_paths
   from dpjax.main import open_searcher
-  searchers = {"Flat": open_searcher(load_settings(args.config, args.flat_set), workdir)[0],
-               "whole passages": open_searcher(settings, workdir)[0],
+  searchers = {"whole passages": open_searcher(settings, workdir)[0],
                f"window {window}": open_searcher(settings, workdir)[0]}
+  if args.flat_set:
+    searchers["Flat"] = open_searcher(load_settings(args.config, args.flat_set), workdir)[0]
   searchers[f"window {window}"].index.reread.window = window
   for searcher in searchers.values():
     if searcher.index.reread is not None:
