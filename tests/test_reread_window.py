@@ -32,3 +32,14 @@ def test_the_window_study_chooses_evaluates_and_times(tiny_workdir, tmp_path):
   assert set(dev["paired"]) == {"window 12 vs whole passages", "window 12 vs Flat"}
   assert set(result["speed"]["rows"]) == {"Flat", "whole passages", "window 12"}
   assert "| 12 |" in out.with_suffix(".md").read_text()
+
+
+def test_a_window_is_timed_without_a_choice(tiny_workdir, tmp_path):
+  out = tmp_path / "timed.json"
+  assert study.main(["--config", "experiments/demo.py:tiny", "--workdir", str(tiny_workdir),
+                     "--set", "index.reread=2", "--skip-choice", "--use-window", "12", "--time",
+                     "--batch1", "2", "--batches64", "1", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert "choice" not in result and set(result["speed"]["rows"]) == {"whole passages",
+                                                                     "window 12"}
+  assert "Training questions" not in out.with_suffix(".md").read_text()

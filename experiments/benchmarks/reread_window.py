@@ -135,17 +135,18 @@ def render(out: dict) -> str:
   """The Markdown of a study's JSON."""
   lines = ["# Re-reading around the best span (experiments/benchmarks/reread_window.py)", "",
            f"Written by `{out['command']}` at {out['commit']}.", ""]
-  part = out["choice"]
-  lines += [f"Training questions ({part['questions']}, {part['questions_file']}), batches of 64 "
-            "from an empty cache:", "",
-            "| window | EM@1 | Top-1 | passages / question | tokens / question | seconds |",
-            "|---|---|---|---|---|---|"]
-  for r in part["rows"]:
-    lines.append(f"| {r['window'] or 'whole passages'} | {r['em@1']:.2f} | {r['top1']:.2f} | "
-                 f"{r['passages_per_question']:.2f} | {r['tokens_per_question']:.1f} | "
-                 f"{r['seconds']:.1f} |")
-  lines += ["", f"Chosen (the smallest window within {part['tolerance']} of whole passages' "
-            f"EM@1 and Top-1): {part['chosen']}.", ""]
+  part = out.get("choice")
+  if part:
+    lines += [f"Training questions ({part['questions']}, {part['questions_file']}), batches of "
+              "64 from an empty cache:", "",
+              "| window | EM@1 | Top-1 | passages / question | tokens / question | seconds |",
+              "|---|---|---|---|---|---|"]
+    for r in part["rows"]:
+      lines.append(f"| {r['window'] or 'whole passages'} | {r['em@1']:.2f} | {r['top1']:.2f} | "
+                   f"{r['passages_per_question']:.2f} | {r['tokens_per_question']:.1f} | "
+                   f"{r['seconds']:.1f} |")
+    lines += ["", f"Chosen (the smallest window within {part['tolerance']} of whole passages' "
+              f"EM@1 and Top-1): {part['chosen']}.", ""]
   if out.get("dev"):
     lines += ["Every dev question:", "", "| search | EM@1 | EM@10 | Top-1 | Top-5 | Top-20 | "
               "MRR@20 |", "|---|---|---|---|---|---|---|"]
@@ -182,6 +183,10 @@ def main(argv=None) -> int:
   parser.add_argument("--tolerance", type=float, default=0.5)
   parser.add_argument("--dev", action="store_true", help="evaluate every dev question")
   parser.add_argument("--time", action="store_true", help="time the searches")
+  parser.add_argument("--use-window", type=int, default=None,
+                      help="evaluate or time this window, not the chosen one")
+  parser.add_argument("--skip-choice", action="store_true",
+                      help="no training-question rows (with --use-window)")
   parser.add_argument("--questions", type=int, default=10570)
   parser.add_argument("--batch1", type=int, default=200)
   parser.add_argument("--batches64", type=int, default=8)
@@ -195,6 +200,8 @@ def main(argv=None) -> int:
   setup_logging()
   enable_compilation_cache()
   settings = load_settings(args.config, args.set)
+  if args.skip_choice and not args.use_window:
+    raise SystemExit("--skip-choice needs --use-window (the window evaluated or timed)")
   if not settings.index.reread or settings.index.reread_window is not None:
     raise SystemExit("set index.reread (> 0) and no index.reread_window: the windows are this "
                      "study's")
@@ -202,8 +209,9 @@ def main(argv=None) -> int:
   out = {"commit": git_commit(), "command": command_line(
       "experiments/benchmarks/reread_window.py",
       elide_notes(sys.argv[1:] if argv is None else argv)), "notes": args.note}
-  out["choice"] = choose(args, settings, workdir)
-  window = out["choice"]["chosen"]
+  if not args.skip_choice:
+    out["choice"] = choose(args, settings, workdir)
+  window = args.use_window or (out.get("choice") or {}).get("chosen")
   if window is not None and args.dev:
     out["dev"] = dev(args, window)
   if window is not None and args.time:
