@@ -163,10 +163,10 @@ def _part(passage: Passage, cut: tuple[int, int] | None) -> Passage:
 
 def window_of(tokenizer: Tokenizer, text: str, first: int, end: int, tokens: int
               ) -> tuple[int, int] | None:
-  """(first, end) characters of at most `tokens` word pieces of `text` centred on the span of
-  characters [first, end) and holding it, cut only where a word ends (so that the part
-  tokenizes as those word pieces do in the whole text: no word piece split); None when the
-  text has at most `tokens` word pieces."""
+  """(first, end) characters of at most `tokens` word pieces of `text` (the span's own, when it
+  is longer) centred on the span of characters [first, end) and holding it, cut only where a
+  word ends (so that the part tokenizes as those word pieces do in the whole text: no word
+  piece split); None when the text has at most `tokens` word pieces."""
   offsets = tokenizer.tokenize([text])[0][1]
   n = len(offsets)
   if n <= tokens:
