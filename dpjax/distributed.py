@@ -40,12 +40,9 @@ def enable_compilation_cache() -> str | None:
   else ~/.cache/dpjax/xla ($XDG_CACHE_HOME honoured); DPJAX_COMPILATION_CACHE=off turns it off.
   The cache is trusted code: keep it in a folder only you can write.
   """
-  setting = os.environ.get(CACHE_ENV, "")
-  if setting.lower() in ("0", "off", "false", "no"):
+  path = compilation_cache_folder()
+  if path is None:
     return None
-  home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  path = (jax.config.jax_compilation_cache_dir or setting
-          or os.path.join(home, "dpjax", "xla"))
   jax.config.update("jax_compilation_cache_dir", path)
   # A size cap turns on the cache's file lock (processes sharing it never read a half-written
   # entry) and least-recently-used eviction.
@@ -54,6 +51,15 @@ def enable_compilation_cache() -> str | None:
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's is one second
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   return path
+
+
+def compilation_cache_folder() -> str | None:
+  """The folder `enable_compilation_cache` turns the cache on in (None: turned off)."""
+  setting = os.environ.get(CACHE_ENV, "")
+  if setting.lower() in ("0", "off", "false", "no"):
+    return None
+  home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return jax.config.jax_compilation_cache_dir or setting or os.path.join(home, "dpjax", "xla")
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

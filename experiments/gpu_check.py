@@ -9,12 +9,12 @@ finished. Every figure in it is read from the files the processes wrote.
              where the wall went: data, compiles, steps, RC eval (metrics.jsonl's "timing")
   chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval` (dense):
              EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s
+  hybrid     per candidate: `run.py index` of the BM25 index (weights chosen on training
+             questions) and `run.py eval` with it (figures `hybrid_*`); with the chain stage,
+             alongside its dense eval (both wait on the host far more than on the device)
   step       experiments/benchmarks/train_step.py: the recipe's bf16 step (its dropout) on
              XLA's attention; `step_pallas` the same on the Pallas kernel
   dump_warm  the default's dump again into another folder, executables from the compile cache
-  hybrid     per candidate (after its chain): `run.py index` of the BM25 index (weights chosen
-             on training questions) and `run.py eval` with it (figures `hybrid_*`); last, as
-             the longest on the host's cores
   flash_tests  tests/test_flash_attention.py compiled for the GPU (not run by default)
   eval_profile  the default's dense eval of PROFILE_QUESTIONS questions under cProfile, its
              summary in the logs (not run by default)
@@ -41,7 +41,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # dpjax, when run as a script
-STAGES = ("train", "chain", "step", "step_pallas", "dump_warm", "hybrid")
+STAGES = ("train", "chain", "hybrid", "step", "step_pallas", "dump_warm")
 PROFILE_QUESTIONS = 2000  # the eval_profile stage's questions (the dev split's first)
 # Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
@@ -109,7 +109,7 @@ class Check:
                    "stages": {},
                    "candidates": {n: {"args": a, "recipe": self.configs[n], "model": models[n]}
                                   for n, a in self.candidates.items()},
-                   "speed": {}}
+                   "speed": {}, "autotuned_at_start": autotuned()}
     self.start = time.monotonic()  # the deadline counts the stages, not this set-up
 
   def left(self) -> float:
@@ -129,7 +129,8 @@ class Check:
   def finish(self, launched: tuple, rc) -> dict:
     label, _, log, started = launched
     log.close()
-    record = {"rc": rc, "wall_s": round(time.monotonic() - started, 2)}
+    record = {"rc": rc, "wall_s": round(time.monotonic() - started, 2),
+              "start_s": round(started - self.start, 2)}  # after the check's start
     self.report["stages"][label] = record
     return record
 
@@ -171,6 +172,18 @@ class Check:
     path = pathlib.Path(self.args.json or self.out / "gpu_check.json")
     path.with_suffix(".tmp").write_text(json.dumps(self.report, indent=1))
     path.with_suffix(".tmp").replace(path)
+
+
+def autotuned() -> int | None:
+  """How many fusions' autotuning results XLA finds in JAX's compilation cache (an earlier
+  run's, which gpu_check.sh unpacks there: compiles skip their autotuning); None when the
+  cache is off."""
+  from dpjax.distributed import compilation_cache_folder
+  folder = compilation_cache_folder()
+  if folder is None:
+    return None
+  found = pathlib.Path(folder, "xla_gpu_per_fusion_autotune_cache_dir")
+  return sum(1 for f in found.rglob("*") if f.is_file()) if found.is_dir() else 0
 
 
 def _sets(argv: list[str]) -> list[str]:
@@ -360,7 +373,8 @@ def read_open(workdir: pathlib.Path, name: str = "open_eval_Flat.json") -> dict:
 def figures(report: dict) -> dict:
   """The default candidate's figures under the targets' names, from the report's records."""
   default = report["candidates"]["default"]
-  found = {**default.get("train", {}), **default.get("open", {}),
+  found = {"autotuned_at_start": report.get("autotuned_at_start"),
+           **default.get("train", {}), **default.get("open", {}),
            **{f"hybrid_{k}": v for k, v in default.get("hybrid", {}).items()}}
   stages = report["stages"]
   if default.get("dump", {}).get("stored_tokens_per_s"):
@@ -376,6 +390,7 @@ def figures(report: dict) -> dict:
     found["dump_warm_tokens_per_s"] = warm["stored_tokens_per_s"]
   if "questions_per_s" in found:  # the questions answered over the eval's search time
     found["eval_questions_per_s"] = found["questions_per_s"]
+    found["eval_alongside_hybrid"] = default.get("eval_alongside_hybrid", False)
     if stages.get("default.eval", {}).get("rc") == 0:  # its whole process: start, load, write
       found["eval_process_questions_per_s"] = found["questions"] / stages["default.eval"][
           "wall_s"]
@@ -441,35 +456,66 @@ def stage_train(check: Check):
 
 
 def stage_chain(check: Check):
-  """Each trained candidate's dump, Flat index and dense eval, the candidates alongside each
-  other."""
-  def after(name, label):
-    candidate = check.report["candidates"][name]
-    candidate["dump"] = read_dump(check.root / name / "dump")
-    candidate["open"] = read_open(check.root / name)
-
+  """Each trained candidate's dump and Flat index, then its dense eval and, when the hybrid
+  stage is asked for too, its hybrid search alongside that eval (`_hybrid_jobs`): both are
+  bound by the host, so the accelerator would otherwise sit idle through one of them."""
+  after = _after_chain(check)
   run, dense = [check.args.python, "run.py"], ["--set", "index.sparse=False"]
   check.chains({name: [(f"{name}.dump", [*run, "dump", *check.common(name)], None),
                        (f"{name}.index", [*run, "index", *check.common(name), *dense,
-                                          "--set", 'index.specs=["Flat"]'], None),
-                       (f"{name}.eval", [*run, "eval", *check.common(name), *dense,
-                                         "--set", "index.search_index=Flat"], None)]
+                                          "--set", 'index.specs=["Flat"]'], None)]
                 for name in _trained(check)}, after)
+  indexed = [name for name in _trained(check)
+             if check.report["stages"].get(f"{name}.index", {}).get("rc") == 0]
+  alongside = "hybrid" in check.args.stages
+  env = _shared_memory(2) if alongside else None
+  jobs = {name: [(f"{name}.eval", [*run, "eval", *check.common(name), *dense,
+                                   "--set", "index.search_index=Flat"], env)]
+          for name in indexed}
+  for name in indexed:  # the eval's questions/s, measured sharing the host or not
+    check.report["candidates"][name]["eval_alongside_hybrid"] = alongside
+    if alongside:
+      jobs[f"{name}+hybrid"] = _hybrid_jobs(check, name, env)
+  check.chains(jobs, after)
+
+
+def _shared_memory(processes: int) -> dict:
+  """The environment of `processes` processes sharing the accelerator: each gets its share of
+  the memory fraction this one was given (JAX preallocates it; its default 0.75)."""
+  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction / processes:.3f}"}
 
 
 def stage_hybrid(check: Check):
-  """Hybrid search for each candidate with a Flat index: the BM25 index, its weights chosen on
-  training questions (`run.py index`), and the dev questions answered with it."""
-  def after(name, label):
-    check.report["candidates"][name]["hybrid"] = read_open(check.root / name,
-                                                           "open_eval_Flat_hybrid.json")
+  """Hybrid search for each candidate with a Flat index whose hybrid search the chain stage did
+  not run already (`stage_chain`)."""
+  check.chains({name: _hybrid_jobs(check, name, None) for name in _trained(check)
+                if f"{name}.hybrid_index" not in check.report["stages"]}, _after_chain(check))
 
+
+def _hybrid_jobs(check: Check, name: str, env) -> list[tuple]:
+  """The candidate's hybrid search: the BM25 index, its weights chosen on training questions
+  (`run.py index`), and the dev questions answered with it."""
   run, hybrid = [check.args.python, "run.py"], ["--set", "index.sparse=True"]
-  check.chains({name: [(f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
-                                                 "--set", "index.specs=[]"], None),
-                       (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
-                                                "--set", "index.search_index=Flat"], None)]
-                for name in _trained(check)}, after)
+  return [(f"{name}.hybrid_index", [*run, "index", *check.common(name), *hybrid,
+                                    "--set", "index.specs=[]"], env),
+          (f"{name}.hybrid_eval", [*run, "eval", *check.common(name), *hybrid,
+                                   "--set", "index.search_index=Flat"], env)]
+
+
+def _after_chain(check: Check):
+  """The `after` of the chain and hybrid jobs: a candidate's figures of each job that ends
+  (labels "NAME.JOB")."""
+  def after(_, label):
+    name, _, job = label.rpartition(".")
+    candidate, workdir = check.report["candidates"][name], check.root / name
+    if job == "dump":
+      candidate["dump"] = read_dump(workdir / "dump")
+    elif job == "eval":
+      candidate["open"] = read_open(workdir)
+    elif job == "hybrid_eval":
+      candidate["hybrid"] = read_open(workdir, "open_eval_Flat_hybrid.json")
+  return after
 
 
 def _trained(check: Check) -> list[str]:

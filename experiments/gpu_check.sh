@@ -10,6 +10,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/root/w/check}
+# XLA's autotuning results, which JAX keeps in the compilation cache's AUTOTUNED folder: an
+# earlier run's (AUTOTUNE, a tarball the device tool brought back and the tree now carries) are
+# unpacked there first, so compiles skip the autotuning they cover; this run's go back as
+# $OUT/autotune.tgz. gpu_check.json counts the results found at the start.
+export DPJAX_COMPILATION_CACHE=${DPJAX_COMPILATION_CACHE:-$HOME/.cache/dpjax/xla}
+AUTOTUNED=xla_gpu_per_fusion_autotune_cache_dir
+AUTOTUNE=${AUTOTUNE:-workdirs/gpu_autotune/autotune.tgz}
 
 pack() {
   local small=(metrics.jsonl results.json rc_predictions.json open_eval_Flat.json
@@ -17,11 +24,17 @@ pack() {
                open_predictions_Flat_hybrid.jsonl open_run_Flat_hybrid.trec)
   tar czf "${OUT:?set OUT}/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do
     ls -d */"$f"; done 2>/dev/null)
+  if [ -d "$DPJAX_COMPILATION_CACHE/$AUTOTUNED" ]; then
+    tar czf "$OUT/autotune.tgz" -C "$DPJAX_COMPILATION_CACHE" "$AUTOTUNED"
+  fi
 }
 
 if [ "${1:-}" = --pack-only ]; then
   pack
   exit $?
+fi
+if [ -f "$AUTOTUNE" ]; then
+  mkdir -p "$DPJAX_COMPILATION_CACHE" && tar xzf "$AUTOTUNE" -C "$DPJAX_COMPILATION_CACHE" "$AUTOTUNED"
 fi
 # The default alone gets the GPU's memory; with an --alt candidate two processes share it.
 FRACTION=0.9

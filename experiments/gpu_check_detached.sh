@@ -3,8 +3,8 @@
 # command's time limit: `start` launches it (setsid nohup; its JSON and logs under $W.out) and
 # waits up to WAIT seconds, `collect` (the next command, on the same warm machine) waits up to
 # WAIT more. Each then copies what the check has written so far to $OUT (gpu_check.json,
-# runs.tgz, the check's own log), so a command that ends before the check still brings back
-# every finished stage; `collect` prints the check's exit status once it has one.
+# runs.tgz, autotune.tgz, the check's own log), so a command that ends before the check still
+# brings back every finished stage; `collect` prints the check's exit status once it has one.
 # Usage: OUT=$OUT bash experiments/gpu_check_detached.sh start WAIT [gpu_check.py arguments]
 #        OUT=$OUT bash experiments/gpu_check_detached.sh collect WAIT
 set -uo pipefail
@@ -26,7 +26,8 @@ esac
 end=$((SECONDS + wait))
 while [ ! -f "$inner/rc" ] && [ $SECONDS -lt $end ]; do sleep 2; done
 [ -f "$inner/rc" ] || OUT=$inner bash experiments/gpu_check.sh --pack-only  # (still running)
-cp "$inner"/gpu_check.json "$inner"/runs.tgz "$inner"/check.log "${OUT:?set OUT}/" 2>/dev/null
+cp "$inner"/gpu_check.json "$inner"/runs.tgz "$inner"/check.log "$inner"/autotune.tgz \
+  "${OUT:?set OUT}/" 2>/dev/null
 if [ -f "$inner/rc" ]; then
   echo "gpu_check finished: exit status $(cat "$inner/rc")"
 else

@@ -74,10 +74,12 @@ GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1
             ("open EM@10", "em@10"), ("passage Top-1", "top1"), ("passage Top-5", "top5"),
             ("passage Top-20", "top20"), ("MRR@20", "mrr@20"), ("training steps", "steps"),
             ("training's median step (ms)", "train_step_ms_median"),
+            ("XLA autotuning results cached at the start (fusions)", "autotuned_at_start"),
             ("training's compiles", "train_compiles"),
             ("training: step shapes compiled ahead", "train_compiled_ahead"),
             ("dump: stored tokens/s after compiles", "stored_tokens_per_s"),
             ("eval: questions/s over its search", "questions_per_s"),
+            ("eval: run alongside the hybrid search", "eval_alongside_hybrid"),
             ("hybrid EM@1", "hybrid_em@1"), ("hybrid EM@10", "hybrid_em@10"),
             ("hybrid passage Top-1", "hybrid_top1"), ("hybrid passage Top-20", "hybrid_top20"),
             ("hybrid eval: questions/s over its search", "hybrid_questions_per_s"))

@@ -1,6 +1,7 @@
 """experiments/gpu_check.py end to end on the tiny config, its deadline, and its report."""
 import json
 
+import jax
 import pytest
 
 from conftest import load_script
@@ -26,6 +27,13 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
       "default.train": 0, "default.dump": 0, "default.index": 0, "default.eval": 0,
       "default.hybrid_index": 0, "default.hybrid_eval": 0, "dump_warm": 0, "step": 0,
       "eval_profile": 0}
+  # The hybrid search ran alongside the dense eval, and the report says so.
+  stages = result["stages"]
+  assert stages["default.hybrid_index"]["start_s"] < (
+      stages["default.eval"]["start_s"] + stages["default.eval"]["wall_s"])
+  assert stages["default.eval"]["start_s"] >= (
+      stages["default.index"]["start_s"] + stages["default.index"]["wall_s"])
+  assert result["figures"]["eval_alongside_hybrid"] is True
   # The profiled eval's summary names the eval; the chain's own eval files are untouched.
   assert "dpjax/main/eval.py" in (out / "eval_profile.txt").read_text()
   mine, chain = (work / d / "open_eval_Flat.json" for d in ("default_profile", "default"))
@@ -184,3 +192,26 @@ def test_mfu_against_the_peak_table():
     peak = gpu_check.peak_flops(unknown)
     assert peak["per_device"] is None and "MFU not computed" in peak["note"]
     assert gpu_check.mfu(1e12, 1.0, peak) is None
+
+
+def test_autotuned_counts_the_results_in_the_compilation_cache(tmp_path, monkeypatch):
+  """The autotuning results an earlier run left in the cache folder gpu_check.sh names; none
+  when the cache is off."""
+  before = jax.config.jax_compilation_cache_dir  # (a run.py main in this process sets it)
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    _count_autotuned(tmp_path, monkeypatch)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _count_autotuned(tmp_path, monkeypatch):
+  monkeypatch.setenv("DPJAX_COMPILATION_CACHE", str(tmp_path))
+  assert gpu_check.autotuned() == 0
+  folder = tmp_path / "xla_gpu_per_fusion_autotune_cache_dir" / "ab"
+  folder.mkdir(parents=True)
+  for name in ("one.textproto", "two.textproto"):
+    (folder / name).write_text("result")
+  assert gpu_check.autotuned() == 2
+  monkeypatch.setenv("DPJAX_COMPILATION_CACHE", "off")
+  assert gpu_check.autotuned() is None
