@@ -6,7 +6,9 @@ finished. Every figure in it is read from the files the processes wrote.
 
   train      `run.py train` of the config (and of each `--alt` candidate, alongside): its RC
              EM/F1 on the dev questions (results.json), wall time, steps and time per step, and
-             where the wall went: data, compiles, steps, RC eval (metrics.jsonl's "timing")
+             where the wall went: data, compiles, steps, RC eval (metrics.jsonl's "timing"); a
+             `--teacher` candidate's cross-encoder teacher first (`run.py teacher`), which it
+             is then trained to imitate (train.teacher_logits)
   chain      per candidate: `run.py dump`, `run.py index` (Flat), `run.py eval` (dense):
              EM@1/10, passage Top-1/5/20, MRR@20, questions/s; the dump's stored tokens/s
   hybrid     per candidate: `run.py index` of the BM25 index (weights chosen on training
@@ -42,6 +44,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # dpjax, when run as a script
 STAGES = ("train", "chain", "hybrid", "step", "step_pallas", "dump_warm")
+TEACHER_LOGITS = "teacher/logits"  # a --teacher candidate's logits, in its workdir
 PROFILE_QUESTIONS = 2000  # the eval_profile stage's questions (the dev split's first)
 # Issue 58's targets on an H100: (figure's key in "figures", comparison, target).
 TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 35.0),
@@ -74,6 +77,9 @@ def parse(argv=None) -> argparse.Namespace:
                       help="passed to every run.py command (e.g. data.dir)")
   parser.add_argument("--alt", action="append", default=[], metavar="NAME=ARGS",
                       help="a candidate trained and evaluated beside the default: run.py args")
+  parser.add_argument("--teacher", action="append", default=[], metavar="NAME",
+                      help="a candidate (default or an --alt) distilled: the train stage "
+                           "first trains its cross-encoder teacher (`run.py teacher`)")
   parser.add_argument("--stages", nargs="+", default=list(STAGES),
                       choices=[*STAGES, "flash_tests", "eval_profile"])
   parser.add_argument("--deadline", type=float, default=520.0,
@@ -96,6 +102,12 @@ class Check:
       if not name or name == "default" or not rest:
         raise SystemExit(f"gpu_check.py: --alt {alt!r}: expected NAME=RUN.PY ARGS")
       self.candidates[name] = shlex.split(rest)
+    unknown = set(args.teacher) - set(self.candidates)
+    if unknown:
+      raise SystemExit(f"gpu_check.py: --teacher {sorted(unknown)}: not a candidate's name")
+    self.teachers = {name: list(self.candidates[name]) for name in args.teacher}
+    for name in self.teachers:  # trained on its teacher's logits; the teacher itself without
+      self.candidates[name] += ["--set", f"train.teacher_logits={TEACHER_LOGITS}"]
     self.configs = {n: _resolved(args.config, [*args.set, *_sets(a)])
                     for n, a in self.candidates.items()}
     models = {n: _model_dims(args.config, [*args.set, *_sets(a)])
@@ -115,10 +127,13 @@ class Check:
   def left(self) -> float:
     return self.args.deadline - (time.monotonic() - self.start)
 
-  def common(self, name: str, workdir: pathlib.Path | None = None) -> list[str]:
+  def common(self, name: str, workdir: pathlib.Path | None = None,
+             args: list[str] | None = None) -> list[str]:
+    """run.py's arguments for candidate `name` (its own `args`, default its candidate's)."""
     return ["--config", self.args.config, "--workdir", str(workdir or self.root / name),
             "--set", "train.progress_bar=False",
-            *(x for s in self.args.set for x in ("--set", s)), *self.candidates[name]]
+            *(x for s in self.args.set for x in ("--set", s)),
+            *(self.candidates[name] if args is None else args)]
 
   def launch(self, label: str, argv: list[str], env=None) -> tuple:
     log = (self.out / f"{label}.log").open("w")
@@ -194,7 +209,8 @@ def _sets(argv: list[str]) -> list[str]:
 RECIPE_KEYS = ("model.dtype", "data.max_seq_length", "data.max_query_length", "train.batch_size",
                "train.questions_per_window", "train.epochs", "train.num_steps",
                "train.learning_rate", "train.dropout", "train.loss.lambda_inb",
-               "train.loss.prebatch_size", "index.dump_dtype", "index.dump_min_context")
+               "train.loss.prebatch_size", "train.teacher_logits", "train.loss.lambda_distill",
+               "index.dump_dtype", "index.dump_min_context")
 
 
 def _resolved(config: str, sets: list[str]) -> dict:
@@ -447,12 +463,25 @@ def stage_flops(report: dict, found: dict) -> dict:
 
 
 def stage_train(check: Check):
+  """Each candidate's training, the candidates alongside each other; a --teacher candidate's
+  teacher first (`run.py teacher`: trained, its logits written), its RC EM/F1 reported."""
   def after(name, label):
-    check.report["candidates"][name]["train"] = read_train(
-        check.root / name, check.configs[name]["train.batch_size"])
-  check.chains({name: [(f"{name}.train", [check.args.python, "run.py", "train",
-                                          *check.common(name)], None)]
-                for name in check.candidates}, after)
+    workdir = check.root / name
+    if label.endswith(".teacher"):
+      found = _json(workdir / "teacher" / "results.json") or {}
+      check.report["candidates"][name]["teacher"] = {
+          f"teacher_{k}": found.get(k) for k in ("rc_exact_match", "rc_f1", "step")}
+    else:
+      check.report["candidates"][name]["train"] = read_train(
+          workdir, check.configs[name]["train.batch_size"])
+
+  run = [check.args.python, "run.py"]
+  jobs = {name: [(f"{name}.train", [*run, "train", *check.common(name)], None)]
+          for name in check.candidates}
+  for name, args in check.teachers.items():  # (its args without train.teacher_logits)
+    jobs[name].insert(0, (f"{name}.teacher", [*run, "teacher", *check.common(name, args=args)],
+                          None))
+  check.chains(jobs, after)
 
 
 def stage_chain(check: Check):

@@ -70,7 +70,8 @@ def p_text(p: float | None) -> str:
   return "< 1e-300" if p == 0 else f"{p:.3g}"
 
 
-GPU_ROWS = (("RC EM", "rc_exact_match"), ("RC F1", "rc_f1"), ("open EM@1", "em@1"),
+GPU_ROWS = (("teacher's RC EM", "teacher_rc_exact_match"), ("RC EM", "rc_exact_match"),
+            ("RC F1", "rc_f1"), ("open EM@1", "em@1"),
             ("open EM@10", "em@10"), ("passage Top-1", "top1"), ("passage Top-5", "top5"),
             ("passage Top-20", "top20"), ("MRR@20", "mrr@20"), ("training steps", "steps"),
             ("training's median step (ms)", "train_step_ms_median"),
@@ -155,13 +156,17 @@ def render_gpu_check(results: dict, command: str) -> str:
   lines += [f"| {k} | " + " | ".join(cell(results["candidates"][n]["recipe"].get(k))
                                      for n in names) + " |" for k in recipe_keys]
   lines += ["", "| figure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  distilled = any("teacher" in results["candidates"][n] for n in names)
   for label, key in GPU_ROWS:
+    if key.startswith("teacher_") and not distilled:
+      continue
     values = []
     for n in names:
       c = results["candidates"][n]
-      values.append(cell({**c.get("train", {}), **c.get("dump", {}), **c.get("open", {}),
-                           **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
-                          .get(key)))
+      values.append(cell({**c.get("teacher", {}), **c.get("train", {}), **c.get("dump", {}),
+                          **c.get("open", {}),
+                          **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
+                         .get(key)))
     lines.append(f"| {label} | " + " | ".join(values) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")

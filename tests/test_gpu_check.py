@@ -215,3 +215,30 @@ def _count_autotuned(tmp_path, monkeypatch):
   assert gpu_check.autotuned() == 2
   monkeypatch.setenv("DPJAX_COMPILATION_CACHE", "off")
   assert gpu_check.autotuned() is None
+
+
+@pytest.mark.slow
+def test_teacher_trained_first_then_the_candidate_distilled(tmp_path):
+  """--teacher: the candidate's teacher is trained (its logits written) before the candidate,
+  which then trains on them; the teacher's RC EM is its results.json's, in the report."""
+  out, work = tmp_path / "out", tmp_path / "w"
+  assert gpu_check.main(["--workdir", str(work), "--out", str(out), *TINY, "--teacher",
+                         "default", "--stages", "train"]) == 0
+  result = json.loads((out / "gpu_check.json").read_text())
+  assert list(result["stages"]) == ["default.teacher", "default.train"]
+  assert {v["rc"] for v in result["stages"].values()} == {0}
+  teacher = json.loads((work / "default" / "teacher" / "results.json").read_text())
+  found = result["candidates"]["default"]["teacher"]
+  assert found["teacher_rc_exact_match"] == teacher["rc_exact_match"]
+  logged = [json.loads(line) for line in (work / "default" / "metrics.jsonl").read_text()
+            .splitlines()]
+  assert any("distill" in r for r in logged if r.get("split") == "train")
+  assert result["candidates"]["default"]["recipe"]["train.teacher_logits"] == "teacher/logits"
+  markdown = report.render_gpu_check(result, "c")
+  assert f"| teacher's RC EM | {report.cell(teacher['rc_exact_match'])} |" in markdown
+
+
+def test_teacher_of_no_candidate_is_refused(tmp_path):
+  with pytest.raises(SystemExit, match="not a candidate"):
+    gpu_check.main(["--workdir", str(tmp_path), "--out", str(tmp_path), *TINY, "--teacher",
+                    "nobody", "--stages", "train"])
