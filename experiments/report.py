@@ -165,8 +165,11 @@ def render_gpu_check(results: dict, command: str) -> str:
       c = results["candidates"][n]
       values.append(cell({**c.get("teacher", {}), **c.get("train", {}), **c.get("dump", {}),
                           **c.get("open", {}),
-                          **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()}}
-                         .get(key)))
+                          **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()},
+                          # (a run before the flag ran its eval alone)
+                          "eval_alongside_hybrid": c.get("eval_alongside_hybrid",
+                                                         False if "open" in c else None),
+                          "autotuned_at_start": results.get("autotuned_at_start")}.get(key)))
     lines.append(f"| {label} | " + " | ".join(values) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")

@@ -90,6 +90,9 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert report.gpu_check_report(argv) == 0
   markdown = rendered.with_suffix(".md").read_text()
   assert f"| passage Top-1 | {open_eval['top1']:.2f} |" in markdown
+  assert "| eval: run alongside the hybrid search | True |" in markdown
+  assert (f"| XLA autotuning results cached at the start (fusions) | "
+          f"{report.cell(result['autotuned_at_start'])} |") in markdown
   split = " / ".join(report.cell(parts[p]) for p in ("data", "compiles", "steps", "rc_eval"))
   assert (f"| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
           f"{split} (") in markdown
