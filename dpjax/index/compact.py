@@ -97,6 +97,7 @@ class CodedVectors:
     self.codes, self.codec, self.dim = codes, codec, codec.d
     self.passages, self.means, self.means_codec = passages, means, means_codec
     self.weighting = weighting
+    self.tables = lookup_tables(codec)  # None: rows are decoded to be scored
 
   def __len__(self) -> int:
     return len(self.codes)
@@ -112,6 +113,26 @@ class CodedVectors:
       rows[:len(passages)] += decoded[inverse]
     return rows
 
+  def scores(self, codes: np.ndarray, ids: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """[n, J] float32 inner products of the rows `codes` [n, C] (kept ranks `ids`) with query
+    vectors `queries` [D, J] (the codes' space), from lookup tables (needs `tables`): each
+    query rotated once, a table of its products with every sub-quantizer's centroids, and a row's
+    score the sum of its codes' entries, with no row decoded; a residual index adds the product
+    with the row's passage mean. The same as the decoded rows' products up to float32 rounding;
+    a row's score depends on its code, passage and the queries only."""
+    rotation, centroids = self.tables
+    m, _, sub = centroids.shape
+    turned = queries if rotation is None else rotation @ queries  # [D, J] in the PQ's space
+    table = np.matmul(centroids, turned.reshape(m, sub, -1))  # [M, ksub, J]
+    out = table[np.arange(m), np.asarray(codes, np.intp)].sum(1, dtype=np.float32)
+    if self.means is not None and len(ids):
+      unique, inverse = np.unique(self.passages[np.asarray(ids, np.int64)], return_inverse=True)
+      means = self.means_codec.sa_decode(np.ascontiguousarray(self.means[unique]))
+      # (einsum: each product summed alone, the same bits however many passages; a BLAS
+      # product of one row, a gemv, rounds otherwise)
+      out += np.einsum("pd,dj->pj", means, queries)[inverse]
+    return out
+
   def queries(self, q: np.ndarray) -> np.ndarray:
     """Query vectors [n, D] mapped into the codes' space (weighted: q W^-1)."""
     return q if self.weighting is None else self.weighting.queries(q)
@@ -122,6 +143,26 @@ class CodedVectors:
     ids = np.asarray(ids, np.int64)
     rows = self.decode(np.asarray(self.codes[ids]), ids)
     return rows if self.weighting is None else rows @ self.weighting.inverse
+
+
+def lookup_tables(codec) -> tuple[np.ndarray | None, np.ndarray] | None:
+  """(rotation [D, D] or None, centroids [M, ksub, D / M]) of a codec whose codes are scored
+  from lookup tables (`CodedVectors.scores`): 8-bit product-quantizer codes, alone or behind
+  one orthonormal transform without bias (OPQ); None for any other codec."""
+  index, rotation = faiss.downcast_index(codec), None
+  if isinstance(index, faiss.IndexPreTransform):
+    if index.chain.size() != 1:
+      return None
+    transform = faiss.downcast_VectorTransform(index.chain.at(0))
+    if not (isinstance(transform, faiss.LinearTransform) and transform.is_orthonormal
+            and not transform.have_bias and transform.d_in == transform.d_out):
+      return None
+    rotation = faiss.vector_to_array(transform.A).reshape(transform.d_out, transform.d_in)
+    index = faiss.downcast_index(index.index)
+  if type(index) is not faiss.IndexPQ or index.pq.nbits != 8:
+    return None
+  pq = index.pq
+  return rotation, faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
 
 
 @dataclasses.dataclass

@@ -106,8 +106,11 @@ def _score_questions(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
   each question's distinct tokens' vectors (float32, from an exact index's own storage when it
   holds every token) gathered into a buffer reused across its questions, then one [U_q, D] x
   [D, 2] product. The rows stay in cache for their product: no [U, D] copy of every question's
-  vectors goes through memory. Other sources (the dump's float16, a compact index's codes):
-  `_score_converted`."""
+  vectors goes through memory. Codes of a product quantizer: `_score_looked_up`; other
+  sources (the dump's float16, other codes): `_score_converted`."""
+  if getattr(source, "tables", None) is not None:
+    _score_looked_up(source, token, queries, bounds, scores, first, last)
+    return
   if not isinstance(source, np.ndarray) or source.dtype != np.float32:
     _score_converted(source, token, queries, bounds, scores, first, last)
     return
@@ -150,6 +153,17 @@ def _score_converted(source: np.ndarray, token: np.ndarray, queries: np.ndarray,
       a, b = bounds[p] - lo, bounds[p + 1] - lo
       scores[lo + a:lo + b] = (rows[a:max(b, a + 2)] @ queries[p])[:b - a]
     q = end
+
+
+def _score_looked_up(source, token: np.ndarray, queries: np.ndarray, bounds: np.ndarray,
+                     scores: np.ndarray, first: int, last: int) -> None:
+  """`_score_questions` from a compact index's codes scored by lookup tables
+  (`CodedVectors.scores`): each question's rows' codes gathered and scored under its queries."""
+  for q in range(first, last):
+    lo, hi = bounds[q], bounds[q + 1]
+    if hi > lo:
+      codes = np.take(source.codes, token[lo:hi], axis=0, mode="clip")
+      scores[lo:hi] = source.scores(codes, token[lo:hi], queries[q])
 
 
 def _stored(source) -> tuple:
