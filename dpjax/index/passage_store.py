@@ -37,9 +37,11 @@ FILES = (DATA, BLOCKS, DOCUMENTS)
 # Fields per block before compression: twice zlib's window (repeats further apart are not
 # found), and what reading one passage decompresses besides it.
 BLOCK_BYTES = 1 << 16
-# Decompressed blocks a store keeps (least recently read dropped first): the passages of a
-# search's results are read several times (phrase text, sentence, result), mostly a few blocks.
-CACHE_BLOCKS = 64
+# Decompressed blocks a store keeps (least recently read dropped first), at most 32 MiB of
+# fields: the passages of a search's results are read several times (phrase text, sentence
+# scores, result), and the next searches' often lie in blocks read before; a corpus of a few
+# hundred blocks (SQuAD-open small: 249) is then read from memory (results/reread_window_cache.md).
+CACHE_BLOCKS = 512
 REBUILD = "build the index again with `run.py index`"
 _HEADER = np.dtype("<u4")
 
