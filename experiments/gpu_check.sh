@@ -24,9 +24,11 @@ pack() {
                open_predictions_Flat_hybrid.jsonl open_run_Flat_hybrid.trec)
   tar czf "${OUT:?set OUT}/runs.tgz" -C "$W" logs $(cd "$W" && for f in "${small[@]}"; do
     ls -d */"$f"; done 2>/dev/null)
+  local packed=$?
   if [ -d "$DPJAX_COMPILATION_CACHE/$AUTOTUNED" ]; then
     tar czf "$OUT/autotune.tgz" -C "$DPJAX_COMPILATION_CACHE" "$AUTOTUNED"
   fi
+  return $packed
 }
 
 if [ "${1:-}" = --pack-only ]; then
