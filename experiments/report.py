@@ -105,6 +105,16 @@ FLOPS_ROWS = (("training", "train", "its data and steps seconds"),
               ("bf16 step, Pallas attention", "step_pallas", "the median step"))
 
 
+def _candidate_figures(results: dict, name: str) -> dict:
+  """A candidate's figures of GPU_ROWS, from its records and the run's."""
+  c = results["candidates"][name]
+  return {**c.get("teacher", {}), **c.get("train", {}), **c.get("dump", {}), **c.get("open", {}),
+          **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()},
+          # (a run before the flag ran its eval alone)
+          "eval_alongside_hybrid": c.get("eval_alongside_hybrid", False if "open" in c else None),
+          "autotuned_at_start": results.get("autotuned_at_start")}
+
+
 def _wall_split(results: dict, name: str) -> str:
   """'data / compiles / steps / RC eval (sum of wall)' seconds of a candidate's training."""
   train = results["candidates"][name].get("train", {})
@@ -156,21 +166,12 @@ def render_gpu_check(results: dict, command: str) -> str:
   lines += [f"| {k} | " + " | ".join(cell(results["candidates"][n]["recipe"].get(k))
                                      for n in names) + " |" for k in recipe_keys]
   lines += ["", "| figure | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  found = {n: _candidate_figures(results, n) for n in names}
   distilled = any("teacher" in results["candidates"][n] for n in names)
   for label, key in GPU_ROWS:
     if key.startswith("teacher_") and not distilled:
       continue
-    values = []
-    for n in names:
-      c = results["candidates"][n]
-      values.append(cell({**c.get("teacher", {}), **c.get("train", {}), **c.get("dump", {}),
-                          **c.get("open", {}),
-                          **{f"hybrid_{k}": v for k, v in c.get("hybrid", {}).items()},
-                          # (a run before the flag ran its eval alone)
-                          "eval_alongside_hybrid": c.get("eval_alongside_hybrid",
-                                                         False if "open" in c else None),
-                          "autotuned_at_start": results.get("autotuned_at_start")}.get(key)))
-    lines.append(f"| {label} | " + " | ".join(values) + " |")
+    lines.append(f"| {label} | " + " | ".join(cell(found[n].get(key)) for n in names) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")
   lines.append("| training's slowest compiles (function: compiles, s) | " + " | ".join(

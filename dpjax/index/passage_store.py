@@ -40,7 +40,7 @@ BLOCK_BYTES = 1 << 16
 # Decompressed blocks a store keeps (least recently read dropped first), at most 32 MiB of
 # fields: the passages of a search's results are read several times (phrase text, sentence
 # scores, result), and the next searches' often lie in blocks read before; a corpus of a few
-# hundred blocks (SQuAD-open small: 249) is then read from memory (results/reread_window_cache.md).
+# hundred blocks is then read from memory (results/reread_window_cache.md).
 CACHE_BLOCKS = 512
 REBUILD = "build the index again with `run.py index`"
 _HEADER = np.dtype("<u4")
