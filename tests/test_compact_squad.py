@@ -86,6 +86,22 @@ def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(t
     study.reused_timing(out, study.timed_rows(args, rows))
 
 
+def test_a_window_reaches_every_rereading_row_and_no_other(tmp_path):
+  args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
+                      "--reread-margin", "3:3", "--reread-dense", "20", "--window", "128",
+                      "--reread-set", "index.sparse_weight=1"])
+  files = {name: study.eval_file(args, overrides).name
+           for name, (_, _, overrides) in study.systems(args, None).items()}
+  assert files == {
+      "Flat, dense": "open_eval_Flat.json", "Flat, hybrid": "open_eval_Flat_hybrid.json",
+      "compact OPQ24,PQ24, dense": "open_eval_compact_OPQ24_PQ24.json",
+      "compact OPQ24,PQ24, hybrid": "open_eval_compact_OPQ24_PQ24_hybrid.json",
+      "compact OPQ24,PQ24, hybrid, reread 3 within 3, window 128":
+          "open_eval_compact_OPQ24_PQ24_hybrid_reread3_m3_around128_w1_s0.json",
+      "compact OPQ24,PQ24, dense, reread 20, window 128":
+          "open_eval_compact_OPQ24_PQ24_reread20_around128.json"}
+
+
 def test_versus_rows_read_the_other_indexs_reports_are_paired_and_not_timed(tmp_path,
                                                                            monkeypatch):
   args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),

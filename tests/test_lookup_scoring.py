@@ -1,5 +1,6 @@
-"""A compact index's codes scored from lookup tables (`CodedVectors.scores`) against the products
-of their decoded rows, and the codecs that fall back to decoding."""
+"""A compact index's codes scored from lookup tables (`CodedVectors.scores`: PQ, RQ and LSQ of
+8-bit bytes) against the products of their decoded rows, and the codecs that fall back to
+decoding."""
 import faiss
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def _decoded_products(vectors: compact.CodedVectors, tokens, q_start, q_end):
     vectors.tables = tables
 
 
-@pytest.mark.parametrize("spec", ["OPQ4,PQ4", "PQ8"])
+@pytest.mark.parametrize("spec", ["OPQ4,PQ4", "PQ8", "RQ3x8", "OPQ4,LSQ3x8"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_looked_up_scores_are_the_decoded_rows_products(data, spec, residual):
   codec = _codec(spec, data)
@@ -56,7 +57,7 @@ def test_looked_up_scores_are_the_decoded_rows_products(data, spec, residual):
     np.testing.assert_array_equal(got[:, ::7], part)
 
 
-@pytest.mark.parametrize("spec", ["SQ8", "PQ4x4", "PCA16,PQ4"])
+@pytest.mark.parametrize("spec", ["SQ8", "PQ4x4", "PCA16,PQ4", "RQ3x6", "PRQ2x2x8"])
 def test_other_codecs_have_no_tables_and_are_decoded(data, spec):
   codec = _codec(spec, data)
   assert compact.lookup_tables(codec) is None

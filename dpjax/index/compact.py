@@ -116,14 +116,15 @@ class CodedVectors:
   def scores(self, codes: np.ndarray, ids: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """[n, J] float32 inner products of the rows `codes` [n, C] (kept ranks `ids`) with query
     vectors `queries` [D, J] (the codes' space), from lookup tables (needs `tables`): each
-    query rotated once, a table of its products with every sub-quantizer's centroids, and a row's
+    query rotated once, a table of its products with every codebook's entries, and a row's
     score the sum of its codes' entries, with no row decoded; a residual index adds the product
     with the row's passage mean. The same as the decoded rows' products up to float32 rounding;
     a row's score depends on its code, passage and the queries only."""
-    rotation, centroids = self.tables
-    m, _, sub = centroids.shape
-    turned = queries if rotation is None else rotation @ queries  # [D, J] in the PQ's space
-    table = np.matmul(centroids, turned.reshape(m, sub, -1))  # [M, ksub, J]
+    rotation, codebooks, summed = self.tables
+    m, _, width = codebooks.shape
+    turned = queries if rotation is None else rotation @ queries  # [D, J] in the codes' space
+    # [M, 256, J]: entry k of codebook m against the queries (PQ: their sub-vector m)
+    table = np.matmul(codebooks, turned if summed else turned.reshape(m, width, -1))
     out = table[np.arange(m), np.asarray(codes, np.intp)].sum(1, dtype=np.float32)
     if self.means is not None and len(ids):
       unique, inverse = np.unique(self.passages[np.asarray(ids, np.int64)], return_inverse=True)
@@ -145,24 +146,22 @@ class CodedVectors:
     return rows if self.weighting is None else rows @ self.weighting.inverse
 
 
-def lookup_tables(codec) -> tuple[np.ndarray | None, np.ndarray] | None:
-  """(rotation [D, D] or None, centroids [M, ksub, D / M]) of a codec whose codes are scored
-  from lookup tables (`CodedVectors.scores`): 8-bit product-quantizer codes, alone or behind
-  one orthonormal transform without bias (OPQ); None for any other codec."""
-  index, rotation = faiss.downcast_index(codec), None
-  if isinstance(index, faiss.IndexPreTransform):
-    if index.chain.size() != 1:
-      return None
-    transform = faiss.downcast_VectorTransform(index.chain.at(0))
+def lookup_tables(codec) -> tuple[np.ndarray | None, np.ndarray, bool] | None:
+  """(rotation [D, D] or None, codebooks [M, 256, w], summed: `residual.byte_codebooks`) of a
+  codec whose codes are scored from lookup tables (`CodedVectors.scores`): 8-bit PQ or additive
+  codes, alone or behind one orthonormal transform without bias (OPQ), the only transform that
+  keeps a score exact; None for any other codec."""
+  found = residual.byte_codebooks(codec)
+  if found is None or len(found[0]) > 1:
+    return None
+  rotation = None
+  if found[0]:
+    transform = found[0][0]
     if not (isinstance(transform, faiss.LinearTransform) and transform.is_orthonormal
             and not transform.have_bias and transform.d_in == transform.d_out):
       return None
     rotation = faiss.vector_to_array(transform.A).reshape(transform.d_out, transform.d_in)
-    index = faiss.downcast_index(index.index)
-  if type(index) is not faiss.IndexPQ or index.pq.nbits != 8:
-    return None
-  pq = index.pq
-  return rotation, faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
+  return rotation, found[1], found[2]
 
 
 @dataclasses.dataclass

@@ -278,32 +278,47 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
 
 def _pq_tables(codec):
   """queries [Q, D] -> [Q, M, 256] their inner products with each of the codec's M 256-entry
-  codebooks, where a token's score is the sum over m of its row m at its code byte m: PQ of 8
-  bits (sub-vector centroids, after OPQ or other transforms) or an additive quantizer of 8-bit
-  stages without stored norms (RQ, LSQ: full-width codebooks summed); None for other codecs
-  (scored by decoding)."""
-  index = faiss.downcast_index(codec)
-  transforms = []
-  if isinstance(index, faiss.IndexPreTransform):
-    transforms = [faiss.downcast_VectorTransform(index.chain.at(i))
-                  for i in range(index.chain.size())]
-    index = faiss.downcast_index(index.index)
-  if isinstance(index, faiss.IndexPQ) and index.pq.nbits == 8:
-    pq = index.pq
-    centroids = faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
-    products = lambda q: np.einsum("qmd,mkd->qmk", q.reshape(len(q), pq.M, pq.dsub), centroids)
-  elif _additive_bytes(index):
-    aq = index.aq
-    codebooks = faiss.vector_to_array(aq.codebooks).reshape(aq.M * 256, aq.d)
-    products = lambda q: (q @ codebooks.T).reshape(len(q), aq.M, 256)
-  else:
+  codebooks, where a token's score is the sum over m of its row m at its code byte m
+  (`byte_codebooks`; the codec's transforms, whatever they are, applied to the queries first:
+  they shift a query's scores alike, its ranking kept); None for other codecs (scored by
+  decoding)."""
+  found = byte_codebooks(codec)
+  if found is None:
     return None
+  transforms, codebooks, summed = found
+  m, ksub, width = codebooks.shape
+  if summed:  # an additive quantizer: full-width codebooks
+    flat = codebooks.reshape(m * ksub, width)
+    products = lambda q: (q @ flat.T).reshape(len(q), m, ksub)
+  else:  # PQ: sub-vector m against codebook m
+    products = lambda q: np.einsum("qmd,mkd->qmk", q.reshape(len(q), m, width), codebooks)
 
   def tables(q: np.ndarray) -> np.ndarray:
     for transform in transforms:
       q = transform.apply(np.ascontiguousarray(q))
     return products(np.ascontiguousarray(q, np.float32))
   return tables
+
+
+def byte_codebooks(codec) -> tuple[list, np.ndarray, bool] | None:
+  """(the codec's pre-transforms in order, codebooks [M, 256, w], summed) of a codec whose code
+  byte m picks entry m of codebook m, a token's vector the transforms undone on the entries'
+  concatenation (PQ of 8 bits: w = D / M, summed False) or sum (an additive quantizer of 8-bit
+  stages without stored norms, `_additive_bytes`: w = D, summed True); None for other codecs."""
+  index = faiss.downcast_index(codec)
+  transforms = []
+  if isinstance(index, faiss.IndexPreTransform):
+    transforms = [faiss.downcast_VectorTransform(index.chain.at(i))
+                  for i in range(index.chain.size())]
+    index = faiss.downcast_index(index.index)
+  if type(index) is faiss.IndexPQ and index.pq.nbits == 8:
+    pq = index.pq
+    return (transforms, faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub),
+            False)
+  if _additive_bytes(index):
+    aq = index.aq
+    return transforms, faiss.vector_to_array(aq.codebooks).reshape(aq.M, 256, aq.d), True
+  return None
 
 
 def _additive_bytes(index) -> bool:

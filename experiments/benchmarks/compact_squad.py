@@ -20,7 +20,9 @@ the BM25 index's files, and what else a search over them reads (the dump's manif
 `--reread R` (repeatable) adds the compact hybrid search re-reading each question's top R passages
 (`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it),
 `--reread-dense R` the dense one (evaluated, not timed), `--reread-margin R:M` the hybrid one
-re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`).
+re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`);
+with `--window W` every re-reading row reads W word pieces around a passage's best span
+(`index.reread_window`).
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -88,17 +90,20 @@ def systems(args, threshold: float | None) -> dict:
       f"compact {args.codec}, dense": (compact, folder, coded + ["index.sparse=False"]),
       f"compact {args.codec}, hybrid": (compact, folder, coded + ["index.sparse=True"]),
   }
+  # (every re-reading row reads --window word pieces around its best span, when given)
+  window = [f"index.reread_window={args.window}"] if args.window else []
+  around = f", window {args.window}" if args.window else ""
   for passages in args.reread:
-    rows[f"compact {args.codec}, hybrid, reread {passages}"] = (
-        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
+    rows[f"compact {args.codec}, hybrid, reread {passages}{around}"] = (
+        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}", *window,
                                   *args.reread_set])
   for passages, margin in args.reread_margin:
-    rows[f"compact {args.codec}, hybrid, reread {passages} within {margin:g}"] = (
-        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}",
+    rows[f"compact {args.codec}, hybrid, reread {passages} within {margin:g}{around}"] = (
+        compact, folder, coded + ["index.sparse=True", f"index.reread={passages}", *window,
                                   f"index.reread_margin={margin}", *args.reread_set])
   for passages in args.reread_dense:
-    rows[f"compact {args.codec}, dense, reread {passages}"] = (
-        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}"])
+    rows[f"compact {args.codec}, dense, reread {passages}{around}"] = (
+        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}", *window])
   if args.versus:  # the same searches over another codec's index (evaluated and paired)
     other = f"compact:{args.versus}"
     other_folder = index_folder(other, threshold)
@@ -248,7 +253,8 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                    "hybrid": report.get("hybrid") and {
                        k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")},
                    "reread": report.get("reread", 0),
-                   "reread_margin": report.get("reread_margin")}
+                   "reread_margin": report.get("reread_margin"),
+                   "reread_window": report.get("reread_window")}
   paired = {}
   for name in reports:
     if name.startswith(f"compact {args.codec},"):
@@ -299,6 +305,9 @@ def parse(argv):
                       "those holding a span within M of the best")
   parser.add_argument("--reread-set", action="append", default=[],
                       help="for the re-reading rows only")
+  parser.add_argument("--window", type=int, default=None,
+                      help="the re-reading rows read this many word pieces around a passage's "
+                           "best span (index.reread_window)")
   parser.add_argument("--versus", default="",
                       help="another compact codec: its index's rows beside --codec's, each "
                       "--codec row paired with its row too (evaluated, not timed)")
