@@ -566,6 +566,10 @@ def _ranking_defaults() -> dict:
   }
 
 
+# Passages (a residual compact index) or IVF lists an approximate search visits per query.
+DEFAULT_NPROBE = 256
+
+
 def index_config(**overrides) -> ml_collections.ConfigDict:
   """Dump / index / search settings."""
   config = ml_collections.ConfigDict({
@@ -594,7 +598,7 @@ def index_config(**overrides) -> ml_collections.ConfigDict:
       "dump_width_multiple": 0,
       **_dump_kept_defaults(),  # dump-time filtering and coding
       "specs": ["Flat"],  # faiss factory strings: Flat, IVFauto,SQ4, OPQ96,IVFauto,PQ96x8 ...
-      "nprobe": 256,
+      "nprobe": DEFAULT_NPROBE,
       "train_size": 1_000_000,  # vectors sampled to train IVF / PQ / OPQ quantizers
       "filter_threshold": ml_collections.config_dict.placeholder(float),
       "search_index": "Flat",  # index name (directory under dump/indexes) for search and eval

@@ -79,6 +79,18 @@ def test_open_eval_without_passages(toy_dump, tmp_path, monkeypatch):
   assert [json.loads(line)["predictions"][0] for line in lines] == [a for _, a in ANSWERS]
 
 
+def test_an_eval_at_another_nprobe_keeps_its_own_report(tmp_path):
+  """An approximate index searched at a non-default nprobe names it in its files (another
+  nprobe's eval overwrites nothing); Flat visits every vector and is named without it."""
+  def name(*overrides):
+    settings = Settings.of(load_config("experiments/demo.py:tiny", list(overrides)))
+    return eval_program.report_file(settings.eval, settings.index, tmp_path).name
+  compact = "index.search_index=compact_OPQ4_PQ4"
+  assert name(compact) == "open_eval_compact_OPQ4_PQ4.json"
+  assert name(compact, "index.nprobe=2048") == "open_eval_compact_OPQ4_PQ4_nprobe2048.json"
+  assert name("index.nprobe=2048") == name() == "open_eval_Flat.json"
+
+
 def _crowded_dump() -> Dump:
   """Four passages of six tokens; the first two score far above the others, and with
   max_answer_length 2 each of their tokens gives two distinct phrases (start hits pair with

@@ -19,7 +19,7 @@ from dpjax.workdir import Workdir
 from dpjax.reading import Reader, check_reader_config, read_answers
 from dpjax.loading import data_paths
 from dpjax.main import open_searcher
-from dpjax.config import SAVED_CONFIG, workdir_config
+from dpjax.config import DEFAULT_NPROBE, SAVED_CONFIG, workdir_config
 from dpjax.settings import DataSettings, EvalSettings, IndexSettings, ModelSettings, Settings
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def run(settings: Settings, workdir: str) -> dict:
             "merge_spans": index.merge_spans, "hybrid": _hybrid_record(index),
             "reread": index.reread.passages if index.reread else 0,
             "reread_margin": index.reread.margin if index.reread else None,
-            "reread_window": index.reread.window if index.reread else None}
+            "reread_window": index.reread.window if index.reread else None,
+            "nprobe": settings.index.nprobe}
   reading = None
   if evaluation.reader:  # the retriever-reader pipeline over the ranked passages
     reader = Reader(*_reader_sections(settings), evaluation)
@@ -123,7 +124,7 @@ def _spans(results: list[dict]) -> list[list]:
 def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, str, str]:
   """(prefix, search, tag) of an evaluation's files, open_eval_<prefix><index><search><tag>.json:
   the dump's name unless it is the default `dump`, the search's kind, the checkpoint's name
-  unless latest: another corpus, search or QSFT overwrites nothing."""
+  unless latest: another corpus, search or QSFT overwrites nothing (nprobe: `_probe`)."""
   checkpoint, dump = evaluation.checkpoint, index.dump_name
   tag = "" if checkpoint == "latest" else f"_{checkpoint}"
   prefix = "" if dump == "dump" else f"{dump}_"
@@ -139,12 +140,20 @@ def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, st
   return prefix, search, tag
 
 
+def _probe(index: IndexSettings) -> str:
+  """The name part of an approximate search's nprobe when it is not the default ("" for Flat,
+  which visits every vector): an eval at another nprobe keeps its own files."""
+  if index.nprobe == DEFAULT_NPROBE or index.search_index == "Flat":
+    return ""
+  return f"_nprobe{index.nprobe}"
+
+
 def report_file(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib.Path
                 ) -> pathlib.Path:
   """The report `run.py eval` writes for these settings ("IVFauto,SQ4": IVFauto_SQ4's)."""
   prefix, search, tag = _name_parts(evaluation, index)
   return pathlib.Path(workdir) / (f"open_eval_{prefix}{index_folder(index.search_index)}"
-                                  f"{search}{tag}.json")
+                                  f"{search}{_probe(index)}{tag}.json")
 
 
 def _write_eval(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib.Path,
@@ -153,7 +162,7 @@ def _write_eval(evaluation: EvalSettings, index: IndexSettings, workdir: pathlib
   `qid Q0 passage_id rank score dpjax`, as Pyserini writes); for an approximate index, adds how
   often its top-1 is the Flat index's (when Flat was evaluated on the same model and dump)."""
   prefix, search, tag = _name_parts(evaluation, index)
-  name = prefix + index_folder(index.search_index) + search
+  name = prefix + index_folder(index.search_index) + search + _probe(index)
   flat_report = workdir / f"open_eval_{prefix}Flat{search}{tag}.json"
   exact = workdir / f"open_predictions_{prefix}Flat{search}{tag}.jsonl"
   if index.search_index != "Flat" and exact.is_file() and flat_report.is_file():

@@ -22,7 +22,7 @@ the BM25 index's files, and what else a search over them reads (the dump's manif
 `--reread-dense R` the dense one (evaluated, not timed), `--reread-margin R:M` the hybrid one
 re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`);
 with `--window W` every re-reading row reads W word pieces around a passage's best span
-(`index.reread_window`).
+(`index.reread_window`); `--reread-dense-set` applies to the dense re-reading rows only.
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -101,9 +101,13 @@ def systems(args, threshold: float | None) -> dict:
     rows[f"compact {args.codec}, hybrid, reread {passages} within {margin:g}{around}"] = (
         compact, folder, coded + ["index.sparse=True", f"index.reread={passages}", *window,
                                   f"index.reread_margin={margin}", *args.reread_set])
+  # (--reread-dense-set named in the dense rows', e.g. ", nprobe 2048")
+  dense_named = "".join(f", {key.rsplit('.', 1)[-1]} {value}" for key, _, value in
+                        (item.partition("=") for item in args.reread_dense_set))
   for passages in args.reread_dense:
-    rows[f"compact {args.codec}, dense, reread {passages}{around}"] = (
-        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}", *window])
+    rows[f"compact {args.codec}, dense, reread {passages}{around}{dense_named}"] = (
+        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}", *window,
+                                  *args.reread_dense_set])
   if args.versus:  # the same searches over another codec's index (evaluated and paired)
     other = f"compact:{args.versus}"
     other_folder = index_folder(other, threshold)
@@ -254,7 +258,8 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                        k: report["hybrid"][k] for k in ("weight", "sentence_weight", "passages")},
                    "reread": report.get("reread", 0),
                    "reread_margin": report.get("reread_margin"),
-                   "reread_window": report.get("reread_window")}
+                   "reread_window": report.get("reread_window"),
+                   "nprobe": report.get("nprobe")}
   paired = {}
   for name in reports:
     if name.startswith(f"compact {args.codec},"):
@@ -305,6 +310,9 @@ def parse(argv):
                       "those holding a span within M of the best")
   parser.add_argument("--reread-set", action="append", default=[],
                       help="for the re-reading rows only")
+  parser.add_argument("--reread-dense-set", action="append", default=[],
+                      help="for the dense re-reading rows only, named in them (e.g. "
+                           "index.nprobe=2048: more passages visited for its candidates)")
   parser.add_argument("--window", type=int, default=None,
                       help="the re-reading rows read this many word pieces around a passage's "
                            "best span (index.reread_window)")
