@@ -86,11 +86,11 @@ def test_reread_rows_read_their_own_reports_and_timing_is_reused_only_for_them(t
     study.reused_timing(out, study.timed_rows(args, rows))
 
 
-def test_a_window_reaches_every_rereading_row_and_dense_sets_the_dense_ones(tmp_path):
+def test_a_window_reaches_the_hybrid_rereading_rows_and_dense_sets_the_dense_ones(tmp_path):
   args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
                       "--reread-margin", "3:3", "--reread-dense", "20", "--window", "128",
                       "--reread-set", "index.sparse_weight=1",
-                      "--reread-dense-set", "index.nprobe=2048"])
+                      "--reread-dense-set", "index.nprobe=2048", "--reread-dense", "10"])
   files = {name: study.eval_file(args, overrides).name
            for name, (_, _, overrides) in study.systems(args, None).items()}
   assert files == {
@@ -99,8 +99,10 @@ def test_a_window_reaches_every_rereading_row_and_dense_sets_the_dense_ones(tmp_
       "compact OPQ24,PQ24, hybrid": "open_eval_compact_OPQ24_PQ24_hybrid.json",
       "compact OPQ24,PQ24, hybrid, reread 3 within 3, window 128":
           "open_eval_compact_OPQ24_PQ24_hybrid_reread3_m3_around128_w1_s0.json",
-      "compact OPQ24,PQ24, dense, reread 20, window 128, nprobe 2048":
-          "open_eval_compact_OPQ24_PQ24_reread20_around128_nprobe2048.json"}
+      "compact OPQ24,PQ24, dense, reread 20, nprobe 2048":
+          "open_eval_compact_OPQ24_PQ24_reread20_nprobe2048.json",
+      "compact OPQ24,PQ24, dense, reread 10, nprobe 2048":
+          "open_eval_compact_OPQ24_PQ24_reread10_nprobe2048.json"}
 
 
 def test_versus_rows_read_the_other_indexs_reports_are_paired_and_not_timed(tmp_path,

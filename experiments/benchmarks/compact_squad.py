@@ -21,8 +21,9 @@ the BM25 index's files, and what else a search over them reads (the dump's manif
 (`index.reread`; `--reread-set` for those rows only, e.g. the hybrid weights chosen with it),
 `--reread-dense R` the dense one (evaluated, not timed), `--reread-margin R:M` the hybrid one
 re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`);
-with `--window W` every re-reading row reads W word pieces around a passage's best span
-(`index.reread_window`); `--reread-dense-set` applies to the dense re-reading rows only.
+with `--window W` the hybrid re-reading rows read W word pieces around a passage's best span
+(`index.reread_window`); `--reread-dense-set` applies to the dense re-reading rows only (named in
+them: ", reread_window 128", ", nprobe 2048").
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -90,7 +91,7 @@ def systems(args, threshold: float | None) -> dict:
       f"compact {args.codec}, dense": (compact, folder, coded + ["index.sparse=False"]),
       f"compact {args.codec}, hybrid": (compact, folder, coded + ["index.sparse=True"]),
   }
-  # (every re-reading row reads --window word pieces around its best span, when given)
+  # (the hybrid re-reading rows read --window word pieces around their best span, if given)
   window = [f"index.reread_window={args.window}"] if args.window else []
   around = f", window {args.window}" if args.window else ""
   for passages in args.reread:
@@ -105,8 +106,8 @@ def systems(args, threshold: float | None) -> dict:
   dense_named = "".join(f", {key.rsplit('.', 1)[-1]} {value}" for key, _, value in
                         (item.partition("=") for item in args.reread_dense_set))
   for passages in args.reread_dense:
-    rows[f"compact {args.codec}, dense, reread {passages}{around}{dense_named}"] = (
-        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}", *window,
+    rows[f"compact {args.codec}, dense, reread {passages}{dense_named}"] = (
+        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}",
                                   *args.reread_dense_set])
   if args.versus:  # the same searches over another codec's index (evaluated and paired)
     other = f"compact:{args.versus}"
@@ -314,8 +315,8 @@ def parse(argv):
                       help="for the dense re-reading rows only, named in them (e.g. "
                            "index.nprobe=2048: more passages visited for its candidates)")
   parser.add_argument("--window", type=int, default=None,
-                      help="the re-reading rows read this many word pieces around a passage's "
-                           "best span (index.reread_window)")
+                      help="the hybrid re-reading rows read this many word pieces around a "
+                           "passage's best span (index.reread_window)")
   parser.add_argument("--versus", default="",
                       help="another compact codec: its index's rows beside --codec's, each "
                       "--codec row paired with its row too (evaluated, not timed)")
