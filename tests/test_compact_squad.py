@@ -177,6 +177,21 @@ def _report(index, em, step=7):
           "em@10": em, "top1": em, "top5": em, "top20": em}
 
 
+def test_the_section_computes_each_rows_gaps_and_speed_verdicts():
+  section = _section(15_000)
+  section["rows"]["compact OPQ24,PQ24, hybrid"] = {
+      **section["rows"]["Flat, hybrid"], "em@1": 29.5, "top1": 58.5}
+  section["rows"]["Flat, dense"] = {**section["rows"]["Flat, hybrid"], "em@1": 20.0}
+  section["rows"]["compact OPQ24,PQ24, dense, reread 10"] = {
+      **section["rows"]["Flat, hybrid"], "em@1": 19.25, "top1": 59.5}
+  section["speed"] = {"commit": "b" * 40, "rows": {"compact OPQ24,PQ24, hybrid": {
+      "batch1_p50_ms": 101.0, "batch1_p90_ms": 150.0, "batch64_questions_per_s": 18.4}}}
+  text = scale.squad_section(section)
+  assert ("| compact OPQ24,PQ24, hybrid | -0.50 / -1.50 (**not met**) | -16.55 / -24.79 "
+          "(**not met**) | 18.4 (met) | 101 (**not met**) |") in text
+  assert "| compact OPQ24,PQ24, dense, reread 10 | -0.75 / -0.50 (met) | - | - | - |" in text
+
+
 def test_codec_choice_lists_each_index_with_its_bytes_and_refuses_mixed_reports(tmp_path):
   dump = tmp_path / "w" / "dump"
   dump.mkdir(parents=True)

@@ -60,6 +60,11 @@ log = logging.getLogger("scale")
 SIZES = [3_125_000, 12_500_000, 50_000_000]  # 16x
 KEYS_SQUAD = ("em@1", "em@10", "top1", "top5", "top20", "mrr@20")
 WIKIPEDIA_TOKENS = 3.0e9  # English Wikipedia's word-piece tokens (DensePhrases' 3B phrase dump)
+# Issue 69's bounds for the SQuAD-open section: EM@1 and Top-1 within 1.0 of Flat's (and of the
+# Flat hybrid figures the issue states), hybrid q/s at batch 64 and p50 ms at batch 1.
+ACCURACY_BOUND = 1.0
+ISSUE_FLAT_HYBRID = {"em@1": 46.05, "top1": 83.29}
+QPS_BOUND, P50_BOUND_MS = 18.4, 100.0
 # The random encoder: 64-d token vectors (D = hidden_size), so PQ16 codes 4-d sub-vectors.
 MODEL_SETS = ["model.random.hidden_size=64", "model.random.num_attention_heads=4",
               "model.random.intermediate_size=128", "index.dump_max_seq_length=192",
@@ -530,6 +535,7 @@ def squad_section(s: dict) -> str:
     for name, t in speed.items():
       lines.append(f"| {name} | {t['batch1_p50_ms']:.1f} | {t['batch1_p90_ms']:.1f} | "
                    f"{t['batch64_questions_per_s']:.1f} |")
+  lines += _bounds_lines(s)
   b = s["served_bytes"]
   lines += ["", f"Bytes on disk per corpus token ({b['corpus_tokens']:,} tokens) of everything "
             "the compact hybrid search reads:", "", "| part | bytes | per token |", "|---|---|---|"]
@@ -547,6 +553,39 @@ def squad_section(s: dict) -> str:
             "vocabulary and the codec, fixed costs here, are counted per token as if they grew "
             "with the corpus (an overstatement)."]
   return with_notes(lines, s.get("notes", []))
+
+
+def _bounds_lines(s: dict) -> list[str]:
+  """Each compact row against the accuracy and speed bounds, computed from the rows: its EM@1 and
+  Top-1 minus its Flat row's (the same search, dense or hybrid) and, for hybrid rows, minus the
+  issue's Flat hybrid figures; a timed row's q/s at batch 64 and p50 at batch 1."""
+  def verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+  def gaps(row: dict, base: dict) -> str:
+    d = [row[k] - base[k] for k in ("em@1", "top1")]
+    return f"{d[0]:+.2f} / {d[1]:+.2f} ({verdict(min(d) >= -ACCURACY_BOUND)})"
+
+  speed = (s.get("speed") or {}).get("rows", {})
+  lines = ["", f"Against the bounds (EM@1 / Top-1 within {ACCURACY_BOUND:g} of Flat's; "
+           f"the issue's Flat hybrid {ISSUE_FLAT_HYBRID['em@1']} / {ISSUE_FLAT_HYBRID['top1']}; "
+           f"q/s at batch 64 >= {QPS_BOUND:g}; p50 at batch 1 <= {P50_BOUND_MS:g} ms):", "",
+           "| search | EM@1 / Top-1 minus Flat's | minus the issue's | q/s batch 64 | "
+           "p50 ms batch 1 |", "|---|---|---|---|---|"]
+  for name, row in s["rows"].items():
+    if name.startswith("Flat") or ", " not in name:
+      continue
+    kind = name.split(", ")[1]
+    flat = s["rows"].get(f"Flat, {kind}")
+    issue = gaps(row, ISSUE_FLAT_HYBRID) if kind == "hybrid" else "-"
+    timed = speed.get(name)
+    qps = p50 = "-"
+    if timed:
+      qps = (f"{timed['batch64_questions_per_s']:.1f} "
+             f"({verdict(timed['batch64_questions_per_s'] >= QPS_BOUND)})")
+      p50 = f"{timed['batch1_p50_ms']:.0f} ({verdict(timed['batch1_p50_ms'] <= P50_BOUND_MS)})"
+    lines.append(f"| {name} | {gaps(row, flat) if flat else '-'} | {issue} | {qps} | {p50} |")
+  return lines
 
 
 def _bytes_table(results: dict) -> list[str]:
