@@ -149,8 +149,8 @@ class CodedVectors:
 def lookup_tables(codec) -> tuple[np.ndarray | None, np.ndarray, bool] | None:
   """(rotation [D, D] or None, codebooks [M, 256, w], summed: `residual.byte_codebooks`) of a
   codec whose codes are scored from lookup tables (`CodedVectors.scores`): 8-bit PQ or additive
-  codes, alone or behind one orthonormal transform without bias (OPQ), the only transform that
-  keeps a score exact; None for any other codec."""
+  codes, alone or behind one orthonormal transform without bias (OPQ), which keeps inner
+  products, so that the scores are exact; None for any other codec."""
   found = residual.byte_codebooks(codec)
   if found is None or len(found[0]) > 1:
     return None

@@ -279,9 +279,9 @@ def _top(scores: np.ndarray, k: int) -> np.ndarray:
 def _pq_tables(codec):
   """queries [Q, D] -> [Q, M, 256] their inner products with each of the codec's M 256-entry
   codebooks, where a token's score is the sum over m of its row m at its code byte m
-  (`byte_codebooks`; the codec's transforms, whatever they are, applied to the queries first:
-  they shift a query's scores alike, its ranking kept); None for other codecs (scored by
-  decoding)."""
+  (`byte_codebooks`; the codec's transforms applied to the queries first, as faiss's own search
+  of the codec applies them: exact for an orthonormal one such as OPQ's rotation); None for other
+  codecs (scored by decoding)."""
   found = byte_codebooks(codec)
   if found is None:
     return None
