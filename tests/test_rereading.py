@@ -98,6 +98,39 @@ def test_re_reading_a_coarse_compact_index_brings_back_the_exact_answers(workdir
   assert reader.encoded_passages == encoded  # read from the cache
 
 
+def test_a_search_re_reads_as_many_passages_as_asked(workdir, model, monkeypatch):
+  flat, compact = PhraseIndex(workdir / "dump", "Flat"), PhraseIndex(workdir / "dump",
+                                                                     "compact:PQ3")
+  q_start, q_end = phrase_questions(flat.dump.vectors, QUESTIONS, 5)
+  rounds, picked = [], []
+  reread, read_spans = PhraseIndex._reread, rereading.read_spans
+  monkeypatch.setattr(PhraseIndex, "_reread", lambda self, *args: rounds.append(
+      args[2].tolist()) or reread(self, *args))
+  monkeypatch.setattr(rereading, "read_spans",
+                      lambda *args, **kwargs: picked.append(args[4]) or read_spans(*args, **kwargs))
+  reader = _rereader(model, compact, 8)
+  assert compact.with_options(reread=reader).fetch_bounds(1, top_tokens=2)[0] == 16  # 2 R
+  # From two phrases (one or two passages) the search fetches wider until they hold 8.
+  bounds = PhraseIndex.fetch_bounds
+  monkeypatch.setattr(PhraseIndex, "fetch_bounds",
+                      lambda self, k, **kwargs: (2, bounds(self, k, **kwargs)[1]))
+  compact.with_options(reread=reader).search(q_start, q_end, 1, top_tokens=2)
+  last = {q: len(rows) for questions, picks in zip(rounds, picked)
+          for q, rows in zip(questions, picks)}  # each question's passages in its last round
+  assert len(rounds) > 1 and sorted(last) == list(range(QUESTIONS))
+  assert set(last.values()) == {8}, last
+
+
+def test_a_margin_ends_the_widening_at_its_last_span():
+  rows = np.array([4, 4, 2, 2])
+  scores = np.array([9.0, 8.5, 8.0, 5.0], np.float32)
+  assert rereading.wants_wider(rows, 3, scores)  # two passages of three
+  assert not rereading.wants_wider(rows, 2, scores)
+  assert rereading.wants_wider(rows, 3, scores, 5.0)  # all four within 5 of the best
+  assert not rereading.wants_wider(rows, 3, scores, 3.0)  # the last is 4 below: no more to read
+  assert not rereading.wants_wider(rows[:0], 3, scores[:0])
+
+
 def test_the_cache_keeps_at_most_its_tokens(workdir, model):
   flat = PhraseIndex(workdir / "dump", "Flat")
   sizes = flat.passage_end - flat.passage_start

@@ -405,12 +405,17 @@ class PhraseIndex:
     return found
 
   def _reread(self, q_start: np.ndarray, q_end: np.ndarray, questions: np.ndarray,
-              ranked: list, lexical, max_answer_length: int) -> tuple[ReadTokens, list]:
+              ranked: list, lexical, max_answer_length: int, fetch: int
+              ) -> tuple[ReadTokens, list, list]:
     """(the re-read tokens, `ranked` with the spans of each question's top `reread.passages`
-    passages replaced by their re-read spans, fused as the search fuses: `rereading.rerank`)
-    for the questions at rows `questions` of q_start / q_end."""
+    passages replaced by their re-read spans, fused as the search fuses: `rereading.rerank`,
+    per question whether its `fetch` ranked spans held too few passages: `wants_wider`) for the
+    questions at rows `questions` of q_start / q_end."""
     passages = [self._passages_of(found[0]) for found in ranked]
     picks = [rereading.top_passages(rows, self.reread.passages, found[2], self.reread.margin)
+             for rows, found in zip(passages, ranked)]
+    wider = [len(rows) >= fetch and rereading.wants_wider(rows, self.reread.passages, found[2],
+                                                          self.reread.margin)
              for rows, found in zip(passages, ranked)]
     read, spans = rereading.read_spans(self.reread, self.dump.passages, q_start[questions],
                                        q_end[questions], picks, max_answer_length,
@@ -429,7 +434,7 @@ class PhraseIndex:
                                                        self.dump.passages),
             self.hybrid.sentence_weight)
       out.append(rereading.rerank(found, rows, pick, (starts, ends, fused)))
-    return read, out
+    return read, out, wider
 
   def _reread_cuts(self, ranked: list, passages: list, picks: list) -> list | None:
     """Per question, the part of each picked passage's text re-reading reads
@@ -494,8 +499,10 @@ class PhraseIndex:
   def fetch_bounds(self, k: int, *, top_tokens: int | None = None,
                    max_fetch: int | None = None) -> tuple[int, int]:
     """(first, most) phrases a unit search asks for: it starts at `first` and grows to at most
-    `most` (20 k by default) while a question has fewer than k distinct units."""
-    first = max(top_tokens or 2 * k, k)
+    `most` (20 k by default) while a question has fewer than k distinct units (or fewer passages
+    than it re-reads: `rereading.wants_wider`)."""
+    # Re-reading R passages starts from 2 R phrases (they hold fewer passages than phrases).
+    first = max(top_tokens or 2 * k, k, 2 * (self.reread.passages if self.reread else 0))
     # A question whose best phrases crowd into few units would otherwise grow the fetch (and
     # the exact rescoring) without bound; it then gets fewer than k units. Every token a hit
     # (a search of as many tokens as the index has) gives up to two phrases per token: a cap at
@@ -551,14 +558,15 @@ class PhraseIndex:
         ranked.append((starts[:fetch], ends[:fetch], scores[:fetch]))
         if lexical is not None:
           ranked[-1] = self._fused(lexical, q, ranked[-1])
-      read = None
-      if self.reread is not None:
-        read, ranked = self._reread(q_start, q_end, pending, ranked, lexical, max_answer_length)
+      read, wider = None, [False] * len(pending)
+      if self.reread is not None:  # (a question short of passages to re-read is fetched wider)
+        read, ranked, wider = self._reread(q_start, q_end, pending, ranked, lexical,
+                                           max_answer_length, fetch)
       short = []
-      for q, found in zip(pending, ranked):
+      for q, found, more in zip(pending, ranked, wider):
         units[q] = [(p, self.unit_key(p, unit))
                     for p in self._best_units(*found, unit, k, read)]
-        if len(units[q]) < k and fetch < max_fetch:
+        if (len(units[q]) < k or more) and fetch < max_fetch:
           short.append(q)
       pending = np.array(short, dtype=np.int64)
       fetch = min(fetch * 4, max_fetch)

@@ -2,10 +2,11 @@
 every span of theirs scored exactly, for an index whose scores are approximate (a compact index's
 codes) or whose phrases use the filter's kept tokens only.
 
-A search ranks its candidate spans as before (dense, or fused with BM25); the passages of its
-first R distinct spans are encoded with the dump's windows and dtype (the dump's own vectors, up
-to the encoder's rounding), every token of theirs scored as a start and as an end as an
-exhaustive search scores them (`hybrid.lexical_spans`), fused with the same BM25 terms, and these
+A search ranks its candidate spans as before (dense, or fused with BM25), from 2 R spans on and
+wider while they hold fewer than R passages (`wants_wider`); the first R passages of its spans
+are encoded with the dump's windows and dtype (the dump's own vectors, up to the encoder's
+rounding), every token of theirs scored as a start and as an end as an exhaustive search scores
+them (`hybrid.lexical_spans`), fused with the same BM25 terms, and these
 spans replace those passages' spans (`rerank`). Each passage costs one encoding (results/scale.md
 times it); a passage read again (the next round or request of the same questions, another
 hybrid weight) comes from a cache of the last ones read. With a `margin`, only the passages of
@@ -193,6 +194,16 @@ def top_passages(passage_rows: np.ndarray, count: int, scores: np.ndarray | None
     passage_rows = passage_rows[:within] if within > 1 else passage_rows[:0]
   rows = np.unique(passage_rows, return_index=True)
   return rows[0][np.argsort(rows[1])][:count].astype(np.int64)
+
+
+def wants_wider(passage_rows: np.ndarray, count: int, scores: np.ndarray,
+                margin: float | None = None) -> bool:
+  """Whether a wider ranking could give `top_passages` more passages to read: the ranked spans
+  (passage rows, scores best first) hold fewer than `count` distinct passages and, with a
+  `margin`, every one of them scores within it of the best (a span beyond it ends the read)."""
+  if not len(scores) or len(np.unique(passage_rows)) >= count:
+    return False
+  return margin is None or bool(scores[-1] > scores[0] - margin)
 
 
 def read_spans(rereader: Rereader, passages, q_start: np.ndarray, q_end: np.ndarray,
