@@ -3,17 +3,17 @@ every span of theirs scored exactly, for an index whose scores are approximate (
 codes) or whose phrases use the filter's kept tokens only.
 
 A search ranks its candidate spans as before (dense, or fused with BM25), from 2 R spans on and
-wider while they hold fewer than R passages (`wants_wider`); the first R passages of its spans
-are encoded with the dump's windows and dtype (the dump's own vectors, up to the encoder's
-rounding), every token of theirs scored as a start and as an end as an exhaustive search scores
-them (`hybrid.lexical_spans`), fused with the same BM25 terms, and these
-spans replace those passages' spans (`rerank`). Each passage costs one encoding (results/scale.md
-times it); a passage read again (the next round or request of the same questions, another
-hybrid weight) comes from a cache of the last ones read. With a `margin`, only the passages of
-the spans ranked within it of the best are read, and none when the best leads the next span by
-it (`top_passages`): a question the codes answer clearly costs no encoding. With a `window`, a
-passage longer than `window` word pieces is read only around its best span (`window_of`): the
-encoding costs about the window's tokens, and the window's spans replace the passage's.
+wider while they hold fewer than R passages (`wants_wider`); the first R passages of its spans are
+encoded with the dump's windows and dtype (the dump's own vectors, up to the encoder's rounding),
+every token of theirs scored as a start and as an end as an exhaustive search scores them
+(`hybrid.lexical_spans`), fused with the same BM25 terms, and these spans replace those passages'
+spans (`rerank`). Each passage costs one encoding (results/scale.md times it); a passage read again
+(the next round or request of the same questions, another hybrid weight) comes from a cache of the
+last ones read. With a `margin`, only the passages of the spans ranked within it of the best are
+read, and none when the best leads the next span by it (`top_passages`): a question the codes
+answer clearly costs no encoding. With a `window`, a passage longer than `window` word pieces is
+read only around its best span (`window_of`): the encoding costs about the window's tokens, and the
+window's spans replace the passage's.
 """
 from __future__ import annotations
 
