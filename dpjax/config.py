@@ -202,6 +202,7 @@ _NOT_NEGATIVE = ("train.num_steps", "train.epochs", "train.stop_at_step", "train
 _LEAST = {"data.max_query_length": 2}  # a question is at least [CLS] [SEP]
 _CHOICES = {"train.loss.recipe": ("unified", "original"),
             "eval.checkpoint": ("latest", "best", "qsft"),
+            "index.reread_checkpoint": ("latest", "best", "qsft"),
             "index.unit": ("phrase", "sentence", "passage", "document"),
             "qsft.level": ("phrase", "document"),
             "model.dtype": ("float32", "bfloat16"),
@@ -251,7 +252,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if get("index.sparse_sentence_weight") is not None and get("index.sparse_weight") is None:
     raise ConfigError("index.sparse_sentence_weight is set without index.sparse_weight: set both, "
                       "or neither (`run.py index` chooses both)")
-  for key in ("index.reread_margin", "index.reread_window"):
+  for key in ("index.reread_margin", "index.reread_window", "index.reread_checkpoint"):
     if get(key) is not None and not get("index.reread"):
       raise ConfigError(f"{key} is set without index.reread: set index.reread to the most "
                         "passages a question may re-read")
@@ -563,6 +564,10 @@ def _ranking_defaults() -> dict:
       "reread": 0,
       "reread_margin": ml_collections.config_dict.placeholder(float),
       "reread_window": ml_collections.config_dict.placeholder(int),
+      # The checkpoint (latest, best, qsft) whose question encoder scores the re-read spans;
+      # None: eval.checkpoint's, which also ranks the candidates. E.g. QSFT's encoder, tuned to
+      # the codes, picks the passages and the trained one, the phrase encoder's partner, scores.
+      "reread_checkpoint": ml_collections.config_dict.placeholder(str),
   }
 
 

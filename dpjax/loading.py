@@ -5,6 +5,7 @@ The workdir's layout is `dpjax.workdir.Workdir`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 
@@ -154,13 +155,23 @@ def search_options(index: IndexSettings, dump: Dump, *, verify: bool = False) ->
   return {"merge_spans": index.merge_spans, "hybrid": hybrid}
 
 
+def reread_scorer(evaluation: EvalSettings, index: IndexSettings) -> str | None:
+  """The checkpoint whose question encoder scores re-read spans when it is not the one that
+  ranks the candidates (`index.reread_checkpoint` other than eval.checkpoint), else None."""
+  if not index.reread or index.reread_checkpoint in (None, evaluation.checkpoint):
+    return None
+  return index.reread_checkpoint
+
+
 def describe_search(index: PhraseIndex) -> str:
   """Which search an index runs, for the logs: dense, or hybrid with its weights."""
   found = index.hybrid
   reread = ("" if index.reread is None else
             f", the top {index.reread.passages} passages re-read"
             + ("" if index.reread.margin is None else
-               f" (those within {index.reread.margin:g} of the best span)"))
+               f" (those within {index.reread.margin:g} of the best span)")
+            + ("" if index.reread.questions is None else
+               ", their spans scored by another question encoder"))
   if found is None or not found.active:
     return ("dense phrase search" + ("" if found is None else " (hybrid weights 0 and 0)")
             + reread)
@@ -177,6 +188,14 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   workdir = Workdir(workdir)
   encoder, step = restore_model(model, data, evaluation, workdir, best_metric=best_metric,
                                 verify=verify)
+  scorer, which = None, reread_scorer(evaluation, index)
+  if which is not None:
+    scorer, scorer_step = restore_model(model, data,
+                                        dataclasses.replace(evaluation, checkpoint=which),
+                                        workdir, best_metric=best_metric, allow_untrained=False,
+                                        verify=verify)
+    log.info("re-read spans scored by the question encoder of the %s checkpoint (step %s)",
+             which, scorer_step)
   checked_dump(data, index, workdir)
   # From the dump's folder: a compact index reads the dump's manifest only (it holds its own
   # passages and codes).
@@ -186,7 +205,7 @@ def load_searcher(model: ModelSettings, data: DataSettings, evaluation: EvalSett
   searcher = PhraseSearcher(encoder, phrases, Tokenizer.from_pretrained(model.tokenizer),
                             max_query_length=data.max_query_length, batch_size=index.batch_size,
                             reread=index.reread, reread_margin=index.reread_margin,
-                            reread_window=index.reread_window)
+                            reread_window=index.reread_window, reread_model=scorer)
   log.info("search: %s over index %s of %s", describe_search(searcher.index),
            phrases.manifest["spec"], phrases.dump.directory)
   return searcher, step

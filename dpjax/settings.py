@@ -234,6 +234,7 @@ class IndexSettings:
   reread: int
   reread_margin: float | None
   reread_window: int | None
+  reread_checkpoint: str | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,17 @@ def test_qsft_keeps_the_phrase_encoder(tmp_path, caplog):
                                                       _leaves(after.query_start_encoder)))
   # The fine-tuned model answers over the same index (the dump's fingerprint still matches).
   assert run.main(["eval"] + qsft + ["--set", "eval.checkpoint=qsft"]) == 0
+  # Its question encoder ranks a compact index's candidates, the trained one scores the re-read
+  # spans (index.reread_checkpoint); the same checkpoint twice is the plain re-reading.
+  reread = qsft + ["--set", "eval.checkpoint=qsft", "--set", "index.search_index=compact_PQ6",
+                   "--set", "index.reread=2", "--set", "eval.throughput_questions=64"]
+  for scorer, name, scored_by in (("latest", "_reread2_scored_latest_qsft", "latest"),
+                                  ("qsft", "_reread2_qsft", None)):
+    assert run.main(["eval"] + reread + ["--set", f"index.reread_checkpoint={scorer}"]) == 0
+    report = json.loads((tmp_path / f"open_eval_compact_PQ6{name}.json").read_text())
+    assert (report["checkpoint"], report["reread_scored_by"]) == ("qsft", scored_by)
+  assert run.main(["eval"] + reread + ["--set", "index.reread_checkpoint=best"]) == 2
+  assert "no best checkpoint" in caplog.text
   # Quantisation-aware: candidates reconstructed by the IVF-SQ8 quantizer.
   assert run.main(["qsft"] + qsft + ["--set", "qsft.index=IVFauto_SQ8", "--set",
                                      "qsft.quantized=True", "--set", "qsft.epochs=1"]) == 0

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import phrase_questions
 
@@ -20,6 +21,8 @@ from dpjax.index.phrase_index import PhraseIndex
 from dpjax.index.rereading import Rereader
 from dpjax.index.search import PhraseSearcher
 from dpjax.loading import restore_model
+from dpjax.main import open_workdir
+from dpjax.models import model_for_data
 
 CONFIG = "experiments/demo.py:tiny"
 QUESTIONS = 53
@@ -200,6 +203,63 @@ def test_re_reading_refuses_another_model_and_a_count_below_one(workdir, model):
   for margin in (-1.0, float("nan"), "2"):
     with pytest.raises(ValueError, match=r"index.reread_margin = .*: must be a number >= 0"):
       Rereader(model, tokenizer, flat.dump.manifest, 2, margin=margin)
+
+
+def test_a_second_question_encoder_scores_the_re_read_spans(workdir, model):
+  """Candidates ranked by one question's vectors, re-read spans scored by another's (a
+  re-reader's own `questions` encoder): every passage read gives the second's answers, one
+  passage read is the first's top one, scored by the second."""
+  compact = PhraseIndex(workdir / "dump", "compact:PQ3")
+  vectors = PhraseIndex(workdir / "dump", "Flat").dump.vectors
+  ranking, scoring = (phrase_questions(vectors, QUESTIONS, seed) for seed in (5, 9))
+  texts = [f"question {i}" for i in range(QUESTIONS)]
+
+  def found(passages, vectors, own=None):
+    reader = _rereader(model, compact, passages,
+                       questions=None if own is None else lambda asked: own)
+    # (every passage: every token a hit, so that every passage holds ranked spans)
+    wide = 2 * compact.num_vectors if passages > 1 else None
+    return [[(p.passage, p.start_char, p.end_char) for p, _ in units]
+            for units in compact.with_options(reread=reader).search(*vectors, 3, texts=texts,
+                                                                     top_tokens=wide)]
+
+  every = compact.dump.manifest["num_passages"]
+  both = found(every, ranking, scoring)
+  assert both == found(every, scoring) != found(every, ranking)
+  one = found(1, ranking, scoring)
+  assert [a[0][0] for a in one] == [a[0][0] for a in found(1, ranking)]
+  assert [a[0] for a in one] != [a[0] for a in found(1, ranking)]  # scored by the second
+  reader = _rereader(model, compact, 2, questions=lambda asked: scoring)
+  with pytest.raises(ValueError, match="needs the text of every question"):
+    compact.with_options(reread=reader).search(*ranking, 3)
+
+
+def test_a_searcher_scores_re_read_spans_with_its_reread_model(workdir, model):
+  """`PhraseSearcher(reread_model=)`: its question encoder gives the re-read spans' vectors,
+  `model`'s the search's; refused without re-reading or with another phrase encoder."""
+  s = load_settings(CONFIG, [])
+  other = model_for_data(s.model, s.data)  # untrained question encoders, the trained phrases
+  for part in ("phrase_encoder", "filter_head"):
+    nnx.update(getattr(other, part), nnx.state(getattr(model, part)))
+  flat = PhraseIndex(workdir / "dump", "Flat")
+  tokenizer = Tokenizer.from_pretrained(flat.dump.manifest["model"]["tokenizer"])
+  texts = [q.question for q in open_workdir(CONFIG, workdir)[3][:8]]
+  searcher = PhraseSearcher(model, flat, tokenizer, reread=2, reread_model=other)
+  mine = searcher.encode(texts)
+  theirs = PhraseSearcher(other, flat, tokenizer).encode(texts)
+  scored = searcher.index.reread.question_vectors(texts, *mine)
+  for a, b, c in zip(scored, theirs, mine):
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+  assert searcher.index.reread.question_vectors(texts, *mine) is scored  # (kept for the next)
+  assert PhraseSearcher(model, flat, tokenizer, reread=2).index.reread.question_vectors(
+      texts, *mine) == mine
+  assert searcher.compile(4) > PhraseSearcher(model, flat, tokenizer, reread=2).compile(4)
+  with pytest.raises(ValueError, match="reread_model without reread"):
+    PhraseSearcher(model, flat, tokenizer, reread_model=other)
+  stranger = model_for_data(s.model, s.data)  # another phrase encoder: not the dump's
+  with pytest.raises(DumpError, match="the model that made the dump"):
+    PhraseSearcher(model, flat, tokenizer, reread=2, reread_model=stranger)
 
 
 def test_eval_re_reads_and_names_its_report(workdir):

@@ -574,7 +574,7 @@ def test_info_names_the_model_index_limits_and_version(service):
                   "max_k": 100, "max_questions": 64, "max_question_chars": 1000,
                   "max_body_bytes": 1 << 20, "max_batch": 8, "version": dpjax.__version__,
                   "hybrid": None, "merge_spans": True, "reread": 0,
-                  "reread_margin": None, "reread_window": None}
+                  "reread_margin": None, "reread_window": None, "reread_scored_by": None}
   assert info["vectors"] > 0 and info["passages"] > 0
   status, health = request(port, "GET", "/health")
   assert health == {"status": "ok", "auth": False, "index": "Flat", "vectors": info["vectors"],

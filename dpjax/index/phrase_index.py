@@ -535,6 +535,9 @@ class PhraseIndex:
           texts=None if texts is None else texts[lo:lo + step],
           hits=None if hits is None else (hits[0][lo:lo + step], hits[1][lo:lo + step]))]
     lexical = self._lexical(q_start, q_end, texts, max_answer_length)
+    # the vectors that score re-read spans: the search's, or those of re-reading's own encoder
+    scoring = (None if self.reread is None else
+               self.reread.question_vectors(texts, q_start, q_end))
     first, max_fetch = self.fetch_bounds(k, top_tokens=top_tokens, max_fetch=max_fetch)
     fetch = first
     units: list = [None] * len(q_start)
@@ -560,7 +563,7 @@ class PhraseIndex:
           ranked[-1] = self._fused(lexical, q, ranked[-1])
       read, wider = None, [False] * len(pending)
       if self.reread is not None:  # (a question short of passages to re-read is fetched wider)
-        read, ranked, wider = self._reread(q_start, q_end, pending, ranked, lexical,
+        read, ranked, wider = self._reread(*scoring, pending, ranked, lexical,
                                            max_answer_length, fetch)
       short = []
       for q, found, more in zip(pending, ranked, wider):

@@ -13,7 +13,9 @@ last ones read. With a `margin`, only the passages of the spans ranked within it
 read, and none when the best leads the next span by it (`top_passages`): a question the codes
 answer clearly costs no encoding. With a `window`, a passage longer than `window` word pieces is
 read only around its best span (`window_of`): the encoding costs about the window's tokens, and the
-window's spans replace the passage's.
+window's spans replace the passage's. With a `questions` encoder of its own, the re-read spans are
+scored by it, not by the question vectors that ranked the candidates: QSFT's encoder, tuned to an
+index's codes, picks the passages, and the trained one, the phrase encoder's partner, scores them.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import collections
 import dataclasses
 import math
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,11 +70,15 @@ class Rereader:
       at least `margin` (`top_passages`).
     window: None, or the most word pieces of a passage read around its best span (`window_of`).
     cache_tokens: the most tokens whose vectors are kept for the next searches.
+    questions: None (the re-read spans are scored with the search's question vectors), or
+      texts -> (q_start, q_end) [Q, D] each: the question encoder that scores them, e.g. the
+      trained one where a QSFT'd one ranks the candidates (`question_vectors`).
   """
 
   def __init__(self, model, tokenizer: Tokenizer, dump_manifest: dict, passages: int, *,
                margin: float | None = None, window: int | None = None, mesh=None,
-               cache_tokens: int = CACHE_TOKENS):
+               cache_tokens: int = CACHE_TOKENS,
+               questions: Callable[[list[str]], tuple[np.ndarray, np.ndarray]] | None = None):
     self.passages = count(passages, "index.reread (passages re-read per question)")
     self.window = None if window is None else count(
         window, "index.reread_window (word pieces read around a passage's best span)")
@@ -95,6 +101,27 @@ class Rereader:
     self._lock = threading.Lock()
     self.encoded_passages = 0  # passages (or parts) encoded so far (the cache's misses)
     self.encoded_tokens = 0  # their tokens
+    self.questions = questions
+    self._asked: tuple | None = None  # (texts, their vectors) of the last `question_vectors`
+
+  def question_vectors(self, texts: Sequence[str], q_start: np.ndarray, q_end: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The vectors that score the re-read spans of the questions `texts` whose search vectors
+    are (q_start, q_end): those of this reader's `questions` encoder (the last texts' kept for
+    their next search: a passage search after a phrase search), else the search's own."""
+    if self.questions is None:
+      return q_start, q_end
+    if texts is None or isinstance(texts, str) or len(texts) != len(q_start):
+      raise ValueError("re-reading with its own question encoder (index.reread_checkpoint) "
+                       "needs the text of every question searched")
+    key = tuple(texts)
+    with self._lock:
+      if self._asked is not None and self._asked[0] == key:
+        return self._asked[1]
+    vectors = self.questions(list(texts))
+    with self._lock:
+      self._asked = (key, vectors)
+    return vectors
 
   def read(self, rows: Sequence, passages) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per item of `rows`, a passage row of `passages` (the index's passage table) or (row,
@@ -141,10 +168,12 @@ class Rereader:
     return sum(compile_ahead(self._encode, count, widths, self.mesh) for count in counts)
 
   def clear(self) -> None:
-    """Empties the cache (a timing of cold reads starts from it)."""
+    """Empties the cache and the last questions' vectors (a timing of cold reads starts from
+    it)."""
     with self._lock:
       self._cache.clear()
       self._cached = 0
+      self._asked = None
 
   def _keep(self, row, entry: tuple[np.ndarray, np.ndarray]) -> None:
     """Caches a passage's vectors, the least recently read ones dropped past `cache_tokens`."""

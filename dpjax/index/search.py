@@ -22,7 +22,7 @@ units `units.py`'s and the shared hits of an index search `hits.py`'s.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -63,14 +63,17 @@ class PhraseSearcher:
   their spans scored exactly (`rereading.Rereader`): for an index of codes or of the filter's
   kept tokens, at one encoding per passage; with `reread_margin`, only those holding a span
   ranked within it of the best (none when the best leads the next span by it); with
-  `reread_window`, a passage only around its best span (`rereading.window_of`).
+  `reread_window`, a passage only around its best span (`rereading.window_of`); with
+  `reread_model` (a model of the same phrase encoder, e.g. the trained one where `model` is
+  its QSFT), the re-read spans scored by its question encoder and the candidates by `model`'s.
 
   Named `DensePhrases` before, as the model class `dpjax.models.DensePhrases` is: that name is
   kept as an alias (`dpjax.DensePhrases`)."""
 
   def __init__(self, model, index: PhraseIndex, tokenizer=None, *, max_query_length: int = 64,
                batch_size: int = 64, mesh=None, check_model: bool = True, reread: int = 0,
-               reread_margin: float | None = None, reread_window: int | None = None):
+               reread_margin: float | None = None, reread_window: int | None = None,
+               reread_model=None):
     if check_model and encoder_fingerprint(model) != index.fingerprint:
       raise DumpError(f"the model's phrase encoder is not the one that made {index.dump.directory}"
                       " (fingerprints differ): dump the corpus again with this model")
@@ -78,23 +81,28 @@ class PhraseSearcher:
     self.tokenizer = tokenizer or _dump_tokenizer(index)
     self.max_query_length = max_query_length
     self.mesh = mesh or make_mesh()
-    for name, value in (("reread_margin", reread_margin), ("reread_window", reread_window)):
+    for name, value in (("reread_margin", reread_margin), ("reread_window", reread_window),
+                        ("reread_model", reread_model)):
       if value is not None and not reread:
         raise ValueError(f"{name} without reread: set reread to the most passages a question "
                          "may re-read")
-    if reread:
-      self.index = index.with_options(reread=Rereader(
-          model, self.tokenizer, index.dump.manifest, reread, margin=reread_margin,
-          window=reread_window, mesh=self.mesh))
     self.batch_size = round_to_devices(batch_size, self.mesh)
     self._encode = bound_questions(model)
+    # The question encoder that scores re-read spans, when it is not the one ranking them.
+    self._scorer = None if reread_model is None else bound_questions(reread_model)
+    if reread:
+      self.index = index.with_options(reread=Rereader(
+          model if reread_model is None else reread_model, self.tokenizer, index.dump.manifest,
+          reread, margin=reread_margin, window=reread_window, mesh=self.mesh,
+          questions=None if self._scorer is None else self._vectors_of(self._scorer)))
 
   def compile(self, max_questions: int | None = None) -> int:
     """Compiles the question encoder for every call `encode` makes with at most `max_questions`
     questions at once (`compile_questions`), and re-reading's phrase encoder for every call it
     makes (`Rereader.compile`), in threads; returns the shapes."""
-    shapes = compile_questions(self._encode, self.batch_size, self.mesh, self.max_query_length,
-                               max_questions)
+    shapes = sum(compile_questions(encode, self.batch_size, self.mesh, self.max_query_length,
+                                   max_questions)
+                 for encode in (self._encode, self._scorer) if encode is not None)
     return shapes + (0 if self.index.reread is None else self.index.reread.compile())
 
   def empty_questions(self, questions: Sequence[str]) -> list[int]:
@@ -113,6 +121,14 @@ class PhraseSearcher:
       raise ValueError(f"question {int(empty[0])} ({questions[empty[0]][:40]!r}) has no tokens: "
                        f"it is empty or only characters the tokenizer drops ({len(empty)} such)")
     return question_vectors(self._encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
+
+  def _vectors_of(self, encode) -> Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]:
+    """texts -> their start and end vectors by the bound question encoder `encode`, tokenized
+    as `encode` tokenizes (the texts a search was given: checked by it)."""
+    def vectors(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+      ids, mask = self.tokenizer.encode(list(texts), self.max_query_length)
+      return question_vectors(encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
+    return vectors
 
   def search(self, questions: str | Sequence[str], k: int = 10, unit: str = "phrase",
              **kwargs) -> list[list[dict]] | list[dict]:

@@ -17,7 +17,7 @@ from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json, write_lines_atomic
 from dpjax.workdir import Workdir
 from dpjax.reading import Reader, check_reader_config, read_answers
-from dpjax.loading import data_paths
+from dpjax.loading import data_paths, reread_scorer
 from dpjax.main import open_searcher
 from dpjax.config import DEFAULT_NPROBE, SAVED_CONFIG, workdir_config
 from dpjax.settings import DataSettings, EvalSettings, IndexSettings, ModelSettings, Settings
@@ -70,6 +70,7 @@ def run(settings: Settings, workdir: str) -> dict:
             "reread": index.reread.passages if index.reread else 0,
             "reread_margin": index.reread.margin if index.reread else None,
             "reread_window": index.reread.window if index.reread else None,
+            "reread_scored_by": reread_scorer(evaluation, settings.index),
             "nprobe": settings.index.nprobe}
   reading = None
   if evaluation.reader:  # the retriever-reader pipeline over the ranked passages
@@ -135,6 +136,8 @@ def _name_parts(evaluation: EvalSettings, index: IndexSettings) -> tuple[str, st
             + (f"_reread{index.reread}" if index.reread else "")
             + ("" if index.reread_margin is None else f"_m{index.reread_margin:g}")
             + ("" if index.reread_window is None else f"_around{index.reread_window}"))
+  scorer = reread_scorer(evaluation, index)
+  search += "" if scorer is None else f"_scored_{scorer}"
   if index.sparse and index.sparse_weight is not None:
     search += f"_w{index.sparse_weight:g}_s{index.sparse_sentence_weight or 0.0:g}"
   return prefix, search, tag

@@ -8,6 +8,7 @@ import signal
 
 import uvicorn
 
+from dpjax.loading import reread_scorer
 from dpjax.main import open_searcher
 from dpjax.serve import bind, make_service
 from dpjax.serve.auth import api_key, check_exposure
@@ -60,7 +61,8 @@ def service(settings: Settings, workdir):
   index_name = settings.serve.index or settings.index.search_index
   searcher, step = open_searcher(settings, workdir, index_name, verify=settings.index.verify)
   return make_service(settings.serve, searcher, step, workdir, model_name=settings.model.name,
-                      index_name=index_name, max_answer_length=settings.eval.max_answer_length)
+                      index_name=index_name, max_answer_length=settings.eval.max_answer_length,
+                      reread_scored_by=reread_scorer(settings.eval, settings.index))
 
 
 def _interrupt(signum, frame):

@@ -120,6 +120,9 @@ class ServiceInfo(BaseModel):
   reread_window: int | None = Field(None, description="word pieces of a passage re-read around "
                                     "its best span (index.reread_window; null: the whole "
                                     "passage)")
+  reread_scored_by: str | None = Field(None, description="the checkpoint whose question encoder "
+                                       "scores re-read spans (index.reread_checkpoint; null: the "
+                                       "one that ranks the candidates)")
   version: str = Field(description="dpjax's version")
 
 

@@ -57,9 +57,10 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
 
 def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | None, workdir, *,
                  model_name: str, index_name: str, max_answer_length: int,
-                 ) -> tuple[FastAPI, Batcher]:
+                 reread_scored_by: str | None = None) -> tuple[FastAPI, Batcher]:
   """(app, started batcher) over `searcher` (the workdir's index `index_name`, its model
-  `model_name` at checkpoint `step`), the question encoder compiled ahead for every call shape
+  `model_name` at checkpoint `step`; `reread_scored_by`: the checkpoint whose question encoder
+  scores re-read spans, if not that one), the question encoder compiled ahead for every call shape
   a micro-batch may take; with an API key (`api_key`) its data routes need it, without one on a
   loopback `serve.host` it answers only requests to a loopback name."""
   sc = serve
@@ -85,6 +86,7 @@ def make_service(serve: ServeSettings, searcher: PhraseSearcher, step: int | Non
           "reread": 0 if index.reread is None else index.reread.passages,
           "reread_margin": None if index.reread is None else index.reread.margin,
           "reread_window": None if index.reread is None else index.reread.window,
+          "reread_scored_by": reread_scored_by,
           "version": __version__,
           "hybrid": None if index.hybrid is None else index.hybrid.record()}
   return create_app(batcher.start(), Limits.from_config(sc), info, key,

@@ -260,6 +260,7 @@ def summarise(args, threshold, evaluated: dict, speed: dict, rows: dict) -> dict
                    "reread": report.get("reread", 0),
                    "reread_margin": report.get("reread_margin"),
                    "reread_window": report.get("reread_window"),
+                   "reread_scored_by": report.get("reread_scored_by"),
                    "nprobe": report.get("nprobe")}
   paired = {}
   for name in reports:

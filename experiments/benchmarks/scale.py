@@ -516,7 +516,9 @@ def squad_section(s: dict) -> str:
     weights = row.get("hybrid") and f"{row['hybrid']['weight']:g}, " \
         f"{row['hybrid']['sentence_weight']:g}"
     lines.append(f"| {name} | {row['index_tokens']:,} | "
-                 f"{row.get('checkpoint', 'latest')} (step {row.get('model_step', '?')}) | "
+                 f"{row.get('checkpoint', 'latest')} (step {row.get('model_step', '?')})"
+                 + (f", re-read spans scored by {row['reread_scored_by']}"
+                    if row.get("reread_scored_by") else "") + " | "
                  f"{weights or '-'} | "
                  + " | ".join(_f(row.get(k), ".2f") for k in KEYS_SQUAD)
                  + f" | {row['questions_per_s_eval']:.1f} |")
