@@ -90,9 +90,14 @@ def test_a_window_reaches_the_hybrid_rereading_rows_and_dense_sets_the_dense_one
   args = study.parse(["--config", "experiments/squad.py:cpu", "--workdir", str(tmp_path),
                       "--reread-margin", "3:3", "--reread-dense", "20", "--window", "128",
                       "--reread-set", "index.sparse_weight=1",
-                      "--reread-dense-set", "index.nprobe=2048", "--reread-dense", "10"])
+                      "--reread-dense-set", "index.nprobe=2048", "--reread-dense", "10",
+                      "--reread-dense-qsft"])
   files = {name: study.eval_file(args, overrides).name
            for name, (_, _, overrides) in study.systems(args, None).items()}
+  assert {name: files.pop(name) for name in list(files) if "QSFT" in name} == {
+      f"compact OPQ24,PQ24, dense, reread {r}, nprobe 2048, QSFT candidates":
+          f"open_eval_compact_OPQ24_PQ24_reread{r}_scored_latest_nprobe2048_qsft.json"
+      for r in (20, 10)}
   assert files == {
       "Flat, dense": "open_eval_Flat.json", "Flat, hybrid": "open_eval_Flat_hybrid.json",
       "compact OPQ24,PQ24, dense": "open_eval_compact_OPQ24_PQ24.json",

@@ -23,7 +23,9 @@ the BM25 index's files, and what else a search over them reads (the dump's manif
 re-reading at most R passages, those holding a span within M of the best (`index.reread_margin`);
 with `--window W` the hybrid re-reading rows read W word pieces around a passage's best span
 (`index.reread_window`); `--reread-dense-set` applies to the dense re-reading rows only (named in
-them: ", reread_window 128", ", nprobe 2048").
+them: ", reread_window 128", ", nprobe 2048"); `--reread-dense-qsft` adds each dense re-reading row
+again with QSFT's question encoders ranking the candidates and the trained ones scoring the
+re-read spans (`index.reread_checkpoint`).
 Timed questions are a seeded shuffle of the file (SQuAD lists a passage's questions together: in
 file order a batch would re-read far fewer passages than a service's questions make it), and
 re-reading's cache holds nothing while timed (every passage encoded cold).
@@ -106,9 +108,11 @@ def systems(args, threshold: float | None) -> dict:
   dense_named = "".join(f", {key.rsplit('.', 1)[-1]} {value}" for key, _, value in
                         (item.partition("=") for item in args.reread_dense_set))
   for passages in args.reread_dense:
-    rows[f"compact {args.codec}, dense, reread {passages}{dense_named}"] = (
-        compact, folder, coded + ["index.sparse=False", f"index.reread={passages}",
-                                  *args.reread_dense_set])
+    dense = coded + ["index.sparse=False", f"index.reread={passages}", *args.reread_dense_set]
+    rows[f"compact {args.codec}, dense, reread {passages}{dense_named}"] = (compact, folder, dense)
+    if args.reread_dense_qsft:  # QSFT's encoders rank the candidates, the trained ones score
+      rows[f"compact {args.codec}, dense, reread {passages}{dense_named}, QSFT candidates"] = (
+          compact, folder, dense + ["eval.checkpoint=qsft", "index.reread_checkpoint=latest"])
   if args.versus:  # the same searches over another codec's index (evaluated and paired)
     other = f"compact:{args.versus}"
     other_folder = index_folder(other, threshold)
@@ -315,6 +319,10 @@ def parse(argv):
   parser.add_argument("--reread-dense-set", action="append", default=[],
                       help="for the dense re-reading rows only, named in them (e.g. "
                            "index.nprobe=2048: more passages visited for its candidates)")
+  parser.add_argument("--reread-dense-qsft", action="store_true",
+                      help="each dense re-reading row again with QSFT's question encoders "
+                           "ranking the candidates and the trained ones scoring the re-read "
+                           "spans (eval.checkpoint=qsft, index.reread_checkpoint=latest)")
   parser.add_argument("--window", type=int, default=None,
                       help="the hybrid re-reading rows read this many word pieces around a "
                            "passage's best span (index.reread_window)")
