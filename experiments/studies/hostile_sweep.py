@@ -602,6 +602,12 @@ CONFIG_CASES = [  # (argv, case, pattern of the error)
      r"^index\.reread_margin is set without index\.reread"),
     (["eval", *TINY, "--set", "index.reread=2", "--set", "index.reread_window=0"],
      "index.reread_window of no word piece", r"^index\.reread_window = 0: must be a number >= 1"),
+    (["eval", *TINY, "--set", "index.reread_checkpoint=latest"],
+     "index.reread_checkpoint without a count",
+     r"^index\.reread_checkpoint is set without index\.reread"),
+    (["eval", *TINY, "--set", "index.reread=2", "--set", "index.reread_checkpoint=newest"],
+     "index.reread_checkpoint of no kind",
+     r"^index\.reread_checkpoint = 'newest': must be one of latest, best, qsft"),
     (["serve", *TINY, "--set", "serve.port=70000"], "serve.port out of range",
      r"serve\.port 70000: cannot listen there \(.*0-65535"),
 ]
@@ -837,12 +843,16 @@ def checkpoint_and_workdir_cases(s: Sweep) -> None:
          said=[("names the latest checkpoint step, the one damaged", lambda out: re.search(
              rf"/ckpt/checkpoints/{latest['step']}/state/", final_line(out)))])
   w = s.scratch / "which"
-  for what, setting, error in [
-      ("eval.checkpoint=best without validation", "eval.checkpoint=best",
+  for what, settings, error in [
+      ("eval.checkpoint=best without validation", ["eval.checkpoint=best"],
        r"/which/checkpoints_best: no best checkpoint"),
-      ("eval.checkpoint=qsft without QSFT", "eval.checkpoint=qsft",
+      ("eval.checkpoint=qsft without QSFT", ["eval.checkpoint=qsft"],
+       r"/which/checkpoints_qsft: no qsft checkpoint"),
+      ("re-read spans scored by QSFT's encoder without QSFT",
+       ["index.reread=2", "index.reread_checkpoint=qsft"],
        r"/which/checkpoints_qsft: no qsft checkpoint")]:
-    s.case("state", what, lambda: cli("eval", *TINY, "--workdir", str(w), "--set", setting),
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    s.case("state", what, lambda: cli("eval", *TINY, "--workdir", str(w), *sets),
            error=error, unchanged=[w], setup=s.make("which"))
   w = s.scratch / "qsftq"
   s.case("state", "quantisation-aware QSFT on a Flat index", lambda: cli(
