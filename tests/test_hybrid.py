@@ -136,6 +136,24 @@ def test_sentence_scores_are_bm25_by_hand(tmp_path):
   np.testing.assert_allclose(got, np.array(expected)[[4, 1, 0, 0, 3]], rtol=1e-6)
 
 
+def test_sentence_terms_are_bm25s_tokens():
+  """`term_ids` (the sentence term's tokenizer) gives the ids of bm25s's tokens: the toy
+  corpus's sentences, stop words, case, digits, accents, one-letter words, nothing at all."""
+  import threading
+  texts = [t for p in PASSAGES for t in sparse.sentence_texts(p)[1]] + [
+      "The THE the", "", "a b c", "Café naïve 1999 x2 e.g. U.S.A.", "running ran runs"]
+  tokens = sparse.tokenize(texts)
+  vocab = {term: i for i, term in enumerate(sorted({t for found in tokens for t in found}))}
+  vocab.pop(tokens[0][0])  # a term the index lacks: -1
+  expected = [[vocab.get(t, -1) for t in found] for found in tokens]
+  assert sparse.term_ids(texts, vocab) == expected and -1 in expected[0]
+  other = []  # (another thread: its own stemmer)
+  thread = threading.Thread(target=lambda: other.append(sparse.term_ids(texts, vocab)))
+  thread.start()
+  thread.join()
+  assert other == [expected]
+
+
 def test_passages_read_without_the_vectors(toy, tmp_path):
   """`Dump.read_passages` (the BM25 row's texts) gives `Dump.load`'s passages; a shard whose
   passages file is gone is named in one line."""
