@@ -115,18 +115,17 @@ class PhraseSearcher:
     ValueError naming it."""
     if isinstance(questions, str):
       raise ValueError("questions must be a list of strings, not one string")
-    ids, mask = self.tokenizer.encode(list(questions), self.max_query_length)
-    empty = _tokenless(mask)
-    if len(empty):
-      raise ValueError(f"question {int(empty[0])} ({questions[empty[0]][:40]!r}) has no tokens: "
-                       f"it is empty or only characters the tokenizer drops ({len(empty)} such)")
-    return question_vectors(self._encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
+    return self._vectors_of(self._encode)(questions)
 
   def _vectors_of(self, encode) -> Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]:
-    """texts -> their start and end vectors by the bound question encoder `encode`, tokenized
-    as `encode` tokenizes (the texts a search was given: checked by it)."""
+    """texts -> their start and end vectors by the bound question encoder `encode` (`encode`'s
+    and the re-reading scorer's); a text without tokens is a ValueError naming it."""
     def vectors(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
       ids, mask = self.tokenizer.encode(list(texts), self.max_query_length)
+      empty = _tokenless(mask)
+      if len(empty):
+        raise ValueError(f"question {int(empty[0])} ({texts[empty[0]][:40]!r}) has no tokens: it "
+                         f"is empty or only characters the tokenizer drops ({len(empty)} such)")
       return question_vectors(encode, ids, mask, batch_size=self.batch_size, mesh=self.mesh)
     return vectors
 
