@@ -46,6 +46,11 @@ def test_only_an_eval_of_every_question_is_reused(tmp_path):
   assert not study._complete(path, 12)  # an eval.limit run: not the study's questions
   path.write_text(json.dumps({"questions": 10, "hits": {**hits, "top20": "0" * 9}}))
   assert not study._complete(path, 10)
+  # a hybrid report is reused only when its BM25 scored as this code's does
+  from dpjax.index.sparse import SETTINGS
+  for bm25, reused in ((SETTINGS, True), ({**SETTINGS, "sentences": "an earlier term"}, False)):
+    path.write_text(json.dumps({"questions": 10, "hits": hits, "hybrid": {"bm25": bm25}}))
+    assert study._complete(path, 10) is reused
 
 
 def test_compact_rows_read_the_reports_of_their_own_overrides(tmp_path):

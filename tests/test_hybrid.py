@@ -46,15 +46,18 @@ def _sentences(passages):
 def _bm25_reference(passages, question, k1=0.9, b=0.4, texts=None):
   """Lucene's BM25 (Pyserini's; since Lucene 8 without the (k1 + 1) factor of Robertson's
   formula), spelled out over the index's terms: of the passages, or of `texts` (their
-  sentences) with the passages' idf and the texts' mean length."""
+  sentences) as documents of their own (their idf and mean length; a question term no passage
+  holds counts in none)."""
   passage_docs = [Counter(terms) for terms in
                   sparse.tokenize([sparse.passage_text(p) for p in passages])]
   docs = passage_docs if texts is None else [Counter(terms) for terms in sparse.tokenize(texts)]
   lengths = np.array([sum(d.values()) for d in docs], float)
   scores = np.zeros(len(docs))
   for term in sparse.tokenize([question])[0]:
-    df = sum(term in d for d in passage_docs)
-    idf = math.log(1 + (len(passage_docs) - df + 0.5) / (df + 0.5))
+    if not any(term in d for d in passage_docs):
+      continue
+    df = sum(term in d for d in docs)
+    idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
     for row, d in enumerate(docs):
       tf = d[term]
       scores[row] += idf * tf / (tf + k1 * (1 - b + b * lengths[row] / lengths.mean()))
@@ -81,6 +84,52 @@ def test_bm25_scores_are_lucenes(toy):
                                rtol=1e-5)
 
 
+def test_sentence_scores_are_a_bm25s_index_of_the_sentences(toy):
+  """The sentence term scores every sentence as a bm25s index of the sentences alone does (what
+  a stored sentence index scored) from the stored document frequencies, not that index."""
+  directory = toy[0]
+  dump = Dump.load(directory)
+  index = sparse.SparseIndex(directory, dump.manifest)
+  sentences = _sentences(PASSAGES)
+  of_sentences = sparse.bm25_of([text for _, _, text in sentences])
+  rows = np.array([row for row, _, _ in sentences])
+  chars = np.array([a for _, a, _ in sentences])
+  for question, terms in zip(QUESTIONS, index.question_terms(QUESTIONS)):
+    expected = of_sentences.get_scores(sparse.tokenize([question])[0])
+    assert expected.any()
+    np.testing.assert_allclose(index.sentence_scores(terms, rows, chars, PASSAGES), expected,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["vocabulary", "count", "signed", "header"])
+def test_sentence_frequencies_that_do_not_fit_are_refused(toy, tmp_path, damage):
+  """A sentence_df.npy of another length, a count above the sentences', a signed array or an
+  unreadable one: refused in one line naming the BM25 folder (the manifest records the damaged
+  file's size and digest: only the reading catches it)."""
+  from dpjax.io import folder_checksums, read_json, write_json
+  directory = tmp_path / "dump"
+  shutil.copytree(toy[0], directory)
+  manifest = Dump.load(directory).manifest
+  path = sparse.sparse_folder(directory) / sparse.SENTENCE_DF
+  frequency = np.load(path)
+  if damage == "vocabulary":
+    np.save(path, frequency[:-1])
+  elif damage == "count":
+    frequency[0] = np.iinfo(frequency.dtype).max
+    np.save(path, frequency)
+  elif damage == "signed":
+    np.save(path, frequency.astype(np.int16))
+  else:
+    path.write_bytes(b"\x00" * path.stat().st_size)
+  recorded = read_json(path.parent / sparse.MANIFEST, DumpError, "")
+  recorded["files"] = {k: v for k, v in folder_checksums(path.parent).items()
+                       if k in recorded["files"]}
+  write_json(path.parent / sparse.MANIFEST, recorded)
+  with pytest.raises(DumpError, match="the BM25 index is unreadable") as e:
+    sparse.SparseIndex(directory, manifest)
+  assert str(sparse.sparse_folder(directory)) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_every_token_scores_its_sentence_unit_sentence(toy):
   directory = toy[0]
   index = PhraseIndex(directory, "Flat")
@@ -98,8 +147,9 @@ def test_every_token_scores_its_sentence_unit_sentence(toy):
 
 
 def test_sentence_scores_are_bm25_by_hand(tmp_path):
-  """A small corpus of words the stemmer keeps, scored by hand: idf over the passages, length
-  over the mean sentence length; the BM25 folder holds the passages' index alone."""
+  """A small corpus of words the stemmer keeps, scored by hand: idf over the sentences, length
+  over their mean length; the BM25 folder holds the passages' index and the sentences' document
+  frequencies alone."""
   from dpjax.data.squad import Passage
   texts = ["cat dog. Bird cat cat fish.", "dog tree. Tree tree.", "fish"]
   passages = [Passage(f"p{i}", "zoo", t) for i, t in enumerate(texts)]
@@ -107,12 +157,11 @@ def test_sentence_scores_are_bm25_by_hand(tmp_path):
   folder = sparse.build_sparse(tmp_path, passages, manifest)
   assert sorted(p.name for p in folder.iterdir() if p.name != ".dpjax_verified.json") == [
       "data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
-      "params.index.json", sparse.MANIFEST, "vocab.index.json"]
+      "params.index.json", sparse.SENTENCE_DF, sparse.MANIFEST, "vocab.index.json"]
   index = sparse.SparseIndex(tmp_path, manifest)
   words = [["zoo", "cat", "dog"], ["zoo", "bird", "cat", "cat", "fish"], ["zoo", "dog", "tree"],
            ["zoo", "tree", "tree"], ["zoo", "fish"]]  # each "title sentence"'s terms
   assert sparse.tokenize([t for p in passages for t in sparse.sentence_texts(p)[1]]) == words
-  passage_words = [set(f"zoo {t}".replace(".", "").lower().split()) for t in texts]
   mean = np.mean([len(w) for w in words])
   assert index.manifest["sentence_length"] == pytest.approx(mean)
   question = "Which cat, cat or fish, is not a unicorn?"  # (cat twice, unicorn in no passage)
@@ -120,8 +169,8 @@ def test_sentence_scores_are_bm25_by_hand(tmp_path):
   for sentence in words:
     score = 0.0
     for term, count in (("cat", 2), ("fish", 1)):
-      df = sum(term in p for p in passage_words)
-      idf = math.log(1 + (3 - df + 0.5) / (df + 0.5))
+      df = sum(term in w for w in words)  # (cat 2, fish 2 of the 5 sentences)
+      idf = math.log(1 + (5 - df + 0.5) / (df + 0.5))
       tf = sentence.count(term)
       score += count * idf * tf / (tf + 0.9 * (1 - 0.4 + 0.4 * len(sentence) / mean))
     expected.append(score)
@@ -518,8 +567,8 @@ def test_bad_hybrid_inputs_are_one_clear_error(toy, tmp_path):
 
 
 def test_document_frequencies_out_of_order_are_refused(toy, tmp_path):
-  """Damage to the columns the idf is read from, keeping their size (unchecked unless
-  verified): one line."""
+  """Damage to the passages' score columns, keeping their size (unchecked unless verified):
+  one line."""
   copy = tmp_path / "copy"
   shutil.copytree(toy[0], copy)
   path = sparse.sparse_folder(copy) / "indptr.csc.index.npy"

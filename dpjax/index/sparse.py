@@ -8,11 +8,12 @@ names the dump it was built from (refused against any other), each file's size a
 sentences' count and mean length, and the hybrid weights chosen for it (`record_weight`).
 
 Hybrid search also adds the BM25 of the sentence a phrase starts in: "title sentence" of each
-sentence of its passage (`units.sentence_bounds`, the sentence unit's sentences), scored at query
-time with the passages' idf (their document frequencies are the index's columns) and the
-sentence's length over the mean sentence length. No index of the sentences is stored, so the BM25
-folder costs what the passages' index does; only the sentences of the passages a question's
-candidates come from are tokenized, each passage once while it stays in a bounded cache.
+sentence of its passage (`units.sentence_bounds`, the sentence unit's sentences) as a document of
+the sentences, BM25 as bm25s scores an index of them (their idf, their mean length), computed at
+query time. Of the sentences only each vocabulary term's document frequency among them is stored
+(`sentence_df.npy`, about 0.04 bytes per corpus token on SQuAD-open small), not an index of them;
+only the sentences of the passages a question's candidates come from are tokenized, each passage
+once while it stays in a bounded cache.
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ MANIFEST = "sparse_manifest.json"
 SETTINGS = {"method": "bm25 (bm25s, lucene idf)", "k1": 0.9, "b": 0.4, "stopwords": "en",
             "stemmer": "snowball english (PyStemmer)", "text": "title text",
             "sentences": "title sentence (units.sentence_bounds), scored at query time with the "
-                         "passages' idf and the mean sentence length"}
+                         "sentences' idf (sentence_df.npy) and mean length"}
 BUILD_HINT = "build it with `run.py index --set index.sparse=True`"
+SENTENCE_DF = "sentence_df.npy"  # [V] each vocabulary term's document frequency among sentences
 # Passages whose tokenized sentences a SparseIndex keeps (least recently used dropped first).
 SENTENCE_CACHE_PASSAGES = 1 << 14
 
@@ -125,16 +127,17 @@ def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest:
   texts = [passage_text(p) for p in passages]
   retriever = bm25_of(texts)
   sentences = [text for p in passages for text in sentence_texts(p)[1]]
-  lengths = [len(terms) for terms in tokenize(sentences, ids=True).ids]
+  lengths, frequency = _sentence_counts(sentences, retriever.vocab_dict)
   tmp = final.with_name(final.name + ".tmp")
   remove(tmp)
   tmp.mkdir(parents=True)
   try:
     retriever.save(str(tmp), show_progress=False)
+    np.save(tmp / SENTENCE_DF, frequency)
     files = folder_checksums(tmp)
     manifest = {"kind": "bm25", "settings": SETTINGS, "num_passages": len(texts),
                 "num_sentences": len(sentences),
-                "sentence_length": float(np.mean(lengths)) if lengths else 0.0,
+                "sentence_length": float(np.mean(lengths)) if len(lengths) else 0.0,
                 "fingerprint": dump_manifest["fingerprint"],
                 "dump_id": dump_manifest.get("dump_id", ""),
                 "index_bytes": sum(f["bytes"] for f in files.values()),
@@ -149,6 +152,18 @@ def build_sparse(dump_dir: str | os.PathLike, passages: Sequence, dump_manifest:
   log.info("BM25 index %s: %d passages, %d sentences, %.1f s", final, len(texts),
            len(sentences), manifest["build_seconds"])
   return final
+
+
+def _sentence_counts(sentences: Sequence[str], vocab: dict) -> tuple[np.ndarray, np.ndarray]:
+  """(each sentence's length in terms [S], each term of `vocab`'s document frequency among the
+  sentences [V], in the smallest unsigned type holding the largest: uint16 on SQuAD-open)."""
+  ids = term_ids(sentences, vocab)
+  lengths = np.array([len(terms) for terms in ids], np.int64)
+  frequency = np.zeros(len(vocab), np.int64)
+  for terms in ids:  # (a sentence's "title sentence" terms all come from its passage's text)
+    frequency[[t for t in set(terms) if t >= 0]] += 1
+  dtype = np.uint16 if frequency.max(initial=0) <= np.iinfo(np.uint16).max else np.uint32
+  return lengths, frequency.astype(dtype)
 
 
 def record_weight(dump_dir: str | os.PathLike, weight: float, sentence_weight: float,
@@ -167,7 +182,7 @@ class QuestionTerms:
   """A question's stemmed terms that the passages hold, for its sentence scores.
 
   ids: [m] their ids in the index's vocabulary, ascending; weights: [m] float32, each term's
-  idf over the passages times its count in the question. The sentences scored so far for it are
+  idf over the sentences times its count in the question. The sentences scored so far for it are
   kept (`scored`, the passage rows; `keys`: passage row << 32 | first character, ascending;
   `values`: their scores), so the searches of one question (its requests, every weight tried)
   score a passage once.
@@ -211,9 +226,11 @@ class SparseIndex:
     try:
       # Memory-mapped: the scores are read where a question's terms point.
       self.retriever = bm25s.BM25.load(str(self.directory), mmap=True, show_progress=False)
-      self._idf = self._idf_of(self.retriever)
       self.sentence_length = float(self.manifest["sentence_length"]) or 1.0
       self.num_sentences = int(self.manifest["num_sentences"])
+      self._check_columns(self.retriever)
+      self._idf = self._sentence_idf(np.load(self.directory / SENTENCE_DF),
+                                     len(self.retriever.vocab_dict), self.num_sentences)
     except (OSError, ValueError, KeyError, TypeError, EOFError) as e:  # damaged, same sizes
       reason = (str(e).splitlines() or [""])[0][:200]
       raise DumpError(f"{self.directory}: the BM25 index is unreadable ({type(e).__name__}: "
@@ -223,18 +240,24 @@ class SparseIndex:
     self._lock = threading.Lock()  # (the cache: searches may run in threads)
 
   @staticmethod
-  def _idf_of(retriever) -> np.ndarray:
-    """[V] float32 Lucene idf of each vocabulary term over the passages: its document frequency
-    is its column's length in bm25s's [passages, V] CSC scores (an entry per passage holding
-    it; bm25s's empty term, last in the vocabulary, may have no column)."""
+  def _check_columns(retriever) -> None:
+    """Refuses bm25s's [passages, V] CSC scores whose columns (one per vocabulary term, but
+    bm25s's empty term, last, which may have none) do not fit the vocabulary and the entries:
+    a damaged file of the recorded size, which scoring would read silently."""
     indptr = np.asarray(retriever.scores["indptr"], np.int64)
-    frequency = np.diff(indptr)
-    vocab = len(retriever.vocab_dict)
-    if (len(frequency) not in (vocab, vocab - 1) or (frequency < 0).any()
-        or indptr[-1] != len(retriever.scores["indices"])):
+    if (len(indptr) - 1 not in (len(retriever.vocab_dict), len(retriever.vocab_dict) - 1)
+        or (np.diff(indptr) < 0).any() or indptr[-1] != len(retriever.scores["indices"])):
       raise ValueError("the score matrix's columns do not match the vocabulary")
-    count = float(retriever.scores["num_docs"])
-    return np.log1p((count - frequency + 0.5) / (frequency + 0.5)).astype(np.float32)
+
+  @staticmethod
+  def _sentence_idf(frequency: np.ndarray, vocab: int, sentences: int) -> np.ndarray:
+    """[V] float32 Lucene idf of each vocabulary term over the sentences, from its document
+    frequency among them (`SENTENCE_DF`), checked against the vocabulary and sentence count."""
+    if (frequency.shape != (vocab,) or frequency.dtype.kind != "u"
+        or frequency.max(initial=0) > sentences):
+      raise ValueError(f"{SENTENCE_DF} does not match the vocabulary and the sentences")
+    frequency = frequency.astype(np.float64)
+    return np.log1p((sentences - frequency + 0.5) / (frequency + 0.5)).astype(np.float32)
 
   def check_of(self, dump_dir: str | os.PathLike, dump_manifest: dict) -> None:
     """Refuses this BM25 index for a dump it was not built from (its id, model, passages)."""

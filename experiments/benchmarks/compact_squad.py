@@ -166,10 +166,14 @@ def build_and_evaluate(args, threshold, rows: dict) -> dict:
 
 
 def _complete(path: pathlib.Path, questions: int) -> bool:
-  """Whether an eval report holds per-question hits of all `questions` (not a limited run's)."""
+  """Whether an eval report holds per-question hits of all `questions` (not a limited run's)
+  and, of a hybrid search, was scored with this code's BM25 (`sparse.SETTINGS`: a report of an
+  earlier sentence term is run again, not reused)."""
+  from dpjax.index.sparse import SETTINGS
   report = json.loads(path.read_text())
-  return report["questions"] == questions and all(
-      len(report.get("hits", {}).get(k, "")) == questions for k in PAIRED)
+  hybrid = report.get("hybrid")
+  return (report["questions"] == questions and (not hybrid or hybrid.get("bm25") == SETTINGS)
+          and all(len(report.get("hits", {}).get(k, "")) == questions for k in PAIRED))
 
 
 def served_bytes(dump: pathlib.Path, folder: str) -> dict:
