@@ -1410,6 +1410,18 @@ def compact_cases(s: Sweep) -> None:
                                         f"index.search_index={folder}"),
            error=rf"/indexes/{folder}/{error}", unchanged=[w],
            setup=s.make("compact_damaged", then=built_then_damaged))
+  w = s.scratch / "bm25_damaged"
+  hybrid = ("--set", "index.sparse=True", "--set", "index.sparse_weight=1")
+
+  def bm25_then_damaged() -> None:
+    cli("index", *TINY, "--workdir", str(w), *hybrid)
+    path = w / "dump" / "indexes" / "bm25" / "sentence_df.npy"
+    path.write_bytes(b"\0" * path.stat().st_size)
+  s.case("compact", "a BM25 index's sentence frequencies zeroed", lambda: cli(
+      "eval", *TINY, "--workdir", str(w), *hybrid),
+      error=r"/indexes/bm25/sentence_df\.npy: its bytes differ .*the BM25 index is damaged",
+      unchanged=[w],
+      setup=s.make("bm25_damaged", then=bm25_then_damaged))
 
 
 def residual_cases(s: Sweep) -> None:
