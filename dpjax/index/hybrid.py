@@ -13,7 +13,7 @@ with raw BM25 scores (not normalised: the terms are sums of evidence on scales f
 and model, so weights chosen on held-out questions fit them, as Pyserini's dense-sparse fusion
 adds raw scores). The sentence's score tells apart the passages of one article, which share
 most of the question's words, by where the words sit (its effect on held-out training
-questions: `results/fusion_terms.md`); it is BM25 over the sentence's terms with the passages'
+questions: `results/fusion_terms.md`); it is BM25 over the sentence's terms with the sentences'
 idf (`SparseIndex.sentence_scores`), computed for the candidates' sentences only. Weights of 0
 are the dense search itself, without BM25's candidates.
 """
