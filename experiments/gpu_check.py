@@ -53,7 +53,8 @@ TARGETS = (("rc_exact_match", ">=", 60.0), ("top1", ">=", 65.0), ("em@1", ">=", 
            ("dump_warm_tokens_per_s", ">=", 1e6), ("eval_questions_per_s", ">=", 1000.0),
            ("step_mfu", ">=", 0.20))
 OPEN_KEYS = ("questions", "em@1", "f1@1", "em@10", "top1", "top5", "top20", "mrr@20",
-             "search_seconds", "questions_per_sec_batch64", "index_tokens", "index_spec",
+             "search_seconds", "search_split", "questions_per_sec_batch64", "index_tokens",
+             "index_spec",
              "index_bytes_per_token", "model_step")
 DUMP_KEYS = ("num_passages", "num_tokens", "num_windows", "encoded_tokens", "seconds",
              "compile_seconds", "compiles", "host_seconds", "processes", "width_multiple")

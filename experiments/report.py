@@ -125,6 +125,18 @@ def _wall_split(results: dict, name: str) -> str:
   return " / ".join(map(cell, parts)) + f" ({cell(sum(parts))} of {cell(wall)})"
 
 
+def _search_split(found: dict, prefix: str = "") -> str:
+  """'encode wait / hits / units / scoring (compiles: n, s)' seconds of an eval's search
+  (`dpjax.main.eval._answered`), '-' for a run before the split was recorded."""
+  split = found.get(f"{prefix}search_split")
+  if not split:
+    return "-"
+  parts = " / ".join(cell(split.get(f"{part}_seconds"))
+                     for part in ("encode_wait", "hits", "units", "scoring"))
+  return (f"{parts} of {cell(found.get(f'{prefix}search_seconds'))} (compiles: "
+          f"{split.get('compiles')}, {cell(split.get('compile_seconds'))})")
+
+
 def _slowest(train: dict) -> str:
   """'name: compiles, seconds; ...' of a training's slowest compiles (its timing record's)."""
   slowest = train.get("train_slowest_compiles") or {}
@@ -174,6 +186,10 @@ def render_gpu_check(results: dict, command: str) -> str:
     lines.append(f"| {label} | " + " | ".join(cell(found[n].get(key)) for n in names) + " |")
   lines.append("| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
                + " | ".join(_wall_split(results, n) for n in names) + " |")
+  for label, prefix in (("eval", ""), ("hybrid eval", "hybrid_")):
+    lines.append(f"| {label}'s search (s): encode wait / index search / searches given its hits "
+                 "/ scoring of the search's seconds (compiles within them) | "
+                 + " | ".join(_search_split(found[n], prefix) for n in names) + " |")
   lines.append("| training's slowest compiles (function: compiles, s) | " + " | ".join(
       _slowest(results["candidates"][n].get("train", {})) for n in names) + " |")
   lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(

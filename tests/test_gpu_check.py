@@ -46,6 +46,14 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert figures[key] == open_eval[key]
   assert figures["questions"] == open_eval["questions"] > 0
   assert open_eval["hybrid"] is None  # the dense row is dense whatever the config's default
+  # The eval's search split, its parts within its seconds (compiles are within the parts).
+  searched = figures["search_split"]
+  assert searched == open_eval["search_split"]
+  parts_s = [searched[f"{p}_seconds"] for p in ("encode_wait", "hits", "units", "scoring")]
+  assert all(x >= 0 for x in parts_s) and searched["units_seconds"] > 0
+  assert sum(parts_s) <= open_eval["search_seconds"]
+  assert 0 <= searched["compile_seconds"] <= open_eval["search_seconds"]
+  assert searched["compiles"] >= 0
   hybrid = json.loads((work / "default" / "open_eval_Flat_hybrid.json").read_text())
   for key in ("em@1", "top1", "top20"):
     assert figures[f"hybrid_{key}"] == hybrid[key]
@@ -97,6 +105,12 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   assert (f"| training's wall (s): data / compiles / steps / RC eval (their sum of the wall) | "
           f"{split} (") in markdown
   assert f"| bf16 step, XLA attention | {figures['step_flops']:.3g} | the median step |" in markdown
+  assert (f"of the search's seconds (compiles within them) | "
+          f"{report.cell(searched['encode_wait_seconds'])} / "
+          f"{report.cell(searched['hits_seconds'])} / {report.cell(searched['units_seconds'])} / "
+          f"{report.cell(searched['scoring_seconds'])} of "
+          f"{report.cell(open_eval['search_seconds'])} (compiles: {searched['compiles']}, "
+          ) in markdown
   assert markdown.rstrip().endswith("a note")
   runs = [json.loads(line) for line in history.read_text().splitlines()]
   assert len(runs) == 1 and runs[0]["figures"]["top1"] == open_eval["top1"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import pathlib
+import time
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -18,26 +19,43 @@ from dpjax.io import Progress, write_lines_atomic
 
 log = logging.getLogger("dpjax.eval")
 PROGRESS_CHUNK = 256  # questions searched between two progress updates
+# The parts of a retrieval `retrieve_texts(timing=)` times: waiting for the question encoder's
+# thread, the shared index search, the requests' searches given its hits.
+RETRIEVAL_PARTS = ("encode_wait", "hits", "units")
 
 # What `retrieval_scores` reports with the default ks (validation.metric must be one of these).
 METRICS = ("em@1", "f1@1", "em@10", "f1@10", "top1", "top5", "top20", "mrr@20", "p@20")
 
 
 def retrieve(index, q_start: np.ndarray, q_end: np.ndarray, requests: Sequence[tuple[int, str]],
-             *, shared_hits: bool = False, **search_kwargs) -> list[list[list]]:
+             *, shared_hits: bool = False, timing: dict | None = None,
+             **search_kwargs) -> list[list[list]]:
   """For each (k, unit) request, the top-k units of every question as [(Phrase, key)].
 
   `shared_hits`: one index search, as wide as the widest request needs, serves all requests
   (`PhraseIndex.search(hits=)`); otherwise each request searches the index itself.
+  `timing`: a dict the seconds of the shared index search ("hits") and of the requests' searches
+  ("units") are added to (`RETRIEVAL_PARTS`).
   `search_kwargs` go to `PhraseIndex.search` (max_answer_length, top_tokens, max_fetch, texts).
   """
-  hits = None
+  hits, start = None, time.perf_counter()
   if shared_hits:
     bounds = {k: search_kwargs.get(k) for k in ("top_tokens", "max_fetch")}
     width = max(index.fetch_bounds(k, **bounds)[unit != "phrase"] for k, unit in requests)
     hits = index.hits(q_start, q_end, width)
-  return [index.search(q_start, q_end, k, unit, hits=hits, **search_kwargs)
-          for k, unit in requests]
+    start = _timed(timing, "hits", start)
+  found = [index.search(q_start, q_end, k, unit, hits=hits, **search_kwargs)
+           for k, unit in requests]
+  _timed(timing, "units", start)
+  return found
+
+
+def _timed(timing: dict | None, part: str, start: float) -> float:
+  """Adds the seconds since `start` to timing[part] (none: nothing); returns now."""
+  now = time.perf_counter()
+  if timing is not None:
+    timing[part] = timing.get(part, 0.0) + now - start
+  return now
 
 
 def retrieve_texts(index, encode: Callable, texts: Sequence[str],
@@ -47,7 +65,7 @@ def retrieve_texts(index, encode: Callable, texts: Sequence[str],
   `chunk` (default `PROGRESS_CHUNK`) of them at a time and pipelined: the next chunk is encoded
   in a worker thread while this one is searched, so the encoder's and the search's work share
   the cores that each alone leaves idle. `search_kwargs` as `retrieve`'s (shared_hits,
-  max_answer_length, ...)."""
+  max_answer_length, ...; its `timing` also gets the seconds spent waiting for the encoder)."""
   chunk = PROGRESS_CHUNK if chunk is None else chunk
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunk (questions encoded at a time) must be >= 1, got {chunk!r}")
@@ -57,7 +75,9 @@ def retrieve_texts(index, encode: Callable, texts: Sequence[str],
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       ahead = pool.submit(encode, parts[0]) if parts else None
       for i in range(len(parts)):
+        waited = time.perf_counter()
         vectors = ahead.result()
+        _timed(search_kwargs.get("timing"), "encode_wait", waited)
         if i + 1 < len(parts):
           ahead = pool.submit(encode, parts[i + 1])
         yield (*vectors, list(parts[i]))  # the texts too: hybrid search scores them with BM25

@@ -12,9 +12,11 @@ import time
 from dpjax.data.questions import read_questions
 from dpjax.data.squad import load_json
 from dpjax.errors import DataError
-from dpjax.index.evaluate import found_scores, retrieve_texts, score_requests, write_trec
+from dpjax.index.evaluate import (RETRIEVAL_PARTS, found_scores, retrieve_texts,
+                                   score_requests, write_trec)
 from dpjax.index.faiss_index import index_folder
 from dpjax.io import write_json, write_lines_atomic
+from dpjax.parallel import compile_stats
 from dpjax.workdir import Workdir
 from dpjax.reading import Reader, check_reader_config, read_answers
 from dpjax.loading import data_paths, reread_scorer
@@ -45,21 +47,15 @@ def run(settings: Settings, workdir: str) -> dict:
                     f"token, e.g. {questions[empty[0]].id} ({texts[empty[0]][:40]!r}): only "
                     "characters the tokenizer drops (control or format characters)")
   passage_k = evaluation.passage_k
-  start = time.perf_counter()
-  # Encoding and searching pipelined: the next 256 questions encoded while these are searched.
-  found = retrieve_texts(index, searcher.encode, texts, score_requests(passage_k=passage_k),
-                         progress=True, shared_hits=True,
-                         max_answer_length=evaluation.max_answer_length)
-  scores = found_scores(index, found, [q.answers for q in questions], passage_k=passage_k,
-                        passage_ks=(1, 5, 20, 100), regex=evaluation.regex, per_question=True)
-  seconds = time.perf_counter() - start
+  found, scores, seconds, split = _answered(searcher, questions, evaluation)
   batch64_qps, timed = _batch64_throughput(evaluation, searcher, texts)
   log.info("phrases and passages of %d questions in %.0f s; %.1f questions/s at batch 64 "
            "(top-10 phrases)", len(texts), seconds, batch64_qps)
   checkpoint = evaluation.checkpoint
   report = {"index": settings.index.search_index, "questions": len(questions),
             "checkpoint": checkpoint, "model_step": step, "fingerprint": index.fingerprint,
-            **scores, "search_seconds": seconds, "questions_per_sec_batch64": batch64_qps,
+            **scores, "search_seconds": seconds, "search_split": split,
+            "questions_per_sec_batch64": batch64_qps,
             "batch64_questions": timed, "index_tokens": index.manifest["num_tokens"],
             "dump_passages": index.dump.manifest["num_passages"],
             "dump_seconds": index.dump.manifest.get("seconds"),
@@ -83,6 +79,31 @@ def run(settings: Settings, workdir: str) -> dict:
             for units in (found[1] if passage_k else [[] for _ in questions])]
   _write_eval(evaluation, settings.index, workdir, report, questions, phrases, ranked, reading)
   return report
+
+
+def _answered(searcher, questions: list, evaluation: EvalSettings
+              ) -> tuple[list, dict, float, dict]:
+  """(the top-10 phrases and top passage_k passages of every question, their scores, the
+  seconds of both, those seconds split: waiting for the question encoder, the shared index
+  search, the searches given its hits (rescoring, fusion, units, any wider index search), the
+  scoring; and the compiles within them, part of those parts)."""
+  texts, passage_k = [q.question for q in questions], evaluation.passage_k
+  compiled, timing = compile_stats(), {}
+  start = time.perf_counter()
+  # Encoding and searching pipelined: the next 256 questions encoded while these are searched.
+  found = retrieve_texts(searcher.index, searcher.encode, texts,
+                         score_requests(passage_k=passage_k), progress=True, shared_hits=True,
+                         max_answer_length=evaluation.max_answer_length, timing=timing)
+  scoring = time.perf_counter()
+  scores = found_scores(searcher.index, found, [q.answers for q in questions],
+                        passage_k=passage_k, passage_ks=(1, 5, 20, 100), regex=evaluation.regex,
+                        per_question=True)
+  end, now = time.perf_counter(), compile_stats()
+  split = {**{f"{part}_seconds": timing.get(part, 0.0) for part in RETRIEVAL_PARTS},
+           "scoring_seconds": end - scoring,
+           "compile_seconds": now["seconds"] - compiled["seconds"],
+           "compiles": now["count"] - compiled["count"]}
+  return found, scores, end - start, split
 
 
 def _hybrid_record(index) -> dict | None:
