@@ -158,10 +158,12 @@ def _sentence_counts(sentences: Sequence[str], vocab: dict) -> tuple[np.ndarray,
   """(each sentence's length in terms [S], each term of `vocab`'s document frequency among the
   sentences [V], in the smallest unsigned type holding the largest: uint16 on SQuAD-open)."""
   ids = term_ids(sentences, vocab)
-  lengths = np.array([len(terms) for terms in ids], np.int64)
-  frequency = np.zeros(len(vocab), np.int64)
-  for terms in ids:  # (a sentence's "title sentence" terms all come from its passage's text)
-    frequency[[t for t in set(terms) if t >= 0]] += 1
+  lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+  words = np.fromiter((t for terms in ids for t in terms), np.int64, count=int(lengths.sum()))
+  sentence = np.repeat(np.arange(len(ids), dtype=np.int64), lengths)
+  known = words >= 0  # (a sentence's "title sentence" terms all come from its passage's text)
+  pairs = np.unique(sentence[known] * max(len(vocab), 1) + words[known])
+  frequency = np.bincount(pairs % max(len(vocab), 1), minlength=len(vocab))
   dtype = np.uint16 if frequency.max(initial=0) <= np.iinfo(np.uint16).max else np.uint32
   return lengths, frequency.astype(dtype)
 
