@@ -167,27 +167,14 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
     (rows, outputs): the indices of the batch's input rows and `fn`'s outputs for them, as
     numpy arrays (rows in input order when `lengths` is None).
   """
-  if batch_size % mesh.size:
-    raise ValueError(f"batch_size {batch_size} is not a multiple of the {mesh.size} devices")
-  total = len(arrays[0])
-  if lengths is None:
-    order = np.arange(total)
-  else:
-    lengths = np.asarray(lengths)
-    if lengths.shape != (total,):
-      raise ValueError(f"lengths has shape {lengths.shape}, expected ({total},)")
-    order = np.argsort(-lengths, kind="stable")
   sharding = batch_sharding(mesh)
   numpy_inputs = _one_device(sharding)  # `_placed`
   pending: collections.deque = collections.deque()
-  for start in range(0, total, batch_size):
-    rows = order[start:start + batch_size]
-    n = len(rows)
-    padded = batch_size if pad_last else padded_rows(n, batch_size, mesh)
-    if lengths is None:
+  for rows, padded, width in _calls(len(arrays[0]), batch_size, mesh, lengths, length_multiple,
+                                    pad_last):
+    if width is None:
       batch = [a[rows] for a in arrays]
     else:  # the rows' columns up to the width only are copied
-      width = -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple
       batch = [a[rows, :width] if a.ndim > 1 else a[rows] for a in arrays]
     place = functools.partial(_placed, batch, sharding, padded, numpy_inputs)
     pending.append((rows, _dispatch(fn, place, timings)))
@@ -195,6 +182,36 @@ def map_batches(fn: Callable[..., Any], arrays: Sequence[np.ndarray], batch_size
       yield _read(*pending.popleft(), timings)
   while pending:
     yield _read(*pending.popleft(), timings)
+
+
+def _calls(total: int, batch_size: int, mesh: jax.sharding.Mesh, lengths: np.ndarray | None,
+           length_multiple: int, pad_last: bool) -> Iterator[tuple[np.ndarray, int, int | None]]:
+  """`map_batches`' calls over `total` rows: (the rows, the rows padded to, the width the arrays
+  are cut to, None: uncut)."""
+  if batch_size % mesh.size:
+    raise ValueError(f"batch_size {batch_size} is not a multiple of the {mesh.size} devices")
+  if lengths is None:
+    order = np.arange(total)
+  else:
+    lengths = np.asarray(lengths)
+    if lengths.shape != (total,):
+      raise ValueError(f"lengths has shape {lengths.shape}, expected ({total},)")
+    order = np.argsort(-lengths, kind="stable")
+  for start in range(0, total, batch_size):
+    rows = order[start:start + batch_size]
+    padded = batch_size if pad_last else padded_rows(len(rows), batch_size, mesh)
+    width = None if lengths is None else (
+        -(-max(int(lengths[rows].max()), 1) // length_multiple) * length_multiple)
+    yield rows, padded, width
+
+
+def call_shapes(lengths: np.ndarray, array_width: int, batch_size: int,
+                mesh: jax.sharding.Mesh, *, length_multiple: int = 32,
+                pad_last: bool = False) -> list[tuple[int, int]]:
+  """Every (rows, width) of the calls `map_batches` makes with these arguments over arrays
+  `array_width` columns wide, in order: what to compile ahead for them."""
+  return sorted({(padded, min(width, array_width)) for _, padded, width in _calls(
+      len(lengths), batch_size, mesh, lengths, length_multiple, pad_last)})
 
 
 def _placed(batch: list[np.ndarray], sharding: NamedSharding, padded: int,

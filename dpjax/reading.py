@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import pathlib
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -41,7 +41,8 @@ from dpjax.data.squad import Passage, Question, RCFeatures
 from dpjax.data.windows import PassageWindows, build_windows
 from dpjax.errors import ConfigError, DataError
 from dpjax.workdir import Workdir
-from dpjax.models.encoders import bound, bound_questions, phrase_batches, question_vectors
+from dpjax.models.encoders import (bound, bound_questions, phrase_batches, phrase_compiles,
+                                   question_compiles, question_vectors)
 from dpjax.models.reader import CrossEncoderReader, check_input_length, create_reader, logits_fn
 from dpjax.parallel import make_mesh, map_batches, round_to_devices
 from dpjax.settings import DataSettings, EvalSettings, ModelSettings
@@ -101,6 +102,21 @@ def predict_rc(model, features: RCFeatures, passages: list[Passage], *, mesh,
     keep_best(best, features, passages, feats, np.einsum("fld,fd->fl", h, q_start[q]),
               np.einsum("fld,fd->fl", h, q_end[q]), max_answer_length)
   return {qi: text for qi, (_, text) in best.items()}
+
+
+def rc_compiles(model, features: RCFeatures, *, mesh,
+                batch_size: int = 32) -> list[Callable[[], None]]:
+  """A function per encoder call shape `predict_rc` makes on `features` that compiles it
+  (`shape_compiles`): run ahead, at once with other compiles (`compile_at_once`), its calls
+  then compile nothing. The model's parameters may change meanwhile, not their shapes. A
+  `CrossEncoderReader` (the teacher) has none: its calls compile as they come."""
+  if isinstance(model, CrossEncoderReader):
+    return []
+  windows = features.windows
+  return (question_compiles(bound_questions(model), features.question_input_ids,
+                            features.question_attention_mask, batch_size=batch_size, mesh=mesh)
+          + phrase_compiles(bound(model, "phrases"), windows.attention_mask,
+                            batch_size=batch_size, mesh=mesh))
 
 
 def window_spans(windows: PassageWindows, w: np.ndarray, start_scores: np.ndarray,

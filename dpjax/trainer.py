@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -236,6 +237,12 @@ class Trainer:
     """Compiles the step for batches shaped as the placed `batch` with its `keys` arrays cut to
     each of `widths` columns, every width at once in `threads` threads (XLA compiles outside
     the GIL): the steps on batches of those shapes then compile nothing. Returns the shapes."""
+    return compile_at_once(lambda compile_one: compile_one(),
+                           self.step_compiles(batch, widths, keys), threads)
+
+  def step_compiles(self, batch: dict, widths: Sequence[int],
+                    keys: Sequence[str]) -> list[Callable[[], None]]:
+    """`compile_ahead`'s compiles, a function per width: to run at once with other compiles."""
     def spec(key: str, x) -> Callable[[int], jax.ShapeDtypeStruct]:
       return lambda width: jax.ShapeDtypeStruct(
           (x.shape[0], width, *x.shape[2:]) if key in keys else x.shape, x.dtype,
@@ -245,7 +252,7 @@ class Trainer:
     def compile_width(width: int) -> None:
       self.flat_step.lower(self._leaves, {k: s(width) for k, s in specs.items()}).compile()
 
-    return compile_at_once(compile_width, widths, threads)
+    return [functools.partial(compile_width, width) for width in widths]
 
   def advance(self, batch: dict) -> dict:
     """Runs the step on the current state (its flat leaves, no pytree built); its metrics."""

@@ -33,8 +33,9 @@ from dpjax.io import write_json
 from dpjax.models import model_for_data
 from dpjax.models.encoders import question_width_multiple
 from dpjax.objectives import make_objective
-from dpjax.parallel import batch_sharding, global_batch, local_rows, make_mesh, round_to_devices
-from dpjax.reading import evaluate_rc
+from dpjax.parallel import (batch_sharding, compile_at_once, global_batch, local_rows, make_mesh,
+                            round_to_devices)
+from dpjax.reading import evaluate_rc, rc_compiles
 from dpjax.io import digest, digest_texts, file_digest, workdir_lock
 from dpjax.settings import (DataSettings, EvalSettings, ModelSettings, TrainSettings,
                             ValidationSettings, section_dict)
@@ -113,6 +114,7 @@ class Run:
   watch: Stopwatch = dataclasses.field(default_factory=Stopwatch)
   encoded: dict = dataclasses.field(default_factory=dict)
   compiled_ahead: int = 0  # the step's shapes compiled before the loop (`compile_step_ahead`)
+  rc_compiled_ahead: int = 0  # the RC evaluation's encoder call shapes compiled with them
 
 
 def features_fingerprint(features) -> str:
@@ -457,19 +459,22 @@ def _timing_record(run: Run, step: int) -> dict:
   them (on log steps, before evaluations and checkpoints); rc_eval_s, validation_s,
   checkpoint_s: those hooks after their step finished; compiles_s: JAX's tracing, lowering and
   compiling in all of these (taken off each), and the wall time of compiling the step ahead
-  (`compiled_ahead`: its shapes; `slowest_compiles`: the functions whose compiles took longest).
+  (`compiled_ahead`: its shapes; `rc_compiled_ahead`: the RC evaluation's encoder call shapes
+  compiled with them; `slowest_compiles`: the functions whose compiles took longest).
   Their sum is below the process's wall time (its start, imports and exit are not in it)."""
   seconds = {f"{k}_s": round(v, 3) for k, v in sorted(run.watch.seconds.items())}
   return {"step": step, "split": "timing", "steps_run": max(step - run.first, 0), **seconds,
           "compiles": run.watch.compile_count, "compiled_ahead": run.compiled_ahead,
+          "rc_compiled_ahead": run.rc_compiled_ahead,
           "slowest_compiles": run.watch.slowest_compiles(),
           "encoded": dict(run.encoded)}
 
 
 # On an accelerator the step is compiled for every question width its batches will take before
-# the first step, all widths at once (`Trainer.compile_ahead`), sooner than one after the other
-# as they come (each a long compile there: results/gpu_check.md). A CPU compiles them as they
-# come: its cores run the compiles and the steps alike.
+# the first step, and the RC evaluation's encoders for every call it will make, all at once
+# (`compile_at_once`), sooner than one after the other as they come (each a long compile there:
+# results/gpu_check.md). A CPU compiles them as they come: its cores run the compiles and the
+# steps alike.
 def _compile_ahead(mesh) -> bool:
   return mesh.devices.flat[0].platform != "cpu"
 
@@ -478,12 +483,25 @@ QUESTION_KEYS = ("question_input_ids", "question_attention_mask")
 
 
 def compile_step_ahead(run: Run, steps: range) -> int:
-  """Compiles the step for each question width of the batches of `steps` (`question_widths`)
-  when `_compile_ahead` and the batches cut their questions per step; the shapes compiled."""
-  if not (steps and _compile_ahead(run.mesh) and getattr(run.batches, "question_multiple", 0)):
+  """When `_compile_ahead`: compiles the step for each question width of the batches of `steps`
+  (`question_widths`; when the batches cut their questions per step) and, when one of `steps`
+  evaluates, the RC evaluation's encoder calls (`rc_compiles`; counted in `rc_compiled_ahead`),
+  all at once. Returns the step's shapes compiled."""
+  if not (steps and _compile_ahead(run.mesh)):
     return 0
-  widths = question_widths(run.batches, steps)
-  return run.trainer.compile_ahead(run.to_device(steps[0]), widths, QUESTION_KEYS)
+  compiles = []
+  if getattr(run.batches, "question_multiple", 0):
+    compiles = run.trainer.step_compiles(run.to_device(steps[0]),
+                                         question_widths(run.batches, steps), QUESTION_KEYS)
+  evaluation = run.settings.evaluation
+  rc = []
+  if any(every(d, evaluation.every_steps) or d == run.total for d in range(steps[0] + 1,
+                                                                            steps[-1] + 2)):
+    rc = rc_compiles(run.trainer.model(), run.dev.features, mesh=run.mesh,
+                     batch_size=round_to_devices(evaluation.batch_size, run.mesh))
+  compile_at_once(lambda compile_one: compile_one(), compiles + rc)
+  run.rc_compiled_ahead = len(rc)
+  return len(compiles)
 
 
 def _new_epoch_queue(run: Run, step: int, trainer: Trainer) -> None:

@@ -362,6 +362,7 @@ def read_train(workdir: pathlib.Path, batch_size: int) -> dict:
     found.update({f"train_{part}_s": timing.get(f"{part}_s", 0.0) for part in TRAIN_PARTS})
     found.update(train_compiles=timing.get("compiles"), train_steps_run=timing.get("steps_run"),
                  train_compiled_ahead=timing.get("compiled_ahead"),
+                 train_rc_compiled_ahead=timing.get("rc_compiled_ahead"),
                  train_slowest_compiles=timing.get("slowest_compiles"),
                  train_encoded=timing.get("encoded", {}))
   return found

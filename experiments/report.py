@@ -78,6 +78,7 @@ GPU_ROWS = (("teacher's RC EM", "teacher_rc_exact_match"), ("RC EM", "rc_exact_m
             ("XLA autotuning results cached at the start (fusions)", "autotuned_at_start"),
             ("training's compiles", "train_compiles"),
             ("training: step shapes compiled ahead", "train_compiled_ahead"),
+            ("training: RC eval call shapes compiled with them", "train_rc_compiled_ahead"),
             ("dump: stored tokens/s after compiles", "stored_tokens_per_s"),
             ("eval: questions/s over its search", "questions_per_s"),
             ("eval: run alongside the hybrid search", "eval_alongside_hybrid"),

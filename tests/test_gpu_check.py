@@ -78,6 +78,7 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   assert all(parts[p] > 0 for p in ("setup", "data", "compiles", "steps", "rc_eval"))
   assert sum(parts.values()) <= result["stages"]["default.train"]["wall_s"]
   assert timing["steps_run"] == figures["steps"] == 6 and timing["compiles"] > 0
+  assert figures["train_rc_compiled_ahead"] == timing["rc_compiled_ahead"] == 0  # a CPU's way
   assert figures["train_encoded"]["windows"] == 6 * 8  # tiny: 6 steps of 8 windows
   # Each timing stage's model FLOPs; no MFU without a peak.
   assert result["peak"]["per_device"] is None and "MFU not computed" in result["peak"]["note"]

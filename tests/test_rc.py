@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.parallel import make_mesh, map_batches
+from dpjax.parallel import call_shapes, make_mesh, map_batches
 from dpjax.reading import best_spans
 
 
@@ -82,6 +82,27 @@ def test_map_batches_by_length_cuts_each_batch_to_its_longest_row():
   assert widths == [64, 16, 16]
   with pytest.raises(ValueError, match="lengths has shape"):
     next(map_batches(fn, [ids, flags], 4, mesh, lengths=lengths[:3]))
+
+
+def test_call_shapes_are_the_shapes_map_batches_calls_with():
+  """`call_shapes` (what is compiled ahead) gives exactly the (rows, width) of `map_batches`'
+  calls: padded last batches, widths rounded up and cut to the arrays' own width."""
+  rng = np.random.default_rng(3)
+  calls = []  # each shape fn is traced for (a new fn per case)
+
+  for devices, total, batch, multiple, width, pad_last in [(1, 70, 16, 32, 100, False),
+                                                           (2, 9, 4, 16, 64, True),
+                                                           (8, 13, 8, 7, 20, False),
+                                                           (1, 1, 64, 8, 5, False)]:
+    mesh = make_mesh(devices)
+    lengths = rng.integers(1, width + 1, total)
+    calls.clear()
+    fn = jax.jit(lambda ids: calls.append(ids.shape) or ids)
+    for _ in map_batches(fn, [np.zeros((total, width), np.int32)], batch, mesh,
+                         lengths=lengths, length_multiple=multiple, pad_last=pad_last):
+      pass
+    assert call_shapes(lengths, width, batch, mesh, length_multiple=multiple,
+                       pad_last=pad_last) == sorted(set(calls)), (devices, total)
 
 
 def test_map_batches_on_one_device_passes_numpy_and_equals_the_sharded_path():

@@ -334,41 +334,55 @@ def test_windows_without_answer_train_to_cls(tiny, tmp_path_factory):
   assert values[0] > 0.0 and values[1] == pytest.approx(values[0], rel=1e-6)
 
 
-def test_the_step_compiled_ahead_for_its_question_widths_compiles_nothing_later(tmp_path,
-                                                                               monkeypatch):
+def test_the_step_and_the_rc_eval_compiled_ahead_compile_nothing_later(tmp_path, monkeypatch):
   """On an accelerator a training compiles its step for every question width its batches take,
-  before the first step and all at once (`compile_step_ahead`): the steps then load no
-  executable of the step, and the timing record counts the shapes and their wall time. (Its own
-  learning rate: a step no other test compiles.)"""
+  and its RC evaluation's encoders for every call that evaluation makes, before the first step
+  and all at once (`compile_step_ahead`): the steps and the evaluation then load no executable
+  of either, and the timing record counts the shapes and their wall time. (Its own learning
+  rate and evaluation batch: a step and encoder calls no other test compiles.)"""
   config = load_config("experiments/demo.py:tiny", ["train.num_steps=5", "train.seed=3",
-                                                    "train.learning_rate=3e-5"])
+                                                    "train.learning_rate=3e-5",
+                                                    "eval.batch_size=7"])
   s = Settings.of(config)
   monkeypatch.setattr(train, "_compile_ahead", lambda mesh: True)
-  loads = []  # the step's executables compiled or read from the persistent cache
+  loads = []  # the functions whose executables were compiled or read from the persistent cache
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, seconds, fun_name=None, **kwargs: loads.append(event) if (
-          event.endswith("backend_compile_duration") and fun_name == "jit(train_step)")
-      else None)
+      lambda event, seconds, fun_name=None, **kwargs: loads.append(fun_name) if (
+          event.endswith("backend_compile_duration")) else None)
   ahead, widths = [], []
-  compile_ahead = trainer.Trainer.compile_ahead
+  compile_step_ahead, step_compiles = train.compile_step_ahead, trainer.Trainer.step_compiles
 
-  def counted(self, batch, step_widths, keys, threads=None):
-    shapes = compile_ahead(self, batch, step_widths, keys, threads)
+  def counted(run, steps):
+    shapes = compile_step_ahead(run, steps)
     ahead.append(len(loads))
-    widths.extend(step_widths)
     return shapes
-  monkeypatch.setattr(trainer.Trainer, "compile_ahead", counted)
+
+  def step_widths(self, batch, step_widths, keys):
+    widths.extend(step_widths)
+    return step_compiles(self, batch, step_widths, keys)
+  monkeypatch.setattr(train, "compile_step_ahead", counted)
+  monkeypatch.setattr(trainer.Trainer, "step_compiles", step_widths)
   settings = train.RunSettings(s.model, s.data, s.train, s.eval)
-  train.train_and_evaluate(settings, tmp_path)
+  result = train.train_and_evaluate(settings, tmp_path)
+  assert result["rc_exact_match"] >= 0 and len(ahead) == 1
+  later = loads[ahead[0]:]  # during the steps and the evaluation
+  assert "jit(train_step)" not in later and "jit(flat)" not in later, later
   run = train.setup(settings, tmp_path / "again")  # the same batches, for their widths
   taken = {run.to_device(step)["question_input_ids"].shape[1] for step in range(5)}
-  assert widths == sorted(taken) and len(ahead) == 1 and ahead[0] == len(taken) == len(loads)
+  assert widths == sorted(taken) and loads[:ahead[0]].count("jit(train_step)") == len(taken)
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   timing = [r for r in records if r.get("split") == "timing"][-1]
   assert timing["compiled_ahead"] == len(taken) and timing["compiles_s"] > 0
-  step_compiles = timing["slowest_compiles"]["jit(train_step)"]
-  assert step_compiles["compiles"] == len(taken) and step_compiles["seconds"] > 0
+  assert timing["rc_compiled_ahead"] == loads[:ahead[0]].count("jit(flat)") > 1
+  assert timing["slowest_compiles"]["jit(train_step)"]["compiles"] == len(taken)
   assert timing["steps_s"] > 0 and timing["data_s"] > 0  # no part went negative
+  monkeypatch.setattr(train, "_compile_ahead", lambda mesh: False)  # a CPU's way
+  train.train_and_evaluate(settings, tmp_path / "plain")
+  plain = [json.loads(line) for line in
+           (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+  assert [r for r in plain if r.get("split") == "timing"][-1]["rc_compiled_ahead"] == 0
+  assert [r["rc_exact_match"] for r in plain if r.get("split") == "dev"] == [
+      r["rc_exact_match"] for r in records if r.get("split") == "dev"]
 
 
 def test_a_compiles_block_counts_its_wall_time_not_the_sum_of_its_compiles():

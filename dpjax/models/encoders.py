@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpjax.parallel import (batch_spec, call_widths, compile_at_once, make_mesh, map_batches,
-                            padded_rows, round_to_devices)
+from dpjax.parallel import (batch_spec, call_shapes, call_widths, compile_at_once, make_mesh,
+                            map_batches, padded_rows, round_to_devices)
 
 # Questions are sorted by length and each encoder call is cut to its rows' longest question,
 # rounded up to a multiple of a few tokens. On a CPU, where compute is per token, the calls take
@@ -169,13 +169,31 @@ def compile_ahead(encode: Callable, rows: int, widths: Sequence[int], mesh,
   compiles outside the GIL): the calls of a long job at those shapes (`map_batches` with
   `pad_last`) then compile nothing. The compiles contend, yet finish sooner together than one
   after the other as the calls come (results/speed_gpu.md). Returns the shapes compiled."""
+  compiles = shape_compiles(encode, [(rows, width) for width in widths], mesh, inputs)
+  return compile_at_once(lambda compile_one: compile_one(), compiles, threads)
+
+
+def shape_compiles(encode: Callable, shapes: Sequence[tuple[int, int]], mesh,
+                   inputs: int = 2) -> list[Callable[[], None]]:
+  """A function per (rows, width) of `shapes` that compiles a `bound` encoder for `inputs` int32
+  batches of that shape on `mesh`, as `map_batches` passes them (`batch_spec`): to run at once
+  in threads (`compile_at_once`), with other compiles if need be."""
   flat, (leaves,) = encode.func, encode.args
 
-  def compile_width(width: int) -> None:
-    spec = batch_spec((rows, width), np.int32, mesh)  # as map_batches passes its inputs
+  def compile_shape(shape: tuple[int, int]) -> None:
+    spec = batch_spec(shape, np.int32, mesh)
     flat.lower(leaves, *[spec] * inputs).compile()
 
-  return compile_at_once(compile_width, widths, threads)
+  return [functools.partial(compile_shape, tuple(shape)) for shape in shapes]
+
+
+def phrase_compiles(encode: Callable, attention_mask: np.ndarray, *, batch_size: int, mesh,
+                    width_multiple: int = 0) -> list[Callable[[], None]]:
+  """`shape_compiles` of every call `phrase_batches` makes with these arguments."""
+  rows, multiple = phrase_calls(batch_size, mesh, width_multiple)
+  mask = np.asarray(attention_mask)
+  shapes = call_shapes(mask.sum(1), mask.shape[1], rows, mesh, length_multiple=multiple)
+  return shape_compiles(encode, shapes, mesh)
 
 
 def phrase_batches(encode: Callable, input_ids: np.ndarray, attention_mask: np.ndarray, *,
@@ -215,13 +233,8 @@ def question_vectors(encoders: QuestionEncoders, input_ids: np.ndarray,
   if lengths.min() < 1:
     raise ValueError(f"question {int(np.argmin(lengths))} has no tokens (its attention_mask "
                      "is all 0): a question is at least `[CLS] [SEP]`")
-  rows_per_call, multiple = question_calls(batch_size, mesh)
-  if _on_cpu(mesh):
-    arrays, lengths, questions = _packed_questions(input_ids, lengths,
-                                                   _packed_width(int(lengths.max()), multiple))
-    encode = encoders.packed
-  else:
-    arrays, encode, questions = [input_ids, attention_mask], encoders.padded, None
+  encode, arrays, lengths, questions, rows_per_call, multiple = _question_calls(
+      encoders, input_ids, attention_mask, batch_size, mesh)
   q_start = q_end = None
   for rows, (qs, qe) in map_batches(encode, arrays, rows_per_call, mesh,
                                     lengths=lengths, length_multiple=multiple):
@@ -233,6 +246,31 @@ def question_vectors(encoders: QuestionEncoders, input_ids: np.ndarray,
       q_end = np.zeros_like(q_start)
     q_start[rows], q_end[rows] = qs, qe
   return q_start, q_end
+
+
+def _question_calls(encoders: QuestionEncoders, input_ids: np.ndarray,
+                    attention_mask: np.ndarray, batch_size: int, mesh) -> tuple:
+  """How `question_vectors` calls an encoder for these questions: (the encoder, its input
+  arrays, their rows' lengths, the question at each packed row's place (None: a question a
+  row), rows per call, the width multiple)."""
+  rows_per_call, multiple = question_calls(batch_size, mesh)
+  lengths = np.asarray(attention_mask).sum(1)
+  if not _on_cpu(mesh):
+    return (encoders.padded, [input_ids, attention_mask], lengths, None, rows_per_call,
+            multiple)
+  arrays, lengths, questions = _packed_questions(input_ids, lengths,
+                                                 _packed_width(int(lengths.max()), multiple))
+  return encoders.packed, arrays, lengths, questions, rows_per_call, multiple
+
+
+def question_compiles(encoders: QuestionEncoders, input_ids: np.ndarray,
+                      attention_mask: np.ndarray, *, batch_size: int,
+                      mesh) -> list[Callable[[], None]]:
+  """`shape_compiles` of every call `question_vectors` makes with these arguments."""
+  encode, arrays, lengths, _, rows, multiple = _question_calls(encoders, input_ids,
+                                                               attention_mask, batch_size, mesh)
+  shapes = call_shapes(lengths, arrays[0].shape[1], rows, mesh, length_multiple=multiple)
+  return shape_compiles(encode, shapes, mesh, inputs=len(arrays))
 
 
 def question_call_shapes(batch_size: int, mesh, max_query_length: int,
