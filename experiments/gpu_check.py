@@ -57,7 +57,9 @@ OPEN_KEYS = ("questions", "em@1", "f1@1", "em@10", "top1", "top5", "top20", "mrr
              "index_spec",
              "index_bytes_per_token", "model_step")
 DUMP_KEYS = ("num_passages", "num_tokens", "num_windows", "encoded_tokens", "seconds",
-             "compile_seconds", "compiles", "host_seconds", "processes", "width_multiple")
+             "compile_seconds", "compiles", "host_seconds", "processes", "width_multiple",
+             "encoder_wait_seconds", "compile_ahead_seconds", "pipeline_wait_seconds",
+             "write_wait_seconds", "dispatch_seconds", "fetch_seconds", "host_cpu_seconds")
 # The parts of the training's wall (metrics.jsonl's "timing" record: `dpjax.training`), as
 # `train_<part>_s` figures.
 TRAIN_PARTS = ("data", "compiles", "steps", "rc_eval", "setup", "checkpoint", "validation")

@@ -138,6 +138,22 @@ def _search_split(found: dict, prefix: str = "") -> str:
           f"{split.get('compiles')}, {cell(split.get('compile_seconds'))})")
 
 
+def _dump_split(dump: dict | None) -> str:
+  """'encoder wait / compiles / host (pipeline wait [writes' drain], dispatch, fetch) of
+  seconds' of a dump (its manifest's `dpjax.index.dump._host_times`), '-' for a run before they
+  were carried."""
+  if not dump or dump.get("encoder_wait_seconds") is None:
+    return "-"
+  compiles = (dump.get("compile_ahead_seconds") or 0.0) + max(
+      (dump.get("seconds") or 0.0) - dump["encoder_wait_seconds"] - dump["host_seconds"]
+      - (dump.get("compile_ahead_seconds") or 0.0), 0.0)
+  return (f"{cell(dump['encoder_wait_seconds'])} / {cell(compiles)} / "
+          f"{cell(dump['host_seconds'])} ({cell(dump.get('pipeline_wait_seconds'))} "
+          f"[{cell(dump.get('write_wait_seconds'))}], "
+          f"{cell(dump.get('dispatch_seconds'))}, {cell(dump.get('fetch_seconds'))}) of "
+          f"{cell(dump.get('seconds'))}")
+
+
 def _slowest(train: dict) -> str:
   """'name: compiles, seconds; ...' of a training's slowest compiles (its timing record's)."""
   slowest = train.get("train_slowest_compiles") or {}
@@ -191,6 +207,12 @@ def render_gpu_check(results: dict, command: str) -> str:
     lines.append(f"| {label}'s search (s): encode wait / index search / searches given its hits "
                  "/ scoring of the search's seconds (compiles within them) | "
                  + " | ".join(_search_split(found[n], prefix) for n in names) + " |")
+  warm = results.get("speed", {}).get("dump_warm")
+  for label, dumps in (("dump", [results["candidates"][n].get("dump") for n in names]),
+                       ("warm dump", [warm if n == "default" else None for n in names])):
+    lines.append(f"| {label}'s seconds: encoder wait / compiles / host (of it: pipeline wait "
+                 "[of that, the writes' drain], dispatch, fetch) of its seconds | " + " | ".join(map(_dump_split, dumps))
+                 + " |")
   lines.append("| training's slowest compiles (function: compiles, s) | " + " | ".join(
       _slowest(results["candidates"][n].get("train", {})) for n in names) + " |")
   lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(

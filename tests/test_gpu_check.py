@@ -63,6 +63,11 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
   assert figures["dump_cold_tokens_per_s"] < figures["dump_stored_tokens_per_s"]
   warm = json.loads((work / "default" / "dump_warm" / "manifest.json").read_text())
   assert figures["dump_warm_tokens_per_s"] == warm["num_tokens"] / warm["seconds"]
+  # The dumps' host parts are their manifests' (`dpjax.index.dump._host_times`).
+  dump = result["candidates"]["default"]["dump"]
+  for key in ("encoder_wait_seconds", "pipeline_wait_seconds", "write_wait_seconds",
+              "dispatch_seconds", "fetch_seconds", "host_seconds", "compile_ahead_seconds"):
+    assert dump[key] == manifest[key] and result["speed"]["dump_warm"][key] == warm[key], key
   assert figures["step_ms"] == 1e3 * result["speed"]["step"]["median_step_s"] > 0
   assert result["candidates"]["default"]["recipe"]["train.batch_size"] == 8
   assert result["command"].startswith("python experiments/gpu_check.py --workdir ")
@@ -112,6 +117,15 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
           f"{report.cell(searched['scoring_seconds'])} of "
           f"{report.cell(open_eval['search_seconds'])} (compiles: {searched['compiles']}, "
           ) in markdown
+  c = report.cell
+  for label, d in (("dump", manifest), ("warm dump", warm)):
+    assert (f"| {label}'s seconds: encoder wait / compiles / host (of it: pipeline wait "
+            f"[of that, the writes' drain], dispatch, fetch) of its seconds | "
+            f"{c(d['encoder_wait_seconds'])} / ") in markdown
+    assert (f" / {c(d['host_seconds'])} ({c(d['pipeline_wait_seconds'])} "
+            f"[{c(d['write_wait_seconds'])}], "
+            f"{c(d['dispatch_seconds'])}, {c(d['fetch_seconds'])}) of {c(d['seconds'])} |"
+            ) in markdown
   assert markdown.rstrip().endswith("a note")
   runs = [json.loads(line) for line in history.read_text().splitlines()]
   assert len(runs) == 1 and runs[0]["figures"]["top1"] == open_eval["top1"]

@@ -191,7 +191,9 @@ def _host_times(start: float, cpu_start: float, compiled: dict, timings: dict,
   compile times summed in `compile_seconds`: their wall time (`compile_ahead_seconds`) is taken
   off instead. `pipeline_wait_seconds`, a part of it: waits for the other threads' work (a
   shard's windows not yet tokenized, shard writes at the end): the pipeline's fill and drain,
-  which a dump of many shards spreads thin and a one-shard dump does not. Two more parts of it,
+  which a dump of many shards spreads thin and a one-shard dump does not; of it
+  `write_wait_seconds`, the drain of the writes queued behind the encoder (one writer thread:
+  a long one says the writes, not the tokenizer, hold the dump). Two more parts of it,
   the encoder calls' host side (`map_batches`' timings): `dispatch_seconds`, placing the batches
   and launching the encoder (compiles taken off, as above), and `fetch_seconds`, copying its
   computed outputs into numpy arrays (from an accelerator: the device-to-host copies' tail)."""
@@ -201,6 +203,7 @@ def _host_times(start: float, cpu_start: float, compiled: dict, timings: dict,
   return dict(encoder_wait_seconds=waited, compile_seconds=compile_seconds,
               compiles=compile_stats()["count"] - compiled["count"], **ahead,
               pipeline_wait_seconds=sum(pipeline),
+              write_wait_seconds=timings.get("write_wait", 0.0),
               dispatch_seconds=max(timings.get("dispatch", 0.0) - in_this_thread, 0.0),
               fetch_seconds=timings.get("fetch", 0.0),
               host_seconds=(time.perf_counter() - start - waited - in_this_thread

@@ -193,7 +193,8 @@ def encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir:
   """Encodes and writes shards with the host work off the encoder's path: the next shards are
   tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
   worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
-  windows. `pipeline` receives the seconds this thread waits for windows and writes."""
+  windows. `pipeline` receives the seconds this thread waits for windows and writes; `timings`
+  those waits for the writes at the end under "write_wait"."""
 
   ahead: collections.deque = collections.deque()
 
@@ -223,8 +224,11 @@ def encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir:
                               windows=windows, timings=timings, stream=stream,
                               pipeline=pipeline)
         writing.append(current.pop().finish(len(arrays["token_passage"])))
+      drain: list[float] = []  # waiting for the writes queued behind the encoder
       for w in writing:
-        timed_result(w, pipeline)
+        timed_result(w, drain)
+      pipeline.extend(drain)
+      timings["write_wait"] = timings.get("write_wait", 0.0) + sum(drain)
     finally:
       for unfinished in current:  # an error while encoding it: its files closed
         unfinished.close()
