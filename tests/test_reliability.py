@@ -179,6 +179,36 @@ def test_a_later_shards_writes_report_the_dumps_first_failed_write(tmp_path, mon
   assert not list(tmp_path.iterdir())
 
 
+def test_a_shard_sealed_by_the_sealer_reports_its_failure_and_leaves_nothing(
+    model, tokenizer, tmp_path, monkeypatch):
+  """A shard handed to the sealer thread (checksums, sync, rename) while the writer goes on:
+  a sync that fails (the disk full) fails the dump with a DumpError naming that shard, every
+  shard's temporary directory is removed, and a rerun once the disk has room resumes with the
+  shards sealed before it and dumps what a dump that never failed dumps."""
+  from dpjax.index import shard_stream
+  commit = shard_stream.commit_directory
+  calls = []
+
+  def full_at_second(tmp, final):
+    calls.append(final)
+    if len(calls) == 2:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    commit(tmp, final)
+  monkeypatch.setattr(shard_stream, "commit_directory", full_at_second)
+  with pytest.raises(DumpError, match=r"shard_00001: could not write the shard: No space left"):
+    dump_phrases(model, tokenizer, _passages(), tmp_path / "dump", CONFIG, mesh=make_mesh())
+  assert not list((tmp_path / "dump").glob("*.tmp"))
+  assert (tmp_path / "dump" / "shard_00000").is_dir()  # sealed before: kept for the rerun
+  assert not (tmp_path / "dump" / "shard_00001").exists()
+  monkeypatch.setattr(shard_stream, "commit_directory", commit)
+  resumed = dump_phrases(model, tokenizer, _passages(), tmp_path / "dump", CONFIG,
+                         mesh=make_mesh())
+  fresh = dump_phrases(model, tokenizer, _passages(), tmp_path / "fresh", CONFIG,
+                       mesh=make_mesh())
+  assert resumed["complete"] and resumed["num_tokens"] == fresh["num_tokens"]
+  assert [s["files"] for s in resumed["shards"]] == [s["files"] for s in fresh["shards"]]
+
+
 def test_failed_index_build_is_a_config_error_and_leaves_no_temporary(model, tokenizer,
                                                                       tmp_path):
   dump_phrases(model, tokenizer, _passages(), tmp_path, CONFIG, mesh=make_mesh())

@@ -192,9 +192,10 @@ def encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir:
                      pipeline: list, dim: int) -> None:
   """Encodes and writes shards with the host work off the encoder's path: the next shards are
   tokenized (`maker`: as many ahead as it has workers) and each is written batch by batch by a
-  worker thread (`ShardStream`) while it is encoded. `made`: shard number -> future of its
-  windows. `pipeline` receives the seconds this thread waits for windows and writes; `timings`
-  those waits for the writes at the end under "write_wait"."""
+  worker thread (`ShardStream`) while it is encoded, then sealed (checksums, sync, rename) by
+  another while the next is written. `made`: shard number -> future of its windows. `pipeline`
+  receives the seconds this thread waits for windows and writes; `timings` those waits for the
+  writes at the end under "write_wait"."""
 
   ahead: collections.deque = collections.deque()
 
@@ -202,13 +203,15 @@ def encode_pipelined(todo, tokenizer, config: DumpConfig, mesh, encode, out_dir:
     while len(ahead) < max(maker.workers, 1) and (job := next(todo, None)) is not None:
       ahead.append((*job, made.pop(job[0], None) or maker.submit(job[1])))
 
-  with concurrent.futures.ThreadPoolExecutor(1) as write:
+  # (The sealer outlives the writer, which hands it each finished shard.)
+  with concurrent.futures.ThreadPoolExecutor(1) as seal, \
+       concurrent.futures.ThreadPoolExecutor(1) as write:
     writing: list[concurrent.futures.Future] = []
     current: list[ShardStream] = []  # the shard being encoded
     failed: list[BaseException] = []  # the first failed write, whichever shard asks next
 
     def stream() -> ShardStream:
-      current.append(ShardStream(out_dir, shard_name(number), dim, write, failed))
+      current.append(ShardStream(out_dir, shard_name(number), dim, write, failed, seal))
       return current[-1]
 
     top_up()

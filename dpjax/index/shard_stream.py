@@ -25,16 +25,21 @@ class ShardStream:
   for a shard's worth of writing. `tables` writes the small arrays, the passages and the shard's
   info as soon as the last block of windows is made (while its tokens are encoded); `finish`
   writes the .npy headers (the number of rows, known then too: .npy headers are 128 bytes
-  whatever the count) and renames the directory into place. A failed write is raised by the next
-  call (a DumpError naming the shard). Streams that share `failed` (one list per dump) raise the
-  dump's first failed write: a later shard's writes, queued behind it, report that one."""
+  whatever the count) and, given a `sealer` thread, hands the shard to it, which records its
+  files' checksums, syncs it and renames it into place while the writer goes on with the next
+  shard's writes (both mostly outside the GIL: reading back, CRC-32, fsync, pwrite). A failed
+  write is raised by the next call (a DumpError naming the shard). Streams that share `failed`
+  (one list per dump) raise the dump's first failed write: a later shard's writes, queued behind
+  it, report that one."""
 
   def __init__(self, directory: pathlib.Path, name: str, dim: int,
-               writer: concurrent.futures.ThreadPoolExecutor, failed: list | None = None):
+               writer: concurrent.futures.ThreadPoolExecutor, failed: list | None = None,
+               sealer: concurrent.futures.ThreadPoolExecutor | None = None):
     self.final = directory / name
     self.failed = [] if failed is None else failed
     self.tmp = self.final.with_name(name + ".tmp")
-    self.writer = writer
+    self.writer, self.sealer = writer, sealer
+    self.sealing: concurrent.futures.Future | None = None  # the sealer's job, once handed over
     self.files: list[tuple[int, int, int]] = []  # (fd, data offset, columns)
     self.stored = 0
     self.error: BaseException | None = None
@@ -54,16 +59,28 @@ class ShardStream:
     then only completes)."""
     self._submit(self._tables, arrays, passages, windows)
 
-  def finish(self, total: int):
+  def finish(self, total: int) -> concurrent.futures.Future:
     """A future of the shard's manifest entry, once its `total` kept tokens and its tables
     (`tables`, sent before) are written and the shard is in place."""
     self._submit(self._finish, total)
-    return self.pending[-1]
+    if self.sealer is None:
+      return self.pending[-1]
+    entry: concurrent.futures.Future = concurrent.futures.Future()
+
+    def sealed(written: concurrent.futures.Future) -> None:  # (the seal's, or the write's error)
+      if written.exception() is not None:
+        entry.set_exception(written.exception())
+      else:
+        written.result().add_done_callback(lambda seal: _settle(entry, seal))
+    self.pending[-1].add_done_callback(sealed)
+    return entry
 
   def close(self) -> None:
-    """After an error elsewhere: waits for the writes submitted, closes the files and removes
-    the unfinished shard."""
+    """After an error elsewhere: waits for the writes submitted and the seal, closes the files
+    and removes the unfinished shard."""
     concurrent.futures.wait(self.pending)
+    if self.sealing is not None:
+      concurrent.futures.wait([self.sealing])
     self._close_files()
     remove(self.tmp)
 
@@ -77,6 +94,8 @@ class ShardStream:
     if self.error is None and self.failed:  # another shard's write failed first
       self.error = self.failed[0]
     if self.error is not None:  # writes queued behind a failed one do nothing
+      self._close_files()  # (a shard written whole, its seal queued behind it: removed too)
+      remove(self.tmp)
       raise self.error
     try:
       return fn(*args)
@@ -106,7 +125,9 @@ class ShardStream:
     self.entry = write_shard_files(self.tmp, self.final.name, arrays, passages,
                                    len(arrays["token_passage"]), windows)
 
-  def _finish(self, total: int) -> dict:
+  def _finish(self, total: int):
+    """The shard's files completed; then sealed here (`_seal`: the entry), or by the sealer (a
+    future of it)."""
     if self.entry is None:
       raise AssertionError(f"{self.final.name}: finished before its tables were written")
     if self.stored != total or self.entry["tokens"] != total:  # every window comes back once
@@ -119,6 +140,13 @@ class ShardStream:
       _pwrite_all(fd, memoryview(header), 0)
       os.ftruncate(fd, offset + total * width * 2)  # the size np.load expects (0 tokens too)
     self._close_files()
+    if self.sealer is None:
+      return self._seal(total)
+    self.sealing = self.sealer.submit(self._guarded, self._seal, total)
+    return self.sealing
+
+  def _seal(self, total: int) -> dict:
+    """Records the files' checksums, syncs the shard and renames it into place."""
     self.entry = seal_shard(self.tmp, self.entry)
     commit_directory(self.tmp, self.final)
     log.info("%s: %d passages, %d tokens", self.final.name, self.entry["passages"], total)
@@ -127,6 +155,14 @@ class ShardStream:
   def _close_files(self) -> None:
     while self.files:
       os.close(self.files.pop()[0])
+
+
+def _settle(to: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+  """`to` gets the result (or exception) of the finished `done`."""
+  if done.exception() is not None:
+    to.set_exception(done.exception())
+  else:
+    to.set_result(done.result())
 
 
 def _npy_header(rows: int, width: int) -> bytes:
