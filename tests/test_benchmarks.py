@@ -162,6 +162,32 @@ def test_encode_speed_benchmark_tiny(tmp_path, monkeypatch):
   assert "| dump encoding" in out.with_suffix(".md").read_text()
 
 
+def test_dump_host_benchmark_tiny(tmp_path, monkeypatch):
+  """The dump's pipeline with an encoder that computes nothing stores the tokens the real dump
+  of the same passages stores, its split within its seconds; the modules' functions it replaced
+  are back afterwards."""
+  base = ["--config", "experiments/demo.py:tiny", "--workdir", str(tmp_path / "w")]
+  assert run.main(["train"] + base) == 0
+  monkeypatch.chdir(REPO)
+  from dpjax.index import dump as dump_module
+  from dpjax.models import encoders
+  kept = encoders._on_cpu, dump_module.bound
+  out = tmp_path / "host.json"
+  assert _load("dump_host").main(base + ["--passages", "1000", "--repeats", "2", "--scratch",
+                                         str(tmp_path / "s"), "--out", str(out)]) == 0
+  assert (encoders._on_cpu, dump_module.bound) == kept
+  assert run.main(["dump"] + base) == 0
+  real = json.loads((tmp_path / "w" / "dump" / "manifest.json").read_text())
+  results = json.loads(out.read_text())
+  assert results["passages"] == real["num_passages"] > 1  # the whole corpus
+  assert len(results["runs"]) == 2 and all(r["num_tokens"] == real["num_tokens"] > 0
+                                           for r in results["runs"])
+  for r in results["runs"]:
+    assert r["encoder_wait_seconds"] + r["host_seconds"] <= r["seconds"] <= r["wall_seconds"]
+    assert r["write_wait_seconds"] <= r["pipeline_wait_seconds"] <= r["host_seconds"]
+  assert "| stored tokens/s (the host's ceiling) |" in out.with_suffix(".md").read_text()
+
+
 def test_eval_cores_benchmark_tiny(tmp_path, monkeypatch, squad_dir):
   """The eval loop timed in two pinned child processes (one core, all cores): its dump and
   indexes made once in the scratch directory, the bound its one-core time implies."""
