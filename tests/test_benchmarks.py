@@ -185,7 +185,18 @@ def test_dump_host_benchmark_tiny(tmp_path, monkeypatch):
   for r in results["runs"]:
     assert r["encoder_wait_seconds"] + r["host_seconds"] <= r["seconds"] <= r["wall_seconds"]
     assert r["write_wait_seconds"] <= r["pipeline_wait_seconds"] <= r["host_seconds"]
-  assert "| stored tokens/s (the host's ceiling) |" in out.with_suffix(".md").read_text()
+  assert "| stored_tokens_per_s |" in out.with_suffix(".md").read_text()
+  # Against a tree (here this one again): a process of each in turn, the ratio pair by pair.
+  vs = tmp_path / "vs.json"
+  assert _load("dump_host").main(base + ["--passages", "1000", "--repeats", "1", "--scratch",
+                                         str(tmp_path / "s"), "--vs", str(REPO), "--pairs",
+                                         "1", "--out", str(vs)]) == 0
+  both = json.loads(vs.read_text())
+  trees = both["versus"]["trees"]
+  assert [len(trees[t]["runs"]) for t in ("this", "other")] == [1, 1]
+  assert both["runs"] == trees["this"]["runs"] and both["num_tokens"] == real["num_tokens"]
+  rates = [trees[t]["median"]["stored_tokens_per_s"] for t in ("this", "other")]
+  assert both["versus"]["ratios"] == [pytest.approx(rates[0] / rates[1])]
 
 
 def test_eval_cores_benchmark_tiny(tmp_path, monkeypatch, squad_dir):
