@@ -138,14 +138,63 @@ def make_optimizer(train_config, params, total_steps: int | None = None,
   return tx, schedule, labels
 
 
+class Packing:
+  """Which of a train state's flat leaves the step takes packed, one flat buffer per dtype: the
+  optimizer's per-parameter arrays (AdamW's two moments, about two thirds of DensePhrases-
+  MiniLM's 913 leaves). A jitted call's host time grows faster than its number of arrays in and
+  out (results/code_measurements.md): the step's call then passes a few hundred, not ~900. The
+  packing is the step's own; the train state, its checkpoints and its readers keep the leaves.
+  `pack` / `unpack` run inside the step (elementwise work fuses with them) and, jitted, outside
+  it when the state is set or read."""
+
+  def __init__(self, sharding: TrainState, abstract: Sequence, mesh):
+    marks = sharding.replace(**{f.name: jax.tree.map(lambda _: f.name == "opt_state",
+                                                     getattr(sharding, f.name))
+                                for f in dataclasses.fields(sharding)})
+    replicated = NamedSharding(mesh, P())
+    groups: dict = {}
+    for i, (mark, leaf, place) in enumerate(zip(jax.tree.leaves(marks), abstract,
+                                                jax.tree.leaves(sharding))):
+      if (mark and leaf.ndim and jnp.issubdtype(leaf.dtype, jnp.floating)
+              and place.is_equivalent_to(replicated, leaf.ndim)):
+        groups.setdefault(jnp.dtype(leaf.dtype), []).append((i, leaf.shape))
+    self.groups = list(groups.values())  # [(leaf index, shape)] per packed buffer
+    packed = {i for group in self.groups for i, _ in group}
+    self.kept = [i for i in range(len(abstract)) if i not in packed]
+    self.count = len(abstract)
+    self.shardings = (*(jax.tree.leaves(sharding)[i] for i in self.kept),
+                      *(replicated for _ in self.groups))
+
+  def pack(self, leaves: Sequence) -> tuple:
+    """The step's inputs: the leaves not packed, then a flat buffer per group."""
+    return (*(leaves[i] for i in self.kept),
+            *(jnp.concatenate([jnp.ravel(leaves[i]) for i, _ in group])
+              for group in self.groups))
+
+  def unpack(self, packed: Sequence) -> tuple:
+    """The state's flat leaves from `pack`'s."""
+    leaves = [None] * self.count
+    for i, leaf in zip(self.kept, packed):
+      leaves[i] = leaf
+    for group, flat in zip(self.groups, packed[len(self.kept):]):
+      at = 0
+      for i, shape in group:
+        size = math.prod(shape)
+        leaves[i] = flat[at:at + size].reshape(shape)
+        at += size
+    return tuple(leaves)
+
+
 # ---------------------------------------------------------------------------------------------
 # The step
 
 
 def make_train_step(graphdef, tx, schedule, loss_fn: Callable, sharding: TrainState, mesh,
-                    dropout: bool = True, labels: Any = None) -> Callable:
+                    dropout: bool = True, labels: Any = None,
+                    packing: Packing | None = None) -> Callable:
   """Builds the jitted step on a state's flat leaves, `step(leaves, batch) -> (leaves, metrics)`
-  (`leaves`: the tuple `jax.tree.leaves` gives of a state of `sharding`'s structure).
+  (`leaves`: the tuple `jax.tree.leaves` gives of a state of `sharding`'s structure; with
+  `packing`, that tuple packed, in and out: `Packing.pack`).
 
   Flat leaves, because JAX flattens a tuple of arrays in C++ and the state's `nnx.State`s in
   Python, several times slower for DensePhrases-MiniLM's hundreds of leaves
@@ -157,6 +206,8 @@ def make_train_step(graphdef, tx, schedule, loss_fn: Callable, sharding: TrainSt
   treedef = jax.tree.structure(sharding)
 
   def train_step(leaves: tuple, batch: dict):
+    if packing is not None:
+      leaves = packing.unpack(leaves)
     state = jax.tree.unflatten(treedef, leaves)
     rng = jax.random.fold_in(state.rng, state.step)
 
@@ -175,10 +226,11 @@ def make_train_step(graphdef, tx, schedule, loss_fn: Callable, sharding: TrainSt
                "learning_rate": schedule(state.step)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               queue=queue)
-    return tuple(jax.tree.leaves(new_state)), metrics
+    leaves = tuple(jax.tree.leaves(new_state))
+    return (leaves if packing is None else packing.pack(leaves)), metrics
 
-  return jax.jit(train_step, donate_argnums=(0,),
-                 out_shardings=(tuple(jax.tree.leaves(sharding)), NamedSharding(mesh, P())))
+  out = tuple(jax.tree.leaves(sharding)) if packing is None else packing.shardings
+  return jax.jit(train_step, donate_argnums=(0,), out_shardings=(out, NamedSharding(mesh, P())))
 
 
 def init_state(model, tx, objective: Objective, *, seed: int, mesh):
@@ -198,27 +250,36 @@ def init_state(model, tx, objective: Objective, *, seed: int, mesh):
 class Trainer:
   """A model's train state and its jitted step, ready to run (`build_trainer`).
 
-  The state lives as its flat leaves between steps (`advance`); `state` builds the `TrainState`
-  from them when read (kept until the next step) and takes a new one when set. A step donates
-  its input, so a `state` read before a step is invalid after it, as with any donated step."""
+  The state lives as the step's inputs between steps (`advance`: its flat leaves, packed by
+  `packing`); `state` builds the `TrainState` from them when read (kept until the next step)
+  and takes a new one when set. A step donates its input, so a `state` read before a step is
+  invalid after it, as with any donated step."""
 
   def __init__(self, graphdef, state: TrainState, sharding: TrainState, flat_step: Callable,
-               schedule: optax.Schedule, labels: Any, frozen: int, total: int):
+               schedule: optax.Schedule, labels: Any, frozen: int, total: int,
+               packing: Packing | None = None):
     self.graphdef, self.sharding, self.flat_step = graphdef, sharding, flat_step
     self.schedule, self.labels = schedule, labels
     self.frozen, self.total = frozen, total  # parameters not trained; all parameters
     self._treedef = jax.tree.structure(sharding)
+    self.packing = packing
+    if packing is not None:
+      self._pack = jax.jit(packing.pack, out_shardings=packing.shardings)
+      self._unpack = jax.jit(packing.unpack, out_shardings=tuple(jax.tree.leaves(sharding)))
     self.state = state
 
   @property
   def state(self) -> TrainState:
     if self._state is None:
-      self._state = jax.tree.unflatten(self._treedef, self._leaves)
+      leaves = self._leaves if self.packing is None else self._unpack(self._leaves)
+      self._state = jax.tree.unflatten(self._treedef, leaves)
     return self._state
 
   @state.setter
   def state(self, state: TrainState) -> None:
-    self._leaves, self._state = self._flatten(state), state
+    leaves = self._flatten(state)
+    self._leaves = leaves if self.packing is None else self._pack(leaves)
+    self._state = state
 
   def _flatten(self, state: TrainState) -> tuple:
     leaves, treedef = jax.tree.flatten(state)
@@ -229,7 +290,8 @@ class Trainer:
 
   @property
   def leaves(self) -> tuple:
-    """The current state's flat leaves (what `advance` steps; no pytree built)."""
+    """The step's inputs of the current state (its flat leaves, packed: what `advance` steps;
+    no pytree built)."""
     return self._leaves
 
   def compile_ahead(self, batch: dict, widths: Sequence[int], keys: Sequence[str],
@@ -263,7 +325,9 @@ class Trainer:
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     """`(state, batch) -> (next state, metrics)`: the same step on a given state, which it
     donates (the trainer's own, if given, is then spent: set the result back)."""
-    leaves, metrics = self.flat_step(self._flatten(state), batch)
+    leaves = self._flatten(state)
+    leaves, metrics = self.flat_step(leaves if self.packing is None else self._pack(leaves), batch)
+    leaves = leaves if self.packing is None else self._unpack(leaves)
     return jax.tree.unflatten(self._treedef, leaves), metrics
 
   def model(self, state: TrainState | None = None):
@@ -274,19 +338,26 @@ class Trainer:
 
 def build_trainer(model, train_config, objective: Objective, *, mesh,
                   total_steps: int | None = None,
-                  schedule: optax.Schedule | None = None) -> Trainer:
+                  schedule: optax.Schedule | None = None,
+                  packed: bool | None = None) -> Trainer:
   """The optimizer (`train.learning_rate`, `warmup_*` over `total_steps`, `grad_clip`,
   `weight_decay`, `freeze`; or `schedule`, another learning rate schedule, instead of
-  `total_steps`), the train state on the mesh and the jitted step of `objective`."""
+  `total_steps`), the train state on the mesh and the jitted step of `objective`, its
+  optimizer state `packed` at the step's call (`Packing`; False: every leaf apart; None: on an
+  accelerator only, where the step's host time is what packing saves, not on a CPU, where
+  packing's copies cost the step more: results/code_measurements.md)."""
   _, params, _ = nnx.split(model, nnx.Param, ...)
   tx, schedule, labels = make_optimizer(train_config, params, total_steps, schedule)
   frozen = sum(x.size for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
                if l == "frozen")
   total = sum(x.size for x in jax.tree.leaves(params))
   graphdef, state, sharding = init_state(model, tx, objective, seed=train_config.seed, mesh=mesh)
+  if packed is None:
+    packed = mesh.devices.flat[0].platform != "cpu"
+  packing = Packing(sharding, jax.tree.leaves(state), mesh) if packed else None
   step = make_train_step(graphdef, tx, schedule, objective.loss_fn, sharding, mesh,
-                         train_config.dropout, labels)
-  return Trainer(graphdef, state, sharding, step, schedule, labels, frozen, total)
+                         train_config.dropout, labels, packing)
+  return Trainer(graphdef, state, sharding, step, schedule, labels, frozen, total, packing)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def _pipelined_and_profiled(trainer, batch, steps: int, profile: str | None) -> 
 
 
 def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = True,
-              profile: str | None = None, pytree: bool = False) -> dict:
+              profile: str | None = None, pytree: bool = False,
+              packed: bool | None = None) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -101,7 +102,7 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
   model = load_dense_phrases("minilm-l6", dtype=jnp.dtype(dtype))
   objective = make_objective(config.loss, batch_size=BATCH, length=LENGTH,
                              dim=model.config.hidden_size)
-  trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh)
+  trainer = build_trainer(model, config, objective, total_steps=1000, mesh=mesh, packed=packed)
   batch = jax.device_put(make_batch(), batch_sharding(mesh))
   last = {}
 
@@ -117,6 +118,8 @@ def bench_jax(steps: int, warmup: int, dtype: str = "float32", dropout: bool = T
                 dtype=dtype, dropout=dropout,
                 attention=attention_implementation(dtype),  # what ran ("cpu" on a CPU)
                 host_step_s=statistics.median(host),
+                # the optimizer state packed at the step's call (`Packing`), its arrays in
+                packed=trainer.packing is not None, step_arrays=len(trainer.leaves),
                 # what a step encodes, for its model FLOPs (experiments/gpu_check.py)
                 batch=BATCH, length=LENGTH, questions=BATCH, query_length=QUERY_LENGTH,
                 model={k: getattr(model.config, k)
@@ -276,12 +279,16 @@ def main():
                       help="also time --steps of dpjax's steps on the state as a pytree "
                            "(`Trainer.step`, flattened in Python each call: the loop before "
                            "it kept the flat leaves), in the same process")
+  parser.add_argument("--packing", choices=["auto", "on", "off"], default="auto",
+                      help="the optimizer state packed at the step's call (`Packing`): auto, as "
+                           "`build_trainer` chooses (on an accelerator), or on / off")
   args = parser.parse_args()
   BATCH, LENGTH = args.batch, args.length
   QUERY_LENGTH = min(QUERY_LENGTH, max(8, LENGTH // 6))
   if args.framework == "jax":
     print(json.dumps(bench_jax(args.steps, args.warmup, args.dtype, not args.no_dropout,
-                               args.profile, args.pytree)))
+                               args.profile, args.pytree,
+                               {"auto": None, "on": True, "off": False}[args.packing])))
     return
   if args.framework == "torch":
     print(json.dumps(bench_torch(args.steps, args.warmup, args.torch_compile)))
