@@ -374,10 +374,11 @@ def test_the_step_and_the_rc_eval_compiled_ahead_compile_nothing_later(tmp_path,
   """On an accelerator a training compiles its step for every question width its batches take,
   and its RC evaluation's encoders for every call that evaluation makes, before the first step
   and all at once (`compile_step_ahead`): the steps and the evaluation then load no executable
-  of either, and the timing record counts the shapes and their wall time. (Its own learning
-  rate and evaluation batch: a step and encoder calls no other test compiles.)"""
+  of either, and the timing record counts the shapes and their wall time. (A model of its own
+  size: a step and encoder calls no other test compiles.)"""
   config = load_config("experiments/demo.py:tiny", ["train.num_steps=5", "train.seed=3",
                                                     "train.learning_rate=3e-5",
+                                                    "model.random.intermediate_size=43",
                                                     "eval.batch_size=7"])
   s = Settings.of(config)
   monkeypatch.setattr(train, "_compile_ahead", lambda mesh: True)
