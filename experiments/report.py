@@ -154,6 +154,16 @@ def _dump_split(dump: dict | None) -> str:
           f"{cell(dump.get('seconds'))}")
 
 
+def _step_times(step: dict | None) -> str:
+  """'median / back to back / host (arrays, packed)' ms of `train_step.py`'s step, '-' without
+  one; the arrays and packing '-' for a run before they were recorded."""
+  if not step:
+    return "-"
+  ms = lambda key: cell(1e3 * step[key]) if step.get(key) is not None else "-"
+  return (f"{ms('median_step_s')} / {ms('pipelined_step_s')} / {ms('host_step_s')} "
+          f"({cell(step.get('step_arrays'))}, {cell(step.get('packed'))})")
+
+
 def _slowest(train: dict) -> str:
   """'name: compiles, seconds; ...' of a training's slowest compiles (its timing record's)."""
   slowest = train.get("train_slowest_compiles") or {}
@@ -211,8 +221,13 @@ def render_gpu_check(results: dict, command: str) -> str:
   for label, dumps in (("dump", [results["candidates"][n].get("dump") for n in names]),
                        ("warm dump", [warm if n == "default" else None for n in names])):
     lines.append(f"| {label}'s seconds: encoder wait / compiles / host (of it: pipeline wait "
-                 "[of that, the writes' drain], dispatch, fetch) of its seconds | " + " | ".join(map(_dump_split, dumps))
-                 + " |")
+                 "[of that, the writes' drain], dispatch, fetch) of its seconds | "
+                 + " | ".join(map(_dump_split, dumps)) + " |")
+  for label, key in (("XLA", "step"), ("Pallas", "step_pallas")):
+    step = results.get("speed", {}).get(key)
+    lines.append(f"| bf16 step, {label} attention (ms): a step / back to back / its call's host "
+                 "time (arrays passed, packed) | "
+                 + " | ".join(_step_times(step if n == "default" else None) for n in names) + " |")
   lines.append("| training's slowest compiles (function: compiles, s) | " + " | ".join(
       _slowest(results["candidates"][n].get("train", {})) for n in names) + " |")
   lines.append("| training's other parts (s): setup / checkpoints / validation | " + " | ".join(

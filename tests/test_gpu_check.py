@@ -126,6 +126,12 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
             f"[{c(d['write_wait_seconds'])}], "
             f"{c(d['dispatch_seconds'])}, {c(d['fetch_seconds'])}) of {c(d['seconds'])} |"
             ) in markdown
+  step = result["speed"]["step"]
+  assert step["packed"] is False and step["step_arrays"] > 300  # a CPU's way: every leaf apart
+  assert (f"| bf16 step, XLA attention (ms): a step / back to back / its call's host time "
+          f"(arrays passed, packed) | {c(1e3 * step['median_step_s'])} / "
+          f"{c(1e3 * step['pipelined_step_s'])} / {c(1e3 * step['host_step_s'])} "
+          f"({step['step_arrays']}, False) |") in markdown
   assert markdown.rstrip().endswith("a note")
   runs = [json.loads(line) for line in history.read_text().splitlines()]
   assert len(runs) == 1 and runs[0]["figures"]["top1"] == open_eval["top1"]
