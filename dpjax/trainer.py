@@ -144,8 +144,9 @@ class Packing:
   MiniLM's 913 leaves). A jitted call's host time grows faster than its number of arrays in and
   out (results/code_measurements.md): the step's call then passes a few hundred, not ~900. The
   packing is the step's own; the train state, its checkpoints and its readers keep the leaves.
-  `pack` / `unpack` run inside the step (elementwise work fuses with them) and, jitted, outside
-  it when the state is set or read."""
+  `pack` / `unpack` (a concatenation, slices) run inside the step and, jitted, outside it when
+  the state is set or read; their copies are why a CPU, whose step is not held by its host
+  time, does not pack (`build_trainer`)."""
 
   def __init__(self, sharding: TrainState, abstract: Sequence, mesh):
     marks = sharding.replace(**{f.name: jax.tree.map(lambda _: f.name == "opt_state",
