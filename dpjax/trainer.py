@@ -152,10 +152,9 @@ class Packing:
     marks = sharding.replace(**{f.name: jax.tree.map(lambda _: f.name == "opt_state",
                                                      getattr(sharding, f.name))
                                 for f in dataclasses.fields(sharding)})
-    replicated = NamedSharding(mesh, P())
+    replicated, places = NamedSharding(mesh, P()), jax.tree.leaves(sharding)
     groups: dict = {}
-    for i, (mark, leaf, place) in enumerate(zip(jax.tree.leaves(marks), abstract,
-                                                jax.tree.leaves(sharding))):
+    for i, (mark, leaf, place) in enumerate(zip(jax.tree.leaves(marks), abstract, places)):
       if (mark and leaf.ndim and jnp.issubdtype(leaf.dtype, jnp.floating)
               and place.is_equivalent_to(replicated, leaf.ndim)):
         groups.setdefault(jnp.dtype(leaf.dtype), []).append((i, leaf.shape))
@@ -163,7 +162,7 @@ class Packing:
     packed = {i for group in self.groups for i, _ in group}
     self.kept = [i for i in range(len(abstract)) if i not in packed]
     self.count = len(abstract)
-    self.shardings = (*(jax.tree.leaves(sharding)[i] for i in self.kept),
+    self.shardings = (*(places[i] for i in self.kept),
                       *(replicated for _ in self.groups))
 
   def pack(self, leaves: Sequence) -> tuple:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import logging
 import os
@@ -11,7 +12,7 @@ import numpy as np
 
 from dpjax.data.squad import Passage
 from dpjax.index.shards import seal_shard, write_error, write_shard_files
-from dpjax.index.window_maker import kept_slices
+from dpjax.index.window_maker import forward_result, kept_slices
 from dpjax.io import commit_directory, remove
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ class ShardStream:
     entry: concurrent.futures.Future = concurrent.futures.Future()
 
     def sealed(written: concurrent.futures.Future) -> None:  # (the seal's, or the write's error)
-      if written.exception() is not None:
-        entry.set_exception(written.exception())
+      if written.cancelled() or written.exception() is not None:
+        forward_result(entry, written)
       else:
-        written.result().add_done_callback(lambda seal: _settle(entry, seal))
+        written.result().add_done_callback(functools.partial(forward_result, entry))
     self.pending[-1].add_done_callback(sealed)
     return entry
 
@@ -155,14 +156,6 @@ class ShardStream:
   def _close_files(self) -> None:
     while self.files:
       os.close(self.files.pop()[0])
-
-
-def _settle(to: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
-  """`to` gets the result (or exception) of the finished `done`."""
-  if done.exception() is not None:
-    to.set_exception(done.exception())
-  else:
-    to.set_result(done.result())
 
 
 def _npy_header(rows: int, width: int) -> bytes:

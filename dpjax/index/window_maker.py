@@ -102,7 +102,7 @@ class WindowMaker:
             f"the dump's {self.workers} tokenizing processes did not start or died "
             f"({type(e).__name__}: {e}); try index.dump_workers=0 (one thread)"))
         return
-      job.add_done_callback(functools.partial(_forward, windows))
+      job.add_done_callback(functools.partial(forward_result, windows))
 
     self.handing.submit(hand_over)
     return windows
@@ -117,7 +117,7 @@ class WindowMaker:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _forward(to: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+def forward_result(to: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
   """`to` gets the result (or exception) of the finished `done`."""
   if done.cancelled():
     to.cancel()
